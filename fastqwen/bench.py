@@ -1,0 +1,278 @@
+"""Decode-speed benchmark: HF eager vs HF static-cache + torch.compile vs fastqwen vs the bandwidth roofline.
+
+Decode at small batch is memory-bound: every step streams the weights through the GPU once. So the
+roofline in decode steps per second is ``copy_bandwidth / weight_bytes``, and the figure of merit is how
+close each system gets to it. All speeds here are decode steps per second, i.e. tokens per second *per
+sequence* (equal to total tokens/s at batch 1); prefill time is cancelled out (see ``decode_tok_per_s``).
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from . import presets
+
+SYSTEMS = ("hf-eager", "hf-static-compile", "fastqwen")
+EAGER_N = (8, 24)  # (n_short, n_long) for hf-eager: it is slow (~7 tok/s on a 27B model)
+
+
+def _sync(device: torch.device | str) -> None:
+    """Wait for all queued work on ``device`` (no-op off CUDA)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free(device: torch.device | str) -> None:
+    """Release unreferenced tensors and cached allocator blocks on ``device``."""
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def copy_bandwidth(device: torch.device | str, nbytes: int | None = None, repeats: int = 7) -> float:
+    """Achievable memory bandwidth of ``device`` in bytes/s.
+
+    Times ``dst.copy_(src)`` of an ``nbytes`` buffer (default 2 GiB on CUDA, 256 MiB on CPU) and counts
+    read + write bytes (2 * nbytes) per copy; returns the median over ``repeats`` copies after one warm-up.
+    CUDA copies are timed with CUDA events, CPU copies with ``time.perf_counter``.
+    """
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    nbytes = nbytes or (2 << 30 if cuda else 256 << 20)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    seconds = []
+    for _ in range(repeats):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            seconds.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            seconds.append(time.perf_counter() - t0)
+    del src, dst
+    _free(device)
+    return 2 * nbytes / statistics.median(seconds)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights read per decode step at batch 1.
+
+    Formula: sum of ``numel * element_size`` over the model's unique parameters, except
+      * the input embedding table counts one row (hidden_size elements), unless it is tied to lm_head,
+        in which case lm_head reads all of it and it counts in full;
+      * for MoE configs (``num_experts`` set), each routed-expert 3-D tensor ``[E, ...]``
+        (``mlp.experts.gate_up_proj`` / ``mlp.experts.down_proj``) counts ``num_experts_per_tok / E`` of its size.
+    Everything else (attention, linear attention, norms, router, shared experts, lm_head) counts in full.
+    Buffers (e.g. rotary tables) and KV / recurrent state reads are not counted.
+    """
+    cfg = model.config.get_text_config()
+    n_experts = getattr(cfg, "num_experts", None)
+    embed = model.get_input_embeddings().weight
+    lm_head = model.get_output_embeddings()
+    tied = lm_head is not None and lm_head.weight is embed
+    total = 0
+    for name, p in model.named_parameters():  # shared (tied) parameters are yielded once
+        size = p.numel() * p.element_size()
+        if p is embed and not tied:
+            size = p.shape[-1] * p.element_size()
+        elif n_experts and p.dim() == 3 and ".experts." in name and p.shape[0] == n_experts:
+            size = size * cfg.num_experts_per_tok // n_experts
+        total += size
+    return total
+
+
+def _generate(generate_fn: Callable, input_ids: torch.Tensor, n: int) -> float:
+    """Run ``generate_fn`` for exactly ``n`` new tokens (greedy, no early EOS); returns wall seconds."""
+    _sync(input_ids.device)
+    t0 = time.perf_counter()
+    out = generate_fn(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+    )
+    _sync(input_ids.device)
+    seconds = time.perf_counter() - t0
+    expected = (input_ids.shape[0], input_ids.shape[1] + n)
+    if tuple(out.shape) != expected:
+        raise RuntimeError(f"generate returned shape {tuple(out.shape)}, expected {expected}")
+    return seconds
+
+
+def decode_tok_per_s(
+    generate_fn: Callable, input_ids: torch.Tensor, n_short: int, n_long: int, repeats: int = 3
+) -> float:
+    """Decode speed of ``generate_fn`` in tokens/s per sequence (decode steps per second).
+
+    ``(n_long - n_short) / (t_long - t_short)`` with median-of-``repeats`` wall times, which cancels prefill
+    and per-call overhead. One warm-up call at each length first (long first, so a static cache is sized
+    for the longest run and is not reallocated). ``generate_fn`` takes HF ``generate`` arguments.
+    """
+    for n in (n_long, n_short):
+        _generate(generate_fn, input_ids, n)
+    t_short = statistics.median(_generate(generate_fn, input_ids, n_short) for _ in range(repeats))
+    t_long = statistics.median(_generate(generate_fn, input_ids, n_long) for _ in range(repeats))
+    if t_long <= t_short:
+        raise RuntimeError(f"timing noise: {n_long} tokens took {t_long:.4f} s, {n_short} took {t_short:.4f} s")
+    return (n_long - n_short) / (t_long - t_short)
+
+
+def _hf_static_generate(model: torch.nn.Module) -> Callable:
+    """HF ``generate`` with a static cache; on CUDA transformers then compiles the decode forward itself
+    (its default CompileConfig: reduce-overhead, i.e. CUDA graphs). This is the baseline DESIGN.md quotes."""
+    return functools.partial(type(model).generate, model, cache_implementation="static")
+
+
+def _drop_hf_compiled(model: torch.nn.Module, device: torch.device | str) -> None:
+    """Forget transformers' compiled forward and all dynamo / CUDA-graph state, then free memory."""
+    for attr in ("_compiled_call", "_last_compile_config", "_previous_max_cache_length"):
+        model.__dict__.pop(attr, None)
+    torch._dynamo.reset()
+    _free(device)
+
+
+def _measure(label: str, setup: Callable[[], Callable], ids: torch.Tensor, lengths: tuple[int, int],
+             say: Callable[[str], None]) -> dict:
+    """Set up one system and time it; errors are recorded under ``error`` instead of raised.
+
+    Returns ``setup_s`` (seconds for ``setup()``: optimize + warm-up for fastqwen), ``first_call_s`` (seconds
+    for the first ``lengths[1]``-token call: includes transformers' lazy compile for hf-static-compile),
+    ``tok_s`` (decode tokens/s per sequence) and the ``n_short`` / ``n_long`` used.
+    """
+    out = {"n_short": lengths[0], "n_long": lengths[1]}
+    say(f"{label}: setting up")
+    try:
+        t0 = time.perf_counter()
+        generate_fn = setup()
+        _sync(ids.device)
+        out["setup_s"] = time.perf_counter() - t0
+        say(f"{label}: measuring ({lengths[0]} vs {lengths[1]} new tokens)")
+        out["first_call_s"] = _generate(generate_fn, ids, lengths[1])
+        out["tok_s"] = decode_tok_per_s(generate_fn, ids, *lengths)
+        say(f"{label}: {out['tok_s']:.1f} tok/s")
+    except Exception as e:  # keep benchmarking the other systems
+        out["error"] = f"{type(e).__name__}: {e}"[:500]
+        say(f"{label}: FAILED {out['error']}")
+    return out
+
+
+def _measure_hf_static(label: str, model: torch.nn.Module, ids: torch.Tensor, lengths: tuple[int, int],
+                       say: Callable[[str], None]) -> dict:
+    """``_measure`` HF static cache + compile; adds ``compiled`` (whether transformers really compiled the
+    forward: it does not off CUDA) and drops the compiled graphs afterwards."""
+    out = _measure(label, lambda: _hf_static_generate(model), ids, lengths, say)
+    out["compiled"] = "_compiled_call" in model.__dict__
+    _drop_hf_compiled(model, ids.device)
+    return out
+
+
+def run(
+    name: str,
+    *,
+    systems: tuple[str, ...] = SYSTEMS,
+    batch_size: int = 1,
+    prompt_len: int = 512,
+    n_short: int = 32,
+    n_long: int = 160,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str = "cuda",
+    compile: bool = True,
+    progress: Callable[[str], None] | None = print,
+) -> dict:
+    """Benchmark preset ``name`` (random weights, seed 0) on one model object in this process.
+
+    Returns a dict with the setup, ``copy_bandwidth_Bps`` (bytes/s), ``weight_bytes`` (bytes per step),
+    ``roofline_tok_s`` (bandwidth / weight bytes), per-system results under ``systems`` (``tok_s`` in
+    tokens/s per sequence, ``setup_s`` / ``first_call_s`` in seconds, or ``error``; see ``_measure`` and
+    ``_measure_hf_static``), the ratios ``fastqwen_vs_hf_static`` and ``fastqwen_vs_roofline``. HF systems
+    run before ``fastqwen.optimize`` (which replaces ``model.generate``); hf-eager uses ``EAGER_N`` lengths.
+    ``compile`` is passed to ``fastqwen.optimize``.
+    """
+    import fastqwen
+
+    say = progress or (lambda _msg: None)
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        raise ValueError(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
+    res = {"model": name, "batch_size": batch_size, "prompt_len": prompt_len, "n_short": n_short,
+           "n_long": n_long, "dtype": str(dtype).removeprefix("torch."), "device": str(device), "systems": {}}
+
+    res["copy_bandwidth_Bps"] = copy_bandwidth(device)
+    say(f"[{name}] copy bandwidth {res['copy_bandwidth_Bps'] / 1e9:.0f} GB/s")
+    say(f"[{name}] building model ({res['dtype']}, random init)")
+    model = presets.build(name, dtype=dtype, device=device, seed=0).eval()
+    res["weight_bytes"] = weight_bytes(model)
+    res["roofline_tok_s"] = res["copy_bandwidth_Bps"] / res["weight_bytes"]
+    say(f"[{name}] weights read per step {res['weight_bytes'] / 1e9:.3g} GB"
+        f" -> roofline {res['roofline_tok_s']:.1f} tok/s")
+
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.config.get_text_config().vocab_size
+    ids = torch.randint(vocab, (batch_size, prompt_len), generator=gen).to(device)
+
+    def fastqwen_setup() -> Callable:
+        """Optimize in place and compile the graphs; returns the new ``model.generate``."""
+        optimized = fastqwen.optimize(model, max_batch_size=batch_size, max_seq_len=prompt_len + n_long + 64,
+                                      compile=compile)
+        optimized._fastqwen.warmup(progress=progress)
+        return optimized.generate
+
+    label = f"[{name}]"
+    if "hf-eager" in systems:  # HF first: optimize replaces model.generate
+        res["systems"]["hf-eager"] = _measure(
+            f"{label} hf-eager", lambda: functools.partial(type(model).generate, model), ids, EAGER_N, say)
+    if "hf-static-compile" in systems:
+        res["systems"]["hf-static-compile"] = _measure_hf_static(
+            f"{label} hf-static-compile", model, ids, (n_short, n_long), say)
+    if "fastqwen" in systems:
+        res["systems"]["fastqwen"] = _measure(f"{label} fastqwen", fastqwen_setup, ids, (n_short, n_long), say)
+
+    fq = res["systems"].get("fastqwen", {}).get("tok_s")
+    hf = res["systems"].get("hf-static-compile", {}).get("tok_s")
+    res["fastqwen_vs_hf_static"] = fq / hf if fq and hf else None
+    res["fastqwen_vs_roofline"] = fq / res["roofline_tok_s"] if fq else None
+    del model
+    _free(device)
+    return res
+
+
+def _cell(value: float | None, fmt: str) -> str:
+    """Format ``value`` with ``fmt``, or an em dash when missing."""
+    return "—" if value is None else format(value, fmt)
+
+
+def format_table(results: list[dict]) -> str:
+    """Markdown table of ``run`` results: decode tok/s per sequence, roofline tok/s, ratios, seconds.
+
+    A result with a top-level ``error`` (the model itself failed) shows "error" in every speed column.
+    """
+    head = ["model", "batch", "hf-eager tok/s", "hf-static-compile tok/s", "fastqwen tok/s", "roofline tok/s",
+            "fastqwen / hf-static", "fastqwen / roofline", "hf-static first call s", "fastqwen optimize+warm-up s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        s = r.get("systems", {})
+
+        def speed(system: str) -> str:
+            out = s.get(system, {})
+            return "error" if "error" in out or "error" in r else _cell(out.get("tok_s"), ".1f")
+
+        row = [r["model"], str(r["batch_size"]), speed("hf-eager"), speed("hf-static-compile"), speed("fastqwen"),
+               _cell(r.get("roofline_tok_s"), ".1f"), _cell(r.get("fastqwen_vs_hf_static"), ".2f"),
+               _cell(r.get("fastqwen_vs_roofline"), ".0%"),
+               _cell(s.get("hf-static-compile", {}).get("first_call_s"), ".0f"),
+               _cell(s.get("fastqwen", {}).get("setup_s"), ".0f")]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,273 @@
+"""A Hugging Face compatible `generate` over our forward, static cache and compiled decode step.
+
+The loop reads in one go, as in gpt-fast: `prefill` each row's prompt, pick the first token, then call the
+compiled `decode_step` once per token. The step takes no arguments: it reads and writes static buffers
+(the cache, the last token of each row, finished flags, sampling parameters), so it is one CUDA graph that
+never recompiles across calls, prompt lengths or batch contents, and the host never waits on the device
+inside it. The host checks for "all rows finished" every `SYNC_EVERY` tokens (every token when a streamer
+or stopping criteria need to see them).
+"""
+
+import torch
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .cache import HybridCache
+from .model import Forward
+from .sampling import greedy, sample
+
+SYNC_EVERY = 8
+
+# GenerationConfig fields that change the decoding algorithm, with the value that means "off".
+_UNSUPPORTED = {
+    "num_beams": 1, "num_beam_groups": 1, "num_return_sequences": 1, "penalty_alpha": None,
+    "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0, "bad_words_ids": None, "force_words_ids": None, "constraints": None,
+    "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None, "diversity_penalty": 0.0,
+    "guidance_scale": None, "sequence_bias": None, "suppress_tokens": None, "begin_suppress_tokens": None,
+    "forced_bos_token_id": None, "forced_eos_token_id": None, "exponential_decay_length_penalty": None,
+    "watermarking_config": None, "prompt_lookup_num_tokens": None, "stop_strings": None, "dola_layers": None,
+    "output_scores": False, "output_logits": False, "output_attentions": False, "output_hidden_states": False,
+    "renormalize_logits": False, "remove_invalid_values": False, "token_healing": False, "max_time": None,
+}
+# Arguments of GenerationMixin.generate that we do not implement; passing a non-empty value is an error.
+_UNSUPPORTED_ARGS = (
+    "logits_processor", "prefix_allowed_tokens_fn", "synced_gpus", "assistant_model", "negative_prompt_ids",
+    "negative_prompt_attention_mask", "custom_generate", "inputs_embeds", "past_key_values", "cache",
+    "pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "position_ids",
+)
+
+
+class Engine:
+    """Owns the cache, the forward and the compiled decode steps of one optimized model."""
+
+    def __init__(self, model, *, max_batch_size: int, max_seq_len: int, compile: bool, compile_options=None):
+        self.model = model
+        embed = model.get_input_embeddings().weight
+        self.device, self.dtype = embed.device, embed.dtype
+        self.vocab_size = model.lm_head.out_features
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        self.cache = HybridCache(
+            model.config.get_text_config(), max_batch_size, max_seq_len, self.dtype, self.device
+        )
+        self.forward = Forward(model, self.cache)
+        B, dev = max_batch_size, self.device
+        self.state = {
+            "tokens": torch.zeros(B, dtype=torch.long, device=dev),  # last token of each row, not yet cached
+            "done": torch.ones(B, dtype=torch.bool, device=dev),
+            "n_generated": torch.zeros((), dtype=torch.long, device=dev),
+            "min_new": torch.zeros((), dtype=torch.long, device=dev),
+            "pad": torch.zeros((), dtype=torch.long, device=dev),
+            "eos_mask": torch.zeros(self.vocab_size, dtype=torch.bool, device=dev),
+            "temperature": torch.ones(B, device=dev),
+            "top_k": torch.zeros(B, dtype=torch.long, device=dev),
+            "top_p": torch.ones(B, device=dev),
+            "min_p": torch.zeros(B, device=dev),
+        }
+        for buf in self.state.values():
+            torch._dynamo.mark_static_address(buf)
+        self.compiled = compile
+        if compile:
+            if compile_options is None and self.device.type == "cuda":
+                compile_options = {"max_autotune": True, "triton.cudagraphs": True,
+                                   "coordinate_descent_tuning": True}
+            self._greedy_step = torch.compile(self._greedy_impl, fullgraph=True, options=compile_options)
+            self._sample_step = torch.compile(self._sample_impl, fullgraph=True, options=compile_options)
+        else:
+            self._greedy_step, self._sample_step = self._greedy_impl, self._sample_impl
+
+    # ----- the compiled step --------------------------------------------------------------------------
+    def _greedy_impl(self) -> None:
+        self._decode_step(do_sample=False)
+
+    def _sample_impl(self) -> None:
+        self._decode_step(do_sample=True)
+
+    def _decode_step(self, do_sample: bool) -> None:
+        """Run each row's last token at its position, append the next token; finished rows emit pad."""
+        logits = self.forward.step(self.state["tokens"][:, None])[:, -1]
+        advanced = ~self.state["done"]
+        self.state["tokens"].copy_(self._select(logits, do_sample))
+        self.cache.lengths.add_(advanced.long())
+
+    def _select(self, logits: torch.Tensor, do_sample: bool) -> torch.Tensor:
+        """Next token per row from logits [B, V]; updates `done` and `n_generated` in place."""
+        s = self.state
+        blocked = s["eos_mask"] & (s["n_generated"] < s["min_new"])
+        logits = logits.masked_fill(blocked, float("-inf"))
+        if do_sample:
+            nxt = sample(logits, s["temperature"], s["top_k"], s["top_p"], s["min_p"])
+        else:
+            nxt = greedy(logits)
+        nxt = torch.where(s["done"], s["pad"], nxt)
+        s["done"].logical_or_(s["eos_mask"][nxt])
+        s["n_generated"].add_(1)
+        return nxt
+
+    # ----- generate -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, inputs=None, generation_config=None, stopping_criteria=None, streamer=None, **kwargs):
+        """transformers' `generate` contract for greedy and sampled decoding; see README for what is supported."""
+        for name in _UNSUPPORTED_ARGS:
+            if kwargs.pop(name, None) is not None:
+                raise ValueError(f"fastqwen's generate does not support `{name}`; call the model's original "
+                                 f"generate (type(model).generate(model, ...)) for it")
+        input_ids = kwargs.pop("input_ids", inputs)
+        attention_mask = kwargs.pop("attention_mask", None)
+        kwargs.pop("use_cache", None)
+        gen, unused = self.model._prepare_generation_config(generation_config, **kwargs)
+        unused = {k: v for k, v in unused.items() if v is not None}
+        if unused:
+            raise ValueError(f"fastqwen's generate got unsupported arguments: {sorted(unused)}")
+        self._check_config(gen)
+        rows, input_ids = self._split_rows(input_ids, attention_mask)
+        max_new, min_new = self._lengths(gen, input_ids.shape[1])
+        too_long = [b for b, r in enumerate(rows) if len(r) + max_new > self.max_seq_len]
+        if too_long:
+            raise ValueError(
+                f"rows {too_long}: prompt ({max(len(rows[b]) for b in too_long)} tokens) + max_new_tokens "
+                f"({max_new}) exceeds max_seq_len={self.max_seq_len}; pass a larger max_seq_len to "
+                f"fastqwen.optimize or generate fewer tokens")
+        eos = self._eos_ids(gen)
+        pad = gen.pad_token_id if gen.pad_token_id is not None else (eos[0] if eos else 0)
+        self._set_params(gen, eos, pad, min_new)
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        sequences = self._decode(rows, max_new, gen.do_sample, streamer, stopping_criteria, input_ids, eos)
+        sequences = torch.cat([input_ids, sequences], dim=1)
+        if streamer is not None:
+            streamer.end()
+        if gen.return_dict_in_generate:
+            return GenerateDecoderOnlyOutput(sequences=sequences)
+        return sequences
+
+    def _decode(self, rows, max_new, do_sample, streamer, stopping_criteria, input_ids, eos):
+        """Prefill every row, then decode; returns the new tokens [B, n] (n ≤ max_new), pad after EOS."""
+        s, B = self.state, len(rows)
+        self.cache.reset()
+        logits = torch.zeros(self.max_batch_size, self.vocab_size, device=self.device)
+        start = 0
+        while start < B:  # runs of consecutive rows with equal prompt lengths prefill together
+            end = start + 1
+            while end < B and len(rows[end]) == len(rows[start]):
+                end += 1
+            logits[start:end] = self.forward.prefill(start, torch.stack(rows[start:end]))
+            self.cache.lengths[start:end] = len(rows[start])
+            start = end
+        s["done"].fill_(True)
+        s["done"][:B] = False
+        s["n_generated"].zero_()
+        out = torch.empty(self.max_batch_size, max_new, dtype=torch.long, device=self.device)
+        out[:, 0] = self._select(logits, do_sample)
+        s["tokens"].copy_(out[:, 0])
+        step = self._sample_step if do_sample else self._greedy_step
+        every = 1 if (streamer is not None or stopping_criteria) else SYNC_EVERY
+        n = 1
+        while True:
+            if n % every == 0 or n == max_new:
+                if streamer is not None:
+                    streamer.put(out[:B, n - 1].cpu())
+                if stopping_criteria:
+                    seqs = torch.cat([input_ids, out[:B, :n]], dim=1)
+                    s["done"][:B] |= stopping_criteria(seqs, None).to(self.device)
+                if n == max_new or bool(s["done"][:B].all()):
+                    break
+            step()
+            out[:, n] = s["tokens"]
+            n += 1
+        return self._trim(out[:B, :n], eos, s["done"][:B])
+
+    @staticmethod
+    def _trim(new_tokens, eos, done):
+        """Drop trailing columns in which every row had already finished (as transformers stops)."""
+        if not bool(done.all()) or not eos:
+            return new_tokens
+        is_eos = torch.isin(new_tokens, torch.tensor(eos, device=new_tokens.device))
+        has_eos = is_eos.any(1)
+        if not bool(has_eos.all()):
+            return new_tokens  # some row was stopped by a stopping criterion: keep the full width
+        last = int(is_eos.int().argmax(1).max())
+        return new_tokens[:, : last + 1]
+
+    # ----- argument handling --------------------------------------------------------------------------
+    def _check_config(self, gen) -> None:
+        for field, off in _UNSUPPORTED.items():
+            value = getattr(gen, field, None)
+            if value is not None and value != off and not (off is False and value is None):
+                raise ValueError(f"fastqwen's generate does not support {field}={value!r} "
+                                 f"(supported: greedy and sampling with temperature/top_k/top_p/min_p)")
+        if gen.do_sample:
+            if gen.temperature is None or gen.temperature <= 0:
+                raise ValueError(f"temperature must be > 0 when do_sample=True, got {gen.temperature}")
+            if gen.top_p is not None and not 0 < gen.top_p <= 1:
+                raise ValueError(f"top_p must be in (0, 1], got {gen.top_p}")
+
+    def _split_rows(self, input_ids, attention_mask):
+        """Validate the batch; returns the real tokens of each row (padding removed) and input_ids on device."""
+        if input_ids is None:
+            raise ValueError("generate needs input_ids [batch, length] (a LongTensor of token ids)")
+        if not torch.is_tensor(input_ids) or input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int):
+            raise ValueError("input_ids must be a 2-D integer tensor [batch, length]")
+        input_ids = input_ids.to(self.device, torch.long)
+        B, L = input_ids.shape
+        if B == 0 or L == 0:
+            raise ValueError("empty prompt: input_ids must hold at least one token per row")
+        if B > self.max_batch_size:
+            raise ValueError(f"batch of {B} rows exceeds max_batch_size={self.max_batch_size}; pass a larger "
+                             f"max_batch_size to fastqwen.optimize")
+        if attention_mask is None:
+            mask = torch.ones_like(input_ids, dtype=torch.bool)
+        else:
+            if attention_mask.shape != input_ids.shape:
+                raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must match input_ids {(B, L)}")
+            mask = attention_mask.to(self.device).bool()
+            if not bool((mask[:, 1:] >= mask[:, :-1]).all()):
+                raise ValueError("only left padding is supported: tokenize with padding_side='left'")
+        lengths = mask.sum(1).tolist()
+        if min(lengths) == 0:
+            raise ValueError(f"empty prompt in rows {[b for b, n in enumerate(lengths) if n == 0]}")
+        if int(input_ids.max()) >= self.vocab_size or int(input_ids.min()) < 0:
+            raise ValueError(f"input_ids hold token ids outside the vocabulary [0, {self.vocab_size})")
+        return [input_ids[b, L - n:] for b, n in enumerate(lengths)], input_ids
+
+    @staticmethod
+    def _lengths(gen, input_len: int):
+        if gen.max_new_tokens is not None:
+            max_new = gen.max_new_tokens
+        else:
+            max_new = gen.max_length - input_len
+        if max_new < 1:
+            raise ValueError(f"nothing to generate: max_new_tokens={max_new} (max_length={gen.max_length}, "
+                             f"prompt length {input_len}); pass max_new_tokens >= 1")
+        min_new = max(gen.min_new_tokens or 0, (gen.min_length or 0) - input_len)
+        return max_new, min_new
+
+    @staticmethod
+    def _eos_ids(gen) -> list[int]:
+        eos = gen.eos_token_id
+        if eos is None:
+            return []
+        if torch.is_tensor(eos):
+            eos = eos.tolist()
+        return [eos] if isinstance(eos, int) else list(eos)
+
+    def _set_params(self, gen, eos, pad, min_new) -> None:
+        s = self.state
+        s["eos_mask"].zero_()
+        if eos:
+            s["eos_mask"][torch.tensor(eos, device=self.device)] = True
+        s["pad"].fill_(pad)
+        s["min_new"].fill_(min_new)
+        s["temperature"].fill_(gen.temperature if gen.do_sample else 1.0)
+        s["top_k"].fill_(gen.top_k or 0)
+        s["top_p"].fill_(gen.top_p if gen.top_p is not None else 1.0)
+        s["min_p"].fill_(gen.min_p or 0.0)
+
+    def warmup(self, do_sample: bool = False, progress=None) -> None:
+        """Compile (and capture) the decode step with a short dummy generation, so later calls run warm."""
+        if progress:
+            progress("compiling the decode step (the first run on a GPU can take minutes: max-autotune)…")
+        ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        self.generate(ids, max_new_tokens=min(4, self.max_seq_len - 1), min_new_tokens=min(4, self.max_seq_len - 1),
+                      do_sample=do_sample)
+        if progress:
+            progress("decode step compiled")

@@ -1,0 +1,131 @@
+"""Our forward over a Hugging Face Qwen3.5 model's own modules.
+
+A plain walk over `layers`, in the spirit of gpt-fast's model.py: it reads the HF modules' parameters (so
+their names, state dict and any weight swaps stay valid), writes the HybridCache, and calls `ops/`. Two
+entry points: `prefill` runs equal-length prompts of consecutive, empty cache rows; `step` runs T new tokens for every
+row at its own positions `cache.lengths[b] + t` and is what gets compiled into a CUDA graph. Neither
+advances `cache.lengths`; the caller does, once it knows which rows advanced.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from .cache import HybridCache
+from .ops.attention import apply_rope, attend_cache, attend_causal, rope_cos_sin, write_kv
+from .ops.conv import causal_conv1d
+from .ops.gdn import gdn_chunk, gdn_recurrent
+from .ops.norm import gated_rms_norm, rms_norm
+
+_CHUNK_MIN_TOKENS = 64  # below this, prefill uses the recurrent kernel (fla's chunk kernel wins above)
+
+
+def text_model(model):
+    """The decoder stack (embed_tokens, layers, norm, rotary_emb) of a CausalLM or ConditionalGeneration."""
+    inner = model.model
+    return getattr(inner, "language_model", inner)
+
+
+class Forward:
+    def __init__(self, model, cache: HybridCache):
+        text = text_model(model)
+        self.cfg = text.config
+        self.embed, self.layers, self.norm, self.lm_head = text.embed_tokens, text.layers, text.norm, model.lm_head
+        self.inv_freq = text.rotary_emb.inv_freq
+        self.rope_scaling = float(getattr(text.rotary_emb, "attention_scaling", 1.0))
+        self.eps = self.cfg.rms_norm_eps
+        self.cache = cache
+
+    # ----- entry points -------------------------------------------------------------------------------
+    def prefill(self, first_row: int, tokens: torch.Tensor) -> torch.Tensor:
+        """Run prompts tokens [n, T] of cache rows first_row … first_row+n-1 (which must be empty).
+
+        Returns the logits of each prompt's last token [n, V] fp32.
+        """
+        positions = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
+        h = self._layers(tokens, positions, slice(first_row, first_row + tokens.shape[0]), prefill=True)
+        return self._logits(h[:, -1])
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Run tokens [B, T] (B = cache batch) at positions lengths[b] + t; returns logits [B, T, V] fp32."""
+        offsets = torch.arange(tokens.shape[1], device=tokens.device)
+        positions = self.cache.lengths[:, None] + offsets
+        h = self._layers(tokens, positions, slice(None), prefill=False)
+        return self._logits(h)
+
+    # ----- the stack ----------------------------------------------------------------------------------
+    def _logits(self, h):
+        return self.lm_head(rms_norm(h, self.norm.weight, self.eps)).float()
+
+    def _layers(self, tokens, positions, rows, prefill):
+        x = self.embed(tokens)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scaling, x.dtype)
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.input_layernorm.weight, self.eps)
+            if self.cfg.layer_types[i] == "linear_attention":
+                conv, state = self.cache.recurrent(i)
+                h = self._gdn(layer.linear_attn, h, conv[rows], state[rows], prefill)
+            else:
+                k_cache, v_cache = self.cache.attention(i)
+                h = self._attention(layer.self_attn, h, cos, sin, positions, k_cache[rows], v_cache[rows], prefill)
+            x = x + h
+            h = rms_norm(x, layer.post_attention_layernorm.weight, self.eps)
+            x = x + self._mlp(layer.mlp, h, prefill)
+        return x
+
+    def _gdn(self, m, h, conv, state, prefill):
+        """Gated DeltaNet block: projections, conv, gated delta rule, gated norm, out_proj. h [B, T, H]."""
+        B, T, _ = h.shape
+        cfg = self.cfg
+        key_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+        qkv = causal_conv1d(m.in_proj_qkv(h), m.conv1d.weight[:, 0], conv)
+        q, k, v = torch.split(qkv, [key_dim, key_dim, qkv.shape[-1] - 2 * key_dim], dim=-1)
+        q = q.reshape(B, T, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
+        k = k.reshape(B, T, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
+        v = v.reshape(B, T, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
+        rule = gdn_chunk if prefill and T >= _CHUNK_MIN_TOKENS else gdn_recurrent
+        o = rule(q, k, v, m.in_proj_a(h), m.in_proj_b(h), m.A_log, m.dt_bias, state)
+        z = m.in_proj_z(h).reshape(o.shape)
+        o = gated_rms_norm(o, z, m.norm.weight, m.norm.variance_epsilon)
+        return m.out_proj(o.reshape(B, T, -1))
+
+    def _attention(self, m, h, cos, sin, positions, k_cache, v_cache, prefill):
+        """Gated full attention: q/k norms, partial rope, cache write, attention, sigmoid output gate."""
+        B, T, _ = h.shape
+        D = m.head_dim
+        q, gate = m.q_proj(h).view(B, T, -1, 2 * D).chunk(2, dim=-1)
+        q = rms_norm(q, m.q_norm.weight, m.q_norm.eps).transpose(1, 2)
+        k = rms_norm(m.k_proj(h).view(B, T, -1, D), m.k_norm.weight, m.k_norm.eps).transpose(1, 2)
+        v = m.v_proj(h).view(B, T, -1, D).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        write_kv(k_cache, v_cache, k, v, positions)
+        if prefill:
+            o = attend_causal(q, k, v, m.scaling)
+        else:
+            o = attend_cache(q, k_cache, v_cache, positions, m.scaling)
+        o = o.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate.reshape(B, T, -1))
+        return m.o_proj(o)
+
+    def _mlp(self, mlp, h, prefill):
+        if not hasattr(mlp, "experts") or prefill:
+            return mlp(h)  # dense MLP; for MoE prefill transformers' own grouped expert loop
+        return routed_moe(mlp, h)
+
+
+def routed_moe(mlp, h: torch.Tensor) -> torch.Tensor:
+    """Sparse MoE block for few tokens: run only each token's top-k experts (gathered), plus the shared expert.
+
+    h [B, T, H]. Same routing as transformers: softmax over all experts in fp32, top-k, renormalise.
+    """
+    shape = h.shape
+    x = h.reshape(-1, shape[-1])
+    router_logits = F.linear(x, mlp.gate.weight)
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)
+    weights, experts = torch.topk(probs, mlp.gate.top_k, dim=-1)  # [N, k]
+    weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
+    gate_up = mlp.experts.gate_up_proj[experts]  # [N, k, 2I, H]
+    gate, up = torch.einsum("nh,nkoh->nko", x, gate_up).chunk(2, dim=-1)
+    act = mlp.experts.act_fn(gate) * up  # [N, k, I]
+    out = torch.einsum("nki,nkhi->nkh", act, mlp.experts.down_proj[experts])
+    out = (out * weights[..., None]).sum(1)
+    shared = mlp.shared_expert(x) * torch.sigmoid(mlp.shared_expert_gate(x))
+    return (out + shared).reshape(shape)

@@ -1,0 +1,47 @@
+"""Attention of Qwen3.5's full-attention layers over a static KV cache.
+
+Rows have their own lengths, and the cache holds only real tokens (no padding), so a query at position p of
+row b sees exactly the keys at positions 0..p of that row. On CUDA scaled_dot_product_attention dispatches
+to a fused kernel; the CPU path is the same call.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype):
+    """cos, sin [B, T, R] for integer positions [B, T] (R = 2·len(inv_freq): partial rotary dims)."""
+    freqs = positions[..., None].float() * inv_freq.float()
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first R dims of x [B, H, T, D] by cos/sin [B, T, R] (rotate-half convention)."""
+    rot = cos.shape[-1]
+    cos, sin = cos[:, None], sin[:, None]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    half = rot // 2
+    rotated = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)
+    return torch.cat([x_rot * cos + rotated * sin, x_pass], dim=-1)
+
+
+def write_kv(k_cache, v_cache, k, v, positions) -> None:
+    """Store k, v [B, Hkv, T, D] at per-row positions [B, T] of caches [B, Hkv, S, D]."""
+    rows = torch.arange(k.shape[0], device=k.device)[:, None]
+    k_cache[rows, :, positions] = k.transpose(1, 2).to(k_cache.dtype)
+    v_cache[rows, :, positions] = v.transpose(1, 2).to(v_cache.dtype)
+
+
+def attend_cache(q, k_cache, v_cache, positions, scale: float) -> torch.Tensor:
+    """Causal attention of q [B, Hq, T, D] at positions [B, T] over the cached keys 0..position of its row."""
+    keys = torch.arange(k_cache.shape[2], device=q.device)
+    mask = keys[None, None, :] <= positions[:, :, None]  # [B, T, S]
+    return F.scaled_dot_product_attention(
+        q, k_cache, v_cache, attn_mask=mask[:, None], scale=scale, enable_gqa=True
+    )
+
+
+def attend_causal(q, k, v, scale: float) -> torch.Tensor:
+    """Causal self-attention of a fresh sequence: q [B, Hq, T, D], k, v [B, Hkv, T, D]."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)

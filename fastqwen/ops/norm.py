@@ -1,0 +1,28 @@
+"""Norms of the Qwen3.5 target, numerically as transformers computes them.
+
+Plain torch on purpose: under torch.compile inductor fuses these with the residual adds and casts around
+them, which a registered custom op would prevent. GPU tests compare the compiled result with eager fp32.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen's zero-centred RMSNorm over the last dim: x̂·(1 + w), computed in fp32, returned in x.dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * (1.0 + weight.float())).to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gated DeltaNet output norm: (w·x̂ in x.dtype)·silu(gate) over the last dim; plain `w`, not `1 + w`."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = weight * xf.to(x.dtype)
+    return (y * F.silu(gate.float())).to(x.dtype)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x²) + eps) over the last dim (the form flash-linear-attention uses)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)

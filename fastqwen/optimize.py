@@ -1,0 +1,53 @@
+"""`optimize(model)`: check the model, build the cache and engine, bind our `generate`."""
+
+import torch
+from transformers import (
+    Qwen3_5ForCausalLM,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeForConditionalGeneration,
+)
+
+from .generate import Engine
+
+SUPPORTED = (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5ForConditionalGeneration,
+             Qwen3_5MoeForConditionalGeneration)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile: bool = True,
+             compile_options: dict | None = None):
+    """Make `model.generate` run on fastqwen's static hybrid cache and compiled decode step.
+
+    model: a transformers Qwen3.5 / Qwen3.6 model (dense or MoE; CausalLM or ConditionalGeneration, text-only
+    generation) on one device. max_batch_size / max_seq_len size the cache, which is allocated now; a prompt
+    plus max_new_tokens must fit in max_seq_len. compile: compile the decode step (on CUDA with max-autotune
+    and CUDA graphs); compile_options: inductor options overriding that choice.
+    Returns the same model object; its weights and module tree are untouched, and the original generate
+    stays reachable as `type(model).generate(model, ...)`.
+    """
+    if not isinstance(model, SUPPORTED):
+        names = ", ".join(c.__name__ for c in SUPPORTED)
+        raise TypeError(f"fastqwen.optimize supports {names}; got {type(model).__name__}")
+    for name, value in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if max_seq_len < 2:
+        raise ValueError("max_seq_len must be at least 2 (one prompt token and one new token)")
+    devices = {p.device for p in model.parameters()}
+    if len(devices) != 1:
+        raise ValueError(f"fastqwen.optimize needs the model on one device; its parameters are on {devices}")
+    device = devices.pop()
+    dtype = model.get_input_embeddings().weight.dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported model dtype {dtype}; load the model in bfloat16, float16 or float32")
+    if device.type == "cuda":
+        try:
+            import fla.ops.gated_delta_rule  # noqa: F401
+        except ImportError as err:
+            raise ImportError("fastqwen on CUDA needs flash-linear-attention: pip install flash-linear-attention") from err
+    model.eval()
+    model._fastqwen = Engine(model, max_batch_size=max_batch_size, max_seq_len=max_seq_len, compile=compile,
+                             compile_options=compile_options)
+    model.generate = model._fastqwen.generate
+    return model

@@ -1,0 +1,90 @@
+"""Named Qwen3.5 shapes and a random-init model builder.
+
+No weights can be downloaded in tests or benchmarks, so every model here is random-init from a config:
+tiny shapes for CPU tests (both layer types, a few layers) and the exact shapes of released checkpoints for
+GPU benchmarks. Weights are never zero: HF initialises RMSNorm weights (the `1 + w` form) and some gates to
+zeros, which would hide bugs in those paths, so `build` perturbs them.
+"""
+
+import torch
+from transformers import (
+    Qwen3_5ForCausalLM,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
+)
+
+_ROPE = {
+    "rope_type": "default",
+    "rope_theta": 10_000_000.0,
+    "partial_rotary_factor": 0.25,
+    "mrope_section": [11, 11, 10],
+    "mrope_interleaved": True,
+}
+
+_TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=4096,
+    initializer_range=0.2,  # peaked logits: greedy comparisons do not sit on ties
+)
+
+_PRESETS = {
+    "tiny": (Qwen3_5TextConfig, dict(_TINY, intermediate_size=128)),
+    "tiny-moe": (
+        Qwen3_5MoeTextConfig,
+        dict(_TINY, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+             shared_expert_intermediate_size=48),
+    ),
+    # Qwen/Qwen3.5-9B text model: the transformers defaults are its shape.
+    "qwen3.5-9b": (Qwen3_5TextConfig, dict()),
+    "qwen3.5-27b": (
+        Qwen3_5TextConfig,
+        dict(hidden_size=5120, num_hidden_layers=64, intermediate_size=17408, num_attention_heads=24,
+             num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
+             linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320),
+    ),
+    # Qwen/Qwen3.5-35B-A3B text model: the transformers defaults are its shape.
+    "qwen3.5-35b-a3b": (Qwen3_5MoeTextConfig, dict()),
+}
+
+NAMES = tuple(_PRESETS)
+
+
+def config(name: str):
+    """The HF text config of preset `name` (see NAMES)."""
+    if name not in _PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(NAMES)}")
+    cls, kw = _PRESETS[name]
+    return cls(rope_parameters=dict(_ROPE), tie_word_embeddings=False, **kw)
+
+
+@torch.no_grad()
+def build(name: str, *, dtype=torch.bfloat16, device="cpu", seed: int = 0):
+    """A random-init `Qwen3_5ForCausalLM` / `Qwen3_5MoeForCausalLM` of preset `name`, in eval mode."""
+    cfg = config(name)
+    cls = Qwen3_5MoeForCausalLM if isinstance(cfg, Qwen3_5MoeTextConfig) else Qwen3_5ForCausalLM
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = cls._from_config(cfg, dtype=dtype)
+    perturb_zero_init(model, std=0.1 if cfg.hidden_size <= 256 else 0.02)
+    return model.eval()
+
+
+@torch.no_grad()
+def perturb_zero_init(model, std: float) -> None:
+    """Give every all-zero parameter (RMSNorm `1 + w` weights, routers) random values of scale `std`."""
+    for p in model.parameters():
+        if not p.is_floating_point():
+            continue
+        if not p.detach().abs().amax().item():
+            p.normal_(0.0, std)

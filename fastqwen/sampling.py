@@ -1,0 +1,47 @@
+"""Sync-free next-token selection over logits [B, V] fp32 with per-row parameters as device tensors.
+
+Parameters are tensors (not Python numbers) so a compiled step never recompiles when they change. The filters
+follow transformers' warpers and their order: temperature, top-k, top-p, min-p. Sampling draws
+argmax(p / E) with E ~ Exp(1) (the exponential-race form of a categorical draw), which needs no host sync.
+"""
+
+import torch
+
+
+def filter_logits(logits, temperature, top_k, top_p, min_p):
+    """Sorted (descending) filtered logits and their vocabulary indices.
+
+    logits [B, V]; temperature [B] (> 0); top_k [B] int (0 = off); top_p [B] (1 = off); min_p [B] (0 = off).
+    Filtered-out entries are -inf; the most likely token always survives.
+    """
+    vocab = logits.shape[-1]
+    scaled = logits / temperature[:, None]
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+    # top-k keeps every token whose logit ties the k-th largest, as transformers does
+    k = torch.where(top_k > 0, top_k, vocab).clamp(1, vocab)
+    kth = sorted_logits.gather(-1, (k - 1)[:, None])
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    # top-p: drop a token once the mass strictly before it already reaches top_p
+    probs = sorted_logits.softmax(-1)
+    mass_before = probs.cumsum(-1) - probs
+    drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    # min-p: drop tokens less likely than min_p times the top token
+    probs = sorted_logits.softmax(-1)
+    drop = probs < min_p[:, None] * probs[:, :1]
+    drop[:, 0] = False
+    return sorted_logits.masked_fill(drop, float("-inf")), order
+
+
+def sample(logits, temperature, top_k, top_p, min_p):
+    """One token per row [B] drawn from the filtered distribution."""
+    sorted_logits, order = filter_logits(logits, temperature, top_k, top_p, min_p)
+    probs = sorted_logits.softmax(-1)
+    race = probs / torch.empty_like(probs).exponential_(1)
+    return order.gather(-1, race.argmax(-1, keepdim=True))[:, 0]
+
+
+def greedy(logits):
+    """The argmax token per row [B]."""
+    return logits.argmax(-1)

@@ -1,0 +1,99 @@
+"""Decode-speed benchmark CLI: HF eager vs HF static + compile vs fastqwen vs the bandwidth roofline.
+
+    python scripts/bench.py --models qwen3.5-9b qwen3.5-27b --batch-size 1 --prompt-len 512 --json docs/bench.json
+
+Prints progress lines, then a markdown table; writes results and environment to ``--json`` (and ``--out-dir``).
+Without CUDA it defaults to the "tiny" preset in float32 with short runs and no compilation (a smoke test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import gc
+import json
+import pathlib
+import platform
+import sys
+
+import torch
+import transformers
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+from fastqwen import bench  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEFAULTS = (
+    {"models": ["qwen3.5-9b", "qwen3.5-27b", "qwen3.5-35b-a3b"], "dtype": "bfloat16", "prompt_len": 512,
+     "n_short": 32, "n_long": 160, "compile": True}
+    if CUDA else
+    {"models": ["tiny"], "dtype": "float32", "prompt_len": 32, "n_short": 8, "n_long": 40, "compile": False}
+)
+
+
+def parse_args() -> argparse.Namespace:
+    """Command-line options; defaults depend on whether CUDA is available."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=DEFAULTS["models"], help="preset names (fastqwen.presets)")
+    p.add_argument("--systems", nargs="+", default=list(bench.SYSTEMS), choices=bench.SYSTEMS)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--prompt-len", type=int, default=DEFAULTS["prompt_len"], help="prompt tokens")
+    p.add_argument("--n-short", type=int, default=DEFAULTS["n_short"], help="new tokens in the short run")
+    p.add_argument("--n-long", type=int, default=DEFAULTS["n_long"], help="new tokens in the long run")
+    p.add_argument("--dtype", default=DEFAULTS["dtype"], choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--device", default="cuda" if CUDA else "cpu")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=DEFAULTS["compile"],
+                   help="passed to fastqwen.optimize")
+    p.add_argument("--json", type=pathlib.Path, default=pathlib.Path("docs/bench.json"), help="results file")
+    p.add_argument("--out-dir", type=pathlib.Path, help="also write bench.json and bench.md here")
+    return p.parse_args()
+
+
+def environment(device: str) -> dict:
+    """Hardware and software versions recorded next to the results."""
+    cuda = torch.device(device).type == "cuda"
+    return {
+        "hardware": torch.cuda.get_device_name(device) if cuda else platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cuda": torch.version.cuda if cuda else None,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def main() -> None:
+    """Benchmark each model in turn (a failed model is recorded and skipped), write JSON after every model
+    so partial results survive, print the markdown table last."""
+    args = parse_args()
+    say = functools.partial(print, flush=True)
+    env = environment(args.device)
+    say(f"{env['hardware']} | torch {env['torch']} | transformers {env['transformers']}")
+    paths = [args.json] + ([args.out_dir / "bench.json"] if args.out_dir else [])
+    results = []
+    for name in args.models:
+        try:
+            results.append(bench.run(
+                name, systems=tuple(args.systems), batch_size=args.batch_size, prompt_len=args.prompt_len,
+                n_short=args.n_short, n_long=args.n_long, dtype=getattr(torch, args.dtype), device=args.device,
+                compile=args.compile, progress=say,
+            ))
+        except Exception as e:  # e.g. out of memory: keep going with the next model
+            error = f"{type(e).__name__}: {e}"[:500]
+            results.append({"model": name, "batch_size": args.batch_size, "error": error})
+            say(f"[{name}] FAILED {error}")
+        gc.collect()
+        if CUDA:
+            torch.cuda.empty_cache()
+        for path in paths:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"environment": env, "results": results}, indent=2) + "\n")
+    table = bench.format_table(results)
+    if args.out_dir:
+        (args.out_dir / "bench.md").write_text(table + "\n")
+    say(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""Bad input gets a clear, early error that names the fix."""
+
+import pytest
+import torch
+from conftest import fresh, left_padded
+
+import fastqwen
+
+
+@pytest.fixture(scope="module")
+def opt():
+    return fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=64, compile=False)
+
+
+def test_unsupported_models_are_refused():
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3_5TextModel
+
+    llama = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, vocab_size=64))
+    with pytest.raises(TypeError, match="Qwen3_5ForCausalLM.*got LlamaForCausalLM"):
+        fastqwen.optimize(llama)
+    with pytest.raises(TypeError, match="got Qwen3_5TextModel"):
+        fastqwen.optimize(Qwen3_5TextModel(fresh("tiny").config))
+    with pytest.raises(TypeError):
+        fastqwen.optimize("Qwen/Qwen3.5-9B")
+
+
+def test_bad_optimize_options():
+    with pytest.raises(ValueError, match="max_batch_size"):
+        fastqwen.optimize(fresh("tiny"), max_batch_size=0)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        fastqwen.optimize(fresh("tiny"), max_seq_len=1)
+    with pytest.raises(TypeError):
+        fastqwen.optimize(fresh("tiny"), quant="fp8")
+
+
+def test_prompt_longer_than_cache(opt):
+    with pytest.raises(ValueError, match="exceeds max_seq_len=64.*larger max_seq_len"):
+        opt.generate(torch.randint(1, 500, (1, 70)), max_new_tokens=4)
+    with pytest.raises(ValueError, match="exceeds max_seq_len"):
+        opt.generate(torch.randint(1, 500, (1, 40)), max_new_tokens=30)
+
+
+def test_empty_prompts(opt):
+    with pytest.raises(ValueError, match="empty prompt"):
+        opt.generate(torch.zeros(1, 0, dtype=torch.long), max_new_tokens=4)
+    ids, mask = left_padded([torch.tensor([5, 6, 7]), torch.tensor([5])])
+    mask[1] = 0
+    with pytest.raises(ValueError, match=r"empty prompt in rows \[1\]"):
+        opt.generate(ids, attention_mask=mask, max_new_tokens=4)
+
+
+def test_batch_larger_than_max_batch_size(opt):
+    with pytest.raises(ValueError, match="3 rows exceeds max_batch_size=2"):
+        opt.generate(torch.randint(1, 500, (3, 5)), max_new_tokens=4)
+
+
+def test_right_padding_is_refused(opt):
+    ids = torch.randint(1, 500, (2, 6))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, 4:] = 0
+    with pytest.raises(ValueError, match="padding_side='left'"):
+        opt.generate(ids, attention_mask=mask, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("kw", [dict(num_beams=2), dict(repetition_penalty=1.2), dict(output_scores=True),
+                                dict(num_return_sequences=2), dict(no_repeat_ngram_size=3)])
+def test_unsupported_generation_options(opt, kw):
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        opt.generate(torch.randint(1, 500, (1, 5)), max_new_tokens=4, **kw)
+
+
+def test_unsupported_arguments(opt):
+    ids = torch.randint(1, 500, (1, 5))
+    with pytest.raises(ValueError, match="does not support `logits_processor`"):
+        opt.generate(ids, max_new_tokens=4, logits_processor=[lambda i, s: s])
+    with pytest.raises(ValueError, match="unsupported arguments.*foo"):
+        opt.generate(ids, max_new_tokens=4, foo=1)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        opt.generate(ids, max_new_tokens=4, do_sample=True, temperature=0.0)
+
+
+def test_malformed_input_ids(opt):
+    with pytest.raises(ValueError, match="2-D integer tensor"):
+        opt.generate(torch.randint(1, 500, (5,)), max_new_tokens=4)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        opt.generate(torch.tensor([[1, 2, 10_000]]), max_new_tokens=4)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        opt.generate(torch.randint(1, 500, (1, 5)), max_new_tokens=0)
+    with pytest.raises(ValueError, match="nothing to generate.*max_length=5"):
+        opt.generate(torch.randint(1, 500, (1, 5)), max_length=5)

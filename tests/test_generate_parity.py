@@ -1,0 +1,144 @@
+"""Greedy fastqwen generate is token-identical to transformers' generate (float32, CPU)."""
+
+import pytest
+import torch
+from conftest import fresh, hf_generate, left_padded
+
+import fastqwen
+
+NEW = 64
+
+
+@pytest.fixture(scope="module", params=["tiny", "tiny-moe"])
+def pair(request):
+    """(HF reference model, optimized model) with identical weights."""
+    ref = fresh(request.param)
+    opt = fastqwen.optimize(fresh(request.param), max_batch_size=3, max_seq_len=512, compile=False)
+    return ref, opt
+
+
+@pytest.mark.parametrize("prompt_len", [1, 63, 64, 65, 200])
+def test_batch1_matches_hf(pair, prompt_len):
+    ref, opt = pair
+    ids = torch.randint(0, ref.config.vocab_size, (1, prompt_len))
+    expected = hf_generate(ref, ids, max_new_tokens=NEW)
+    got = opt.generate(ids, max_new_tokens=NEW, do_sample=False)
+    assert got.shape == (1, prompt_len + NEW)
+    assert torch.equal(got, expected)
+
+
+def test_ragged_left_padded_batch_matches_hf_and_single_rows(pair):
+    ref, opt = pair
+    rows = [torch.randint(1, ref.config.vocab_size, (n,)) for n in (200, 65, 7)]
+    ids, mask = left_padded(rows)
+    expected = hf_generate(ref, ids, mask, max_new_tokens=NEW)
+    got = opt.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    assert torch.equal(got, expected)
+    for b, r in enumerate(rows):
+        alone = opt.generate(r[None], max_new_tokens=NEW, do_sample=False)
+        assert torch.equal(alone[0, len(r):], got[b, ids.shape[1]:])
+
+
+def test_eos_in_the_middle_of_a_batch(pair):
+    ref, opt = pair
+    rows = [torch.randint(1, ref.config.vocab_size, (n,)) for n in (30, 12, 50)]
+    ids, mask = left_padded(rows)
+    free = opt.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False)[:, ids.shape[1]:]
+    # an EOS that row 1 emits at step 10 and that no row emits before step 4
+    eos = int(free[1, 10])
+    first_hits = [(r == eos).nonzero() for r in free]
+    assert min(int(h[0]) for h in first_hits if len(h)) >= 4
+    kw = dict(max_new_tokens=40, eos_token_id=eos, pad_token_id=3)
+    expected = hf_generate(ref, ids, mask, **kw)
+    got = opt.generate(ids, attention_mask=mask, do_sample=False, **kw)
+    assert torch.equal(got, expected)
+    new = got[1, ids.shape[1]:]
+    stop = int((new == eos).nonzero()[0])
+    assert (new[stop + 1:] == 3).all(), "a finished row is padded with pad_token_id"
+
+
+def test_eos_list_and_all_rows_finish_early(pair):
+    ref, opt = pair
+    ids = torch.randint(1, ref.config.vocab_size, (2, 9))
+    free = opt.generate(ids, max_new_tokens=30, do_sample=False)[:, 9:]
+    eos = [int(free[0, 5]), int(free[1, 2])]
+    kw = dict(max_new_tokens=30, eos_token_id=eos, pad_token_id=0)
+    expected = hf_generate(ref, ids, **kw)
+    got = opt.generate(ids, do_sample=False, **kw)
+    assert torch.equal(got, expected)
+    assert got.shape[1] < 9 + 30, "generation stops once every row has finished"
+
+
+def test_min_new_tokens_and_max_length(pair):
+    ref, opt = pair
+    ids = torch.randint(1, ref.config.vocab_size, (1, 10))
+    eos = int(opt.generate(ids, max_new_tokens=5, do_sample=False)[0, 10])  # the very first token
+    kw = dict(max_new_tokens=12, min_new_tokens=6, eos_token_id=eos)
+    got = opt.generate(ids, do_sample=False, **kw)
+    assert torch.equal(got, hf_generate(ref, ids, **kw))
+    assert not (got[0, 10:16] == eos).any()
+    got = opt.generate(ids, max_length=17, do_sample=False)
+    assert torch.equal(got, hf_generate(ref, ids, max_length=17))
+
+
+def test_return_dict_and_generation_config(pair):
+    from transformers import GenerationConfig
+
+    ref, opt = pair
+    ids = torch.randint(1, ref.config.vocab_size, (1, 8))
+    cfg = GenerationConfig(max_new_tokens=7, do_sample=False)
+    out = opt.generate(ids, generation_config=cfg, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, hf_generate(ref, ids, max_new_tokens=7))
+
+
+def test_streamers_see_every_token(pair):
+    from transformers.generation.streamers import BaseStreamer
+
+    class Collect(BaseStreamer):
+        def __init__(self):
+            self.chunks, self.ended = [], False
+
+        def put(self, value):
+            self.chunks.append(value.reshape(-1).tolist())
+
+        def end(self):
+            self.ended = True
+
+    ref, opt = pair
+    ids = torch.randint(1, ref.config.vocab_size, (1, 8))
+    s = Collect()
+    out = opt.generate(ids, max_new_tokens=10, do_sample=False, streamer=s)
+    assert s.ended and s.chunks[0] == ids[0].tolist()
+    assert sum(s.chunks[1:], []) == out[0, 8:].tolist()
+
+
+def test_stopping_criteria(pair):
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class StopAtLength(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kw):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= 14, dtype=torch.bool)
+
+    ref, opt = pair
+    ids = torch.randint(1, ref.config.vocab_size, (1, 8))
+    out = opt.generate(ids, max_new_tokens=20, do_sample=False, stopping_criteria=StopAtLength())
+    assert out.shape[1] == 14
+    out = opt.generate(ids, max_new_tokens=20, do_sample=False, stopping_criteria=StoppingCriteriaList([StopAtLength()]))
+    assert torch.equal(out, hf_generate(ref, ids, max_new_tokens=6))
+
+
+def test_conditional_generation_class_text_only():
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from fastqwen import presets
+
+    text = presets.config("tiny").to_dict()
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    cfg = Qwen3_5Config(text_config=text, vision_config=vision)
+    torch.manual_seed(0)
+    model = Qwen3_5ForConditionalGeneration(cfg).eval()
+    presets.perturb_zero_init(model, std=0.1)
+    ids = torch.randint(1, 500, (1, 70))
+    expected = hf_generate(model, ids, max_new_tokens=20)
+    fastqwen.optimize(model, compile=False, max_seq_len=128)
+    assert torch.equal(model.generate(ids, max_new_tokens=20, do_sample=False), expected)
