@@ -190,6 +190,7 @@ def run(
     dtype: torch.dtype = torch.bfloat16,
     device: str = "cuda",
     compile: bool = True,
+    compile_options: dict | None = None,
     progress: Callable[[str], None] | None = print,
 ) -> dict:
     """Benchmark preset ``name`` (random weights, seed 0) on one model object in this process.
@@ -199,7 +200,7 @@ def run(
     tokens/s per sequence, ``setup_s`` / ``first_call_s`` in seconds, or ``error``; see ``_measure`` and
     ``_measure_hf_static``), the ratios ``fastqwen_vs_hf_static`` and ``fastqwen_vs_roofline``. HF systems
     run before ``fastqwen.optimize`` (which replaces ``model.generate``); hf-eager uses ``EAGER_N`` lengths.
-    ``compile`` is passed to ``fastqwen.optimize``.
+    ``compile`` and ``compile_options`` are passed to ``fastqwen.optimize``.
     """
     import fastqwen
 
@@ -226,7 +227,7 @@ def run(
     def fastqwen_setup() -> Callable:
         """Optimize in place and compile the graphs; returns the new ``model.generate``."""
         optimized = fastqwen.optimize(model, max_batch_size=batch_size, max_seq_len=prompt_len + n_long + 64,
-                                      compile=compile)
+                                      compile=compile, compile_options=compile_options)
         optimized._fastqwen.warmup(progress=progress)
         return optimized.generate
 

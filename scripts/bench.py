@@ -45,6 +45,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if CUDA else "cpu")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=DEFAULTS["compile"],
                    help="passed to fastqwen.optimize")
+    p.add_argument("--no-autotune", action="store_true",
+                   help="compile fastqwen's step with default inductor + CUDA graphs instead of max-autotune "
+                        "(minutes less compile time)")
     p.add_argument("--json", type=pathlib.Path, default=pathlib.Path("docs/bench.json"), help="results file")
     p.add_argument("--out-dir", type=pathlib.Path, help="also write bench.json and bench.md here")
     return p.parse_args()
@@ -78,6 +81,7 @@ def main() -> None:
                 name, systems=tuple(args.systems), batch_size=args.batch_size, prompt_len=args.prompt_len,
                 n_short=args.n_short, n_long=args.n_long, dtype=getattr(torch, args.dtype), device=args.device,
                 compile=args.compile, progress=say,
+                compile_options={"triton.cudagraphs": True} if args.no_autotune else None,
             ))
         except Exception as e:  # e.g. out of memory: keep going with the next model
             error = f"{type(e).__name__}: {e}"[:500]
