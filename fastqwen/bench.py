@@ -19,6 +19,50 @@ import torch
 from . import presets
 
 SYSTEMS = ("hf-eager", "hf-static-compile", "fastqwen")
+
+
+class OracleProposer:
+    """Benchmark and test proposer: drafts the reference continuation with injected errors. Never used by optimize.
+
+    Acceptance depends on trained weights, which random-init models lack; this proposer imposes a chosen
+    acceptance profile instead. reference [B, N]: the tokens the target itself emits for each row (its
+    non-speculative greedy output, first token included). Each draft is wrong with probability `miss`
+    (independently), so a round accepts i drafts with probability (1-miss)^i·… (see `miss_for_tau`).
+    `inner`, if given, is a real proposer whose draft compute runs every round and whose drafts are discarded,
+    so a benchmark pays the real drafting cost.
+    """
+
+    def __init__(self, reference: torch.Tensor, miss: float, vocab_size: int, inner=None):
+        self.reference, self.miss, self.vocab_size, self.inner = reference, miss, vocab_size, inner
+
+    def start(self, engine) -> None:
+        if self.inner is not None:
+            self.inner.start(engine)
+
+    def propose(self, engine, k: int):
+        if self.inner is not None:
+            self.inner.propose(engine, k)
+        n_out = engine.spec.n_out
+        ref = self.reference
+        idx = (n_out[: ref.shape[0], None] + torch.arange(k, device=ref.device)).clamp(max=ref.shape[1] - 1)
+        drafts = torch.zeros(n_out.shape[0], k, dtype=torch.long, device=ref.device)
+        drafts[: ref.shape[0]] = ref.gather(1, idx)
+        wrong = torch.rand(drafts.shape, device=drafts.device) < self.miss
+        return torch.where(wrong, (drafts + 1) % self.vocab_size, drafts), None
+
+
+def miss_for_tau(tau: float, k: int) -> float:
+    """The per-draft miss probability m at which the mean tokens per round, 1 + Σ_{i=1..k} (1-m)^i, is tau."""
+    if not 1.0 <= tau <= k + 1:
+        raise ValueError(f"tau must be in [1, {k + 1}] for k={k}, got {tau}")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        m = (lo + hi) / 2
+        if 1 + sum((1 - m) ** i for i in range(1, k + 1)) > tau:
+            lo = m
+        else:
+            hi = m
+    return (lo + hi) / 2
 EAGER_N = (8, 24)  # (n_short, n_long) for hf-eager: it is slow (~7 tok/s on a 27B model)
 
 

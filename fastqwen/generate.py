@@ -16,6 +16,7 @@ from .model import Forward
 from .sampling import greedy, sample
 
 SYNC_EVERY = 8
+MAX_SPECULATIVE_TOKENS = 32
 
 # GenerationConfig fields that change the decoding algorithm, with the value that means "off".
 _UNSUPPORTED = {
@@ -66,14 +67,34 @@ class Engine:
         for buf in self.state.values():
             torch._dynamo.mark_static_address(buf)
         self.compiled = compile
-        if compile:
-            if compile_options is None and self.device.type == "cuda":
-                compile_options = {"max_autotune": True, "triton.cudagraphs": True,
-                                   "coordinate_descent_tuning": True}
-            self._greedy_step = torch.compile(self._greedy_impl, fullgraph=True, options=compile_options)
-            self._sample_step = torch.compile(self._sample_impl, fullgraph=True, options=compile_options)
-        else:
-            self._greedy_step, self._sample_step = self._greedy_impl, self._sample_impl
+        if compile and compile_options is None and self.device.type == "cuda":
+            compile_options = {"max_autotune": True, "triton.cudagraphs": True, "coordinate_descent_tuning": True}
+        self.compile_options = compile_options
+        self._greedy_step = self.compile(self._greedy_impl)
+        self._sample_step = self.compile(self._sample_impl)
+        self.spec = None
+
+    def compile(self, fn):
+        """fn compiled as one full graph with this engine's options (or fn itself when compile=False)."""
+        if not self.compiled:
+            return fn
+        return torch.compile(fn, fullgraph=True, options=self.compile_options)
+
+    def enable_speculation(self, proposer, k: int) -> None:
+        """Decode speculatively from now on: `proposer` drafts k tokens a round (see spec/loop.py).
+
+        Reallocates the cache with room for the verify block's replay inputs.
+        """
+        from .spec.loop import Speculator
+
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be an int in 1..{MAX_SPECULATIVE_TOKENS}, got {k!r}")
+        if k + 2 > self.max_seq_len:
+            raise ValueError(f"max_seq_len={self.max_seq_len} leaves no room for a block of {k + 1} tokens")
+        self.cache = HybridCache(self.model.config.get_text_config(), self.max_batch_size, self.max_seq_len,
+                                 self.dtype, self.device, block=k + 1)
+        self.forward.cache = self.cache
+        self.spec = Speculator(self, proposer, k)
 
     # ----- the compiled step --------------------------------------------------------------------------
     def _greedy_impl(self) -> None:
@@ -121,12 +142,17 @@ class Engine:
         self._check_config(gen)
         rows, input_ids = self._split_rows(input_ids, attention_mask)
         max_new, min_new = self._lengths(gen, input_ids.shape[1])
-        too_long = [b for b, r in enumerate(rows) if len(r) + max_new > self.max_seq_len]
+        block = self.spec.k + 1 if self.spec else 0
+        too_long = [b for b, r in enumerate(rows) if len(r) + max_new + block > self.max_seq_len]
         if too_long:
+            extra = f" + one speculative block ({block})" if block else ""
             raise ValueError(
                 f"rows {too_long}: prompt ({max(len(rows[b]) for b in too_long)} tokens) + max_new_tokens "
-                f"({max_new}) exceeds max_seq_len={self.max_seq_len}; pass a larger max_seq_len to "
+                f"({max_new}){extra} exceeds max_seq_len={self.max_seq_len}; pass a larger max_seq_len to "
                 f"fastqwen.optimize or generate fewer tokens")
+        if self.spec and stopping_criteria:
+            raise ValueError("stopping_criteria are not supported with speculative decoding yet; use "
+                             "eos_token_id / max_new_tokens, or optimize without speculate")
         eos = self._eos_ids(gen)
         pad = gen.pad_token_id if gen.pad_token_id is not None else (eos[0] if eos else 0)
         self._set_params(gen, eos, pad, min_new)
@@ -143,24 +169,13 @@ class Engine:
     def _decode(self, rows, max_new, do_sample, streamer, stopping_criteria, input_ids, eos):
         """Prefill every row, then decode; returns the new tokens [B, n] (n ≤ max_new), pad after EOS."""
         s, B = self.state, len(rows)
-        self.cache.reset()
-        logits = torch.zeros(self.max_batch_size, self.vocab_size, device=self.device)
-        start = 0
-        while start < B:  # runs of consecutive rows with equal prompt lengths prefill together
-            end = start + 1
-            while end < B and len(rows[end]) == len(rows[start]):
-                end += 1
-            logits[start:end] = self.forward.prefill(start, torch.stack(rows[start:end]))
-            self.cache.lengths[start:end] = len(rows[start])
-            start = end
-        s["done"].fill_(True)
-        s["done"][:B] = False
-        s["n_generated"].zero_()
-        out = torch.empty(self.max_batch_size, max_new, dtype=torch.long, device=self.device)
-        out[:, 0] = self._select(logits, do_sample)
-        s["tokens"].copy_(out[:, 0])
-        step = self._sample_step if do_sample else self._greedy_step
+        first = self._prefill(rows, do_sample)
         every = 1 if (streamer is not None or stopping_criteria) else SYNC_EVERY
+        if self.spec is not None:
+            return self.spec.decode(first, B, max_new, do_sample, streamer, every)
+        out = torch.empty(self.max_batch_size, max_new, dtype=torch.long, device=self.device)
+        out[:, 0] = first
+        step = self._sample_step if do_sample else self._greedy_step
         n = 1
         while True:
             if n % every == 0 or n == max_new:
@@ -175,6 +190,26 @@ class Engine:
             out[:, n] = s["tokens"]
             n += 1
         return self._trim(out[:B, :n], eos, s["done"][:B])
+
+    def _prefill(self, rows, do_sample):
+        """Empty the cache, run every prompt, pick each row's first token; returns it [max_batch_size]."""
+        s, B = self.state, len(rows)
+        self.cache.reset()
+        logits = torch.zeros(self.max_batch_size, self.vocab_size, device=self.device)
+        start = 0
+        while start < B:  # runs of consecutive rows with equal prompt lengths prefill together
+            end = start + 1
+            while end < B and len(rows[end]) == len(rows[start]):
+                end += 1
+            logits[start:end] = self.forward.prefill(start, torch.stack(rows[start:end]))
+            self.cache.lengths[start:end] = len(rows[start])
+            start = end
+        s["done"].fill_(True)
+        s["done"][:B] = False
+        s["n_generated"].zero_()
+        first = self._select(logits, do_sample)
+        s["tokens"].copy_(first)
+        return first
 
     @staticmethod
     def _trim(new_tokens, eos, done):

@@ -2,9 +2,12 @@
 
 A plain walk over `layers`, in the spirit of gpt-fast's model.py: it reads the HF modules' parameters (so
 their names, state dict and any weight swaps stay valid), writes the HybridCache, and calls `ops/`. Two
-entry points: `prefill` runs equal-length prompts of consecutive, empty cache rows; `step` runs T new tokens for every
-row at its own positions `cache.lengths[b] + t` and is what gets compiled into a CUDA graph. Neither
-advances `cache.lengths`; the caller does, once it knows which rows advanced.
+entry points: `prefill` runs equal-length prompts of consecutive, empty cache rows; `step` runs T new tokens
+for every row at its own positions `cache.lengths[b] + t` and is what gets compiled into a CUDA graph.
+Neither advances `cache.lengths`; the caller does, once it knows which rows advanced. A speculative verify is
+`step(tokens, verify=True)`: attention K/V are written for all T positions, but the Gated DeltaNet
+recurrent and conv states are only read; `commit(keep)` then advances them (and `lengths`) over each row's
+accepted prefix by replaying the stashed per-position inputs.
 """
 
 import torch
@@ -12,8 +15,8 @@ import torch.nn.functional as F
 
 from .cache import HybridCache
 from .ops.attention import apply_rope, attend_cache, attend_causal, rope_cos_sin, write_kv
-from .ops.conv import causal_conv1d
-from .ops.gdn import gdn_chunk, gdn_recurrent
+from .ops.conv import causal_conv1d, commit_window
+from .ops.gdn import gates, gdn_chunk, gdn_recurrent, gdn_replay, gdn_verify
 from .ops.norm import gated_rms_norm, rms_norm
 
 _CHUNK_MIN_TOKENS = 64  # below this, prefill uses the recurrent kernel (fla's chunk kernel wins above)
@@ -42,53 +45,77 @@ class Forward:
         Returns the logits of each prompt's last token [n, V] fp32.
         """
         positions = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
-        h = self._layers(tokens, positions, slice(first_row, first_row + tokens.shape[0]), prefill=True)
+        h = self._layers(tokens, positions, slice(first_row, first_row + tokens.shape[0]), "prefill")
         return self._logits(h[:, -1])
 
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Run tokens [B, T] (B = cache batch) at positions lengths[b] + t; returns logits [B, T, V] fp32."""
+    def step(self, tokens: torch.Tensor, verify: bool = False) -> torch.Tensor:
+        """Run tokens [B, T] (B = cache batch) at positions lengths[b] + t; returns logits [B, T, V] fp32.
+
+        verify: leave the recurrent state for `commit` (T must equal the cache's block).
+        """
         offsets = torch.arange(tokens.shape[1], device=tokens.device)
         positions = self.cache.lengths[:, None] + offsets
-        h = self._layers(tokens, positions, slice(None), prefill=False)
+        h = self._layers(tokens, positions, slice(None), "verify" if verify else "decode")
         return self._logits(h)
+
+    def commit(self, keep: torch.Tensor) -> None:
+        """Accept the first keep[b] (0 ≤ keep ≤ T) positions of the last verified block of each row."""
+        block = torch.arange(self.cache.block, device=keep.device)
+        accepted = (block[None, :] < keep[:, None]).float()[..., None]  # [B, T, 1]
+        for i, kind in enumerate(self.cfg.layer_types):
+            if kind == "linear_attention":
+                conv, state = self.cache.recurrent(i)
+                r = self.cache.replay(i)
+                gdn_replay(r["k"], r["v"], r["g"] * accepted, r["beta"] * accepted, state)
+                commit_window(conv, r["x"], keep)
+        self.cache.lengths.add_(keep)
 
     # ----- the stack ----------------------------------------------------------------------------------
     def _logits(self, h):
         return self.lm_head(rms_norm(h, self.norm.weight, self.eps)).float()
 
-    def _layers(self, tokens, positions, rows, prefill):
+    def _layers(self, tokens, positions, rows, mode):
         x = self.embed(tokens)
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scaling, x.dtype)
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_layernorm.weight, self.eps)
             if self.cfg.layer_types[i] == "linear_attention":
                 conv, state = self.cache.recurrent(i)
-                h = self._gdn(layer.linear_attn, h, conv[rows], state[rows], prefill)
+                h = self._gdn(layer.linear_attn, h, conv[rows], state[rows], mode, i)
             else:
                 k_cache, v_cache = self.cache.attention(i)
-                h = self._attention(layer.self_attn, h, cos, sin, positions, k_cache[rows], v_cache[rows], prefill)
+                h = self._attention(layer.self_attn, h, cos, sin, positions, k_cache[rows], v_cache[rows], mode)
             x = x + h
             h = rms_norm(x, layer.post_attention_layernorm.weight, self.eps)
-            x = x + self._mlp(layer.mlp, h, prefill)
+            x = x + self._mlp(layer.mlp, h, mode)
         return x
 
-    def _gdn(self, m, h, conv, state, prefill):
+    def _gdn(self, m, h, conv, state, mode, i):
         """Gated DeltaNet block: projections, conv, gated delta rule, gated norm, out_proj. h [B, T, H]."""
         B, T, _ = h.shape
         cfg = self.cfg
         key_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim
-        qkv = causal_conv1d(m.in_proj_qkv(h), m.conv1d.weight[:, 0], conv)
+        x = m.in_proj_qkv(h)
+        qkv = causal_conv1d(x, m.conv1d.weight[:, 0], conv, update=mode != "verify")
         q, k, v = torch.split(qkv, [key_dim, key_dim, qkv.shape[-1] - 2 * key_dim], dim=-1)
         q = q.reshape(B, T, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
         k = k.reshape(B, T, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
         v = v.reshape(B, T, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
-        rule = gdn_chunk if prefill and T >= _CHUNK_MIN_TOKENS else gdn_recurrent
-        o = rule(q, k, v, m.in_proj_a(h), m.in_proj_b(h), m.A_log, m.dt_bias, state)
+        a, b = m.in_proj_a(h), m.in_proj_b(h)
+        if mode == "verify":
+            o = gdn_verify(q, k, v, a, b, m.A_log, m.dt_bias, state)
+            g, beta = gates(a, b, m.A_log, m.dt_bias)
+            for name, value in zip(("x", "k", "v", "g", "beta"), (x, k, v, g, beta)):
+                self.cache.replay(i)[name].copy_(value)
+        elif mode == "prefill" and T >= _CHUNK_MIN_TOKENS:
+            o = gdn_chunk(q, k, v, a, b, m.A_log, m.dt_bias, state)
+        else:
+            o = gdn_recurrent(q, k, v, a, b, m.A_log, m.dt_bias, state)
         z = m.in_proj_z(h).reshape(o.shape)
         o = gated_rms_norm(o, z, m.norm.weight, m.norm.variance_epsilon)
         return m.out_proj(o.reshape(B, T, -1))
 
-    def _attention(self, m, h, cos, sin, positions, k_cache, v_cache, prefill):
+    def _attention(self, m, h, cos, sin, positions, k_cache, v_cache, mode):
         """Gated full attention: q/k norms, partial rope, cache write, attention, sigmoid output gate."""
         B, T, _ = h.shape
         D = m.head_dim
@@ -98,15 +125,15 @@ class Forward:
         v = m.v_proj(h).view(B, T, -1, D).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         write_kv(k_cache, v_cache, k, v, positions)
-        if prefill:
+        if mode == "prefill":
             o = attend_causal(q, k, v, m.scaling)
         else:
             o = attend_cache(q, k_cache, v_cache, positions, m.scaling)
         o = o.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate.reshape(B, T, -1))
         return m.o_proj(o)
 
-    def _mlp(self, mlp, h, prefill):
-        if not hasattr(mlp, "experts") or prefill:
+    def _mlp(self, mlp, h, mode):
+        if not hasattr(mlp, "experts") or mode == "prefill":
             return mlp(h)  # dense MLP; for MoE prefill transformers' own grouped expert loop
         return routed_moe(mlp, h)
 

@@ -42,6 +42,17 @@ def sample(logits, temperature, top_k, top_p, min_p):
     return order.gather(-1, race.argmax(-1, keepdim=True))[:, 0]
 
 
+def filtered_probs(logits, temperature, top_k, top_p, min_p):
+    """The distribution `sample` draws from, in vocabulary order [B, V] (0 where filtered out)."""
+    sorted_logits, order = filter_logits(logits, temperature, top_k, top_p, min_p)
+    return torch.zeros_like(sorted_logits).scatter(-1, order, sorted_logits.softmax(-1))
+
+
+def sample_probs(probs):
+    """One token per row [B] from (unnormalised) probabilities [B, V], by the exponential race."""
+    return (probs / torch.empty_like(probs).exponential_(1)).argmax(-1)
+
+
 def greedy(logits):
     """The argmax token per row [B]."""
     return logits.argmax(-1)

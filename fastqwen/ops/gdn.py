@@ -7,8 +7,10 @@ state [B, HV, K, V] fp32. Per value head, in fp32, with q and k l2-normalised an
     g = -exp(A_log)·softplus(a + dt_bias);  beta = sigmoid(b)
     S = S·exp(g_t);  u_t = beta_t·(v_t − Sᵀk_t);  S = S + k_t u_tᵀ;  o_t = Sᵀq_t
 
-Both ops return o [B, T, HV, V] in v.dtype and leave the final S in `state` (in place). `gdn_recurrent` is the
-decode/verify op (small T), `gdn_chunk` the prefill op. On CUDA they run flash-linear-attention's Triton
+`gdn_recurrent` (decode, small T) and `gdn_chunk` (prefill) return o [B, T, HV, V] in v.dtype and leave the
+final S in `state` (in place). Speculative decoding splits that in two: `gdn_verify` returns the block's
+outputs and leaves the checkpoint state untouched; `gdn_replay` then advances the state over the accepted
+positions only (g = beta = 0 elsewhere, which leaves S unchanged), so shapes stay fixed. On CUDA they run flash-linear-attention's Triton
 kernels; everywhere else, and as the reference in tests, `gdn_reference`. Both are registered custom ops
 (mutating `state`), so a compiled step keeps `fullgraph=True` and its CUDA graph.
 """
@@ -19,15 +21,23 @@ import torch.nn.functional as F
 from .norm import l2norm
 
 
-def gdn_reference(q, k, v, a, b, A_log, dt_bias, state):
-    """Token-by-token fp32 recurrence; the definition the fast paths are tested against."""
-    _, seq, heads, dk = q.shape
+def gates(a, b, A_log, dt_bias):
+    """(g, beta) [B, T, HV] fp32 from the raw projections: g = -exp(A_log)·softplus(a + dt_bias), beta = sigmoid(b)."""
+    return -A_log.float().exp() * F.softplus(a.float() + dt_bias.float()), b.float().sigmoid()
+
+
+def recurrence(q, k, v, g, beta, state):
+    """The fp32 recurrence with explicit log-decay g and beta [B, T, HV]; q, k are normalised in here.
+
+    Updates `state` in place; returns o [B, T, HV, V] in v.dtype. A position with g = 0 and beta = 0 leaves
+    the state unchanged, which is what speculative commit uses to replay only accepted positions.
+    """
+    _, seq, heads, dk = k.shape
     rep = v.shape[2] // heads
     qf = l2norm(q.float()).repeat_interleave(rep, dim=2) * dk**-0.5
     kf = l2norm(k.float()).repeat_interleave(rep, dim=2)
     vf = v.float()
-    beta = b.float().sigmoid()
-    decay = (-A_log.float().exp() * F.softplus(a.float() + dt_bias.float())).exp()
+    decay, beta = g.float().exp(), beta.float()
     s = state.clone()
     out = []
     for t in range(seq):
@@ -42,6 +52,35 @@ def gdn_reference(q, k, v, a, b, A_log, dt_bias, state):
     return torch.stack(out, dim=1).to(v.dtype)
 
 
+def gdn_reference(q, k, v, a, b, A_log, dt_bias, state):
+    """Token-by-token fp32 recurrence from the raw projections; the definition the fast paths are tested against."""
+    return recurrence(q, k, v, *gates(a, b, A_log, dt_bias), state)
+
+
+def _fla_recurrent(q, k, v, g, beta, state, final_state, gate_in_kernel, A_log=None, dt_bias=None):
+    """fla's fused recurrent kernel, called directly. h0 = state; the final state goes to `final_state`
+    (None: not written; `state` itself: in place, safe because each program loads its [K, BV] tile of h0
+    before the time loop and stores the same tile at the end). With gate_in_kernel, g and beta are the raw
+    a and b and the kernel applies A_log/dt_bias/softplus and the sigmoid; q and k are l2-normalised inside."""
+    import triton
+    from fla.ops.gated_delta_rule.fused_recurrent import fused_recurrent_gated_delta_rule_fwd_kernel as kernel
+
+    batch, seq, heads, dk = k.shape
+    vheads, dv = v.shape[2], v.shape[3]
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    out = torch.empty_like(v)
+    block_v = min(8, triton.next_power_of_2(dv))
+    grid = (triton.cdiv(dv, block_v) * batch * vheads,)
+    kernel[grid](
+        q=q, k=k, v=v, g=g, gk=None, gv=None, beta=beta, A_log=A_log, dt_bias=dt_bias, o=out,
+        h0=state, ht=final_state, cu_seqlens=None, scale=dk**-0.5, T=seq, H=heads, HV=vheads, K=dk, V=dv,
+        BK=triton.next_power_of_2(dk), BV=block_v, IS_BETA_HEADWISE=True, USE_QK_L2NORM_IN_KERNEL=True,
+        APPLY_BETA_SIGMOID=gate_in_kernel, ALLOW_NEG_EIGVAL=False, STATE_V_FIRST=False, num_warps=1,
+        num_stages=3,
+    )
+    return out
+
+
 @torch.library.custom_op("fastqwen::gdn_recurrent", mutates_args=("state",))
 def gdn_recurrent(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -53,26 +92,7 @@ def gdn_recurrent(
 
 @gdn_recurrent.register_kernel("cuda")
 def _gdn_recurrent_cuda(q, k, v, a, b, A_log, dt_bias, state):
-    # fla's fused recurrent kernel, called directly so the final state is written over the initial one:
-    # each program loads its [K, BV] tile of h0 before the time loop and stores the same tile at the end,
-    # so h0 and ht may alias. The gate (A_log, dt_bias, softplus), beta's sigmoid and the q/k l2norm all
-    # run inside the kernel.
-    import triton
-    from fla.ops.gated_delta_rule.fused_recurrent import fused_recurrent_gated_delta_rule_fwd_kernel as kernel
-
-    batch, seq, heads, dk = q.shape
-    vheads, dv = v.shape[2], v.shape[3]
-    q, k, v, a, b = (t.contiguous() for t in (q, k, v, a, b))
-    out = torch.empty_like(v)
-    block_v = min(8, triton.next_power_of_2(dv))
-    grid = (triton.cdiv(dv, block_v) * batch * vheads,)
-    kernel[grid](
-        q=q, k=k, v=v, g=a, gk=None, gv=None, beta=b, A_log=A_log, dt_bias=dt_bias, o=out,
-        h0=state, ht=state, cu_seqlens=None, scale=dk**-0.5, T=seq, H=heads, HV=vheads, K=dk, V=dv,
-        BK=triton.next_power_of_2(dk), BV=block_v, IS_BETA_HEADWISE=True, USE_QK_L2NORM_IN_KERNEL=True,
-        APPLY_BETA_SIGMOID=True, ALLOW_NEG_EIGVAL=False, STATE_V_FIRST=False, num_warps=1, num_stages=3,
-    )
-    return out
+    return _fla_recurrent(q, k, v, a, b, state, state, gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
 
 
 @gdn_recurrent.register_fake
@@ -105,3 +125,38 @@ def _gdn_chunk_cuda(q, k, v, a, b, A_log, dt_bias, state):
 @gdn_chunk.register_fake
 def _(q, k, v, a, b, A_log, dt_bias, state):
     return torch.empty_like(v)
+
+
+@torch.library.custom_op("fastqwen::gdn_verify", mutates_args=())
+def gdn_verify(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+    A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
+) -> torch.Tensor:
+    """Outputs of a speculative block from the checkpoint `state`, which is read and left as it is."""
+    return gdn_reference(q, k, v, a, b, A_log, dt_bias, state.clone())
+
+
+@gdn_verify.register_kernel("cuda")
+def _gdn_verify_cuda(q, k, v, a, b, A_log, dt_bias, state):
+    return _fla_recurrent(q, k, v, a, b, state, None, gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
+
+
+@gdn_verify.register_fake
+def _(q, k, v, a, b, A_log, dt_bias, state):
+    return torch.empty_like(v)
+
+
+@torch.library.custom_op("fastqwen::gdn_replay", mutates_args=("state",))
+def gdn_replay(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor) -> None:
+    """Advance `state` in place over a block with explicit g, beta [B, T, HV] (zeros where not accepted)."""
+    recurrence(k, k, v, g, beta, state)
+
+
+@gdn_replay.register_kernel("cuda")
+def _gdn_replay_cuda(k, v, g, beta, state):
+    _fla_recurrent(k, k, v, g, beta, state, state, gate_in_kernel=False)
+
+
+@gdn_replay.register_fake
+def _(k, v, g, beta, state):
+    return None

@@ -1,0 +1,92 @@
+"""One speculative round over static buffers: draft → verify → accept → commit, all on device.
+
+Per row b the engine state holds the pending token (emitted, not yet in the cache), n_out[b] (tokens
+emitted so far, the pending one included) and done[b]. A round proposes k drafts, runs the target over
+[pending, d1 … dk] once, accepts n[b] drafts plus one target token, truncates at EOS, max_new_tokens or a
+finished row, writes the emitted tokens to `out` at their per-row offsets and commits n[b] + 1 block
+positions to the cache. Nothing leaves the device, so on CUDA the round is one CUDA graph.
+"""
+
+import torch
+
+from ..sampling import filtered_probs
+from .verify import accept_greedy, accept_sampled, emitted_tokens
+
+
+class Speculator:
+    """Runs rounds of `proposer` (k drafts each) against the engine's target; see the module docstring.
+
+    proposer.propose(engine, k) -> (drafts [B, k] long, q [B, k, V] draft probabilities or None when the
+    drafts are deterministic); proposer.start(engine) is called after prefill.
+    """
+
+    def __init__(self, engine, proposer, k: int):
+        self.engine, self.proposer, self.k = engine, proposer, k
+        B, dev = engine.max_batch_size, engine.device
+        # emitted tokens; the last column takes the writes of positions a row does not emit
+        self.out = torch.zeros(B, engine.max_seq_len + k + 2, dtype=torch.long, device=dev)
+        self.n_out = torch.zeros(B, dtype=torch.long, device=dev)
+        self.max_new = torch.zeros((), dtype=torch.long, device=dev)
+        self.rounds = torch.zeros(B, dtype=torch.long, device=dev)  # rounds each row took part in
+        for buf in (self.out, self.n_out, self.max_new, self.rounds):
+            torch._dynamo.mark_static_address(buf)
+        self.greedy_round = engine.compile(lambda: self.round(do_sample=False))
+        self.sample_round = engine.compile(lambda: self.round(do_sample=True))
+
+    def round(self, do_sample: bool) -> None:
+        e, s, k = self.engine, self.engine.state, self.k
+        drafts, q = self.proposer.propose(e, k)
+        logits = e.forward.step(torch.cat([s["tokens"][:, None], drafts], dim=1), verify=True)  # [B, k+1, V]
+        j = torch.arange(k + 1, device=logits.device)
+        blocked = (self.n_out[:, None] + j < s["min_new"])[..., None] & s["eos_mask"]
+        logits = logits.masked_fill(blocked, float("-inf"))
+        if do_sample:
+            rep = lambda t: t.repeat_interleave(k + 1)  # noqa: E731
+            p = filtered_probs(logits.flatten(0, 1), rep(s["temperature"]), rep(s["top_k"]), rep(s["top_p"]),
+                               rep(s["min_p"])).view(logits.shape)
+            n, nxt = accept_sampled(p, drafts, q)
+        else:
+            n, nxt = accept_greedy(logits, drafts)
+        emitted = emitted_tokens(drafts, n, nxt)
+        count = n + 1
+        is_eos = s["eos_mask"][emitted] & (j < count[:, None])
+        count = torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, count)
+        count = torch.minimum(count, self.max_new - self.n_out)
+        count = torch.where(s["done"], 0, count)
+        cols = torch.where(j < count[:, None], self.n_out[:, None] + j, self.out.shape[1] - 1)
+        self.out.scatter_(1, cols, emitted)
+        e.forward.commit(torch.where(s["done"], 0, n + 1))
+        finished = (is_eos & (j < count[:, None])).any(1) | (self.n_out + count >= self.max_new)
+        self.rounds.add_((~s["done"]).long())
+        s["done"].logical_or_(finished)
+        self.n_out.add_(count)
+        s["tokens"].copy_(nxt)
+
+    def decode(self, first: torch.Tensor, rows: int, max_new: int, do_sample: bool, streamer, sync_every: int):
+        """Rounds until every row is done; first [B] are the prefill's tokens. Returns tokens [rows, n], n ≤ max_new,
+        with each row's tokens after its end set to the engine's pad."""
+        s = self.engine.state
+        self.out[:, 0] = first
+        self.n_out.fill_(1)
+        self.rounds.zero_()
+        self.max_new.fill_(max_new)
+        s["done"][:rows] |= max_new <= 1
+        self.proposer.start(self.engine)
+        step = self.sample_round if do_sample else self.greedy_round
+        shown = 1
+        for r in range(max_new):
+            if r % sync_every == 0 and bool(s["done"][:rows].all()):
+                break
+            step()
+            if streamer is not None:
+                end = int(self.n_out[0])
+                streamer.put(self.out[0, shown:end].cpu())
+                shown = end
+        width = int(self.n_out[:rows].max())
+        new = self.out[:rows, :width].clone()
+        cols = torch.arange(width, device=new.device)
+        return torch.where(cols[None, :] < self.n_out[:rows, None], new, s["pad"])
+
+    def acceptance_length(self, rows: int) -> float:
+        """Mean tokens emitted per round (τ) over the last generate's first `rows` rows."""
+        return float((self.n_out[:rows] - 1).sum() / self.rounds[:rows].sum().clamp(min=1))

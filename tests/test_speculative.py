@@ -1,0 +1,169 @@
+"""Speculative decoding is lossless: token-identical greedy output, exact state rollback, exact sampling."""
+
+import pytest
+import torch
+from conftest import fresh, left_padded
+
+import fastqwen
+from fastqwen.bench import OracleProposer
+from fastqwen.cache import HybridCache
+from fastqwen.model import Forward
+from fastqwen.spec.verify import accept_sampled
+
+K = 4
+NEW = 40
+
+
+@pytest.fixture(scope="module", params=["tiny", "tiny-moe"])
+def engines(request):
+    """(plain, speculative) optimized models with identical weights; the speculative one gets its proposer later."""
+    plain = fastqwen.optimize(fresh(request.param), max_batch_size=3, max_seq_len=320, compile=False)
+    spec = fastqwen.optimize(fresh(request.param), max_batch_size=3, max_seq_len=320, compile=False)
+    return plain, spec
+
+
+def speculate(spec, reference, miss, k=K):
+    spec._fastqwen.enable_speculation(OracleProposer(reference, miss, spec.config.vocab_size), k)
+    return spec
+
+
+@pytest.mark.parametrize("miss", [0.0, 1.0, 0.35], ids=["perfect", "useless", "partial"])
+def test_greedy_is_token_identical(engines, miss):
+    plain, spec = engines
+    rows = [torch.randint(1, 500, (n,)) for n in (70, 9, 33)]
+    ids, mask = left_padded(rows)
+    expected = plain.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    speculate(spec, expected[:, ids.shape[1]:], miss)
+    got = spec.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    assert torch.equal(got, expected)
+    tau = spec._fastqwen.spec.acceptance_length(3)
+    if miss == 0.0:
+        assert tau > K  # every round accepts all K drafts (the last one may be cut by max_new_tokens)
+    elif miss == 1.0:
+        assert tau == 1.0
+    else:
+        assert 1.0 < tau < K + 1
+
+
+def test_batch1_long_prompt(engines):
+    plain, spec = engines
+    ids = torch.randint(1, 500, (1, 200))
+    expected = plain.generate(ids, max_new_tokens=NEW, do_sample=False)
+    speculate(spec, expected[:, 200:], 0.2)
+    assert torch.equal(spec.generate(ids, max_new_tokens=NEW, do_sample=False), expected)
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 7, 13])
+def test_max_new_tokens_ending_inside_a_block(engines, max_new):
+    plain, spec = engines
+    ids = torch.randint(1, 500, (2, 11))
+    expected = plain.generate(ids, max_new_tokens=max_new, do_sample=False)
+    speculate(spec, expected[:, 11:], 0.0)
+    assert torch.equal(spec.generate(ids, max_new_tokens=max_new, do_sample=False), expected)
+
+
+def test_eos_inside_a_block_of_a_ragged_batch(engines):
+    plain, spec = engines
+    rows = [torch.randint(1, 500, (n,)) for n in (25, 12, 40)]
+    ids, mask = left_padded(rows)
+    free = plain.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)[:, ids.shape[1]:]
+    eos = int(free[1, 6])  # row 1 ends mid-block; the others run on (or end) elsewhere
+    kw = dict(max_new_tokens=NEW, eos_token_id=eos, pad_token_id=2, do_sample=False)
+    expected = plain.generate(ids, attention_mask=mask, **kw)
+    speculate(spec, free, 0.0)
+    got = spec.generate(ids, attention_mask=mask, **kw)
+    assert torch.equal(got, expected)
+
+
+def test_min_new_tokens_with_speculation(engines):
+    plain, spec = engines
+    ids = torch.randint(1, 500, (1, 10))
+    free = plain.generate(ids, max_new_tokens=20, do_sample=False)[:, 10:]
+    kw = dict(max_new_tokens=20, min_new_tokens=8, eos_token_id=int(free[0, 3]), do_sample=False)
+    expected = plain.generate(ids, **kw)
+    speculate(spec, expected[:, 10:], 0.0)
+    assert torch.equal(spec.generate(ids, **kw), expected)
+
+
+# float64 for the dense model, so that the one difference between the two paths, the order of summation in a
+# [B·T]-row versus a B-row matmul, stays far below 1e-6; transformers' grouped expert matmul (the MoE prefill)
+# has no float64 kernel, so the MoE model runs float32 with a bound at float32 rounding. Bounds are relative
+# to the largest state entry (or absolute below 1).
+@pytest.mark.parametrize("name,dtype,tol", [("tiny", torch.float64, 1e-6), ("tiny-moe", torch.float32, 1e-4)])
+@torch.no_grad()
+def test_commit_restores_exactly_the_accepted_prefix_state(name, dtype, tol):
+    """Rounds of verify(block) + commit(keep) leave the conv and recurrent states, and lengths, of decoding the
+    kept tokens one at a time."""
+    model = fresh(name).to(dtype)
+    cfg, block = model.config, 5
+    spec = Forward(model, HybridCache(cfg, 2, 64, dtype, "cpu", block=block))
+    prompt = torch.randint(1, 500, (2, 9))
+    tokens = torch.randint(1, 500, (2, 3 * block))
+    spec.prefill(0, prompt)
+    spec.cache.lengths.fill_(9)
+    done = torch.zeros(2, dtype=torch.long)
+    for keep in ([5, 0], [1, 3], [2, 5]):  # accepted block positions per row, one round each
+        keep = torch.tensor(keep)
+        spec.step(torch.stack([tokens[b, done[b]:done[b] + block] for b in range(2)]), verify=True)
+        spec.commit(keep)
+        done += keep
+    for b in range(2):
+        solo = Forward(model, HybridCache(cfg, 1, 64, dtype, "cpu"))
+        solo.prefill(0, prompt[b:b + 1])
+        solo.cache.lengths.fill_(9)
+        for t in range(int(done[b])):
+            solo.step(tokens[b:b + 1, t:t + 1])
+            solo.cache.lengths += 1
+        assert int(spec.cache.lengths[b]) == int(solo.cache.lengths[0]) == 9 + int(done[b])
+        for i, kind in enumerate(cfg.layer_types):
+            if kind == "linear_attention":
+                for got, want in zip(spec.cache.recurrent(i), solo.cache.recurrent(i)):
+                    assert (got[b] - want[0]).abs().max() <= tol * want.abs().max().clamp(min=1)
+
+
+def test_rejection_sampling_preserves_the_target_distribution():
+    """First emitted token ~ p_0 and, after an accepted draft, the next ~ p_1 (chi-square, small vocab)."""
+    torch.manual_seed(0)
+    V, k, n = 6, 2, 200_000
+    p = torch.softmax(torch.randn(1, k + 1, V) * 1.5, -1).expand(n, -1, -1).contiguous()
+    q = torch.softmax(torch.randn(1, k, V) * 1.5, -1).expand(n, -1, -1).contiguous()
+    drafts = torch.multinomial(q.reshape(-1, V), 1).view(n, k)
+    acc, nxt = accept_sampled(p, drafts, q)
+    first = torch.where(acc > 0, drafts[:, 0], nxt)
+    for tokens, expected in ((first, p[0, 0]), (torch.where(acc > 1, drafts[:, 1], nxt)[acc >= 1], p[0, 1])):
+        counts = torch.bincount(tokens, minlength=V).double()
+        m = counts.sum()
+        chi2 = ((counts - m * expected) ** 2 / (m * expected)).sum().item()
+        assert chi2 < 30, f"chi2 {chi2:.1f} with {V - 1} dof"
+    # a deterministic draft (q = one-hot) is accepted with probability p(d)
+    d = torch.full((n, k), 3)
+    acc, _ = accept_sampled(p, d, None)
+    assert abs((acc > 0).double().mean().item() - p[0, 0, 3].item()) < 0.01
+
+
+def test_speculative_sampling_runs_and_reproduces(engines):
+    _, spec = engines
+    ids = torch.randint(1, 500, (2, 12))
+    speculate(spec, torch.randint(0, 500, (2, NEW)), 0.5)
+    torch.manual_seed(3)
+    a = spec.generate(ids, max_new_tokens=NEW, do_sample=True, temperature=0.9, top_k=40)
+    torch.manual_seed(3)
+    b = spec.generate(ids, max_new_tokens=NEW, do_sample=True, temperature=0.9, top_k=40)
+    assert torch.equal(a, b) and a.shape == (2, 12 + NEW)
+
+
+def test_speculation_errors(engines):
+    _, spec = engines
+    proposer = OracleProposer(torch.zeros(1, 4, dtype=torch.long), 0.0, 512)
+    with pytest.raises(ValueError, match="num_speculative_tokens must be an int in 1..32"):
+        spec._fastqwen.enable_speculation(proposer, 0)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        spec._fastqwen.enable_speculation(proposer, 33)
+    spec._fastqwen.enable_speculation(proposer, K)
+    with pytest.raises(ValueError, match=r"one speculative block \(5\) exceeds max_seq_len=320"):
+        spec.generate(torch.randint(1, 500, (1, 300)), max_new_tokens=16)
+    from transformers import StoppingCriteriaList
+
+    with pytest.raises(ValueError, match="stopping_criteria are not supported with speculative"):
+        spec.generate(torch.randint(1, 500, (1, 5)), max_new_tokens=4,
+                      stopping_criteria=StoppingCriteriaList([lambda i, s, **kw: torch.zeros(1, dtype=torch.bool)]))
