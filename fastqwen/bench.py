@@ -35,13 +35,21 @@ class OracleProposer:
     def __init__(self, reference: torch.Tensor, miss: float, vocab_size: int, inner=None):
         self.reference, self.miss, self.vocab_size, self.inner = reference, miss, vocab_size, inner
 
+    def prefill(self, engine, first_row, tokens, hidden) -> None:
+        if self.inner is not None:
+            self.inner.prefill(engine, first_row, tokens, hidden)
+
     def start(self, engine) -> None:
         if self.inner is not None:
             self.inner.start(engine)
 
-    def propose(self, engine, k: int):
+    def observe(self, engine, tokens, hidden, start, keep) -> None:
         if self.inner is not None:
-            self.inner.propose(engine, k)
+            self.inner.observe(engine, tokens, hidden, start, keep)
+
+    def propose(self, engine, k: int, do_sample: bool = False):
+        if self.inner is not None:
+            self.inner.propose(engine, k, do_sample)
         n_out = engine.spec.n_out
         ref = self.reference
         idx = (n_out[: ref.shape[0], None] + torch.arange(k, device=ref.device)).clamp(max=ref.shape[1] - 1)

@@ -201,7 +201,10 @@ class Engine:
             end = start + 1
             while end < B and len(rows[end]) == len(rows[start]):
                 end += 1
-            logits[start:end] = self.forward.prefill(start, torch.stack(rows[start:end]))
+            tokens = torch.stack(rows[start:end])
+            logits[start:end], hidden = self.forward.prefill(start, tokens)
+            if self.spec is not None:
+                self.spec.proposer.prefill(self, start, tokens, hidden)
             self.cache.lengths[start:end] = len(rows[start])
             start = end
         s["done"].fill_(True)

@@ -39,24 +39,27 @@ class Forward:
         self.cache = cache
 
     # ----- entry points -------------------------------------------------------------------------------
-    def prefill(self, first_row: int, tokens: torch.Tensor) -> torch.Tensor:
+    def prefill(self, first_row: int, tokens: torch.Tensor):
         """Run prompts tokens [n, T] of cache rows first_row … first_row+n-1 (which must be empty).
 
-        Returns the logits of each prompt's last token [n, V] fp32.
+        Returns the logits of each prompt's last token [n, V] fp32 and the final (post-norm) hidden states of
+        every position [n, T, H] (what an MTP head reads).
         """
         positions = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
-        h = self._layers(tokens, positions, slice(first_row, first_row + tokens.shape[0]), "prefill")
-        return self._logits(h[:, -1])
+        h = self.final_norm(self._layers(tokens, positions, slice(first_row, first_row + tokens.shape[0]), "prefill"))
+        return self.lm_head(h[:, -1]).float(), h
 
-    def step(self, tokens: torch.Tensor, verify: bool = False) -> torch.Tensor:
-        """Run tokens [B, T] (B = cache batch) at positions lengths[b] + t; returns logits [B, T, V] fp32.
+    def step(self, tokens: torch.Tensor, verify: bool = False, hidden: bool = False):
+        """Run tokens [B, T] (B = cache batch) at positions lengths[b] + t; returns logits [B, T, V] fp32
+        (and, with `hidden`, the final post-norm hidden states [B, T, H]).
 
         verify: leave the recurrent state for `commit` (T must equal the cache's block).
         """
         offsets = torch.arange(tokens.shape[1], device=tokens.device)
         positions = self.cache.lengths[:, None] + offsets
-        h = self._layers(tokens, positions, slice(None), "verify" if verify else "decode")
-        return self._logits(h)
+        h = self.final_norm(self._layers(tokens, positions, slice(None), "verify" if verify else "decode"))
+        logits = self.lm_head(h).float()
+        return (logits, h) if hidden else logits
 
     def commit(self, keep: torch.Tensor) -> None:
         """Accept the first keep[b] (0 ≤ keep ≤ T) positions of the last verified block of each row."""
@@ -71,8 +74,8 @@ class Forward:
         self.cache.lengths.add_(keep)
 
     # ----- the stack ----------------------------------------------------------------------------------
-    def _logits(self, h):
-        return self.lm_head(rms_norm(h, self.norm.weight, self.eps)).float()
+    def final_norm(self, h):
+        return rms_norm(h, self.norm.weight, self.eps)
 
     def _layers(self, tokens, positions, rows, mode):
         x = self.embed(tokens)

@@ -15,8 +15,12 @@ SUPPORTED = (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5ForConditionalGen
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+SPECULATE = ("mtp",)
+
+
 def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile: bool = True,
-             compile_options: dict | None = None):
+             compile_options: dict | None = None, speculate: str | None = None, num_speculative_tokens: int = 3,
+             draft=None):
     """Make `model.generate` run on fastqwen's static hybrid cache and compiled decode step.
 
     model: a transformers Qwen3.5 / Qwen3.6 model (dense or MoE; CausalLM or ConditionalGeneration, text-only
@@ -46,8 +50,26 @@ def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile
             import fla.ops.gated_delta_rule  # noqa: F401
         except ImportError as err:
             raise ImportError("fastqwen on CUDA needs flash-linear-attention: pip install flash-linear-attention") from err
+    if speculate is not None and speculate not in SPECULATE:
+        raise ValueError(f"unknown speculate={speculate!r}; supported: None, {', '.join(map(repr, SPECULATE))}")
+    head = None
+    if speculate == "mtp":
+        from .generate import MAX_SPECULATIVE_TOKENS
+        from .spec.mtp import MTPHead, read_mtp_tensors
+
+        if not isinstance(num_speculative_tokens, int) or not 1 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be an int in 1..{MAX_SPECULATIVE_TOKENS}, "
+                             f"got {num_speculative_tokens!r}")
+        source = draft or getattr(model, "name_or_path", "") or model.config._name_or_path
+        if not source:
+            raise ValueError("speculate='mtp' needs the checkpoint the model was loaded from; pass draft=<dir>")
+        head = MTPHead(model, read_mtp_tensors(source))
     model.eval()
     model._fastqwen = Engine(model, max_batch_size=max_batch_size, max_seq_len=max_seq_len, compile=compile,
                              compile_options=compile_options)
+    if head is not None:
+        from .spec.mtp import MTPProposer
+
+        model._fastqwen.enable_speculation(MTPProposer(model._fastqwen, head), num_speculative_tokens)
     model.generate = model._fastqwen.generate
     return model

@@ -48,8 +48,13 @@ def recurrence(q, k, v, g, beta, state):
         out.append((s * qf[:, t, :, :, None]).sum(-2))
     state.copy_(s)
     if not out:
-        return torch.empty_like(v)
+        return _output_like(v)
     return torch.stack(out, dim=1).to(v.dtype)
+
+
+def _output_like(v):
+    """The ops' output: contiguous, shaped and typed as v (which may be a strided view)."""
+    return torch.empty(v.shape, dtype=v.dtype, device=v.device)
 
 
 def gdn_reference(q, k, v, a, b, A_log, dt_bias, state):
@@ -68,7 +73,7 @@ def _fla_recurrent(q, k, v, g, beta, state, final_state, gate_in_kernel, A_log=N
     batch, seq, heads, dk = k.shape
     vheads, dv = v.shape[2], v.shape[3]
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
-    out = torch.empty_like(v)
+    out = _output_like(v)
     block_v = min(8, triton.next_power_of_2(dv))
     grid = (triton.cdiv(dv, block_v) * batch * vheads,)
     kernel[grid](
@@ -97,7 +102,7 @@ def _gdn_recurrent_cuda(q, k, v, a, b, A_log, dt_bias, state):
 
 @gdn_recurrent.register_fake
 def _(q, k, v, a, b, A_log, dt_bias, state):
-    return torch.empty_like(v)
+    return _output_like(v)
 
 
 @torch.library.custom_op("fastqwen::gdn_chunk", mutates_args=("state",))
@@ -124,7 +129,7 @@ def _gdn_chunk_cuda(q, k, v, a, b, A_log, dt_bias, state):
 
 @gdn_chunk.register_fake
 def _(q, k, v, a, b, A_log, dt_bias, state):
-    return torch.empty_like(v)
+    return _output_like(v)
 
 
 @torch.library.custom_op("fastqwen::gdn_verify", mutates_args=())
@@ -143,7 +148,7 @@ def _gdn_verify_cuda(q, k, v, a, b, A_log, dt_bias, state):
 
 @gdn_verify.register_fake
 def _(q, k, v, a, b, A_log, dt_bias, state):
-    return torch.empty_like(v)
+    return _output_like(v)
 
 
 @torch.library.custom_op("fastqwen::gdn_replay", mutates_args=("state",))

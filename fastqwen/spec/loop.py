@@ -16,8 +16,14 @@ from .verify import accept_greedy, accept_sampled, emitted_tokens
 class Speculator:
     """Runs rounds of `proposer` (k drafts each) against the engine's target; see the module docstring.
 
-    proposer.propose(engine, k) -> (drafts [B, k] long, q [B, k, V] draft probabilities or None when the
-    drafts are deterministic); proposer.start(engine) is called after prefill.
+    The proposer protocol (see bench.OracleProposer and spec/mtp.py):
+      prefill(engine, first_row, tokens [n, T], hidden [n, T, H]) after each prompt's prefill;
+      start(engine) once every row is prefilled;
+      propose(engine, k, do_sample) -> (drafts [B, k] long, q [B, k, V] draft probabilities, or None when the
+        drafts are deterministic);
+      observe(engine, tokens [B, k+1], hidden [B, k+1, H], start [B], keep [B]) after each commit: the block's
+        emitted tokens, the target's final hidden states over it, its first position and the number of its
+        positions committed (0 for finished rows).
     """
 
     def __init__(self, engine, proposer, k: int):
@@ -35,8 +41,10 @@ class Speculator:
 
     def round(self, do_sample: bool) -> None:
         e, s, k = self.engine, self.engine.state, self.k
-        drafts, q = self.proposer.propose(e, k)
-        logits = e.forward.step(torch.cat([s["tokens"][:, None], drafts], dim=1), verify=True)  # [B, k+1, V]
+        drafts, q = self.proposer.propose(e, k, do_sample)
+        block = torch.cat([s["tokens"][:, None], drafts], dim=1)
+        logits, hidden = e.forward.step(block, verify=True, hidden=True)  # [B, k+1, V], [B, k+1, H]
+        start = e.cache.lengths.clone()
         j = torch.arange(k + 1, device=logits.device)
         blocked = (self.n_out[:, None] + j < s["min_new"])[..., None] & s["eos_mask"]
         logits = logits.masked_fill(blocked, float("-inf"))
@@ -55,12 +63,14 @@ class Speculator:
         count = torch.where(s["done"], 0, count)
         cols = torch.where(j < count[:, None], self.n_out[:, None] + j, self.out.shape[1] - 1)
         self.out.scatter_(1, cols, emitted)
-        e.forward.commit(torch.where(s["done"], 0, n + 1))
+        keep = torch.where(s["done"], 0, n + 1)
+        e.forward.commit(keep)
         finished = (is_eos & (j < count[:, None])).any(1) | (self.n_out + count >= self.max_new)
         self.rounds.add_((~s["done"]).long())
         s["done"].logical_or_(finished)
         self.n_out.add_(count)
         s["tokens"].copy_(nxt)
+        self.proposer.observe(e, emitted, hidden, start, keep)
 
     def decode(self, first: torch.Tensor, rows: int, max_new: int, do_sample: bool, streamer, sync_every: int):
         """Rounds until every row is done; first [B] are the prefill's tokens. Returns tokens [rows, n], n ≤ max_new,

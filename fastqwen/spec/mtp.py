@@ -1,0 +1,161 @@
+"""The checkpoint's own MTP (multi-token prediction) head as a drafter.
+
+Qwen3.5 checkpoints ship one extra full-attention decoder layer under `mtp.*`, which transformers drops at
+load. It predicts token t+2 from token t+1 and the target's final (post-norm) hidden state h_t:
+
+    m_t = norm(layer(fc(cat[norm_e(embed(x_{t+1})), norm_h(h_t)])))  at position t,   logits = lm_head(m_t)
+
+and drafts k tokens recursively by feeding m back as the next h. It has its own KV cache, which must hold
+the entries of the true sequence: after prefill, the prompt's positions; after each speculative round, the
+verified block's positions, recomputed from the target's hidden states (`observe`), since the drafting pass
+wrote them from its own guesses.
+"""
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..cache import HybridCache
+from ..model import text_model
+from ..ops.attention import rope_cos_sin
+from ..ops.norm import rms_norm
+from ..sampling import filtered_probs, sample_probs
+
+
+def read_mtp_tensors(path) -> dict:
+    """The `mtp.*` tensors of a safetensors checkpoint (a directory with or without an index, or one file),
+    keyed without the `mtp.` prefix."""
+    from safetensors import safe_open
+
+    root = Path(path)
+    if root.is_file():
+        files = [root]
+    elif root.is_dir():
+        index = root / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted({root / f for key, f in weight_map.items() if key.startswith("mtp.")})
+        else:
+            files = sorted(root.glob("*.safetensors"))
+    else:
+        raise FileNotFoundError(f"MTP weights: {path} is neither a checkpoint directory nor a safetensors file; "
+                                f"pass draft=<local checkpoint directory>")
+    tensors = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for key in fh.keys():
+                if key.startswith("mtp."):
+                    tensors[key[len("mtp."):]] = fh.get_tensor(key)
+    if not tensors:
+        raise ValueError(f"{path} has no mtp.* tensors: this checkpoint ships no MTP head; use a checkpoint "
+                         f"that has one (draft=...) or another speculate option")
+    return _fuse_experts(tensors)
+
+
+def _fuse_experts(tensors: dict) -> dict:
+    """Per-expert `…experts.{e}.{gate,up,down}_proj.weight` → transformers' fused 3-D `gate_up_proj`, `down_proj`."""
+    prefixes = sorted({k.split(".experts.")[0] for k in tensors if ".experts." in k and k.split(".experts.")[1][0].isdigit()})
+    for prefix in prefixes:
+        experts = sorted({int(k.split(".experts.")[1].split(".")[0]) for k in tensors if k.startswith(prefix + ".experts.")})
+        take = lambda e, name: tensors.pop(f"{prefix}.experts.{e}.{name}.weight")  # noqa: E731
+        tensors[f"{prefix}.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([take(e, "gate_proj"), take(e, "up_proj")]) for e in experts])
+        tensors[f"{prefix}.experts.down_proj"] = torch.stack([take(e, "down_proj") for e in experts])
+    return tensors
+
+
+class MTPHead(nn.Module):
+    """fc, pre-fc norms, one decoder layer of the target's own class (full attention), final norm."""
+
+    def __init__(self, model, tensors: dict):
+        super().__init__()
+        text = text_model(model)
+        cfg = text.config
+        H = cfg.hidden_size
+        if "fc.weight" not in tensors or tuple(tensors["fc.weight"].shape) != (H, 2 * H):
+            shape = tuple(tensors["fc.weight"].shape) if "fc.weight" in tensors else None
+            raise ValueError(f"MTP head does not fit the target: mtp.fc.weight is {shape}, expected {(H, 2 * H)} "
+                             f"(target hidden size {H}); is the draft from another model size?")
+        self.attn_layer = cfg.layer_types.index("full_attention")
+        norm_cls, layer_cls = type(text.norm), type(text.layers[self.attn_layer])
+        emb = model.get_input_embeddings().weight
+        with torch.device(emb.device):
+            self.fc = nn.Linear(2 * H, H, bias=False)
+            self.pre_fc_norm_embedding = norm_cls(H, eps=cfg.rms_norm_eps)
+            self.pre_fc_norm_hidden = norm_cls(H, eps=cfg.rms_norm_eps)
+            self.layers = nn.ModuleList([layer_cls(cfg, self.attn_layer)])
+            self.norm = norm_cls(H, eps=cfg.rms_norm_eps)
+        self.to(emb.dtype)
+        missing, unexpected = self.load_state_dict(tensors, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"MTP head does not fit the target: missing {missing[:6]}, unexpected {unexpected[:6]}")
+
+
+class MTPProposer:
+    """Drafts k tokens a round with an MTPHead; see the module docstring for its KV cache bookkeeping."""
+
+    def __init__(self, engine, head: MTPHead):
+        self.head = head
+        cfg = copy.deepcopy(engine.model.config.get_text_config())
+        cfg.layer_types = ["full_attention"]
+        B, dev = engine.max_batch_size, engine.device
+        self.cache = HybridCache(cfg, B, engine.max_seq_len, engine.dtype, dev)
+        self.pos = torch.zeros(B, dtype=torch.long, device=dev)  # position of the next drafting step
+        self.last_hidden = torch.zeros(B, cfg.hidden_size, dtype=engine.dtype, device=dev)
+        for buf in (self.pos, self.last_hidden):
+            torch._dynamo.mark_static_address(buf)
+
+    def run(self, engine, tokens, hidden, positions, rows=slice(None)):
+        """MTP over tokens [n, T] (x_{t+1}) and hidden [n, T, H] (h_t) at positions [n, T]; writes its KV cache
+        rows `rows` and returns m [n, T, H]."""
+        head, fw = self.head, engine.forward
+        eps = fw.eps
+        x = head.fc(torch.cat([rms_norm(fw.embed(tokens), head.pre_fc_norm_embedding.weight, eps),
+                               rms_norm(hidden, head.pre_fc_norm_hidden.weight, eps)], dim=-1))
+        layer = head.layers[0]
+        cos, sin = rope_cos_sin(positions, fw.inv_freq, fw.rope_scaling, x.dtype)
+        k_cache, v_cache = self.cache.attention(0)
+        h = rms_norm(x, layer.input_layernorm.weight, eps)
+        x = x + fw._attention(layer.self_attn, h, cos, sin, positions, k_cache[rows], v_cache[rows], "decode")
+        h = rms_norm(x, layer.post_attention_layernorm.weight, eps)
+        x = x + fw._mlp(layer.mlp, h, "prefill" if tokens.shape[1] > 16 else "decode")
+        return rms_norm(x, head.norm.weight, eps)
+
+    def prefill(self, engine, first_row, tokens, hidden) -> None:
+        n, T = tokens.shape
+        rows = slice(first_row, first_row + n)
+        if T > 1:
+            positions = torch.arange(T - 1, device=tokens.device).expand(n, -1)
+            self.run(engine, tokens[:, 1:], hidden[:, :-1], positions, rows)
+        self.pos[rows] = T - 1
+        self.last_hidden[rows] = hidden[:, -1]
+
+    def start(self, engine) -> None:
+        pass
+
+    def propose(self, engine, k: int, do_sample: bool):
+        s = engine.state
+        token, h = s["tokens"], self.last_hidden
+        drafts, probs = [], []
+        for i in range(k):
+            h = self.run(engine, token[:, None], h[:, None], (self.pos + i)[:, None])[:, 0]
+            logits = engine.forward.lm_head(h).float()
+            if do_sample:
+                q = filtered_probs(logits, s["temperature"], s["top_k"], s["top_p"], s["min_p"])
+                token = sample_probs(q)
+                probs.append(q)
+            else:
+                token = logits.argmax(-1)
+            drafts.append(token)
+        return torch.stack(drafts, dim=1), (torch.stack(probs, dim=1) if do_sample else None)
+
+    def observe(self, engine, tokens, hidden, start, keep) -> None:
+        positions = start[:, None] + torch.arange(tokens.shape[1], device=start.device)
+        self.run(engine, tokens, hidden, positions)
+        last = (keep - 1).clamp(min=0)
+        advanced = keep > 0
+        self.pos.copy_(torch.where(advanced, start + last, self.pos))
+        self.last_hidden.copy_(torch.where(advanced[:, None], hidden[torch.arange(len(last)), last], self.last_hidden))

@@ -1,0 +1,149 @@
+"""MTP drafts: a checkpoint written here in the real on-disk format loads, drafts like a plain
+implementation, and speculative greedy with it is token-identical to plain greedy."""
+
+import json
+
+import pytest
+import torch
+from conftest import fresh, left_padded
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+import fastqwen
+from fastqwen.model import text_model
+
+
+def mtp_tensors(model, seed=1, per_expert=True):
+    """Random `mtp.*` tensors for `model`'s shape, named as Qwen3.5 checkpoints name them."""
+    torch.manual_seed(seed)
+    text = text_model(model)
+    H = model.config.hidden_size
+    layer = type(text.layers[3])(model.config, 3)  # layer 3 of the tiny presets is full attention
+    out = {"mtp.fc.weight": torch.randn(H, 2 * H) * 0.1}
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        out[f"mtp.{name}.weight"] = torch.randn(H) * 0.1
+    for name, p in layer.state_dict().items():
+        value = torch.randn_like(p) * 0.2
+        if name.endswith("experts.gate_up_proj") and per_expert:
+            for e, w in enumerate(value):
+                gate, up = w.chunk(2)
+                out[f"mtp.layers.0.mlp.experts.{e}.gate_proj.weight"] = gate.contiguous()
+                out[f"mtp.layers.0.mlp.experts.{e}.up_proj.weight"] = up.contiguous()
+        elif name.endswith("experts.down_proj") and per_expert:
+            for e, w in enumerate(value):
+                out[f"mtp.layers.0.mlp.experts.{e}.down_proj.weight"] = w.contiguous()
+        else:
+            out[f"mtp.layers.0.{name}"] = value
+    return out
+
+
+def write_checkpoint(path, model, mtp=True):
+    """save_pretrained + an extra shard with the MTP tensors and an index mapping every tensor, as released."""
+    model.save_pretrained(path)
+    keys = list(model.state_dict())
+    weight_map = {k: "model.safetensors" for k in keys}
+    if mtp:
+        tensors = mtp_tensors(model)
+        save_file(tensors, str(path / "model-mtp.safetensors"))
+        weight_map.update({k: "model-mtp.safetensors" for k in tensors})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return path
+
+
+@pytest.fixture(scope="module", params=["tiny", "tiny-moe"])
+def checkpoint(request, tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp(request.param), fresh(request.param))
+
+
+def load(path):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def plain_drafts(model, head, prompt, first, k):
+    """k MTP drafts computed straight from transformers' modules: each step runs the MTP layer over the whole
+    sequence (no cache), feeding its own output back as the next hidden state."""
+    with torch.no_grad():
+        text = text_model(model)
+        hidden = text(prompt).last_hidden_state  # final post-norm hidden states h_0 … h_{T-1}
+        tokens = torch.cat([prompt[:, 1:], first[:, None]], dim=1)  # x_1 … x_T
+        drafts = []
+        for _ in range(k):
+            x = head.fc(torch.cat([head.pre_fc_norm_embedding(text.embed_tokens(tokens)),
+                                   head.pre_fc_norm_hidden(hidden)], -1))
+            positions = torch.arange(tokens.shape[1])[None]
+            x = head.layers[0](x, position_embeddings=text.rotary_emb(x, positions), attention_mask=None,
+                               position_ids=positions)
+            m = head.norm(x[:, -1:])
+            drafts.append(model.lm_head(m[:, 0]).argmax(-1))
+            tokens = torch.cat([tokens, drafts[-1][:, None]], dim=1)
+            hidden = torch.cat([hidden, m], dim=1)
+        return torch.stack(drafts, dim=1)
+
+
+def test_mtp_loads_and_drafts_like_a_plain_implementation(checkpoint):
+    model = fastqwen.optimize(load(checkpoint), max_seq_len=128, compile=False, speculate="mtp",
+                              num_speculative_tokens=3)
+    engine = model._fastqwen
+    prompt = torch.randint(1, 500, (1, 21))
+    with torch.no_grad():
+        first = engine._prefill([prompt[0]], do_sample=False)
+        drafts, q = engine.spec.proposer.propose(engine, 3, False)
+    assert q is None and drafts.shape == (1, 3)
+    assert torch.equal(drafts, plain_drafts(model, engine.spec.proposer.head, prompt, first[:1], 3))
+
+
+def test_mtp_speculative_greedy_is_token_identical(checkpoint):
+    plain = fastqwen.optimize(load(checkpoint), max_batch_size=3, max_seq_len=256, compile=False)
+    spec = fastqwen.optimize(load(checkpoint), max_batch_size=3, max_seq_len=256, compile=False, speculate="mtp",
+                             num_speculative_tokens=3)
+    rows = [torch.randint(1, 500, (n,)) for n in (70, 8, 31)]
+    ids, mask = left_padded(rows)
+    expected = plain.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=30)
+    assert torch.equal(spec.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=30), expected)
+    assert spec._fastqwen.spec.rounds[:3].min() > 0, "the speculative loop ran"
+    free = expected[:, ids.shape[1]:]
+    kw = dict(max_new_tokens=30, eos_token_id=int(free[2, 5]), pad_token_id=1)
+    expected = plain.generate(ids, attention_mask=mask, do_sample=False, **kw)
+    assert torch.equal(spec.generate(ids, attention_mask=mask, do_sample=False, **kw), expected)
+    torch.manual_seed(0)
+    sampled = spec.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=12, temperature=0.7)
+    assert sampled.shape == (3, ids.shape[1] + 12)
+
+
+def test_mtp_errors(tmp_path):
+    model = fresh("tiny")
+    bare = write_checkpoint(tmp_path / "bare", model, mtp=False)
+    with pytest.raises(ValueError, match="has no mtp.. tensors"):
+        fastqwen.optimize(load(bare), compile=False, speculate="mtp")
+    other = tmp_path / "other.safetensors"
+    wrong = mtp_tensors(model)
+    wrong["mtp.fc.weight"] = torch.randn(64, 96)
+    save_file(wrong, str(other))
+    with pytest.raises(ValueError, match=r"mtp.fc.weight is \(64, 96\), expected \(64, 128\)"):
+        fastqwen.optimize(load(bare), compile=False, speculate="mtp", draft=other)
+    with pytest.raises(ValueError, match="unknown speculate='eagle'"):
+        fastqwen.optimize(model, compile=False, speculate="eagle")
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        fastqwen.optimize(model, compile=False, speculate="mtp", num_speculative_tokens=0, draft=other)
+    with pytest.raises(FileNotFoundError, match="draft=<local checkpoint directory>"):
+        fastqwen.optimize(model, compile=False, speculate="mtp", draft=tmp_path / "missing")
+
+
+def test_compiled_speculative_round_matches_eager_without_recompiling(tmp_path):
+    """The whole round (k MTP drafting steps, verify, acceptance, commit, MTP catch-up) compiles as one graph."""
+    path = write_checkpoint(tmp_path / "ckpt", fresh("tiny"))
+    eager = fastqwen.optimize(load(path), max_batch_size=2, max_seq_len=128, compile=False, speculate="mtp",
+                              num_speculative_tokens=2)
+    compiled = fastqwen.optimize(load(path), max_batch_size=2, max_seq_len=128, compile=True, speculate="mtp",
+                                 num_speculative_tokens=2)
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    for i, n in enumerate((9, 23)):
+        ids, mask = left_padded([torch.randint(1, 500, (n,)), torch.randint(1, 500, (n - 4,))])
+        expected = eager.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            got = compiled.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+        assert torch.equal(got, expected)
+    assert counters["stats"]["unique_graphs"] == 1
