@@ -75,7 +75,9 @@ class Engine:
         self.spec = None
 
     def compile(self, fn):
-        """fn compiled as one full graph with this engine's options (or fn itself when compile=False)."""
+        """fn (run without autograd) compiled as one full graph with this engine's options, or as is when
+        compile=False."""
+        fn = torch.no_grad()(fn)
         if not self.compiled:
             return fn
         return torch.compile(fn, fullgraph=True, options=self.compile_options)

@@ -88,3 +88,35 @@ def perturb_zero_init(model, std: float) -> None:
             continue
         if not p.detach().abs().amax().item():
             p.normal_(0.0, std)
+
+
+@torch.no_grad()
+def random_mtp_tensors(model, *, seed: int = 1, std: float = 0.2, per_expert: bool = True) -> dict:
+    """Random `mtp.*` tensors for `model`'s shape, named and laid out as Qwen3.5 checkpoints store them
+    (MoE experts per expert unless per_expert=False), on the model's device and dtype."""
+    from .model import text_model
+
+    text = text_model(model)
+    cfg = text.config
+    H = cfg.hidden_size
+    idx = cfg.layer_types.index("full_attention")
+    weight = model.get_input_embeddings().weight
+    torch.manual_seed(seed)
+    with torch.device(weight.device):
+        layer = type(text.layers[idx])(cfg, idx).to(weight.dtype)
+        out = {"mtp.fc.weight": torch.randn(H, 2 * H, dtype=weight.dtype) * std / 2}
+        for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+            out[f"mtp.{name}.weight"] = torch.randn(H, dtype=weight.dtype) * std / 2
+    for name, p in layer.state_dict().items():
+        value = torch.randn_like(p) * std
+        if per_expert and name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            for e, w in enumerate(value):
+                if name.endswith("gate_up_proj"):
+                    gate, up = w.chunk(2)
+                    out[f"mtp.layers.0.mlp.experts.{e}.gate_proj.weight"] = gate.contiguous()
+                    out[f"mtp.layers.0.mlp.experts.{e}.up_proj.weight"] = up.contiguous()
+                else:
+                    out[f"mtp.layers.0.mlp.experts.{e}.down_proj.weight"] = w.contiguous()
+        else:
+            out[f"mtp.layers.0.{name}"] = value
+    return out

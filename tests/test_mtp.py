@@ -10,31 +10,8 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 import fastqwen
+from fastqwen import presets
 from fastqwen.model import text_model
-
-
-def mtp_tensors(model, seed=1, per_expert=True):
-    """Random `mtp.*` tensors for `model`'s shape, named as Qwen3.5 checkpoints name them."""
-    torch.manual_seed(seed)
-    text = text_model(model)
-    H = model.config.hidden_size
-    layer = type(text.layers[3])(model.config, 3)  # layer 3 of the tiny presets is full attention
-    out = {"mtp.fc.weight": torch.randn(H, 2 * H) * 0.1}
-    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-        out[f"mtp.{name}.weight"] = torch.randn(H) * 0.1
-    for name, p in layer.state_dict().items():
-        value = torch.randn_like(p) * 0.2
-        if name.endswith("experts.gate_up_proj") and per_expert:
-            for e, w in enumerate(value):
-                gate, up = w.chunk(2)
-                out[f"mtp.layers.0.mlp.experts.{e}.gate_proj.weight"] = gate.contiguous()
-                out[f"mtp.layers.0.mlp.experts.{e}.up_proj.weight"] = up.contiguous()
-        elif name.endswith("experts.down_proj") and per_expert:
-            for e, w in enumerate(value):
-                out[f"mtp.layers.0.mlp.experts.{e}.down_proj.weight"] = w.contiguous()
-        else:
-            out[f"mtp.layers.0.{name}"] = value
-    return out
 
 
 def write_checkpoint(path, model, mtp=True):
@@ -43,7 +20,7 @@ def write_checkpoint(path, model, mtp=True):
     keys = list(model.state_dict())
     weight_map = {k: "model.safetensors" for k in keys}
     if mtp:
-        tensors = mtp_tensors(model)
+        tensors = presets.random_mtp_tensors(model)
         save_file(tensors, str(path / "model-mtp.safetensors"))
         weight_map.update({k: "model-mtp.safetensors" for k in tensors})
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
@@ -116,7 +93,7 @@ def test_mtp_errors(tmp_path):
     with pytest.raises(ValueError, match="has no mtp.. tensors"):
         fastqwen.optimize(load(bare), compile=False, speculate="mtp")
     other = tmp_path / "other.safetensors"
-    wrong = mtp_tensors(model)
+    wrong = presets.random_mtp_tensors(model)
     wrong["mtp.fc.weight"] = torch.randn(64, 96)
     save_file(wrong, str(other))
     with pytest.raises(ValueError, match=r"mtp.fc.weight is \(64, 96\), expected \(64, 128\)"):
