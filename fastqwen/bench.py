@@ -35,6 +35,10 @@ class OracleProposer:
     def __init__(self, reference: torch.Tensor, miss: float, vocab_size: int, inner=None):
         self.reference, self.miss, self.vocab_size, self.inner = reference, miss, vocab_size, inner
 
+    @property
+    def features(self):
+        return None if self.inner is None else self.inner.features
+
     def prefill(self, engine, first_row, tokens, hidden) -> None:
         if self.inner is not None:
             self.inner.prefill(engine, first_row, tokens, hidden)

@@ -18,15 +18,14 @@ class HybridCache(nn.Module):
         super().__init__()
         self.max_batch_size, self.max_seq_len, self.block = max_batch_size, max_seq_len, block
         B, S = max_batch_size, max_seq_len
-        conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + (
-            cfg.linear_num_value_heads * cfg.linear_value_head_dim
-        )
         for i, kind in enumerate(cfg.layer_types):
             if kind == "full_attention":
                 kv_shape = (B, cfg.num_key_value_heads, S, cfg.head_dim)
                 self.register_buffer(f"k{i}", torch.zeros(kv_shape, dtype=dtype, device=device))
                 self.register_buffer(f"v{i}", torch.zeros(kv_shape, dtype=dtype, device=device))
             elif kind == "linear_attention":
+                conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + (
+                    cfg.linear_num_value_heads * cfg.linear_value_head_dim)
                 conv_shape = (B, conv_dim, cfg.linear_conv_kernel_dim - 1)
                 state_shape = (B, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
                 self.register_buffer(f"conv{i}", torch.zeros(conv_shape, dtype=dtype, device=device))

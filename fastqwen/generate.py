@@ -38,6 +38,11 @@ _UNSUPPORTED_ARGS = (
 )
 
 
+def check_num_speculative_tokens(k) -> None:
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise ValueError(f"num_speculative_tokens must be an int in 1..{MAX_SPECULATIVE_TOKENS}, got {k!r}")
+
+
 class Engine:
     """Owns the cache, the forward and the compiled decode steps of one optimized model."""
 
@@ -89,8 +94,7 @@ class Engine:
         """
         from .spec.loop import Speculator
 
-        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"num_speculative_tokens must be an int in 1..{MAX_SPECULATIVE_TOKENS}, got {k!r}")
+        check_num_speculative_tokens(k)
         if k + 2 > self.max_seq_len:
             raise ValueError(f"max_seq_len={self.max_seq_len} leaves no room for a block of {k + 1} tokens")
         self.cache = HybridCache(self.model.config.get_text_config(), self.max_batch_size, self.max_seq_len,
@@ -204,9 +208,10 @@ class Engine:
             while end < B and len(rows[end]) == len(rows[start]):
                 end += 1
             tokens = torch.stack(rows[start:end])
-            logits[start:end], hidden = self.forward.prefill(start, tokens)
+            features = self.spec.proposer.features if self.spec is not None else None
+            logits[start:end], feats = self.forward.prefill(start, tokens, features)
             if self.spec is not None:
-                self.spec.proposer.prefill(self, start, tokens, hidden)
+                self.spec.proposer.prefill(self, start, tokens, feats)
             self.cache.lengths[start:end] = len(rows[start])
             start = end
         s["done"].fill_(True)

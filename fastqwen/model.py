@@ -39,27 +39,43 @@ class Forward:
         self.cache = cache
 
     # ----- entry points -------------------------------------------------------------------------------
-    def prefill(self, first_row: int, tokens: torch.Tensor):
+    def prefill(self, first_row: int, tokens: torch.Tensor, features=None):
         """Run prompts tokens [n, T] of cache rows first_row … first_row+n-1 (which must be empty).
 
-        Returns the logits of each prompt's last token [n, V] fp32 and the final (post-norm) hidden states of
-        every position [n, T, H] (what an MTP head reads).
+        Returns the logits of each prompt's last token [n, V] fp32 and the requested `features` of every
+        position (see `_features`; None when features is None).
         """
         positions = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
-        h = self.final_norm(self._layers(tokens, positions, slice(first_row, first_row + tokens.shape[0]), "prefill"))
-        return self.lm_head(h[:, -1]).float(), h
+        rows = slice(first_row, first_row + tokens.shape[0])
+        h, taps = self._layers(tokens, positions, rows, "prefill", self._taps(features))
+        h = self.final_norm(h)
+        return self.lm_head(h[:, -1]).float(), self._features(features, h, taps)
 
-    def step(self, tokens: torch.Tensor, verify: bool = False, hidden: bool = False):
-        """Run tokens [B, T] (B = cache batch) at positions lengths[b] + t; returns logits [B, T, V] fp32
-        (and, with `hidden`, the final post-norm hidden states [B, T, H]).
+    def step(self, tokens: torch.Tensor, verify: bool = False, features=None):
+        """Run tokens [B, T] (B = cache batch) at positions lengths[b] + t; returns logits [B, T, V] fp32, or
+        (logits, features [B, T, F]) when `features` is requested (see `_features`).
 
         verify: leave the recurrent state for `commit` (T must equal the cache's block).
         """
         offsets = torch.arange(tokens.shape[1], device=tokens.device)
         positions = self.cache.lengths[:, None] + offsets
-        h = self.final_norm(self._layers(tokens, positions, slice(None), "verify" if verify else "decode"))
+        mode = "verify" if verify else "decode"
+        h, taps = self._layers(tokens, positions, slice(None), mode, self._taps(features))
+        h = self.final_norm(h)
         logits = self.lm_head(h).float()
-        return (logits, h) if hidden else logits
+        return logits if features is None else (logits, self._features(features, h, taps))
+
+    @staticmethod
+    def _taps(features):
+        return () if features in (None, "final") else tuple(features)
+
+    @staticmethod
+    def _features(features, h, taps):
+        """features None: None; "final": the final post-norm hidden states [.., T, H] (what MTP reads);
+        a sequence of layer ids: the outputs of those decoder layers concatenated [.., T, len·H] (DFlash)."""
+        if features is None:
+            return None
+        return h if features == "final" else torch.cat(taps, dim=-1)
 
     def commit(self, keep: torch.Tensor) -> None:
         """Accept the first keep[b] (0 ≤ keep ≤ T) positions of the last verified block of each row."""
@@ -77,8 +93,10 @@ class Forward:
     def final_norm(self, h):
         return rms_norm(h, self.norm.weight, self.eps)
 
-    def _layers(self, tokens, positions, rows, mode):
+    def _layers(self, tokens, positions, rows, mode, taps=()):
+        """The decoder stack; returns the last layer's output and the outputs of layers `taps` (in order)."""
         x = self.embed(tokens)
+        tapped = {}
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scaling, x.dtype)
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_layernorm.weight, self.eps)
@@ -91,7 +109,9 @@ class Forward:
             x = x + h
             h = rms_norm(x, layer.post_attention_layernorm.weight, self.eps)
             x = x + self._mlp(layer.mlp, h, mode)
-        return x
+            if i in taps:
+                tapped[i] = x
+        return x, [tapped[i] for i in taps]
 
     def _gdn(self, m, h, conv, state, mode, i):
         """Gated DeltaNet block: projections, conv, gated delta rule, gated norm, out_proj. h [B, T, H]."""

@@ -8,19 +8,19 @@ from transformers import (
     Qwen3_5MoeForConditionalGeneration,
 )
 
-from .generate import Engine
+from .generate import Engine, check_num_speculative_tokens
 
 SUPPORTED = (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5ForConditionalGeneration,
              Qwen3_5MoeForConditionalGeneration)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-SPECULATE = ("mtp",)
+SPECULATE = ("mtp", "dflash")
 
 
 def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile: bool = True,
              compile_options: dict | None = None, speculate: str | None = None, num_speculative_tokens: int = 3,
-             draft=None):
+             draft=None, block_size: int | None = None):
     """Make `model.generate` run on fastqwen's static hybrid cache and compiled decode step.
 
     model: a transformers Qwen3.5 / Qwen3.6 model (dense or MoE; CausalLM or ConditionalGeneration, text-only
@@ -52,24 +52,34 @@ def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile
             raise ImportError("fastqwen on CUDA needs flash-linear-attention: pip install flash-linear-attention") from err
     if speculate is not None and speculate not in SPECULATE:
         raise ValueError(f"unknown speculate={speculate!r}; supported: None, {', '.join(map(repr, SPECULATE))}")
-    head = None
+    proposer_for = None  # engine -> proposer; built after the engine, loaded and checked before it
     if speculate == "mtp":
-        from .generate import MAX_SPECULATIVE_TOKENS
-        from .spec.mtp import MTPHead, read_mtp_tensors
+        from .spec.mtp import MTPHead, MTPProposer, read_mtp_tensors
 
-        if not isinstance(num_speculative_tokens, int) or not 1 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"num_speculative_tokens must be an int in 1..{MAX_SPECULATIVE_TOKENS}, "
-                             f"got {num_speculative_tokens!r}")
+        check_num_speculative_tokens(num_speculative_tokens)
         source = draft or getattr(model, "name_or_path", "") or model.config._name_or_path
         if not source:
             raise ValueError("speculate='mtp' needs the checkpoint the model was loaded from; pass draft=<dir>")
         head = MTPHead(model, read_mtp_tensors(source))
+        k = num_speculative_tokens
+        proposer_for = lambda engine: MTPProposer(engine, head)  # noqa: E731
+    elif speculate == "dflash":
+        from .spec.dflash import DFlashDraft, DFlashProposer, read_dflash_checkpoint
+
+        if draft is None:
+            raise ValueError("speculate='dflash' needs draft=<DFlash checkpoint directory>")
+        dflash = DFlashDraft(*read_dflash_checkpoint(draft), model)
+        block = dflash.block_size if block_size is None else block_size
+        if not isinstance(block, int) or not 2 <= block <= dflash.block_size:
+            raise ValueError(f"block_size must be an int in 2..{dflash.block_size} (the draft's own block size), "
+                             f"got {block!r}")
+        k = block - 1
+        proposer_for = lambda engine: DFlashProposer(engine, dflash)  # noqa: E731
     model.eval()
     model._fastqwen = Engine(model, max_batch_size=max_batch_size, max_seq_len=max_seq_len, compile=compile,
                              compile_options=compile_options)
-    if head is not None:
-        from .spec.mtp import MTPProposer
-
-        model._fastqwen.enable_speculation(MTPProposer(model._fastqwen, head), num_speculative_tokens)
+    if proposer_for is not None:
+        model._fastqwen.enable_speculation(proposer_for(model._fastqwen), k)
     model.generate = model._fastqwen.generate
     return model
+

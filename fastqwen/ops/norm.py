@@ -20,6 +20,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * (1.0 + _upcast(weight))).to(x.dtype)
 
 
+def plain_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The Qwen3 / DFlash-draft RMSNorm: w·x̂ with x̂ computed in fp32 and cast back before the weight."""
+    xf = _upcast(x)
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gated DeltaNet output norm: (w·x̂ in x.dtype)·silu(gate) over the last dim; plain `w`, not `1 + w`."""
     xf = _upcast(x)

@@ -16,14 +16,15 @@ from .verify import accept_greedy, accept_sampled, emitted_tokens
 class Speculator:
     """Runs rounds of `proposer` (k drafts each) against the engine's target; see the module docstring.
 
-    The proposer protocol (see bench.OracleProposer and spec/mtp.py):
-      prefill(engine, first_row, tokens [n, T], hidden [n, T, H]) after each prompt's prefill;
+    The proposer protocol (see bench.OracleProposer, spec/mtp.py, spec/dflash.py):
+      features: what it reads of the target (Forward._features): None, "final" or a tuple of layer ids;
+      prefill(engine, first_row, tokens [n, T], feats [n, T, F]) after each prompt's prefill;
       start(engine) once every row is prefilled;
       propose(engine, k, do_sample) -> (drafts [B, k] long, q [B, k, V] draft probabilities, or None when the
         drafts are deterministic);
-      observe(engine, tokens [B, k+1], hidden [B, k+1, H], start [B], keep [B]) after each commit: the block's
-        emitted tokens, the target's final hidden states over it, its first position and the number of its
-        positions committed (0 for finished rows).
+      observe(engine, tokens [B, k+1], feats [B, k+1, F], start [B], keep [B]) after each commit: the block's
+        emitted tokens, the target's features over it, its first position and the number of its positions
+        committed (0 for finished rows).
     """
 
     def __init__(self, engine, proposer, k: int):
@@ -43,7 +44,8 @@ class Speculator:
         e, s, k = self.engine, self.engine.state, self.k
         drafts, q = self.proposer.propose(e, k, do_sample)
         block = torch.cat([s["tokens"][:, None], drafts], dim=1)
-        logits, hidden = e.forward.step(block, verify=True, hidden=True)  # [B, k+1, V], [B, k+1, H]
+        out = e.forward.step(block, verify=True, features=self.proposer.features)  # logits [B, k+1, V]
+        logits, feats = out if self.proposer.features is not None else (out, None)
         start = e.cache.lengths.clone()
         j = torch.arange(k + 1, device=logits.device)
         blocked = (self.n_out[:, None] + j < s["min_new"])[..., None] & s["eos_mask"]
@@ -70,7 +72,7 @@ class Speculator:
         s["done"].logical_or_(finished)
         self.n_out.add_(count)
         s["tokens"].copy_(nxt)
-        self.proposer.observe(e, emitted, hidden, start, keep)
+        self.proposer.observe(e, emitted, feats, start, keep)
 
     def decode(self, first: torch.Tensor, rows: int, max_new: int, do_sample: bool, streamer, sync_every: int):
         """Rounds until every row is done; first [B] are the prefill's tokens. Returns tokens [rows, n], n ≤ max_new,

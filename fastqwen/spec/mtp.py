@@ -97,6 +97,8 @@ class MTPHead(nn.Module):
 class MTPProposer:
     """Drafts k tokens a round with an MTPHead; see the module docstring for its KV cache bookkeeping."""
 
+    features = "final"
+
     def __init__(self, engine, head: MTPHead):
         self.head = head
         cfg = copy.deepcopy(engine.model.config.get_text_config())

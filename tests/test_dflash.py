@@ -1,0 +1,140 @@
+"""DFlash drafts: a checkpoint written here in the real format loads, its block forward matches a plain
+implementation from transformers' modules, and speculative greedy with it is token-identical."""
+
+import json
+
+import pytest
+import torch
+from conftest import fresh, left_padded
+from safetensors.torch import save_file
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding, apply_rotary_pos_emb
+
+import fastqwen
+
+CONFIG = {
+    "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96,
+    "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0, "max_position_embeddings": 4096, "vocab_size": 512,
+    "attention_bias": False, "tie_word_embeddings": False, "block_size": 8, "num_target_layers": 4,
+    "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6,
+    "dflash_config": {"mask_token_id": 500, "target_layer_ids": [0, 2]},
+}
+
+
+def write_draft(path, config=CONFIG, seed=3):
+    """config.json + model.safetensors with random weights, tensor names as z-lab ships them (no prefix)."""
+    torch.manual_seed(seed)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = Qwen3Config(**{k: v for k, v in config.items() if k not in ("architectures", "dflash_config")})
+    H, n_ids = config["hidden_size"], len(config["dflash_config"]["target_layer_ids"])
+    tensors = {"fc.weight": torch.randn(H, n_ids * 64) * 0.1, "hidden_norm.weight": 1 + torch.randn(H) * 0.1,
+               "norm.weight": 1 + torch.randn(H) * 0.1}
+    for i in range(config["num_hidden_layers"]):
+        for name, p in Qwen3DecoderLayer(cfg, i).state_dict().items():
+            tensors[f"layers.{i}.{name}"] = (1 + torch.randn_like(p) * 0.1) if "norm" in name else torch.randn_like(p) * 0.2
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    return write_draft(tmp_path_factory.mktemp("dflash"))
+
+
+def plain_block_logits(model, draft, prompt, pending, k):
+    """The draft's block logits from transformers' modules: context K/V and block K/V concatenated, no cache."""
+    with torch.no_grad():
+        out = model(prompt, output_hidden_states=True)
+        feats = torch.cat([out.hidden_states[i + 1] for i in draft.target_layer_ids], dim=-1)  # outputs of layers
+        ctx = draft.hidden_norm(draft.fc(feats))
+        T = prompt.shape[1]
+        block = torch.tensor([[pending] + [draft.mask_token_id] * k])
+        x = model.get_input_embeddings()(block)
+        rot = Qwen3RotaryEmbedding(draft.config)
+        cos, sin = rot(x, torch.arange(T + k + 1)[None])
+        for i, layer in enumerate(draft.layers):
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = a.q_norm(a.q_proj(h).view(1, k + 1, -1, 16)).transpose(1, 2)
+            keys = a.k_norm(torch.cat([a.k_proj(ctx), a.k_proj(h)], 1).view(1, T + k + 1, -1, 16)).transpose(1, 2)
+            vals = torch.cat([a.v_proj(ctx), a.v_proj(h)], 1).view(1, T + k + 1, -1, 16).transpose(1, 2)
+            q, _ = apply_rotary_pos_emb(q, q, cos[:, T:], sin[:, T:])
+            keys, _ = apply_rotary_pos_emb(keys, keys, cos, sin)
+            keys, vals = keys.repeat_interleave(2, 1), vals.repeat_interleave(2, 1)
+            scores = q @ keys.transpose(-1, -2) * 16**-0.5
+            qpos, kpos = torch.arange(T, T + k + 1)[:, None], torch.arange(T + k + 1)[None]
+            if draft.layer_types[i] == "sliding_attention":
+                scores = scores.masked_fill((kpos > qpos) | (kpos <= qpos - draft.sliding_window), float("-inf"))
+            o = (scores.softmax(-1) @ vals).transpose(1, 2).reshape(1, k + 1, -1)
+            x = x + a.o_proj(o)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return model.lm_head(draft.norm(x)[:, 1:]).float()
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
+def test_block_forward_matches_a_plain_implementation(draft_dir, name):
+    model = fastqwen.optimize(fresh(name), max_seq_len=128, compile=False, speculate="dflash", draft=draft_dir)
+    engine = model._fastqwen
+    proposer = engine.spec.proposer
+    prompt = torch.randint(1, 500, (1, 19))
+    with torch.no_grad():
+        first = engine._prefill([prompt[0]], do_sample=False)
+        ours = engine.forward.lm_head(proposer.block_hidden(engine, 7)[:, 1:]).float()
+    ref = plain_block_logits(model, proposer.draft, prompt, int(first[0]), 7)
+    torch.testing.assert_close(ours[:1], ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
+def test_dflash_speculative_greedy_is_token_identical(draft_dir, name):
+    plain = fastqwen.optimize(fresh(name), max_batch_size=3, max_seq_len=256, compile=False)
+    rows = [torch.randint(1, 500, (n,)) for n in (66, 10, 29)]
+    ids, mask = left_padded(rows)
+    for block in (8, 4):
+        spec = fastqwen.optimize(fresh(name), max_batch_size=3, max_seq_len=256, compile=False,
+                                 speculate="dflash", draft=draft_dir, block_size=block)
+        for kw in (dict(max_new_tokens=30), dict(max_new_tokens=11)):
+            expected = plain.generate(ids, attention_mask=mask, do_sample=False, **kw)
+            assert torch.equal(spec.generate(ids, attention_mask=mask, do_sample=False, **kw), expected)
+        alone = spec.generate(rows[1][None], max_new_tokens=30, do_sample=False)
+        assert torch.equal(alone, plain.generate(rows[1][None], max_new_tokens=30, do_sample=False))
+    free = expected[:, ids.shape[1]:]
+    kw = dict(max_new_tokens=30, eos_token_id=int(free[0, 4]), pad_token_id=1, do_sample=False)
+    assert torch.equal(spec.generate(ids, attention_mask=mask, **kw), plain.generate(ids, attention_mask=mask, **kw))
+    torch.manual_seed(0)
+    sampled = spec.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=12, top_p=0.9)
+    assert sampled.shape == (3, ids.shape[1] + 12)
+
+
+def test_dflash_errors(tmp_path, draft_dir):
+    model = fresh("tiny")
+    cases = [({"hidden_size": 32}, "hidden size 32 != target's 64"),
+             ({"vocab_size": 1000}, "vocab 1000 != target's 512"),
+             ({"dflash_config": {"mask_token_id": 500, "target_layer_ids": [0, 7]}}, r"target_layer_ids \[7\]"),
+             ({"dflash_config": {"mask_token_id": 600, "target_layer_ids": [0, 2]}}, "mask_token_id 600")]
+    for i, (change, message) in enumerate(cases):
+        config = {**CONFIG, **change}
+        if "hidden_size" in change:
+            config["head_dim"] = 8
+        with pytest.raises(ValueError, match=message):
+            fastqwen.optimize(model, compile=False, speculate="dflash", draft=write_draft(tmp_path / str(i), config))
+    with pytest.raises(ValueError, match=r"block_size must be an int in 2..8"):
+        fastqwen.optimize(model, compile=False, speculate="dflash", draft=draft_dir, block_size=16)
+    with pytest.raises(ValueError, match="needs draft="):
+        fastqwen.optimize(model, compile=False, speculate="dflash")
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        fastqwen.optimize(model, compile=False, speculate="dflash", draft=tmp_path / "nowhere")
+
+
+def test_compiled_dflash_round_matches_eager(draft_dir):
+    eager = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=128, compile=False, speculate="dflash",
+                              draft=draft_dir, block_size=4)
+    compiled = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=128, compile=True,
+                                 speculate="dflash", draft=draft_dir, block_size=4)
+    for i, n in enumerate((9, 23)):
+        ids, mask = left_padded([torch.randint(1, 500, (n,)), torch.randint(1, 500, (n - 4,))])
+        expected = eager.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            assert torch.equal(compiled.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False),
+                               expected)
