@@ -120,3 +120,43 @@ def random_mtp_tensors(model, *, seed: int = 1, std: float = 0.2, per_expert: bo
         else:
             out[f"mtp.layers.0.{name}"] = value
     return out
+
+
+# Real z-lab DFlash draft shapes (config.json of z-lab/Qwen3.5-{9B,27B}-DFlash), for benchmarks with random weights.
+DFLASH_DRAFTS = {
+    "qwen3.5-9b": dict(hidden_size=4096, intermediate_size=12288, target_layer_ids=[1, 8, 15, 22, 29]),
+    "qwen3.5-27b": dict(hidden_size=5120, intermediate_size=17408, target_layer_ids=[1, 16, 31, 46, 61]),
+}
+
+
+def dflash_config(name: str) -> dict:
+    """config.json contents of the real DFlash draft for target preset `name`."""
+    if name not in DFLASH_DRAFTS:
+        raise ValueError(f"no DFlash draft shape for {name!r}; known: {', '.join(DFLASH_DRAFTS)}")
+    d = DFLASH_DRAFTS[name]
+    return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": d["hidden_size"],
+            "num_hidden_layers": 5, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+            "intermediate_size": d["intermediate_size"], "rms_norm_eps": 1e-6, "rope_theta": 10_000_000.0,
+            "max_position_embeddings": 262144, "vocab_size": 248320, "attention_bias": False,
+            "tie_word_embeddings": False, "block_size": 16, "num_target_layers": config(name).num_hidden_layers,
+            "dflash_config": {"mask_token_id": 248070, "target_layer_ids": d["target_layer_ids"]}}
+
+
+@torch.no_grad()
+def random_dflash_tensors(draft_config: dict, target_hidden: int, *, dtype, device, seed: int = 2) -> dict:
+    """Random weights for a DFlash draft of `draft_config` (names as z-lab ships them), never zero."""
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
+
+    cfg = Qwen3Config(**{k: v for k, v in draft_config.items() if k not in ("architectures", "dflash_config")})
+    H, n = cfg.hidden_size, len(draft_config["dflash_config"]["target_layer_ids"])
+    with torch.device("meta"):
+        shapes = {f"layers.{i}.{k}": v.shape for i in range(cfg.num_hidden_layers)
+                  for k, v in Qwen3DecoderLayer(cfg, i).state_dict().items()}
+    shapes.update({"fc.weight": (H, n * target_hidden), "hidden_norm.weight": (H,), "norm.weight": (H,)})
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = {}
+    for name, shape in shapes.items():
+        t = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+        out[name] = 1 + 0.1 * t if "norm" in name else 0.02 * t
+    return out

@@ -1,10 +1,12 @@
 """Speculative decoding benchmark: per-step costs and end-to-end speed at a fixed acceptance.
 
-    python scripts/bench_spec.py --model qwen3.5-27b --k 3 --tau 3.0 --verify-block 16
+    python scripts/bench_spec.py --model qwen3.5-27b --proposer mtp --k 3 --tau 3.0
+    python scripts/bench_spec.py --model qwen3.5-27b --proposer dflash --k 15 --tau 6.5
 
 Random weights cannot show real acceptance, so the end-to-end figure uses bench.OracleProposer: every round
-runs the real MTP drafting compute (a random MTP head of the real shape), then proposes the target's own
-greedy continuation with errors injected so that the mean tokens per round is `--tau`. Per-step costs are
+runs the real drafting compute (a random MTP head, or a random DFlash draft of the real z-lab shape), then
+proposes the target's own greedy continuation with errors injected so that the mean tokens per round is
+`--tau`. Per-step costs are
 timed as compiled graphs on one model object in one process: the plain decode step (T = 1), the verify step
 over `--verify-block` positions, and the commit (GDN replay + conv window) of that block.
 """
@@ -22,6 +24,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import fastqwen  # noqa: E402
 from fastqwen import bench, presets  # noqa: E402
 from fastqwen.bench import OracleProposer, miss_for_tau  # noqa: E402
+from fastqwen.spec.dflash import DFlashDraft, DFlashProposer  # noqa: E402
 from fastqwen.spec.mtp import MTPHead, MTPProposer  # noqa: E402
 
 
@@ -59,11 +62,21 @@ def step_costs(model, block: int, prompt) -> dict:
             "commit_s": time_call(commit, e.device)}
 
 
+def _tiny_dflash(model) -> dict:
+    """A small DFlash draft config for CPU smoke runs of this script."""
+    n = model.config.num_hidden_layers
+    return {"hidden_size": model.config.hidden_size, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96, "rms_norm_eps": 1e-6,
+            "rope_theta": 1e6, "vocab_size": model.config.vocab_size, "block_size": 16,
+            "dflash_config": {"mask_token_id": model.config.vocab_size - 1, "target_layer_ids": [0, n - 1]}}
+
+
 def main():
     cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3.5-27b" if cuda else "tiny", choices=presets.NAMES)
-    p.add_argument("--k", type=int, default=3, help="drafts per round (MTP)")
+    p.add_argument("--proposer", choices=["mtp", "dflash"], default="mtp", help="whose drafting compute runs")
+    p.add_argument("--k", type=int, default=3, help="drafts per round (DFlash: block size - 1)")
     p.add_argument("--tau", type=float, default=3.0, help="imposed mean tokens per round")
     p.add_argument("--verify-block", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=512 if cuda else 32)
@@ -91,13 +104,21 @@ def main():
     res.update(step_costs(model, args.verify_block, ids))
     res["verify_over_decode"] = res["verify_s"] / res["decode_s"]
     res["commit_over_decode"] = res["commit_s"] / res["decode_s"]
-    say(f"speculative k={args.k} at tau={args.tau}: compiling and measuring")
+    say(f"speculative ({args.proposer}) k={args.k} at tau={args.tau}: compiling and measuring")
     e = model._fastqwen
-    head = MTPHead(model, {k[4:]: v for k, v in presets.random_mtp_tensors(model).items()})
     miss = miss_for_tau(args.tau, args.k)
     e.enable_speculation(OracleProposer(reference, miss, model.config.vocab_size, inner=None), args.k)
-    e.spec.proposer.inner = MTPProposer(e, head)  # the real drafting compute, every round
+    if args.proposer == "mtp":
+        head = MTPHead(model, {k[4:]: v for k, v in presets.random_mtp_tensors(model).items()})
+        e.spec.proposer.inner = MTPProposer(e, head)  # the real drafting compute, every round
+    else:
+        cfg = presets.dflash_config(args.model) if args.model in presets.DFLASH_DRAFTS else _tiny_dflash(model)
+        tensors = presets.random_dflash_tensors(cfg, model.config.hidden_size, dtype=dtype, device=device)
+        e.spec.proposer.inner = DFlashProposer(e, DFlashDraft(cfg, tensors, model))
     res["spec_tok_s"] = bench.decode_tok_per_s(model.generate, ids, args.n_short, args.n_long)
+    inner = e.spec.proposer.inner
+    res["draft_s"] = time_call(e.compile(lambda: inner.propose(e, args.k, False)), device)
+    res["draft_over_decode"] = res["draft_s"] / res["decode_s"]
     res["measured_tau"] = e.spec.acceptance_length(1)
     res["spec_over_plain"] = res["spec_tok_s"] / res["plain_tok_s"]
     print(json.dumps(res, indent=1))
