@@ -14,3 +14,36 @@ def poison_allocator(*shapes, dtype=torch.bfloat16):
 def rel_err(x, ref):
     x, ref = x.double(), ref.double()
     return ((x - ref).norm() / ref.norm()).item()
+
+
+def first_divergence(got, ref, prompt):
+    """None if the token rows agree, else (prefix up to the divergence [1, n], ref token, our token)."""
+    diff = (got != ref).nonzero()
+    if len(diff) == 0:
+        return None
+    j = int(diff[0])
+    return torch.cat([prompt, ref[:j]])[None], int(ref[j]), int(got[j])
+
+
+def assert_near_ties(model, divergences, preset="qwen3.5-9b"):
+    """Each divergence (prefix, reference token, our token) must sit on a near-tie: the exact (fp32) logits
+    of the two candidates are closer than HF's own bf16 error there, so the reference's pick is no more
+    right than ours."""
+    from fastqwen import presets
+
+    divergences = [d for d in divergences if d is not None]
+    if not divergences:
+        return
+    exact = presets.build(preset, dtype=torch.float32, device="cuda")
+    exact.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for prefix, ref_tok, our_tok in divergences:
+            l32 = exact(prefix).logits[0, -1]
+            l16 = type(model).__call__(model, prefix).logits[0, -1].float()
+            top = l32.topk(10).indices
+            hf_error = (l16[top] - l32[top]).abs().max().item()
+            gap = abs(l32[ref_tok] - l32[our_tok]).item()
+            print(f"divergence after {prefix.shape[1]} tokens: fp32 gap {gap:.4f}, HF bf16 error {hf_error:.4f}")
+            assert gap <= 2 * hf_error, f"not a near-tie: fp32 gap {gap:.4f} > 2 x HF's bf16 error {hf_error:.4f}"
+    del exact
+    torch.cuda.empty_cache()

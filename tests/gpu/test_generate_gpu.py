@@ -12,6 +12,7 @@ from torch._dynamo.utils import counters
 
 import fastqwen
 from fastqwen import presets
+from conftest import assert_near_ties, first_divergence
 
 NEW = 48
 # Default inductor + CUDA graphs: the same graph as shipped but for max-autotune's GEMM choice, which
@@ -34,32 +35,6 @@ def _optimize(model):
         model._fastqwen.warmup()
         assert counters["inductor"]["cudagraph_skips"] == 0, "the decode step must run as a CUDA graph"
     return model
-
-
-def first_divergence(got, ref, prompt):
-    """None if the token rows agree, else (prefix up to the divergence [1, n], ref token, our token)."""
-    diff = (got != ref).nonzero()
-    if len(diff) == 0:
-        return None
-    j = int(diff[0])
-    return torch.cat([prompt, ref[:j]])[None], int(ref[j]), int(got[j])
-
-
-def assert_near_ties(model, divergences):
-    if not divergences:
-        return
-    exact = presets.build("qwen3.5-9b", dtype=torch.float32, device="cuda")
-    exact.load_state_dict(model.state_dict())
-    for prefix, ref_tok, our_tok in divergences:
-        l32 = exact(prefix).logits[0, -1]
-        l16 = model(prefix).logits[0, -1].float()
-        top = l32.topk(10).indices
-        hf_error = (l16[top] - l32[top]).abs().max().item()
-        gap = abs(l32[ref_tok] - l32[our_tok]).item()
-        print(f"divergence after {prefix.shape[1]} tokens: fp32 gap {gap:.4f}, HF bf16 error {hf_error:.4f}")
-        assert gap <= 2 * hf_error, f"not a near-tie: fp32 gap {gap:.4f} > 2 x HF's bf16 error {hf_error:.4f}"
-    del exact
-    torch.cuda.empty_cache()
 
 
 def test_greedy_agrees_with_hf_static_cache_up_to_near_ties(model):

@@ -82,3 +82,30 @@ def test_routed_moe_matches_transformers_block_real_shape():
     h = torch.randn(4, 1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
     f = torch.compile(routed_moe, fullgraph=True)
     assert rel_err(f(block, h), block.float()(h.float())) < 2e-2
+
+
+@pytest.mark.parametrize("B,T", [(1, 4), (3, 16)])
+def test_gdn_verify_reads_and_replay_commits_like_the_reference(B, T):
+    """verify: outputs of the block from the checkpoint state, which stays untouched; replay with a per-row
+    accepted prefix: the state of running only that prefix."""
+    from fastqwen.ops.gdn import gates, gdn_replay, gdn_verify, recurrence
+
+    H, HV = SHAPES["27b"]
+    x = gdn_inputs(B, T, H, HV)
+    h0 = torch.randn(B, HV, 128, 128, device="cuda") * 0.1
+    state = h0.clone()
+    poison_allocator((B, T, HV, 128))
+    out = gdn_verify(**x, state=state)
+    assert torch.equal(state, h0), "verify must not write the checkpoint state"
+    assert rel_err(out, gdn_reference(**{n: t.float() for n, t in x.items()}, state=h0.clone())) < 1e-2
+    keep = torch.randint(0, T + 1, (B,), device="cuda")
+    g, beta = gates(x["a"], x["b"], x["A_log"], x["dt_bias"])
+    accepted = (torch.arange(T, device="cuda")[None] < keep[:, None]).float()[..., None]
+    gdn_replay(x["k"], x["v"], g * accepted, beta * accepted, state)
+    for b in range(B):
+        n = int(keep[b])
+        ref = h0[b:b + 1].clone()
+        if n:
+            recurrence(x["q"][b:b + 1, :n].float(), x["k"][b:b + 1, :n].float(), x["v"][b:b + 1, :n].float(),
+                       g[b:b + 1, :n], beta[b:b + 1, :n], ref)
+        assert rel_err(state[b:b + 1], ref) < 1e-2

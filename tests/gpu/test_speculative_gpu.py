@@ -1,0 +1,54 @@
+"""Speculative decoding on the real 9B shape in bf16: MTP and DFlash drafts (random weights of the real
+shapes) and a perfect oracle draft give the plain greedy output, up to bf16 near-ties."""
+
+import pytest
+import torch
+from conftest import assert_near_ties, first_divergence
+
+import fastqwen
+from fastqwen import presets
+from fastqwen.bench import OracleProposer
+from fastqwen.spec.dflash import DFlashDraft, DFlashProposer
+from fastqwen.spec.mtp import MTPHead, MTPProposer
+
+NEW = 48
+COMPILE = {"triton.cudagraphs": True}  # as in test_generate_gpu.py
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = presets.build("qwen3.5-9b", dtype=torch.bfloat16, device="cuda")
+    fastqwen.optimize(model, max_batch_size=2, max_seq_len=1024, compile_options=COMPILE)
+    torch.manual_seed(0)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), device="cuda") for n in (300, 61)]
+    plain = [model.generate(p[None], max_new_tokens=NEW, do_sample=False)[0, len(p):] for p in prompts]
+    return model, prompts, plain
+
+
+def proposers(model):
+    e = model._fastqwen
+    yield "mtp", 3, lambda: MTPProposer(e, MTPHead(model, {k[4:]: v for k, v in presets.random_mtp_tensors(model).items()}))
+    cfg = presets.dflash_config("qwen3.5-9b")
+    tensors = presets.random_dflash_tensors(cfg, model.config.hidden_size, dtype=torch.bfloat16, device="cuda")
+    yield "dflash", 15, lambda: DFlashProposer(e, DFlashDraft(cfg, tensors, model))
+
+
+@pytest.mark.parametrize("which", ["mtp", "dflash", "oracle"])
+def test_speculative_greedy_agrees_with_plain_up_to_near_ties(setup, which):
+    model, prompts, plain = setup
+    e = model._fastqwen
+    if which == "oracle":
+        k, make = 7, lambda: OracleProposer(plain[0][None], 0.0, model.config.vocab_size)
+    else:
+        k, make = next((k, make) for name, k, make in proposers(model) if name == which)
+    e.enable_speculation(make(), k)
+    divergences = []
+    for p, ref in zip(prompts, plain):
+        if which == "oracle":
+            e.spec.proposer.reference = ref[None]
+        got = model.generate(p[None], max_new_tokens=NEW, do_sample=False)[0, len(p):]
+        divergences.append(first_divergence(got, ref, p))
+    print(f"{which}: rows identical to plain decoding {sum(d is None for d in divergences)}/{len(prompts)}, "
+          f"tau {e.spec.acceptance_length(1):.2f}")
+    assert_near_ties(model, divergences)
+    e.spec = None
