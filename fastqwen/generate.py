@@ -5,7 +5,8 @@ compiled `decode_step` once per token. The step takes no arguments: it reads and
 (the cache, the last token of each row, finished flags, sampling parameters), so it is one CUDA graph that
 never recompiles across calls, prompt lengths or batch contents, and the host never waits on the device
 inside it. The host checks for "all rows finished" every `SYNC_EVERY` tokens (every token when a streamer
-or stopping criteria need to see them).
+or stopping criteria need to see them). With speculation enabled, the same prefill is followed by
+speculative rounds instead (spec/loop.py), each also one compiled graph.
 """
 
 import torch
