@@ -124,3 +124,4 @@ def test_compiled_speculative_round_matches_eager_without_recompiling(tmp_path):
             got = compiled.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
         assert torch.equal(got, expected)
     assert counters["stats"]["unique_graphs"] == 1
+

@@ -167,3 +167,32 @@ def test_speculation_errors(engines):
     with pytest.raises(ValueError, match="stopping_criteria are not supported with speculative"):
         spec.generate(torch.randint(1, 500, (1, 5)), max_new_tokens=4,
                       stopping_criteria=StoppingCriteriaList([lambda i, s, **kw: torch.zeros(1, dtype=torch.bool)]))
+
+
+def chi2_homogeneity(a, b, vocab):
+    """Two-sample chi-square statistic and degrees of freedom over tokens with expected count ≥ 5."""
+    ca, cb = torch.bincount(a, minlength=vocab).double(), torch.bincount(b, minlength=vocab).double()
+    pooled = (ca + cb) / (ca.sum() + cb.sum())
+    keep = pooled * min(ca.sum(), cb.sum()) >= 5
+    ea, eb = pooled[keep] * ca.sum(), pooled[keep] * cb.sum()
+    return (((ca[keep] - ea) ** 2 / ea) + ((cb[keep] - eb) ** 2 / eb)).sum().item(), int(keep.sum()) - 1
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
+def test_speculative_sampling_keeps_the_target_distribution(name):
+    """End to end: the second generated token (the first a speculative round emits, by acceptance or by the
+    residual draw) is distributed as without speculation. The oracle drafts the greedy continuation, which the
+    target often samples, so both branches carry weight (a wrong acceptance rule or residual fails this)."""
+    kw = dict(do_sample=True, temperature=0.5, top_k=0, max_new_tokens=3)
+    plain = fastqwen.optimize(fresh(name), max_batch_size=128, max_seq_len=16, compile=False)
+    spec = fastqwen.optimize(fresh(name), max_batch_size=128, max_seq_len=16, compile=False)
+    prompt = torch.randint(1, 500, (1, 5))
+    greedy = plain.generate(prompt, max_new_tokens=3, do_sample=False)[:, 5:]
+    spec._fastqwen.enable_speculation(OracleProposer(greedy.expand(128, -1), 0.0, 512), 2)
+    batch = prompt.expand(128, -1)
+    torch.manual_seed(0)
+    a = torch.cat([plain.generate(batch, **kw)[:, -2] for _ in range(30)])
+    b = torch.cat([spec.generate(batch, **kw)[:, -2] for _ in range(30)])
+    assert spec._fastqwen.spec.acceptance_length(128) > 1.02, "drafts are accepted"
+    chi2, dof = chi2_homogeneity(a, b, 512)
+    assert chi2 < dof + 5 * (2 * dof) ** 0.5 + 5, f"chi2 {chi2:.1f} with {dof} dof"
