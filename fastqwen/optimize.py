@@ -20,7 +20,8 @@ SPECULATE = ("mtp", "dflash")
 
 def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile: bool = True,
              compile_options: dict | None = None, speculate: str | None = None, num_speculative_tokens: int = 3,
-             draft=None, block_size: int | None = None):
+             draft=None, block_size: int | None = None, quant: str | None = None, quant_group_size: int = 128,
+             quant_lm_head: bool = False):
     """Make `model.generate` run on fastqwen's static hybrid cache and compiled decode step.
 
     model: a transformers Qwen3.5 / Qwen3.6 model (dense or MoE; CausalLM or ConditionalGeneration, text-only
@@ -52,6 +53,10 @@ def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile
             raise ImportError("fastqwen on CUDA needs flash-linear-attention: pip install flash-linear-attention") from err
     if speculate is not None and speculate not in SPECULATE:
         raise ValueError(f"unknown speculate={speculate!r}; supported: None, {', '.join(map(repr, SPECULATE))}")
+    if quant is not None:
+        from .quant import quantize
+
+        quantize(model, quant, group_size=quant_group_size, lm_head=quant_lm_head)
     proposer_for = None  # engine -> proposer; built after the engine, loaded and checked before it
     if speculate == "mtp":
         from .spec.mtp import MTPHead, MTPProposer, read_mtp_tensors

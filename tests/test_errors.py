@@ -31,7 +31,7 @@ def test_bad_optimize_options():
     with pytest.raises(ValueError, match="max_seq_len"):
         fastqwen.optimize(fresh("tiny"), max_seq_len=1)
     with pytest.raises(TypeError):
-        fastqwen.optimize(fresh("tiny"), quant="fp8")
+        fastqwen.optimize(fresh("tiny"), paged_cache=True)
 
 
 def test_prompt_longer_than_cache(opt):

@@ -1,0 +1,75 @@
+"""Weight formats, as plain torch: the references every kernel is tested against.
+
+fp8-block: e4m3 weight [N, K] and fp32 scale_inv [⌈N/bn⌉, ⌈K/bk⌉], w ≈ q · scale_inv[block] (Qwen's FP8
+    checkpoints store exactly this as `weight` + `weight_scale_inv`, blocks 128×128).
+fp8-row: e4m3 weight [N, K] and fp32 scale [N].
+int4: codes [N, K] uint8 in 0…15, fp32 scale and zero [N, K/g]: w ≈ (q − zero) · scale per group of g
+    consecutive input columns; an optional input permutation `perm` (act-order checkpoints) means the stored
+    columns are the original columns perm[0], perm[1], …
+"""
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+
+
+def _blocks(t: torch.Tensor, block):
+    """View [N, K] as [N/bn, bn, K/bk, bk] after zero-padding to whole blocks; returns (view, N, K)."""
+    bn, bk = block
+    N, K = t.shape
+    padded = torch.nn.functional.pad(t, (0, -K % bk, 0, -N % bn))
+    return padded.view(padded.shape[0] // bn, bn, padded.shape[1] // bk, bk), N, K
+
+
+def quantize_fp8_block(w: torch.Tensor, block=(128, 128)):
+    """(q [N, K] e4m3, scale_inv [⌈N/bn⌉, ⌈K/bk⌉] fp32) with each block's amax mapped to the e4m3 maximum."""
+    v, N, K = _blocks(w.float(), block)
+    scale = (v.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
+    q = (v / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.view(v.shape[0] * block[0], -1)[:N, :K].contiguous(), scale
+
+
+def dequantize_fp8_block(q: torch.Tensor, scale_inv: torch.Tensor, block=(128, 128)) -> torch.Tensor:
+    v, N, K = _blocks(q.float(), block)
+    return (v * scale_inv.float()[:, None, :, None]).view(v.shape[0] * block[0], -1)[:N, :K]
+
+
+def quantize_fp8_rows(w: torch.Tensor):
+    """(q [N, K] e4m3, scale [N] fp32), one scale per output row."""
+    scale = (w.float().abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
+    return (w.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def dequantize_fp8_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale.float()[:, None]
+
+
+def quantize_int4(w: torch.Tensor, group: int = 128):
+    """(codes [N, K] uint8, scale [N, K/g], zero [N, K/g]) asymmetric min/max per group (K % g == 0)."""
+    N, K = w.shape
+    v = w.float().view(N, K // group, group)
+    lo, hi = v.amin(-1).clamp(max=0), v.amax(-1).clamp(min=0)
+    scale = ((hi - lo) / 15).clamp(min=1e-12)
+    zero = (-lo / scale).round().clamp(0, 15)
+    q = (v / scale[..., None] + zero[..., None]).round().clamp(0, 15)
+    return q.view(N, K).to(torch.uint8), scale, zero
+
+
+def dequantize_int4(q, scale, zero, group: int, perm=None) -> torch.Tensor:
+    """The weight [N, K] in the original column order."""
+    N, K = q.shape
+    w = ((q.float().view(N, K // group, group) - zero.float()[..., None]) * scale.float()[..., None]).view(N, K)
+    if perm is not None:
+        w = torch.empty_like(w).index_copy_(1, perm, w)
+    return w
+
+
+def fake_quantize_fp8_activations(x: torch.Tensor, group: int = 128) -> torch.Tensor:
+    """x rounded as dynamic per-token, per-`group`-column fp8 quantization would (the "fp8" scheme's inputs)."""
+    shape = x.shape
+    K = shape[-1]
+    v = torch.nn.functional.pad(x.float().reshape(-1, K), (0, -K % group))
+    v = v.view(v.shape[0], -1, group)
+    scale = (v.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    return ((v / scale).to(FP8).float() * scale).view(v.shape[0], -1)[:, :K].reshape(shape).to(x.dtype)

@@ -1,0 +1,50 @@
+"""GPTQ and AWQ int4 checkpoints → our int4 layout (formats.py), exactly.
+
+GPTQ (`quant_method: gptq`): qweight int32 [K/8, N] packs 8 input rows per int32 (row k in bits 4·(k % 8));
+qzeros int32 [G, N/8] packs 8 output columns per int32; scales [G, N]; g_idx [K] the group of each input
+column (not monotonic with act-order, `desc_act`). The original "gptq" checkpoint format stores zero − 1
+("gptq_v2" stores the zero). w[n, k] = scales[g, n] · (q[k, n] − zero[g, n]) with g = g_idx[k].
+AWQ (`quant_method: awq`, GEMM): qweight int32 [K, N/8] and qzeros [G, N/8] pack 8 output columns per int32
+in the order 0 2 4 6 1 3 5 7; groups are consecutive input columns; zeros stored as is.
+Act-order columns are sorted by group, so our groups are contiguous and `perm` records the original columns.
+"""
+
+import torch
+
+_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i holds column 8c + _AWQ_ORDER[i]
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [..., M] → uint8 [..., M, 8], nibble i of each word."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    return ((packed[..., None] >> shifts) & 0xF).to(torch.uint8)
+
+
+def from_gptq(qweight, qzeros, scales, g_idx, *, group: int, zero_offset: int = 1):
+    """(codes [N, K], scale [N, K/g], zero [N, K/g], perm [K] or None) from GPTQ tensors."""
+    K = qweight.shape[0] * 8
+    q = _nibbles(qweight).permute(0, 2, 1).reshape(K, -1)  # [K, N]
+    zeros = _nibbles(qzeros).reshape(qzeros.shape[0], -1).float() + zero_offset  # [G, N]
+    g_idx = g_idx.long()
+    if K % group or scales.shape[0] != K // group:
+        raise ValueError(f"GPTQ layer with K={K}, {scales.shape[0]} groups does not match group_size={group}")
+    perm = torch.argsort(g_idx, stable=True)
+    if not torch.equal(g_idx[perm], torch.arange(K, device=g_idx.device) // group):
+        raise ValueError("GPTQ g_idx does not assign group_size columns to every group; cannot convert exactly")
+    ordered = torch.equal(perm, torch.arange(K, device=perm.device))
+    codes = q[perm].t().contiguous()
+    return codes, scales.float().t().contiguous(), zeros.t().contiguous(), None if ordered else perm
+
+
+def from_awq(qweight, qzeros, scales, *, group: int):
+    """(codes [N, K], scale [N, K/g], zero [N, K/g], None) from AWQ GEMM tensors."""
+    order = torch.tensor(_AWQ_ORDER, device=qweight.device)
+    unorder = torch.argsort(order)
+
+    def columns(packed):  # [R, N/8] → [R, N] in column order
+        return _nibbles(packed)[..., unorder].reshape(packed.shape[0], -1)
+
+    codes = columns(qweight).t().contiguous()
+    if codes.shape[1] % group or scales.shape[0] != codes.shape[1] // group:
+        raise ValueError(f"AWQ layer with K={codes.shape[1]}, {scales.shape[0]} groups does not match group_size={group}")
+    return codes, scales.float().t().contiguous(), columns(qzeros).float().t().contiguous(), None

@@ -1,0 +1,119 @@
+"""Pre-quantized checkpoints written here in the real on-disk formats load without dequantizing, reproduce the
+reference weights, and generate."""
+
+import json
+
+import pytest
+import torch
+from conftest import fresh
+from safetensors.torch import save_file
+from test_quant_formats import pack_gptq
+
+import fastqwen
+from fastqwen.quant import QuantLinear, quantize
+from fastqwen.quant.checkpoints import from_pretrained
+from fastqwen.quant.formats import dequantize_fp8_block, quantize_fp8_block
+
+
+def quantizable(model):
+    """(name, nn.Linear) of decoder linears with at least 16 outputs."""
+    return [(n, m) for n, m in model.model.layers.named_modules()
+            if isinstance(m, torch.nn.Linear) and m.out_features >= 16]
+
+
+def write(path, model, tensors, quantization_config):
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
+    config = model.config.to_dict()
+    config["quantization_config"] = quantization_config
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(params=["tiny", "tiny-moe"])
+def fp8_checkpoint(request, tmp_path):
+    """Qwen's FP8 format: fp8 `weight` + fp32 `weight_scale_inv` per 128×128 block."""
+    model = fresh(request.param)
+    tensors = dict(model.state_dict())
+    reference = {}
+    for name, lin in quantizable(model):
+        q, s = quantize_fp8_block(lin.weight.detach())
+        key = f"model.layers.{name}"
+        tensors[f"{key}.weight"], tensors[f"{key}.weight_scale_inv"] = q, s
+        reference[key] = (lin.weight.detach().clone(), dequantize_fp8_block(q, s))
+    qc = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic", "fmt": "e4m3"}
+    return write(tmp_path / "fp8", model, tensors, qc), reference
+
+
+def test_fp8_checkpoint_loads_quantized_and_generates(fp8_checkpoint):
+    path, reference = fp8_checkpoint
+    model = from_pretrained(path, dtype=torch.float32)
+    for key, (original, dequant) in reference.items():
+        layer = model.get_submodule(key)
+        assert isinstance(layer, QuantLinear) and layer.qweight.dtype == torch.float8_e4m3fn
+        assert torch.equal(layer.dequantized(), dequant)
+        assert ((dequant - original).abs() <= original.abs() * 2**-4 + layer.scale_inv.max() * 2**-6).all()
+    ids = torch.randint(1, 500, (1, 20))
+    expected = type(model).generate(model, ids, max_new_tokens=16, do_sample=False)
+    fastqwen.optimize(model, compile=False, max_seq_len=64)
+    assert torch.equal(model.generate(ids, max_new_tokens=16, do_sample=False), expected)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_checkpoint_reproduces_the_reference_weights_exactly(tmp_path, act_order):
+    model = fresh("tiny")
+    group = 32
+    tensors = {k: v for k, v in model.state_dict().items()}
+    reference = {}
+    for name, lin in quantizable(model):
+        N, K = lin.weight.shape
+        g_idx = torch.arange(K) // group
+        if act_order:
+            g_idx = g_idx[torch.randperm(K)]
+        q = torch.randint(0, 16, (K, N))
+        zeros = torch.randint(1, 16, (K // group, N))
+        scales = (torch.rand(K // group, N) * 0.02 + 0.005).to(torch.float16)
+        qweight, qzeros = pack_gptq(q, zeros)
+        key = f"model.layers.{name}"
+        del tensors[f"{key}.weight"]
+        tensors.update({f"{key}.qweight": qweight, f"{key}.qzeros": qzeros, f"{key}.scales": scales,
+                        f"{key}.g_idx": g_idx.int()})
+        cols = torch.arange(N)[:, None]
+        reference[key] = scales.float()[g_idx, cols] * (q.t().float() - zeros[g_idx, cols].float())
+    qc = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act_order, "sym": False,
+          "checkpoint_format": "gptq"}
+    loaded = from_pretrained(write(tmp_path / "gptq", model, tensors, qc), dtype=torch.float32)
+    for key, want in reference.items():
+        assert torch.equal(loaded.get_submodule(key).dequantized(), want)
+    fastqwen.optimize(loaded, compile=False, max_seq_len=64)
+    assert loaded.generate(torch.randint(1, 500, (1, 9)), max_new_tokens=8, do_sample=False).shape == (1, 17)
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "fp8-weight", "int4"])
+def test_quantize_then_generate_matches_transformers_on_the_same_layers(scheme):
+    """quantize() swaps the linears; fastqwen's generate equals transformers' generate over the same layers."""
+    model = fresh("tiny")
+    ids = torch.randint(1, 500, (2, 15))
+    fastqwen.optimize(model, compile=False, max_seq_len=64, max_batch_size=2, quant=scheme, quant_group_size=32)
+    assert isinstance(model.model.layers[0].mlp.up_proj, QuantLinear)
+    expected = type(model).generate(model, ids, max_new_tokens=20, do_sample=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=20, do_sample=False), expected)
+
+
+def test_quantization_errors(tmp_path):
+    model = fresh("tiny")
+    with pytest.raises(ValueError, match="unknown quantization scheme 'nf4'"):
+        quantize(model, "nf4")
+    with pytest.raises(ValueError, match="unknown quantization scheme 'nf4'"):
+        fastqwen.optimize(model, compile=False, quant="nf4")
+    with pytest.warns(UserWarning, match=r"kept .*in_features 64 not divisible by 48"):
+        quantize(fresh("tiny"), "int4", group_size=48)
+    bad = [({"quant_method": "fp8", "weight_block_size": [64, 64]}, "only \\[128, 128\\]"),
+           ({"quant_method": "gptq", "bits": 8}, "only 4-bit"),
+           ({"quant_method": "bitsandbytes"}, "unsupported quantization_config quant_method='bitsandbytes'")]
+    for i, (qc, message) in enumerate(bad):
+        with pytest.raises(ValueError, match=message):
+            from_pretrained(write(tmp_path / str(i), model, dict(model.state_dict()), qc), dtype=torch.float32)
+    with pytest.raises(ValueError, match="has no quantization_config"):
+        model.save_pretrained(tmp_path / "plain")
+        from_pretrained(tmp_path / "plain")

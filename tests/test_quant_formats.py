@@ -1,0 +1,100 @@
+"""Quantization formats: error bounds per scheme, and exact conversion of GPTQ / AWQ packed tensors."""
+
+import pytest
+import torch
+
+from fastqwen.quant.formats import (
+    dequantize_fp8_block,
+    dequantize_fp8_rows,
+    dequantize_int4,
+    fake_quantize_fp8_activations,
+    quantize_fp8_block,
+    quantize_fp8_rows,
+    quantize_int4,
+)
+from fastqwen.quant.gptq import from_awq, from_gptq
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (200, 130)])
+def test_fp8_block_round_trip_within_e4m3_rounding(shape):
+    w = torch.randn(shape) * torch.logspace(-2, 1, shape[0])[:, None]  # rows of very different scales
+    q, s = quantize_fp8_block(w)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (-(-shape[0] // 128), -(-shape[1] // 128))
+    back = dequantize_fp8_block(q, s)
+    # e4m3 keeps 3 mantissa bits: relative error ≤ 2^-4 of each element, or an absolute floor per block
+    floor = s.repeat_interleave(128, 0).repeat_interleave(128, 1)[: shape[0], : shape[1]] * 2**-6
+    assert ((back - w).abs() <= w.abs() * 2**-4 + floor).all()
+
+
+def test_fp8_rows_and_activations_round_trip():
+    w = torch.randn(64, 256) * 3
+    q, s = quantize_fp8_rows(w)
+    assert ((dequantize_fp8_rows(q, s) - w).abs() <= w.abs() * 2**-4 + s[:, None] * 2**-6).all()
+    x = torch.randn(5, 256, dtype=torch.bfloat16)
+    assert ((fake_quantize_fp8_activations(x).float() - x.float()).abs() <= x.float().abs() * 2**-3 + 1e-3).all()
+
+
+def test_int4_round_trip_within_half_a_step():
+    w = torch.randn(96, 512)
+    q, scale, zero = quantize_int4(w, group=128)
+    assert q.dtype == torch.uint8 and int(q.max()) <= 15
+    err = (dequantize_int4(q, scale, zero, 128) - w).abs()
+    assert (err <= scale.repeat_interleave(128, 1) * 0.5 + 1e-6).all()
+
+
+def pack_gptq(q, zeros, *, zero_offset=1):
+    """Reference packer written from the format's description, one nibble at a time."""
+    K, N = q.shape
+    qweight = torch.zeros(K // 8, N, dtype=torch.int64)
+    for k in range(K):
+        qweight[k // 8] |= q[k].long() << (4 * (k % 8))
+    G = zeros.shape[0]
+    qzeros = torch.zeros(G, N // 8, dtype=torch.int64)
+    for n in range(N):
+        qzeros[:, n // 8] |= (zeros[:, n].long() - zero_offset) << (4 * (n % 8))
+    as_int32 = lambda t: torch.where(t >= 2**31, t - 2**32, t).to(torch.int32)  # noqa: E731
+    return as_int32(qweight), as_int32(qzeros)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_converts_exactly(act_order):
+    K, N, g = 256, 64, 64
+    q = torch.randint(0, 16, (K, N))
+    zeros = torch.randint(1, 16, (K // g, N))
+    scales = torch.rand(K // g, N, dtype=torch.float16) * 0.01 + 1e-3
+    g_idx = torch.arange(K) // g
+    if act_order:
+        g_idx = g_idx[torch.randperm(K)]
+    qweight, qzeros = pack_gptq(q, zeros)
+    codes, scale, zero, perm = from_gptq(qweight, qzeros, scales, g_idx.int(), group=g)
+    assert (perm is not None) == act_order
+    reference = scales.float()[g_idx, torch.arange(N)[:, None]] * (q.t().float() - zeros[g_idx, torch.arange(N)[:, None]].float())
+    assert torch.equal(dequantize_int4(codes, scale, zero, g, perm), reference)
+
+
+def test_awq_converts_exactly():
+    K, N, g = 128, 32, 32
+    q = torch.randint(0, 16, (K, N))
+    zeros = torch.randint(0, 16, (K // g, N))
+    scales = torch.rand(K // g, N, dtype=torch.float16) * 0.01 + 1e-3
+    order = (0, 2, 4, 6, 1, 3, 5, 7)
+
+    def pack(t):  # nibble i of word c holds column 8c + order[i]
+        out = torch.zeros(t.shape[0], t.shape[1] // 8, dtype=torch.int64)
+        for c in range(t.shape[1] // 8):
+            for i, col in enumerate(order):
+                out[:, c] |= t[:, 8 * c + col].long() << (4 * i)
+        return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
+
+    codes, scale, zero, perm = from_awq(pack(q), pack(zeros), scales, group=g)
+    groups = torch.arange(K) // g
+    reference = scales.float()[groups].t() * (q.t().float() - zeros[groups].t().float())
+    assert perm is None and torch.equal(dequantize_int4(codes, scale, zero, g), reference)
+
+
+def test_gptq_irregular_groups_are_refused():
+    K, N, g = 64, 8, 32
+    qweight, qzeros = pack_gptq(torch.randint(0, 16, (K, N)), torch.randint(1, 16, (2, N)))
+    g_idx = torch.zeros(K, dtype=torch.int32)  # every column in group 0
+    with pytest.raises(ValueError, match="does not assign group_size columns"):
+        from_gptq(qweight, qzeros, torch.ones(2, N, dtype=torch.float16), g_idx, group=g)
