@@ -196,3 +196,26 @@ def test_speculative_sampling_keeps_the_target_distribution(name):
     assert spec._fastqwen.spec.acceptance_length(128) > 1.02, "drafts are accepted"
     chi2, dof = chi2_homogeneity(a, b, 512)
     assert chi2 < dof + 5 * (2 * dof) ** 0.5 + 5, f"chi2 {chi2:.1f} with {dof} dof"
+
+
+def test_streamer_sees_every_token_with_speculation(engines):
+    from transformers.generation.streamers import BaseStreamer
+
+    class Collect(BaseStreamer):
+        def __init__(self):
+            self.chunks = []
+
+        def put(self, value):
+            self.chunks.append(value.reshape(-1).tolist())
+
+        def end(self):
+            pass
+
+    plain, spec = engines
+    ids = torch.randint(1, 500, (1, 8))
+    expected = plain.generate(ids, max_new_tokens=17, do_sample=False)
+    speculate(spec, expected[:, 8:], 0.3)
+    streamer = Collect()
+    out = spec.generate(ids, max_new_tokens=17, do_sample=False, streamer=streamer)
+    assert torch.equal(out, expected)
+    assert streamer.chunks[0] == ids[0].tolist() and sum(streamer.chunks[1:], []) == out[0, 8:].tolist()

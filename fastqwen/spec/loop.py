@@ -85,6 +85,8 @@ class Speculator:
         s["done"][:rows] |= max_new <= 1
         self.proposer.start(self.engine)
         step = self.sample_round if do_sample else self.greedy_round
+        if streamer is not None:
+            streamer.put(first[:1].cpu())
         shown = 1
         for r in range(max_new):
             if r % sync_every == 0 and bool(s["done"][:rows].all()):
