@@ -9,6 +9,8 @@ or stopping criteria need to see them). With speculation enabled, the same prefi
 speculative rounds instead (spec/loop.py), each also one compiled graph.
 """
 
+import os
+
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -47,7 +49,8 @@ def check_num_speculative_tokens(k) -> None:
 class Engine:
     """Owns the cache, the forward and the compiled decode steps of one optimized model."""
 
-    def __init__(self, model, *, max_batch_size: int, max_seq_len: int, compile: bool, compile_options=None):
+    def __init__(self, model, *, max_batch_size: int, max_seq_len: int, compile: bool, compile_options=None,
+                 compile_cache=None):
         self.model = model
         embed = model.get_input_embeddings().weight
         self.device, self.dtype = embed.device, embed.dtype
@@ -76,6 +79,10 @@ class Engine:
         if compile and compile_options is None and self.device.type == "cuda":
             compile_options = {"max_autotune": True, "triton.cudagraphs": True, "coordinate_descent_tuning": True}
         self.compile_options = compile_options
+        self.compile_cache = compile_cache
+        if compile and compile_cache is not None and os.path.exists(compile_cache):
+            with open(compile_cache, "rb") as f:
+                torch.compiler.load_cache_artifacts(f.read())
         self._greedy_step = self.compile(self._greedy_impl)
         self._sample_step = self.compile(self._sample_impl)
         self.spec = None
@@ -309,11 +316,20 @@ class Engine:
         s["min_p"].fill_(gen.min_p or 0.0)
 
     def warmup(self, do_sample: bool = False, progress=None) -> None:
-        """Compile (and capture) the decode step with a short dummy generation, so later calls run warm."""
+        """Compile (and capture) the decode step with a short dummy generation, so later calls run warm.
+
+        With a compile_cache path, the compiled artifacts (inductor graphs, autotuning results) are saved
+        there, and loaded by the next optimize() given the same path, in any process.
+        """
         if progress:
             progress("compiling the decode step (the first run on a GPU can take minutes: max-autotune)…")
         ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-        self.generate(ids, max_new_tokens=min(4, self.max_seq_len - 1), min_new_tokens=min(4, self.max_seq_len - 1),
-                      do_sample=do_sample)
+        n = min(4, self.max_seq_len - 1 - (self.spec.k + 1 if self.spec else 0))
+        self.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=do_sample)
+        if self.compiled and self.compile_cache is not None:
+            artifacts = torch.compiler.save_cache_artifacts()
+            if artifacts is not None:
+                with open(self.compile_cache, "wb") as f:
+                    f.write(artifacts[0])
         if progress:
             progress("decode step compiled")

@@ -21,13 +21,14 @@ SPECULATE = ("mtp", "dflash")
 def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile: bool = True,
              compile_options: dict | None = None, speculate: str | None = None, num_speculative_tokens: int = 3,
              draft=None, block_size: int | None = None, quant: str | None = None, quant_group_size: int = 128,
-             quant_lm_head: bool = False):
+             quant_lm_head: bool = False, compile_cache=None):
     """Make `model.generate` run on fastqwen's static hybrid cache and compiled decode step.
 
     model: a transformers Qwen3.5 / Qwen3.6 model (dense or MoE; CausalLM or ConditionalGeneration, text-only
     generation) on one device. max_batch_size / max_seq_len size the cache, which is allocated now; a prompt
     plus max_new_tokens must fit in max_seq_len. compile: compile the decode step (on CUDA with max-autotune
-    and CUDA graphs); compile_options: inductor options overriding that choice.
+    and CUDA graphs); compile_options: inductor options overriding that choice; compile_cache: a file where
+    warmup() saves the compiled artifacts and from which a later optimize() (any process) loads them.
     Returns the same model object; its weights and module tree are untouched, and the original generate
     stays reachable as `type(model).generate(model, ...)`.
     """
@@ -82,7 +83,7 @@ def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile
         proposer_for = lambda engine: DFlashProposer(engine, dflash)  # noqa: E731
     model.eval()
     model._fastqwen = Engine(model, max_batch_size=max_batch_size, max_seq_len=max_seq_len, compile=compile,
-                             compile_options=compile_options)
+                             compile_options=compile_options, compile_cache=compile_cache)
     if proposer_for is not None:
         model._fastqwen.enable_speculation(proposer_for(model._fastqwen), k)
     model.generate = model._fastqwen.generate

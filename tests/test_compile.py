@@ -29,3 +29,34 @@ def test_compiled_step_matches_eager_and_never_recompiles():
         assert torch.equal(got, expected)
     assert counters["stats"]["unique_graphs"] == graphs, "a later call compiled a new graph"
     assert sum(counters["recompiles"].values()) == 0
+
+
+def test_compile_cache_carries_compiled_graphs_to_a_fresh_process(tmp_path):
+    """warmup() saves the compiled artifacts; a new process with an empty inductor cache loads them and
+    compiles nothing from scratch (FX graph cache hits, no misses)."""
+    import os
+    import subprocess
+    import sys
+
+    script = f"""
+import sys, torch
+sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+from conftest import fresh
+from torch._dynamo.utils import counters
+import fastqwen
+m = fastqwen.optimize(fresh("tiny"), max_seq_len=64, compile=True, compile_cache={str(tmp_path / 'artifacts.bin')!r})
+m._fastqwen.warmup()
+print("HITS", counters["inductor"]["fxgraph_cache_hit"], "MISSES", counters["inductor"]["fxgraph_cache_miss"])
+"""
+
+    def run(cache_dir):
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache_dir))
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        line = next(line for line in out.stdout.splitlines() if line.startswith("HITS"))
+        return int(line.split()[1]), int(line.split()[3])
+
+    hits, misses = run(tmp_path / "inductor-a")
+    assert misses > 0 and (tmp_path / "artifacts.bin").exists()
+    hits, misses = run(tmp_path / "inductor-b")  # an empty local cache: only the artifacts file can help
+    assert hits > 0 and misses == 0
