@@ -62,6 +62,3 @@ class HybridCache(nn.Module):
         for name, buf in self.named_buffers():
             if name.startswith(("conv", "state", "lengths")):
                 buf.zero_()
-
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers())
