@@ -10,6 +10,7 @@ speculative rounds instead (spec/loop.py), each also one compiled graph.
 """
 
 import os
+import types
 
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -90,10 +91,9 @@ class Engine:
     def compile(self, fn):
         """fn (run without autograd) compiled as one full graph with this engine's options, or as is when
         compile=False."""
-        fn = torch.no_grad()(fn)
-        if not self.compiled:
-            return fn
-        return torch.compile(fn, fullgraph=True, options=self.compile_options)
+        if self.compiled:
+            fn = torch.compile(_own_code(fn), fullgraph=True, options=self.compile_options)
+        return torch.no_grad()(fn)
 
     def enable_speculation(self, proposer, k: int) -> None:
         """Decode speculatively from now on: `proposer` drafts k tokens a round (see spec/loop.py).
@@ -333,3 +333,14 @@ class Engine:
                     f.write(artifacts[0])
         if progress:
             progress("decode step compiled")
+
+
+def _own_code(fn):
+    """fn (a function or bound method) over a private copy of its code object. Dynamo keys its compile cache
+    on code objects: without the copy, every compiled step of every engine would share one cache (and its
+    recompile limit), and compiling a new step would count as a recompile of the others."""
+    f = getattr(fn, "__func__", fn)
+    g = types.FunctionType(f.__code__.replace(co_varnames=f.__code__.co_varnames), f.__globals__, f.__name__,
+                           f.__defaults__, f.__closure__)
+    g.__kwdefaults__ = f.__kwdefaults__
+    return types.MethodType(g, fn.__self__) if hasattr(fn, "__func__") else g
