@@ -8,6 +8,18 @@ argmax(p / E) with E ~ Exp(1) (the exponential-race form of a categorical draw),
 import torch
 
 
+@torch.library.custom_op("fastqwen::cumsum_last", mutates_args=())
+def cumsum_last(x: torch.Tensor) -> torch.Tensor:
+    """torch.cumsum(x, -1) as an opaque op. Inductor's own scan kernel for [B > 1, vocab] fails to generate
+    (torch 2.11, InductorError in get_block_shape); as a custom op the step calls aten's cumsum instead."""
+    return torch.cumsum(x, -1)
+
+
+@cumsum_last.register_fake
+def _(x):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 def filter_logits(logits, temperature, top_k, top_p, min_p):
     """Sorted (descending) filtered logits and their vocabulary indices.
 
@@ -18,12 +30,15 @@ def filter_logits(logits, temperature, top_k, top_p, min_p):
     scaled = logits / temperature[:, None]
     sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
     # top-k keeps every token whose logit ties the k-th largest, as transformers does
+    # (the k-th value as a masked min, not a gather: torch 2.11's inductor fails to generate a Triton kernel
+    # for that gather fused into the softmax at batch > 1)
     k = torch.where(top_k > 0, top_k, vocab).clamp(1, vocab)
-    kth = sorted_logits.gather(-1, (k - 1)[:, None])
+    rank = torch.arange(vocab, device=logits.device)
+    kth = sorted_logits.masked_fill(rank >= k[:, None], float("inf")).amin(-1, keepdim=True)
     sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
     # top-p: drop a token once the mass strictly before it already reaches top_p
     probs = sorted_logits.softmax(-1)
-    mass_before = probs.cumsum(-1) - probs
+    mass_before = cumsum_last(probs) - probs
     drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
