@@ -122,24 +122,33 @@ def random_mtp_tensors(model, *, seed: int = 1, std: float = 0.2, per_expert: bo
     return out
 
 
-# Real z-lab DFlash draft shapes (config.json of z-lab/Qwen3.5-{9B,27B}-DFlash), for benchmarks with random weights.
+# DFlash draft shapes per target preset: the real z-lab ones (config.json of z-lab/Qwen3.5-{9B,27B}-DFlash:
+# 5 layers, 32/8 heads of 128) for benchmarks with random weights, and small ones for the tiny targets.
+_REAL_DRAFT = dict(layers=5, heads=(32, 8, 128), vocab_size=248320, mask_token_id=248070)
+_TINY_DRAFT = dict(layers=2, heads=(4, 2, 16), vocab_size=512, mask_token_id=511, hidden_size=64,
+                   intermediate_size=96, target_layer_ids=[0, 3])
 DFLASH_DRAFTS = {
-    "qwen3.5-9b": dict(hidden_size=4096, intermediate_size=12288, target_layer_ids=[1, 8, 15, 22, 29]),
-    "qwen3.5-27b": dict(hidden_size=5120, intermediate_size=17408, target_layer_ids=[1, 16, 31, 46, 61]),
+    "tiny": _TINY_DRAFT,
+    "tiny-moe": _TINY_DRAFT,
+    "qwen3.5-9b": dict(_REAL_DRAFT, hidden_size=4096, intermediate_size=12288, target_layer_ids=[1, 8, 15, 22, 29]),
+    "qwen3.5-27b": dict(_REAL_DRAFT, hidden_size=5120, intermediate_size=17408,
+                        target_layer_ids=[1, 16, 31, 46, 61]),
 }
 
 
 def dflash_config(name: str) -> dict:
-    """config.json contents of the real DFlash draft for target preset `name`."""
+    """config.json contents of a DFlash draft for target preset `name` (the real z-lab shape where one exists)."""
     if name not in DFLASH_DRAFTS:
         raise ValueError(f"no DFlash draft shape for {name!r}; known: {', '.join(DFLASH_DRAFTS)}")
     d = DFLASH_DRAFTS[name]
+    heads, kv_heads, head_dim = d["heads"]
     return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": d["hidden_size"],
-            "num_hidden_layers": 5, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-            "intermediate_size": d["intermediate_size"], "rms_norm_eps": 1e-6, "rope_theta": 10_000_000.0,
-            "max_position_embeddings": 262144, "vocab_size": 248320, "attention_bias": False,
-            "tie_word_embeddings": False, "block_size": 16, "num_target_layers": config(name).num_hidden_layers,
-            "dflash_config": {"mask_token_id": 248070, "target_layer_ids": d["target_layer_ids"]}}
+            "num_hidden_layers": d["layers"], "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+            "head_dim": head_dim, "intermediate_size": d["intermediate_size"], "rms_norm_eps": 1e-6,
+            "rope_theta": 10_000_000.0, "max_position_embeddings": 262144, "vocab_size": d["vocab_size"],
+            "attention_bias": False, "tie_word_embeddings": False, "block_size": 16,
+            "num_target_layers": config(name).num_hidden_layers,
+            "dflash_config": {"mask_token_id": d["mask_token_id"], "target_layer_ids": d["target_layer_ids"]}}
 
 
 @torch.no_grad()

@@ -1,8 +1,31 @@
+import functools
+
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     pytest.skip("tests/gpu need CUDA", allow_module_level=True)
+
+# Default inductor + CUDA graphs: the shipped graph but for max-autotune's GEMM choice, which
+# scripts/bench.py exercises; this keeps tests/gpu inside one device call.
+COMPILE = {"triton.cudagraphs": True}
+
+
+@pytest.fixture(scope="session")
+def model9b():
+    """The real 9B shape, random weights, bf16, optimized once for the session (batch 3, 1024 positions);
+    `hf_generate` keeps transformers' own generate. Each test that enables speculation disables it again."""
+    import fastqwen
+    from fastqwen import presets
+    from torch._dynamo.utils import counters
+
+    model = presets.build("qwen3.5-9b", dtype=torch.bfloat16, device="cuda")
+    model.hf_generate = type(model).generate.__get__(model)
+    fastqwen.optimize(model, max_batch_size=3, max_seq_len=1024, compile_options=COMPILE)
+    counters.clear()
+    model._fastqwen.warmup()
+    assert counters["inductor"]["cudagraph_skips"] == 0, "the decode step must run as a CUDA graph"
+    return model
 
 
 def poison_allocator(*shapes, dtype=torch.bfloat16):
@@ -29,13 +52,10 @@ def assert_near_ties(model, divergences, preset="qwen3.5-9b"):
     """Each divergence (prefix, reference token, our token) must sit on a near-tie: the exact (fp32) logits
     of the two candidates are closer than HF's own bf16 error there, so the reference's pick is no more
     right than ours."""
-    from fastqwen import presets
-
     divergences = [d for d in divergences if d is not None]
     if not divergences:
         return
-    exact = presets.build(preset, dtype=torch.float32, device="cuda")
-    exact.load_state_dict(model.state_dict())
+    exact = _fp32_copy(model, preset)
     with torch.no_grad():
         for prefix, ref_tok, our_tok in divergences:
             l32 = exact(prefix).logits[0, -1]
@@ -45,5 +65,13 @@ def assert_near_ties(model, divergences, preset="qwen3.5-9b"):
             gap = abs(l32[ref_tok] - l32[our_tok]).item()
             print(f"divergence after {prefix.shape[1]} tokens: fp32 gap {gap:.4f}, HF bf16 error {hf_error:.4f}")
             assert gap <= 2 * hf_error, f"not a near-tie: fp32 gap {gap:.4f} > 2 x HF's bf16 error {hf_error:.4f}"
-    del exact
-    torch.cuda.empty_cache()
+
+
+@functools.cache
+def _fp32_copy(model, preset):
+    """An fp32 model with the same weights (built once per session)."""
+    from fastqwen import presets
+
+    exact = presets.build(preset, dtype=torch.float32, device="cuda")
+    exact.load_state_dict(model.state_dict())
+    return exact

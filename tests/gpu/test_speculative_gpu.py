@@ -5,20 +5,17 @@ import pytest
 import torch
 from conftest import assert_near_ties, first_divergence
 
-import fastqwen
 from fastqwen import presets
 from fastqwen.bench import OracleProposer
 from fastqwen.spec.dflash import DFlashDraft, DFlashProposer
 from fastqwen.spec.mtp import MTPHead, MTPProposer
 
 NEW = 48
-COMPILE = {"triton.cudagraphs": True}  # as in test_generate_gpu.py
 
 
 @pytest.fixture(scope="module")
-def setup():
-    model = presets.build("qwen3.5-9b", dtype=torch.bfloat16, device="cuda")
-    fastqwen.optimize(model, max_batch_size=2, max_seq_len=1024, compile_options=COMPILE)
+def setup(model9b):
+    model = model9b
     torch.manual_seed(0)
     prompts = [torch.randint(0, model.config.vocab_size, (n,), device="cuda") for n in (300, 61)]
     plain = [model.generate(p[None], max_new_tokens=NEW, do_sample=False)[0, len(p):] for p in prompts]
