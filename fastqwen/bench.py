@@ -30,10 +30,17 @@ class OracleProposer:
     (independently), so a round accepts i drafts with probability (1-miss)^i·… (see `miss_for_tau`).
     `inner`, if given, is a real proposer whose draft compute runs every round and whose drafts are discarded,
     so a benchmark pays the real drafting cost.
+
+    impose=True fixes the acceptance itself (see `imposed_acceptance`): each round accepts the drafts before
+    the first miss whatever the target says. The output is then not the target's, but every round does the
+    work of a real round with that acceptance. Benchmarks need it in bf16 on random weights: there the target's
+    near-tied logits make speculative and plain decoding part ways within a few tokens (kernels differ, see
+    tests/gpu), after which a precomputed reference would never be accepted again.
     """
 
-    def __init__(self, reference: torch.Tensor, miss: float, vocab_size: int, inner=None):
+    def __init__(self, reference: torch.Tensor, miss: float, vocab_size: int, inner=None, impose: bool = False):
         self.reference, self.miss, self.vocab_size, self.inner = reference, miss, vocab_size, inner
+        self.impose = impose
 
     @property
     def features(self):
@@ -61,6 +68,13 @@ class OracleProposer:
         drafts[: ref.shape[0]] = ref.gather(1, idx)
         wrong = torch.rand(drafts.shape, device=drafts.device) < self.miss
         return torch.where(wrong, (drafts + 1) % self.vocab_size, drafts), None
+
+    def imposed_acceptance(self, logits: torch.Tensor):
+        """(n [B], next [B]) for impose=True: n = drafts before the first miss (each misses independently with
+        probability `miss`), next = the target's greedy token after them. logits [B, k+1, V]."""
+        hit = torch.rand(logits.shape[0], logits.shape[1] - 1, device=logits.device) >= self.miss
+        n = hit.long().cumprod(-1).sum(-1)
+        return n, logits.argmax(-1).gather(1, n[:, None])[:, 0]
 
 
 def miss_for_tau(tau: float, k: int) -> float:

@@ -5,7 +5,7 @@ import torch
 from conftest import fresh, left_padded
 
 import fastqwen
-from fastqwen.bench import OracleProposer
+from fastqwen.bench import OracleProposer, miss_for_tau
 from fastqwen.cache import HybridCache
 from fastqwen.model import Forward
 from fastqwen.spec.verify import accept_sampled
@@ -219,3 +219,17 @@ def test_streamer_sees_every_token_with_speculation(engines):
     out = spec.generate(ids, max_new_tokens=17, do_sample=False, streamer=streamer)
     assert torch.equal(out, expected)
     assert streamer.chunks[0] == ids[0].tolist() and sum(streamer.chunks[1:], []) == out[0, 8:].tolist()
+
+
+def test_imposed_acceptance_reaches_the_chosen_tau():
+    """OracleProposer(impose=True), the benchmarks' proposer: every row's mean tokens per round is the τ that
+    miss_for_tau chose (within sampling error), though the drafts are random tokens the target rejects."""
+    spec = fastqwen.optimize(fresh("tiny"), max_batch_size=64, max_seq_len=160, compile=False)
+    k, tau = 4, 2.5
+    drafts_from = torch.randint(1, 500, (64, 140))
+    spec._fastqwen.enable_speculation(OracleProposer(drafts_from, miss_for_tau(tau, k), 512, impose=True), k)
+    prompt = torch.randint(1, 500, (64, 6))
+    torch.manual_seed(0)
+    spec.generate(prompt, max_new_tokens=121, min_new_tokens=121)
+    measured = spec._fastqwen.spec.acceptance_length(64)
+    assert abs(measured - tau) < 0.1, f"tau {measured:.3f}, imposed {tau}"

@@ -57,6 +57,8 @@ class Speculator:
             n, nxt = accept_sampled(p, drafts, q)
         else:
             n, nxt = accept_greedy(logits, drafts)
+        if getattr(self.proposer, "impose", False):  # benchmarks only: bench.OracleProposer(impose=True)
+            n, nxt = self.proposer.imposed_acceptance(logits)
         emitted = emitted_tokens(drafts, n, nxt)
         count = n + 1
         is_eos = s["eos_mask"][emitted] & (j < count[:, None])
