@@ -1,14 +1,14 @@
-"""Speculative decoding benchmark: per-step costs and end-to-end speed at a fixed acceptance.
+"""Speculative decoding benchmark: per-phase costs and end-to-end speed at a fixed acceptance.
 
-    python scripts/bench_spec.py --model qwen3.5-27b --proposer mtp --k 3 --tau 3.0
-    python scripts/bench_spec.py --model qwen3.5-27b --proposer dflash --k 15 --tau 6.5
+    python scripts/bench_spec.py --model qwen3.5-27b --runs mtp:3:3.0 dflash:15:6.5
 
-Random weights cannot show real acceptance, so the end-to-end figure uses bench.OracleProposer: every round
-runs the real drafting compute (a random MTP head, or a random DFlash draft of the real z-lab shape), then
-proposes the target's own greedy continuation with errors injected so that the mean tokens per round is
-`--tau`. Per-step costs are
-timed as compiled graphs on one model object in one process: the plain decode step (T = 1), the verify step
-over `--verify-block` positions, and the commit (GDN replay + conv window) of that block.
+Each run is `proposer:k:tau`. Random weights cannot show real acceptance, so the end-to-end figure uses
+bench.OracleProposer: every round runs the real drafting compute (a random MTP head, or a random DFlash draft
+of the real z-lab shape), then proposes the target's own greedy continuation with errors injected so that the
+mean tokens per round is tau. All runs share one model object in one process. Per-phase costs are timed as
+compiled graphs: the plain decode step (T = 1), and per run the draft, the verify step over its k + 1
+positions and the commit (GDN replay + conv window) of that block; `accept` is the rest of a measured round.
+Results are written to --json after every phase, so a run cut short keeps what it measured.
 """
 
 import argparse
@@ -28,102 +28,126 @@ from fastqwen.spec.dflash import DFlashDraft, DFlashProposer  # noqa: E402
 from fastqwen.spec.mtp import MTPHead, MTPProposer  # noqa: E402
 
 
-def time_call(fn, device, iters=30) -> float:
-    """Median seconds of fn() over iters calls after 3 warm-ups (CUDA events on GPU)."""
+def time_call(fn, device, iters=20, repeats=5) -> float:
+    """Seconds per fn() call: the median over `repeats` timings of `iters` back-to-back calls, after 3
+    warm-ups. Back to back, as in a generate loop, so the host's launch work overlaps the device's (timing
+    one call at a time would add the CUDA-graph replay's host overhead to every step)."""
     for _ in range(3):
         fn()
     times = []
-    for _ in range(iters):
+    for _ in range(repeats):
         if device.type == "cuda":
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            fn()
+            for _ in range(iters):
+                fn()
             b.record()
             b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
+            times.append(a.elapsed_time(b) / 1e3 / iters)
         else:
             t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
+            for _ in range(iters):
+                fn()
+            times.append((time.perf_counter() - t) / iters)
     return statistics.median(times)
 
 
-def step_costs(model, block: int, prompt) -> dict:
-    """Seconds per compiled decode step, verify step over `block` positions, and commit of that block."""
-    e = model._fastqwen
-    e.enable_speculation(OracleProposer(prompt[:, :1], 1.0, model.config.vocab_size), block - 1)
-    model.generate(prompt, max_new_tokens=2)  # fills the cache rows
-    e.state["done"].fill_(True)  # every row finished: steps compute all rows but advance none
-    tokens = torch.zeros(e.max_batch_size, block, dtype=torch.long, device=e.device)
+def phase_costs(e, k: int, proposer=None) -> dict:
+    """Seconds of the compiled verify (k + 1 positions) and commit of one round, and of `proposer`'s draft if
+    given, on the engine's current cache rows; every row is marked finished first, so these steps compute
+    but advance nothing."""
+    e.state["done"].fill_(True)
+    tokens = torch.zeros(e.max_batch_size, k + 1, dtype=torch.long, device=e.device)
     keep = torch.zeros(e.max_batch_size, dtype=torch.long, device=e.device)
-    verify = e.compile(lambda: e.forward.step(tokens, verify=True))
+    features = proposer.features if proposer is not None else None
+    verify = e.compile(lambda: e.forward.step(tokens, verify=True, features=features))
     commit = e.compile(lambda: e.forward.commit(keep))
-    return {"decode_s": time_call(e._greedy_step, e.device), "verify_s": time_call(verify, e.device),
-            "commit_s": time_call(commit, e.device)}
+    out = {"verify_s": time_call(verify, e.device), "commit_s": time_call(commit, e.device)}
+    if proposer is not None:
+        out["draft_s"] = time_call(e.compile(lambda: proposer.propose(e, k, False)), e.device)
+    return out
 
 
-def _tiny_dflash(model) -> dict:
-    """A small DFlash draft config for CPU smoke runs of this script."""
-    n = model.config.num_hidden_layers
-    return {"hidden_size": model.config.hidden_size, "num_hidden_layers": 2, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 96, "rms_norm_eps": 1e-6,
-            "rope_theta": 1e6, "vocab_size": model.config.vocab_size, "block_size": 16,
-            "dflash_config": {"mask_token_id": model.config.vocab_size - 1, "target_layer_ids": [0, n - 1]}}
+def real_proposer(name: str, model, e, preset: str, dtype):
+    """The real drafting compute of `name` with random weights of the real shape."""
+    if name == "mtp":
+        return MTPProposer(e, MTPHead(model, {k[4:]: v for k, v in presets.random_mtp_tensors(model).items()}))
+    cfg = presets.dflash_config(preset)
+    tensors = presets.random_dflash_tensors(cfg, model.config.hidden_size, dtype=dtype, device=e.device)
+    return DFlashProposer(e, DFlashDraft(cfg, tensors, model))
 
 
 def main():
     cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3.5-27b" if cuda else "tiny", choices=presets.NAMES)
-    p.add_argument("--proposer", choices=["mtp", "dflash"], default="mtp", help="whose drafting compute runs")
-    p.add_argument("--k", type=int, default=3, help="drafts per round (DFlash: block size - 1)")
-    p.add_argument("--tau", type=float, default=3.0, help="imposed mean tokens per round")
-    p.add_argument("--verify-block", type=int, default=16)
+    p.add_argument("--runs", nargs="+", default=["mtp:3:3.0", "dflash:15:6.5"], help="proposer:k:tau, each")
+    p.add_argument("--batch", type=int, default=1, help="rows per generate (the same prompt in each)")
     p.add_argument("--prompt-len", type=int, default=512 if cuda else 32)
-    p.add_argument("--n-short", type=int, default=32 if cuda else 8)
-    p.add_argument("--n-long", type=int, default=160 if cuda else 40)
+    p.add_argument("--n-short", type=int, default=32 if cuda else 24)
+    p.add_argument("--n-long", type=int, default=160 if cuda else 200)
+    p.add_argument("--verify-block", type=int, default=16, help="also time verify + commit of this block (0: no)")
+    p.add_argument("--no-phases", action="store_true", help="skip the per-run draft / verify / commit timings")
     p.add_argument("--no-autotune", action="store_true")
     p.add_argument("--json", type=pathlib.Path)
     args = p.parse_args()
+    runs = []
+    for r in args.runs:
+        name, k, tau = r.split(":")
+        if name not in ("mtp", "dflash"):
+            p.error(f"unknown proposer {name!r} in --runs {r}: use mtp or dflash")
+        runs.append((name, int(k), float(tau)))
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
-    say = lambda m: print(m, flush=True)  # noqa: E731
+    res = {"model": args.model, "batch": args.batch, "hardware": torch.cuda.get_device_name() if cuda else "cpu"}
+
+    def say(m):
+        print(m, flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(res, indent=1))
+
     model = presets.build(args.model, dtype=dtype, device=device)
     opts = {"triton.cudagraphs": True} if args.no_autotune and cuda else None
-    max_seq = args.prompt_len + args.n_long + 2 * args.verify_block + 8
-    fastqwen.optimize(model, max_seq_len=max_seq, compile=True, compile_options=opts)
-    ids = torch.randint(model.config.vocab_size, (1, args.prompt_len), generator=torch.Generator().manual_seed(0))
-    ids = ids.to(device)
-    res = {"model": args.model, "k": args.k, "tau": args.tau, "verify_block": args.verify_block,
-           "hardware": torch.cuda.get_device_name() if cuda else "cpu"}
-    say("plain decode: compiling and measuring")
-    model._fastqwen.warmup()
-    res["plain_tok_s"] = bench.decode_tok_per_s(model.generate, ids, args.n_short, args.n_long)
-    reference = model.generate(ids, max_new_tokens=args.n_long, min_new_tokens=args.n_long)[:, args.prompt_len:]
-    say("step costs: compiling and timing decode / verify / commit graphs")
-    res.update(step_costs(model, args.verify_block, ids))
-    res["verify_over_decode"] = res["verify_s"] / res["decode_s"]
-    res["commit_over_decode"] = res["commit_s"] / res["decode_s"]
-    say(f"speculative ({args.proposer}) k={args.k} at tau={args.tau}: compiling and measuring")
+    block = max([k + 1 for _, k, _ in runs] + [args.verify_block])
+    max_seq = args.prompt_len + args.n_long + 2 * block + 8  # room for the timed blocks after a generate
+    fastqwen.optimize(model, max_batch_size=args.batch, max_seq_len=max_seq, compile=True, compile_options=opts)
     e = model._fastqwen
-    miss = miss_for_tau(args.tau, args.k)
-    e.enable_speculation(OracleProposer(reference, miss, model.config.vocab_size, inner=None), args.k)
-    if args.proposer == "mtp":
-        head = MTPHead(model, {k[4:]: v for k, v in presets.random_mtp_tensors(model).items()})
-        e.spec.proposer.inner = MTPProposer(e, head)  # the real drafting compute, every round
-    else:
-        cfg = presets.dflash_config(args.model) if args.model in presets.DFLASH_DRAFTS else _tiny_dflash(model)
-        tensors = presets.random_dflash_tensors(cfg, model.config.hidden_size, dtype=dtype, device=device)
-        e.spec.proposer.inner = DFlashProposer(e, DFlashDraft(cfg, tensors, model))
-    res["spec_tok_s"] = bench.decode_tok_per_s(model.generate, ids, args.n_short, args.n_long)
-    inner = e.spec.proposer.inner
-    res["draft_s"] = time_call(e.compile(lambda: inner.propose(e, args.k, False)), device)
-    res["draft_over_decode"] = res["draft_s"] / res["decode_s"]
-    res["measured_tau"] = e.spec.acceptance_length(1)
-    res["spec_over_plain"] = res["spec_tok_s"] / res["plain_tok_s"]
-    print(json.dumps(res, indent=1))
-    if args.json:
-        args.json.write_text(json.dumps(res, indent=1))
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(model.config.vocab_size, (1, args.prompt_len), generator=gen).repeat(args.batch, 1).to(device)
+    say("plain decode: compiling and measuring")
+    e.warmup()
+    res["plain_tok_s"] = args.batch * bench.decode_tok_per_s(model.generate, ids, args.n_short, args.n_long)
+    reference = model.generate(ids, max_new_tokens=args.n_long, min_new_tokens=args.n_long)[:, args.prompt_len:]
+    e.state["done"].fill_(True)
+    res["decode_s"] = time_call(e._greedy_step, device)
+    if args.verify_block:
+        say(f"verify + commit of a {args.verify_block}-token block: compiling and timing")
+        e.enable_speculation(OracleProposer(reference, 1.0, model.config.vocab_size), args.verify_block - 1)
+        e.cache.lengths.fill_(args.prompt_len + args.n_long)  # attention cost as after a generate
+        costs = phase_costs(e, args.verify_block - 1)
+        res[f"verify{args.verify_block}"] = {**costs, "verify_over_decode": costs["verify_s"] / res["decode_s"],
+                                             "commit_over_decode": costs["commit_s"] / res["decode_s"]}
+    for name, k, tau in runs:
+        say(f"{name} k={k} at tau={tau}: compiling and measuring")
+        oracle = OracleProposer(reference, miss_for_tau(tau, k), model.config.vocab_size, impose=True)
+        e.enable_speculation(oracle, k)
+        oracle.inner = real_proposer(name, model, e, args.model, dtype)
+        r = {"k": k, "tau": tau}
+        r["tok_s"] = args.batch * bench.decode_tok_per_s(model.generate, ids, args.n_short, args.n_long)
+        r["measured_tau"] = e.spec.acceptance_length(args.batch)
+        r["over_plain"] = r["tok_s"] / res["plain_tok_s"]
+        r["round_s"] = r["measured_tau"] * args.batch / r["tok_s"]
+        res[name] = r
+        if args.no_phases:
+            continue
+        say(f"{name}: timing draft / verify / commit")
+        r.update(phase_costs(e, k, oracle.inner))
+        r["accept_and_rest_s"] = r["round_s"] - r["draft_s"] - r["verify_s"] - r["commit_s"]
+        for phase in ("draft", "verify", "commit"):
+            r[f"{phase}_over_decode"] = r[f"{phase}_s"] / res["decode_s"]
+            r[f"{phase}_share_of_round"] = r[f"{phase}_s"] / r["round_s"]
+        say(json.dumps({name: r}, indent=1))
+    say("done")
 
 
 if __name__ == "__main__":

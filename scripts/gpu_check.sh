@@ -2,7 +2,8 @@
 # One device call of the GPU plan: `bash scripts/gpu_check.sh STAGE` on the H200 (logs and JSON go to $OUT).
 #   tests    tests/gpu (default inductor + CUDA graphs; ~6 min)
 #   bench    scripts/bench.py for the models in $MODELS (default: all three real shapes)
-#   spec     scripts/bench_spec.py for MTP k=3 tau=3 and DFlash k=15 tau=6.5 on $SPEC_MODEL (default 27B)
+#   spec     scripts/bench_spec.py: MTP k=3 tau=3 and DFlash k=15 tau=6.5 in one process on $SPEC_MODEL
+#            (default 27B, default inductor + CUDA graphs; SPEC_ARGS adds options, e.g. --batch 2)
 # Prefix with the wheel install line from README (fla and torchao are not on the machine).
 set -uo pipefail
 stage=${1:?stage: tests | bench | spec}
@@ -15,7 +16,7 @@ case "$stage" in
   bench) python scripts/bench.py --models ${MODELS:-qwen3.5-9b qwen3.5-27b qwen3.5-35b-a3b} ${BENCH_ARGS:-} \
            --out-dir "$out" 2>&1 | grep -v "^\[transformers\]" | tail -20 ;;
   spec)  m=${SPEC_MODEL:-qwen3.5-27b}
-         python scripts/bench_spec.py --model "$m" --proposer mtp --k 3 --tau 3.0 --json "$out/spec_mtp.json" 2>&1 | tail -22
-         python scripts/bench_spec.py --model "$m" --proposer dflash --k 15 --tau 6.5 --json "$out/spec_dflash.json" 2>&1 | tail -22 ;;
+         python scripts/bench_spec.py --model "$m" --no-autotune ${SPEC_ARGS:-} --json "$out/spec_$m.json" 2>&1 \
+           | grep -v "^\[transformers\]" | tee "$out/spec_$m.log" | grep -vE '^ *"|^[{}]'; cat "$out/spec_$m.json" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
