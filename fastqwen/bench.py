@@ -136,16 +136,17 @@ def copy_bandwidth(device: torch.device | str, nbytes: int | None = None, repeat
     return 2 * nbytes / statistics.median(seconds)
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of weights read per decode step at batch 1.
+def weight_bytes(model: torch.nn.Module, tokens: int = 1) -> int:
+    """Bytes of weights read by one decode step over `tokens` tokens (batch rows × positions).
 
     Formula: sum of ``numel * element_size`` over the model's unique parameters, except
-      * the input embedding table counts one row (hidden_size elements), unless it is tied to lm_head,
-        in which case lm_head reads all of it and it counts in full;
+      * the input embedding table counts one row per token (hidden_size elements each), unless it is tied
+        to lm_head, in which case lm_head reads all of it and it counts in full;
       * for MoE configs (``num_experts`` set), each routed-expert 3-D tensor ``[E, ...]``
-        (``mlp.experts.gate_up_proj`` / ``mlp.experts.down_proj``) counts ``num_experts_per_tok / E`` of its size.
+        (``mlp.experts.gate_up_proj`` / ``mlp.experts.down_proj``) counts the expected share of experts that
+        `tokens` tokens select under uniform routing, ``1 - (1 - k/E)^tokens`` (k/E for one token).
     Everything else (attention, linear attention, norms, router, shared experts, lm_head) counts in full.
-    Buffers (e.g. rotary tables) and KV / recurrent state reads are not counted.
+    Buffers (e.g. rotary tables) and KV / recurrent state are not counted: see `state_bytes`.
     """
     cfg = model.config.get_text_config()
     n_experts = getattr(cfg, "num_experts", None)
@@ -156,11 +157,37 @@ def weight_bytes(model: torch.nn.Module) -> int:
     for name, p in model.named_parameters():  # shared (tied) parameters are yielded once
         size = p.numel() * p.element_size()
         if p is embed and not tied:
-            size = p.shape[-1] * p.element_size()
+            size = tokens * p.shape[-1] * p.element_size()
         elif n_experts and p.dim() == 3 and ".experts." in name and p.shape[0] == n_experts:
-            size = size * cfg.num_experts_per_tok // n_experts
+            size = round(size * (1 - (1 - cfg.num_experts_per_tok / n_experts) ** tokens))
         total += size
     return total
+
+
+def state_bytes(cfg, context: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes of decode state one sequence moves per step at `context` cached tokens.
+
+    Full-attention layers read K and V for every cached position: 2 · Hkv · D · context elements of `dtype`.
+    Gated DeltaNet layers read and write their fp32 recurrent state (2 · HV · dk · dv · 4 bytes) and their
+    conv window (2 · conv_dim · (W - 1) elements of `dtype`).
+    """
+    cfg = cfg.get_text_config()
+    size = torch.tensor([], dtype=dtype).element_size()
+    conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + (
+        cfg.linear_num_value_heads * cfg.linear_value_head_dim)
+    per_layer = {
+        "full_attention": 2 * cfg.num_key_value_heads * cfg.head_dim * context * size,
+        "linear_attention": 2 * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+        + 2 * conv_dim * (cfg.linear_conv_kernel_dim - 1) * size,
+    }
+    return sum(per_layer[kind] for kind in cfg.layer_types)
+
+
+def step_bytes(model: torch.nn.Module, batch: int = 1, context: int = 0) -> int:
+    """Bytes one decode step of `batch` rows at `context` cached tokens each must move: the roofline's
+    numerator (weights once for the batch, state per row)."""
+    dtype = model.get_input_embeddings().weight.dtype
+    return weight_bytes(model, batch) + batch * state_bytes(model.config, context, dtype)
 
 
 def _generate(generate_fn: Callable, input_ids: torch.Tensor, n: int) -> float:
@@ -252,6 +279,7 @@ def _measure_hf_static(label: str, model: torch.nn.Module, ids: torch.Tensor, le
 def run(
     name: str,
     *,
+    model: torch.nn.Module | None = None,
     systems: tuple[str, ...] = SYSTEMS,
     batch_size: int = 1,
     prompt_len: int = 512,
@@ -265,8 +293,11 @@ def run(
 ) -> dict:
     """Benchmark preset ``name`` (random weights, seed 0) on one model object in this process.
 
-    Returns a dict with the setup, ``copy_bandwidth_Bps`` (bytes/s), ``weight_bytes`` (bytes per step),
-    ``roofline_tok_s`` (bandwidth / weight bytes), per-system results under ``systems`` (``tok_s`` in
+    ``model``: that preset already built (sweeps reuse it; it leaves here without fastqwen's engine), else
+    it is built here. Returns a dict with the setup, ``copy_bandwidth_Bps`` (bytes/s), ``weight_bytes`` and
+    ``step_bytes`` (bytes a decode step moves: weights for the batch, plus KV and recurrent state per row at
+    the mean context of the timed window; see `step_bytes`), ``roofline_tok_s`` (bandwidth / step bytes, in
+    tokens/s per sequence like every speed here), per-system results under ``systems`` (``tok_s`` in
     tokens/s per sequence, ``setup_s`` / ``first_call_s`` in seconds, or ``error``; see ``_measure`` and
     ``_measure_hf_static``), the ratios ``fastqwen_vs_hf_static`` and ``fastqwen_vs_roofline``. HF systems
     run before ``fastqwen.optimize`` (which replaces ``model.generate``); hf-eager uses ``EAGER_N`` lengths.
@@ -283,12 +314,15 @@ def run(
 
     res["copy_bandwidth_Bps"] = copy_bandwidth(device)
     say(f"[{name}] copy bandwidth {res['copy_bandwidth_Bps'] / 1e9:.0f} GB/s")
-    say(f"[{name}] building model ({res['dtype']}, random init)")
-    model = presets.build(name, dtype=dtype, device=device, seed=0).eval()
-    res["weight_bytes"] = weight_bytes(model)
-    res["roofline_tok_s"] = res["copy_bandwidth_Bps"] / res["weight_bytes"]
-    say(f"[{name}] weights read per step {res['weight_bytes'] / 1e9:.3g} GB"
-        f" -> roofline {res['roofline_tok_s']:.1f} tok/s")
+    built_here = model is None
+    if built_here:
+        say(f"[{name}] building model ({res['dtype']}, random init)")
+        model = presets.build(name, dtype=dtype, device=device, seed=0).eval()
+    res["weight_bytes"] = weight_bytes(model, batch_size)
+    res["step_bytes"] = step_bytes(model, batch_size, prompt_len + (n_short + n_long) // 2)
+    res["roofline_tok_s"] = res["copy_bandwidth_Bps"] / res["step_bytes"]
+    say(f"[{name}] bytes per step {res['step_bytes'] / 1e9:.3g} GB (weights {res['weight_bytes'] / 1e9:.3g})"
+        f" -> roofline {res['roofline_tok_s']:.1f} tok/s per sequence")
 
     gen = torch.Generator().manual_seed(0)
     vocab = model.config.get_text_config().vocab_size
@@ -315,7 +349,12 @@ def run(
     hf = res["systems"].get("hf-static-compile", {}).get("tok_s")
     res["fastqwen_vs_hf_static"] = fq / hf if fq and hf else None
     res["fastqwen_vs_roofline"] = fq / res["roofline_tok_s"] if fq else None
-    del model
+    if built_here:
+        del model
+    else:  # back to a plain HF model, its compiled graphs released
+        model.__dict__.pop("_fastqwen", None)
+        model.__dict__.pop("generate", None)
+        torch._dynamo.reset()
     _free(device)
     return res
 
@@ -326,12 +365,12 @@ def _cell(value: float | None, fmt: str) -> str:
 
 
 def format_table(results: list[dict]) -> str:
-    """Markdown table of ``run`` results: decode tok/s per sequence, roofline tok/s, ratios, seconds.
-
-    A result with a top-level ``error`` (the model itself failed) shows "error" in every speed column.
-    """
-    head = ["model", "batch", "hf-eager tok/s", "hf-static-compile tok/s", "fastqwen tok/s", "roofline tok/s",
-            "fastqwen / hf-static", "fastqwen / roofline", "hf-static first call s", "fastqwen optimize+warm-up s"]
+    """Markdown table of ``run`` results: decode tok/s per sequence (and fastqwen's total over the batch),
+    roofline tok/s per sequence, ratios, seconds. A result with a top-level ``error`` shows "error" in every
+    speed column."""
+    head = ["model", "batch", "prompt", "hf-eager tok/s", "hf-static-compile tok/s", "fastqwen tok/s",
+            "fastqwen total tok/s", "roofline tok/s", "fastqwen / hf-static", "fastqwen / roofline",
+            "hf-static first call s", "fastqwen optimize+warm-up s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         s = r.get("systems", {})
@@ -340,9 +379,11 @@ def format_table(results: list[dict]) -> str:
             out = s.get(system, {})
             return "error" if "error" in out or "error" in r else _cell(out.get("tok_s"), ".1f")
 
-        row = [r["model"], str(r["batch_size"]), speed("hf-eager"), speed("hf-static-compile"), speed("fastqwen"),
-               _cell(r.get("roofline_tok_s"), ".1f"), _cell(r.get("fastqwen_vs_hf_static"), ".2f"),
-               _cell(r.get("fastqwen_vs_roofline"), ".0%"),
+        fq = s.get("fastqwen", {}).get("tok_s")
+        row = [r["model"], str(r.get("batch_size", "")), str(r.get("prompt_len", "")), speed("hf-eager"),
+               speed("hf-static-compile"), speed("fastqwen"),
+               _cell(fq * r["batch_size"] if fq else None, ".1f"), _cell(r.get("roofline_tok_s"), ".1f"),
+               _cell(r.get("fastqwen_vs_hf_static"), ".2f"), _cell(r.get("fastqwen_vs_roofline"), ".0%"),
                _cell(s.get("hf-static-compile", {}).get("first_call_s"), ".0f"),
                _cell(s.get("fastqwen", {}).get("setup_s"), ".0f")]
         lines.append("| " + " | ".join(row) + " |")

@@ -1,8 +1,11 @@
 """Decode-speed benchmark CLI: HF eager vs HF static + compile vs fastqwen vs the bandwidth roofline.
 
     python scripts/bench.py --models qwen3.5-9b qwen3.5-27b --batch-size 1 --prompt-len 512 --json docs/bench.json
+    python scripts/bench.py --models qwen3.5-27b --systems fastqwen --batch-size 1 2 4 8 --prompt-len 512 32768
 
-Prints progress lines, then a markdown table; writes results and environment to ``--json`` (and ``--out-dir``).
+Every (model, batch size, prompt length) is one row, all rows of a model on one model object. Prints progress
+lines, then a markdown table; writes results and environment to ``--json`` (and ``--out-dir``) after every
+row. scripts/plot_bench.py draws total tok/s against batch size with the roofline from that JSON.
 Without CUDA it defaults to the "tiny" preset in float32 with short runs and no compilation (a smoke test).
 """
 
@@ -21,7 +24,7 @@ import torch
 import transformers
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-from fastqwen import bench  # noqa: E402
+from fastqwen import bench, presets  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEFAULTS = (
@@ -37,8 +40,9 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=DEFAULTS["models"], help="preset names (fastqwen.presets)")
     p.add_argument("--systems", nargs="+", default=list(bench.SYSTEMS), choices=bench.SYSTEMS)
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--prompt-len", type=int, default=DEFAULTS["prompt_len"], help="prompt tokens")
+    p.add_argument("--batch-size", type=int, nargs="+", default=[1], help="rows per generate (a sweep if several)")
+    p.add_argument("--prompt-len", type=int, nargs="+", default=[DEFAULTS["prompt_len"]],
+                   help="prompt tokens per row, i.e. the context decoding starts from (a sweep if several)")
     p.add_argument("--n-short", type=int, default=DEFAULTS["n_short"], help="new tokens in the short run")
     p.add_argument("--n-long", type=int, default=DEFAULTS["n_long"], help="new tokens in the long run")
     p.add_argument("--dtype", default=DEFAULTS["dtype"], choices=["bfloat16", "float16", "float32"])
@@ -77,22 +81,32 @@ def main() -> None:
     results = []
     for name in args.models:
         try:
-            results.append(bench.run(
-                name, systems=tuple(args.systems), batch_size=args.batch_size, prompt_len=args.prompt_len,
-                n_short=args.n_short, n_long=args.n_long, dtype=getattr(torch, args.dtype), device=args.device,
-                compile=args.compile, progress=say,
-                compile_options={"triton.cudagraphs": True} if args.no_autotune else None,
-            ))
+            model = presets.build(name, dtype=getattr(torch, args.dtype), device=args.device).eval()
         except Exception as e:  # e.g. out of memory: keep going with the next model
-            error = f"{type(e).__name__}: {e}"[:500]
-            results.append({"model": name, "batch_size": args.batch_size, "error": error})
-            say(f"[{name}] FAILED {error}")
+            results.append({"model": name, "error": f"{type(e).__name__}: {e}"[:500]})
+            say(f"[{name}] FAILED {results[-1]['error']}")
+            continue
+        for batch_size in args.batch_size:
+            for prompt_len in args.prompt_len:
+                try:
+                    results.append(bench.run(
+                        name, model=model, systems=tuple(args.systems), batch_size=batch_size,
+                        prompt_len=prompt_len, n_short=args.n_short, n_long=args.n_long,
+                        dtype=getattr(torch, args.dtype), device=args.device, compile=args.compile, progress=say,
+                        compile_options={"triton.cudagraphs": True} if args.no_autotune else None,
+                    ))
+                except Exception as e:  # e.g. out of memory: keep going with the next row
+                    error = f"{type(e).__name__}: {e}"[:500]
+                    results.append({"model": name, "batch_size": batch_size, "prompt_len": prompt_len,
+                                    "error": error})
+                    say(f"[{name}] batch {batch_size}, prompt {prompt_len}: FAILED {error}")
+                for path in paths:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.write_text(json.dumps({"environment": env, "results": results}, indent=2) + "\n")
+        del model
         gc.collect()
         if CUDA:
             torch.cuda.empty_cache()
-        for path in paths:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({"environment": env, "results": results}, indent=2) + "\n")
     table = bench.format_table(results)
     if args.out_dir:
         (args.out_dir / "bench.md").write_text(table + "\n")

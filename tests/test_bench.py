@@ -1,0 +1,49 @@
+"""The roofline's byte counts (fastqwen.bench) and the benchmark plot, on the tiny presets."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fastqwen import bench, presets
+
+
+def test_weight_bytes_counts_one_embedding_row_per_token():
+    model = presets.build("tiny", dtype=torch.float32, device="cpu")
+    every = sum(p.numel() for p in model.parameters()) * 4
+    table = 512 * 64 * 4  # vocab x hidden, fp32; lm_head is untied and counts in full
+    assert bench.weight_bytes(model) == every - table + 64 * 4
+    assert bench.weight_bytes(model, 3) == every - table + 3 * 64 * 4
+
+
+def test_weight_bytes_counts_the_expected_share_of_routed_experts():
+    model = presets.build("tiny-moe", dtype=torch.float32, device="cpu")
+    experts = sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." in n)
+    base = bench.weight_bytes(model) - round(experts * 2 / 8)  # 2 of 8 experts for one token
+    # two tokens select 1 - (6/8)^2 = 7/16 of the experts on average (uniform routing)
+    assert bench.weight_bytes(model, 2) == pytest.approx(base + 64 * 4 + experts * 7 / 16, abs=8)
+
+
+def test_state_bytes_of_the_tiny_shape():
+    # 3 Gated DeltaNet layers: fp32 state 4 heads x 16 x 16 read + written (8192 B) and a bf16 conv window of
+    # (2*2*16 + 4*16) channels x 3 read + written (1536 B); 1 attention layer: bf16 K and V, 2 heads x 32 dims
+    cfg = presets.config("tiny")
+    assert bench.state_bytes(cfg, 0) == 3 * (8192 + 1536)
+    assert bench.state_bytes(cfg, 100) == 3 * (8192 + 1536) + 100 * 2 * 2 * 32 * 2
+    model = presets.build("tiny", dtype=torch.bfloat16, device="cpu")
+    assert bench.step_bytes(model, 4, 100) == bench.weight_bytes(model, 4) + 4 * bench.state_bytes(cfg, 100)
+
+
+def test_plot_draws_a_line_and_a_roofline_per_model_and_prompt(tmp_path):
+    row = lambda b, p: {"model": "m", "batch_size": b, "prompt_len": p, "roofline_tok_s": 100.0,  # noqa: E731
+                        "systems": {"fastqwen": {"tok_s": 50.0}}}
+    results = [row(b, p) for p in (512, 32768) for b in (1, 2, 4, 8)] + [{"model": "x", "error": "oom"}]
+    src = tmp_path / "bench.json"
+    src.write_text(json.dumps({"environment": {"hardware": "H"}, "results": results}))
+    subprocess.run([sys.executable, str(pathlib.Path(__file__).parents[1] / "scripts" / "plot_bench.py"), str(src), str(tmp_path / "b.svg")], check=True)
+    svg = (tmp_path / "b.svg").read_text()
+    assert svg.count("<polyline") == 4 and svg.count("<circle") == 8
+    assert "m, prompt 32768" in svg
