@@ -4,6 +4,8 @@
 #   bench    scripts/bench.py for the models in $MODELS (default: all three real shapes)
 #   spec     scripts/bench_spec.py: MTP k=3 tau=3 and DFlash k=15 tau=6.5 in one process on $SPEC_MODEL
 #            (default 27B, default inductor + CUDA graphs; SPEC_ARGS adds options, e.g. --batch 2)
+#   sweep    scripts/bench.py fastqwen at batch 1 2 4 8 on $SWEEP_MODEL (default 27B), then the plot
+#   startup  scripts/bench_startup.py on $STARTUP_MODEL (default 9B): cold vs warm start to first token
 # Prefix with the wheel install line from README (fla and torchao are not on the machine).
 set -uo pipefail
 stage=${1:?stage: tests | bench | spec}
@@ -18,5 +20,10 @@ case "$stage" in
   spec)  m=${SPEC_MODEL:-qwen3.5-27b}
          python scripts/bench_spec.py --model "$m" --no-autotune ${SPEC_ARGS:-} --json "$out/spec_$m.json" 2>&1 \
            | grep -v "^\[transformers\]" | tee "$out/spec_$m.log" | grep -vE '^ *"|^[{}]'; cat "$out/spec_$m.json" ;;
+  sweep) m=${SWEEP_MODEL:-qwen3.5-27b}
+         python scripts/bench.py --models "$m" --systems fastqwen --batch-size 1 2 4 8 --no-autotune \
+           ${SWEEP_ARGS:-} --json "$out/sweep_$m.json" 2>&1 | grep -v "^\[transformers\]" | tail -8
+         python scripts/plot_bench.py "$out/sweep_$m.json" "$out/sweep_$m.svg" ;;
+  startup) python scripts/bench_startup.py --model "${STARTUP_MODEL:-qwen3.5-9b}" --json "$out/startup.json" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
