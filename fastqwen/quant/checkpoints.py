@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from .formats import pack_int4
 from .gptq import from_awq, from_gptq
 from .linear import QuantLinear
 
@@ -66,7 +67,7 @@ def _quant_linear(method: str, qc: dict, t: dict, prefix: str, shape) -> QuantLi
                                              zero_offset=offset)
     else:
         codes, scale, zero, perm = from_awq(t["qweight"], t["qzeros"], t["scales"], group=group)
-    tensors = {"qweight": codes, "scale": scale, "zero": zero}
+    tensors = {"qweight": pack_int4(codes), "scale": scale, "zero": zero}
     if perm is not None:
         tensors["perm"] = perm
     return QuantLinear("int4", in_features, out_features, tensors, t.get("bias"), group)

@@ -5,7 +5,8 @@ fp8-block: e4m3 weight [N, K] and fp32 scale_inv [⌈N/bn⌉, ⌈K/bk⌉], w ≈
 fp8-row: e4m3 weight [N, K] and fp32 scale [N].
 int4: codes [N, K] uint8 in 0…15, fp32 scale and zero [N, K/g]: w ≈ (q − zero) · scale per group of g
     consecutive input columns; an optional input permutation `perm` (act-order checkpoints) means the stored
-    columns are the original columns perm[0], perm[1], …
+    columns are the original columns perm[0], perm[1], … QuantLinear stores the codes packed two a byte
+    (`pack_int4`: low nibble = even column), so a step reads half a byte per weight.
 """
 
 import torch
@@ -63,6 +64,17 @@ def dequantize_int4(q, scale, zero, group: int, perm=None) -> torch.Tensor:
     if perm is not None:
         w = torch.empty_like(w).index_copy_(1, perm, w)
     return w
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """codes [N, K] (0…15, K even) → uint8 [N, K/2]: column 2j in the low nibble, 2j+1 in the high one."""
+    c = codes.to(torch.uint8)
+    return c[:, 0::2] | (c[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K/2] → codes [N, K] uint8 (inverse of pack_int4)."""
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).view(packed.shape[0], -1)
 
 
 def fake_quantize_fp8_activations(x: torch.Tensor, group: int = 128) -> torch.Tensor:

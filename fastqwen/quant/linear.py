@@ -2,9 +2,9 @@
 
 Schemes: "fp8" (e4m3 weights in 128×128 blocks, activations rounded as dynamic per-token 1×128 fp8),
 "fp8-weight" (e4m3 weights with one scale per output row, activations unchanged), "int4" (asymmetric
-group-wise codes, group 128 by default). The forward here is the torch reference (dequantize, then matmul),
-which inductor compiles as it is; small-M kernels that stream the quantized bytes replace it per scheme
-(issue 4) and are tested against it.
+group-wise codes packed two a byte, group 128 by default). On CUDA, inputs of at most 16 rows (decode and
+verify steps) go through the small-M kernel (kernels.py: the weight streamed in its stored format); larger
+inputs (prefill) and CPU use the torch reference: dequantize, then matmul in the input dtype.
 """
 
 import warnings
@@ -19,10 +19,13 @@ from .formats import (
     dequantize_fp8_rows,
     dequantize_int4,
     fake_quantize_fp8_activations,
+    pack_int4,
     quantize_fp8_block,
     quantize_fp8_rows,
     quantize_int4,
+    unpack_int4,
 )
+from .kernels import FORMATS, MAX_ROWS, STEP, wq_linear
 
 SCHEMES = ("fp8", "fp8-weight", "int4")
 _FP8_BLOCK = 128
@@ -30,7 +33,8 @@ _MIN_OUT_FEATURES = 16  # tiny projections (shared-expert gate: 1 row) stay in t
 
 
 class QuantLinear(nn.Module):
-    """y = x·Wᵀ (+ b) with W held in `scheme`'s format (see formats.py); buffers keep the state dict."""
+    """y = x·Wᵀ (+ b) with W held in `scheme`'s format (see formats.py; int4 codes packed by `pack_int4`,
+    an act-order permutation in the `perm` buffer); buffers keep the state dict."""
 
     def __init__(self, scheme: str, in_features: int, out_features: int, tensors: dict, bias=None, group: int = 128):
         super().__init__()
@@ -50,7 +54,7 @@ class QuantLinear(nn.Module):
             tensors = {"qweight": q, "scale": s}
         else:
             q, s, z = quantize_int4(w, group)
-            tensors = {"qweight": q, "scale": s, "zero": z}
+            tensors = {"qweight": pack_int4(q), "scale": s, "zero": z}
         return cls(scheme, linear.in_features, linear.out_features, tensors, linear.bias, group)
 
     def dequantized(self) -> torch.Tensor:
@@ -59,9 +63,21 @@ class QuantLinear(nn.Module):
             return dequantize_fp8_block(self.qweight, self.scale_inv, (_FP8_BLOCK, _FP8_BLOCK))
         if self.scheme == "fp8-weight":
             return dequantize_fp8_rows(self.qweight, self.scale)
-        return dequantize_int4(self.qweight, self.scale, self.zero, self.group, getattr(self, "perm", None))
+        return dequantize_int4(unpack_int4(self.qweight), self.scale, self.zero, self.group,
+                               getattr(self, "perm", None))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[:-1].numel()
+        if x.is_cuda and rows <= MAX_ROWS and self.in_features % STEP == 0 and (
+                self.scheme != "int4" or self.group == STEP):
+            x2 = x.reshape(rows, self.in_features)
+            if getattr(self, "perm", None) is not None:
+                x2 = x2.index_select(1, self.perm)  # the stored column order
+            scale = self.scale_inv if self.scheme == "fp8" else self.scale
+            y = wq_linear(x2, FORMATS[self.scheme], self.qweight, scale, getattr(self, "zero", None),
+                          self.scheme == "fp8", self.out_features).to(x.dtype)
+            y = y.view(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias
         if self.scheme == "fp8":
             x = fake_quantize_fp8_activations(x, _FP8_BLOCK)
         return F.linear(x, self.dequantized().to(x.dtype), self.bias)
@@ -75,7 +91,8 @@ def quantize(model, scheme: str, *, group_size: int = 128, lm_head: bool = False
 
     Layers the scheme cannot take stay in the model dtype, listed in one warning: int4 needs in_features
     divisible by group_size; projections with fewer than 16 outputs are kept; 3-D MoE expert weights are not
-    quantized yet. Embeddings are never quantized. Returns the model.
+    quantized yet. On CUDA, layers the small-M kernel cannot take (kernels.py) are quantized but listed in a
+    second warning: they run the reference path. Embeddings are never quantized. Returns the model.
     """
     if scheme not in SCHEMES:
         raise ValueError(f"unknown quantization scheme {scheme!r}; supported: {', '.join(SCHEMES)}")
@@ -86,7 +103,8 @@ def quantize(model, scheme: str, *, group_size: int = 128, lm_head: bool = False
              for prefix, parent in layers.named_modules() for name, child in parent.named_children()]
     if lm_head:
         slots.append((model, "lm_head", model.lm_head, "lm_head"))
-    kept = []
+    kept, slow = [], []
+    cuda = next(model.parameters()).is_cuda
     with torch.no_grad():
         for parent, name, child, full in slots:
             if not isinstance(child, nn.Linear):
@@ -98,6 +116,13 @@ def quantize(model, scheme: str, *, group_size: int = 128, lm_head: bool = False
                 kept.append(f"{full} (in_features {child.in_features} not divisible by {group_size})")
             else:
                 setattr(parent, name, QuantLinear.from_linear(child, scheme, group_size))
+                if cuda and (child.in_features % STEP or (scheme == "int4" and group_size != STEP)):
+                    slow.append(f"{full} (in_features {child.in_features}, group {group_size})")
+    if slow:
+        warnings.warn(f"quantize({scheme!r}): no small-M kernel for {len(slow)} layers (it needs in_features "
+                      f"divisible by {STEP} and int4 groups of {STEP}); they decode through the slower "
+                      f"dequantize-then-matmul reference: " + "; ".join(slow[:12]) + (" …" if len(slow) > 12 else ""),
+                      stacklevel=2)
     if kept:
         warnings.warn(f"quantize({scheme!r}) kept {len(kept)} layers in {model.dtype}: " + "; ".join(kept[:12])
                       + (" …" if len(kept) > 12 else ""), stacklevel=2)

@@ -1,0 +1,75 @@
+"""The small-M quantized-linear kernel (fastqwen/quant/kernels.py) against its torch reference.
+
+The Triton kernel runs here in Triton's CPU interpreter: a subprocess with TRITON_INTERPRET=1 (it must be set
+before the kernel is defined). Triton 3.6's interpreter needs numpy < 2.4, and Triton installed beside a CPU
+torch breaks torch.compile there ("0 active drivers"), so the subprocess takes them from the directory
+$FASTQWEN_TRITON_SITE (.ci/run fills it: pip install --target) when set, else from this environment.
+tests/gpu/test_quant_gpu.py runs the kernel compiled on real layer shapes.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fastqwen.quant.formats import pack_int4, unpack_int4
+from fastqwen.quant.kernels import FP8_BLOCK, FP8_ROW, INT4, reference, stored_operands, wq_linear
+
+
+def operands(fmt, N, K, seed=0):
+    """(w, scale, zero) in the stored format of a random weight [N, K]."""
+    return stored_operands(fmt, torch.randn(N, K, generator=torch.Generator().manual_seed(seed)) * 0.05)
+
+
+def test_int4_packing_round_trips():
+    codes = torch.randint(0, 16, (5, 256), dtype=torch.uint8)
+    packed = pack_int4(codes)
+    assert packed.shape == (5, 128) and torch.equal(unpack_int4(packed), codes)
+    assert int(packed[0, 0]) == int(codes[0, 0]) | int(codes[0, 1]) << 4
+
+
+@pytest.mark.parametrize("fmt,act", [(FP8_ROW, False), (FP8_BLOCK, True), (INT4, False)])
+def test_registered_op_passes_opcheck_on_cpu(fmt, act):
+    w, s, z = operands(fmt, 64, 256)
+    x = torch.randn(3, 256)
+    # test_schema is left out: torch's SchemaCheckMode cannot compare fp8 tensors (mul not implemented)
+    torch.library.opcheck(wq_linear, (x, fmt, w, s, z, act, 64),
+                          test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))
+    assert torch.equal(wq_linear(x, fmt, w, s, z, act, 64), reference(x, fmt, w, s, z, act, 64))
+
+
+_INTERPRETED = """
+import torch
+from fastqwen.quant.kernels import FP8_BLOCK, FP8_ROW, INT4, reference, wq_matmul
+from test_quant_kernels import operands
+worst = 0.0
+# (not FP8_BLOCK with act_fp8: the interpreter's fp32 -> e4m3 cast drops the carry when rounding up into the
+# next binade, e.g. 126.5 -> 64 instead of 128; tests/gpu covers that path on the hardware's cast)
+for fmt, act in [(FP8_ROW, False), (FP8_BLOCK, False), (INT4, False)]:
+    for M in (1, 3, 16):
+        N, K = 200, 384  # N not a multiple of the program width; K three steps
+        w, s, z = operands(fmt, N, K, seed=M)
+        x = torch.randn(M, K, dtype=torch.bfloat16)
+        y = wq_matmul(x, fmt, w, s, z, act, N)
+        ref = reference(x.float(), fmt, w, s, z, act, N)
+        err = ((y - ref).norm() / ref.norm()).item()
+        assert y.shape == (M, N) and not y.isnan().any(), (fmt, M)
+        assert err < 1e-5, f"format {fmt}, act_fp8 {act}, M={M}: relative error {err:.2e}"
+        worst = max(worst, err)
+print("worst relative error", worst)
+"""
+
+
+def test_kernel_matches_reference_in_the_triton_interpreter():
+    site = os.environ.get("FASTQWEN_TRITON_SITE", "")
+    paths = [site, os.path.dirname(__file__), os.path.dirname(os.path.dirname(__file__)),
+             os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(p for p in paths if p))
+    probe = "import numpy, triton; assert tuple(map(int, numpy.__version__.split('.')[:2])) < (2, 4)"
+    if subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True).returncode:
+        pytest.skip("needs triton and numpy < 2.4 (set FASTQWEN_TRITON_SITE to a pip --target dir with both)")
+    out = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "worst relative error" in out.stdout
