@@ -1,0 +1,142 @@
+"""Per-GEMM speed of quantized linears at small M (decode, verify) on real layer shapes.
+
+    python scripts/bench_quant.py --shapes 27b --m 1 2 4 8 16 --json docs/bench-quant.json
+
+Candidates: bf16 (cuBLAS), fastqwen's small-M kernel per format (fastqwen/quant/kernels.py), and where they are
+installed torchao (fp8 weight-only, fp8 dynamic per-row, int4 weight-only) and gemlite (fp8 weight-only,
+int4 group 128). Every candidate is timed as a CUDA graph of 20 back-to-back calls (no launch overhead, as in
+a compiled decode step): median µs per call over 10 replays. The floor is the candidate's weight bytes ÷
+the measured copy bandwidth; "% BW" is floor ÷ time. Candidates that fail to build or capture are reported
+with their error, not skipped.
+"""
+
+import argparse
+import copy
+import json
+import pathlib
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from fastqwen import bench  # noqa: E402
+from fastqwen.quant.linear import QuantLinear  # noqa: E402
+
+# name: [(layer, N, K)]
+SHAPES = {
+    "27b": [("mlp.gate/up", 17408, 5120), ("mlp.down", 5120, 17408), ("attn.q+gate", 12288, 5120),
+            ("gdn.in_qkv", 10240, 5120), ("gdn.out", 5120, 6144), ("attn.k", 1024, 5120)],
+    "35b-a3b": [("attn.q+gate", 8192, 2048), ("gdn.in_qkv", 8192, 2048), ("shared.gate/up", 512, 2048),
+                ("lm_head", 248320, 2048)],
+}
+
+
+def candidates(linear: torch.nn.Linear) -> dict:
+    """{name: (callable x -> y, weight bytes)}; a candidate that cannot be built maps to its error string."""
+    N, K = linear.out_features, linear.in_features
+    out = {"bf16": (lambda x: F.linear(x, linear.weight), N * K * 2)}
+    for scheme in ("fp8-weight", "fp8", "int4"):
+        layer = QuantLinear.from_linear(linear, scheme)
+        out[f"fastqwen {scheme}"] = (layer, sum(b.numel() * b.element_size() for b in layer.buffers()))
+
+    def build(name, make):
+        try:
+            out[name] = make()
+        except Exception as e:  # not installed, or unsupported here
+            out[name] = f"{type(e).__name__}: {e}"[:200]
+
+    fp8_bytes, int4_bytes = N * K + N * 4, N * K // 2 + 2 * N * (K // 128) * 2  # the formats' own bytes
+
+    def torchao(make_config, nbytes):
+        import torchao.quantization as q
+
+        lin = copy.deepcopy(linear)
+        q.quantize_(lin, make_config(q))
+        return lin, nbytes
+
+    def gemlite_fp8():
+        from gemlite.helper import A16W8_FP8
+
+        return A16W8_FP8(device="cuda", dtype=torch.bfloat16).from_linear(copy.deepcopy(linear)), fp8_bytes
+
+    def gemlite_int4():
+        from gemlite.helper import A16Wn
+
+        from fastqwen.quant.formats import quantize_int4
+
+        q, s, z = quantize_int4(linear.weight.detach(), 128)
+        layer = A16Wn(device="cuda", dtype=torch.bfloat16).from_weights(q, s.bfloat16(), z.bfloat16(), 4, 128)
+        return layer, int4_bytes
+
+    build("torchao fp8-weight", lambda: torchao(lambda q: q.Float8WeightOnlyConfig(), fp8_bytes))
+    build("torchao fp8 dyn row", lambda: torchao(
+        lambda q: q.Float8DynamicActivationFloat8WeightConfig(granularity=q.PerRow()), fp8_bytes))
+    build("torchao int4", lambda: torchao(lambda q: q.Int4WeightOnlyConfig(group_size=128), int4_bytes))
+    build("gemlite fp8-weight", gemlite_fp8)
+    build("gemlite int4", gemlite_int4)
+    return out
+
+
+def graph_time(fn, x, calls=20, replays=10) -> float:
+    """Median seconds per fn(x) call, replaying a CUDA graph of `calls` back-to-back calls."""
+    with torch.no_grad():
+        for _ in range(3):  # warm-up outside capture (autotuners run here)
+            fn(x)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn(x)
+        times = []
+        for _ in range(replays):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            graph.replay()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3 / calls)
+    return statistics.median(times)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--json", type=pathlib.Path)
+    args = p.parse_args()
+    bw = bench.copy_bandwidth("cuda")
+    res = {"hardware": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth_Bps": bw,
+           "rows": []}
+    print(f"{res['hardware']}, copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
+    for model in args.shapes:
+        for layer, N, K in SHAPES[model]:
+            torch.manual_seed(0)
+            linear = torch.nn.Linear(K, N, bias=False, device="cuda", dtype=torch.bfloat16)
+            torch.nn.init.normal_(linear.weight, std=0.02)
+            for name, c in candidates(linear).items():
+                row = {"model": model, "layer": layer, "N": N, "K": K, "candidate": name}
+                if isinstance(c, str):
+                    row["error"] = c
+                else:
+                    fn, nbytes = c
+                    row["weight_bytes"] = nbytes
+                    for m in args.m:
+                        x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
+                        try:
+                            t = graph_time(fn, x)
+                            row[f"M{m}_us"], row[f"M{m}_bw"] = t * 1e6, nbytes / bw / t
+                        except Exception as e:
+                            row[f"M{m}_error"] = f"{type(e).__name__}: {e}"[:200]
+                res["rows"].append(row)
+                cells = [f"{row[f'M{m}_us']:.1f} µs {row[f'M{m}_bw']:.0%}" if f"M{m}_us" in row else "error"
+                         for m in args.m]
+                print(f"| {model} | {layer} {N}x{K} | {name} | " + " | ".join(cells if "error" not in row
+                                                                                else [row["error"]]) + " |", flush=True)
+                if args.json:
+                    args.json.write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
