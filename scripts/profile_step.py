@@ -1,0 +1,79 @@
+"""Profile fastqwen's compiled decode step: where a step's time goes, kernel by kernel.
+
+    python scripts/profile_step.py --model qwen3.5-35b-a3b --no-autotune --top 25
+
+Builds the preset (random weights), optimizes and warms it up, fills the cache with a prompt, then records
+`--steps` decode steps (CUDA graph replays) under torch.profiler. Prints the kernels that take the most
+device time per step (name, launches per step, µs per step, share), the number of kernel launches per step,
+and the step's device time against the roofline of its bytes (fastqwen.bench.step_bytes ÷ copy bandwidth).
+A step far above its roofline with many short kernels is launch-bound; a few long kernels far below the
+bandwidth are the ones to rewrite. With --json the table is also written as JSON.
+"""
+
+import argparse
+import collections
+import json
+import pathlib
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+import fastqwen  # noqa: E402
+from fastqwen import bench, presets  # noqa: E402
+
+
+def main():
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3.5-27b" if cuda else "tiny", choices=presets.NAMES)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--prompt-len", type=int, default=512 if cuda else 32)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--no-autotune", action="store_true")
+    p.add_argument("--json", type=pathlib.Path)
+    args = p.parse_args()
+    device = "cuda" if cuda else "cpu"
+    model = presets.build(args.model, dtype=torch.bfloat16 if cuda else torch.float32, device=device)
+    opts = {"triton.cudagraphs": True} if args.no_autotune and cuda else None
+    fastqwen.optimize(model, max_batch_size=args.batch_size, max_seq_len=args.prompt_len + 64, compile_options=opts)
+    e = model._fastqwen
+    e.warmup()
+    ids = torch.randint(model.config.vocab_size, (args.batch_size, args.prompt_len), device=device)
+    model.generate(ids, max_new_tokens=8)  # cache rows at the prompt length; then every row is done
+    e.state["done"].fill_(True)  # steps compute every row and advance none
+    for _ in range(3):
+        e._greedy_step()
+    activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        for _ in range(args.steps):
+            e._greedy_step()
+        if cuda:
+            torch.cuda.synchronize()
+    per_kernel = collections.defaultdict(lambda: [0, 0.0])  # name -> [launches, µs]
+    for ev in prof.events():
+        kernel = ev.device_type == torch.autograd.DeviceType.CUDA if cuda else ev.cpu_parent is None
+        if kernel:
+            per_kernel[ev.name][0] += 1
+            per_kernel[ev.name][1] += ev.device_time_total if cuda else ev.cpu_time_total
+    step_us = sum(us for _, us in per_kernel.values()) / args.steps
+    launches = sum(n for n, _ in per_kernel.values()) / args.steps
+    nbytes = bench.step_bytes(model, args.batch_size, args.prompt_len + 8)
+    roof_us = nbytes / bench.copy_bandwidth(device) * 1e6
+    rows = sorted(((name, n / args.steps, us / args.steps) for name, (n, us) in per_kernel.items()),
+                  key=lambda r: -r[2])
+    print(f"{args.model}, batch {args.batch_size}, context {args.prompt_len}: {step_us:.0f} µs of kernels per step, "
+          f"{launches:.0f} launches, roofline {roof_us:.0f} µs ({nbytes / 1e9:.2f} GB) -> {roof_us / step_us:.0%}")
+    print("| kernel | launches / step | µs / step | share |\n|---|---|---|---|")
+    for name, n, us in rows[: args.top]:
+        print(f"| {name[:90]} | {n:.0f} | {us:.1f} | {us / step_us:.1%} |")
+    if args.json:
+        args.json.write_text(json.dumps({"model": args.model, "batch_size": args.batch_size,
+                                         "prompt_len": args.prompt_len, "step_us": step_us, "launches": launches,
+                                         "roofline_us": roof_us, "kernels": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
