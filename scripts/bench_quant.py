@@ -2,9 +2,10 @@
 
     python scripts/bench_quant.py --shapes 27b --m 1 2 4 8 16 --json docs/bench-quant.json
 
-Candidates: bf16 (cuBLAS), fastqwen's small-M kernel per format (fastqwen/quant/kernels.py), and where they are
+Candidates: bf16 (cuBLAS), fastqwen's small-M kernel per format (fastqwen/ops/gemv.py), and where they are
 installed torchao (fp8 weight-only, fp8 dynamic per-row, int4 weight-only) and gemlite (fp8 weight-only,
-int4 group 128). Every candidate is timed as a CUDA graph of 20 back-to-back calls (no launch overhead, as in
+int4 group 128). With --experts, also the 35B-A3B routed experts (256 of them, top-8, M tokens): the
+gather-then-einsum path against the grouped kernel (`expert_gemv`) in bf16, fp8 and int4. Every candidate is timed as a CUDA graph of 20 back-to-back calls (no launch overhead, as in
 a compiled decode step): median µs per call over 10 replays. The floor is the candidate's weight bytes ÷
 the measured copy bandwidth; "% BW" is floor ÷ time. Candidates that fail to build or capture are reported
 with their error, not skipped.
@@ -79,6 +80,27 @@ def candidates(linear: torch.nn.Linear) -> dict:
     return out
 
 
+def expert_candidates(N: int, K: int, E: int = 256, top: int = 8) -> dict:
+    """{name: (callable x [M, K] -> [M·top, N], bytes a call must read for M = 1)} for routed experts."""
+    from fastqwen.ops.gemv import BF16, FP8_ROW, INT4, expert_gemv, stored_operands
+
+    w = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16) * 0.02
+    exp = torch.randint(0, E, (16 * top,), device="cuda", dtype=torch.int32)
+
+    def pairs(x):
+        M = x.shape[0]
+        return torch.arange(M, device="cuda", dtype=torch.int32).repeat_interleave(top), exp[: M * top]
+
+    out = {"gather+einsum bf16": (lambda x: torch.einsum("mk,mtnk->mtn", x, w[exp[: x.shape[0] * top].view(-1, top)]),
+                                  top * N * K * 2)}
+    for name, fmt, nbytes in (("bf16", BF16, 2), ("fp8-weight", FP8_ROW, 1), ("int4", INT4, 0.5)):
+        parts = [stored_operands(fmt, w[e]) for e in range(E)]
+        ws, ss, zs = (None if p[0] is None else torch.stack(p) for p in zip(*parts))
+        out[f"expert_gemv {name}"] = (lambda x, ws=ws, ss=ss, zs=zs, fmt=fmt: expert_gemv(x, *pairs(x), fmt, ws, ss, zs, N),
+                                      int(top * N * K * nbytes))
+    return out
+
+
 def graph_time(fn, x, calls=20, replays=10) -> float:
     """Median seconds per fn(x) call, replaying a CUDA graph of `calls` back-to-back calls."""
     with torch.no_grad():
@@ -104,38 +126,47 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--experts", action="store_true", help="also the 35B-A3B routed experts")
     p.add_argument("--json", type=pathlib.Path)
     args = p.parse_args()
     bw = bench.copy_bandwidth("cuda")
     res = {"hardware": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth_Bps": bw,
            "rows": []}
     print(f"{res['hardware']}, copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
-    for model in args.shapes:
-        for layer, N, K in SHAPES[model]:
-            torch.manual_seed(0)
-            linear = torch.nn.Linear(K, N, bias=False, device="cuda", dtype=torch.bfloat16)
-            torch.nn.init.normal_(linear.weight, std=0.02)
-            for name, c in candidates(linear).items():
-                row = {"model": model, "layer": layer, "N": N, "K": K, "candidate": name}
-                if isinstance(c, str):
-                    row["error"] = c
-                else:
-                    fn, nbytes = c
-                    row["weight_bytes"] = nbytes
-                    for m in args.m:
-                        x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
-                        try:
-                            t = graph_time(fn, x)
-                            row[f"M{m}_us"], row[f"M{m}_bw"] = t * 1e6, nbytes / bw / t
-                        except Exception as e:
-                            row[f"M{m}_error"] = f"{type(e).__name__}: {e}"[:200]
-                res["rows"].append(row)
-                cells = [f"{row[f'M{m}_us']:.1f} µs {row[f'M{m}_bw']:.0%}" if f"M{m}_us" in row else "error"
-                         for m in args.m]
-                print(f"| {model} | {layer} {N}x{K} | {name} | " + " | ".join(cells if "error" not in row
-                                                                                else [row["error"]]) + " |", flush=True)
-                if args.json:
-                    args.json.write_text(json.dumps(res, indent=1))
+    jobs = [(model, layer, N, K, lambda N=N, K=K: candidates(_linear(N, K)))
+            for model in args.shapes for layer, N, K in SHAPES[model]]
+    if args.experts:
+        jobs += [("35b-a3b", f"experts.{part} (top-8 of 256)", N, K, lambda N=N, K=K: expert_candidates(N, K))
+                 for part, N, K in (("gate_up", 1024, 2048), ("down", 2048, 512))]
+    for model, layer, N, K, make in jobs:
+        for name, c in make().items():
+            row = {"model": model, "layer": layer, "N": N, "K": K, "candidate": name}
+            if isinstance(c, str):
+                row["error"] = c
+            else:
+                fn, nbytes = c
+                row["weight_bytes"] = nbytes  # at M = 1 for experts (M tokens read up to M·top experts)
+                for m in args.m:
+                    x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
+                    try:
+                        t = graph_time(fn, x)
+                        row[f"M{m}_us"], row[f"M{m}_bw"] = t * 1e6, nbytes / bw / t
+                    except Exception as e:
+                        row[f"M{m}_error"] = f"{type(e).__name__}: {e}"[:200]
+            res["rows"].append(row)
+            cells = [f"{row[f'M{m}_us']:.1f} µs {row[f'M{m}_bw']:.0%}" if f"M{m}_us" in row else "error"
+                     for m in args.m]
+            print(f"| {model} | {layer} {N}x{K} | {name} | " + " | ".join(cells if "error" not in row
+                                                                            else [row["error"]]) + " |", flush=True)
+            if args.json:
+                args.json.write_text(json.dumps(res, indent=1))
+
+
+def _linear(N: int, K: int) -> torch.nn.Linear:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(K, N, bias=False, device="cuda", dtype=torch.bfloat16)
+    torch.nn.init.normal_(linear.weight, std=0.02)
+    return linear
 
 
 if __name__ == "__main__":

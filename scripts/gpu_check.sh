@@ -32,6 +32,6 @@ case "$stage" in
   profile) python scripts/profile_step.py --model "${PROFILE_MODEL:-qwen3.5-35b-a3b}" --no-autotune \
            --json "$out/profile.json" 2>&1 | grep -E "^\||µs" ;;
   quant) python -m pytest -q -p no:warnings tests/gpu/test_quant_gpu.py 2>&1 | tee "$out/quant_tests.log" | tail -5
-         python scripts/bench_quant.py --json "$out/bench_quant.json" 2>&1 | grep -E "^\||bandwidth" ;;
+         python scripts/bench_quant.py --experts --json "$out/bench_quant.json" 2>&1 | grep -E "^\||bandwidth" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac

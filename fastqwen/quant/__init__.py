@@ -5,6 +5,13 @@ gptq.py: GPTQ (incl. act-order) and AWQ int4 checkpoints → our int4 layout, ex
 linear.py: QuantLinear and `quantize`.
 """
 
-from .linear import SCHEMES, QuantLinear, quantize
-
 __all__ = ["SCHEMES", "QuantLinear", "quantize"]
+
+
+def __getattr__(name):
+    """Import linear.py on first use: ops/gemv.py (which linear.py uses) imports formats.py from here."""
+    if name in __all__:
+        from . import linear
+
+        return getattr(linear, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,7 +3,7 @@
 Schemes: "fp8" (e4m3 weights in 128×128 blocks, activations rounded as dynamic per-token 1×128 fp8),
 "fp8-weight" (e4m3 weights with one scale per output row, activations unchanged), "int4" (asymmetric
 group-wise codes packed two a byte, group 128 by default). On CUDA, inputs of at most 16 rows (decode and
-verify steps) go through the small-M kernel (kernels.py: the weight streamed in its stored format); larger
+verify steps) go through the small-M kernel (ops/gemv.py: the weight streamed in its stored format); larger
 inputs (prefill) and CPU use the torch reference: dequantize, then matmul in the input dtype.
 """
 
@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..model import text_model
 from .formats import (
     dequantize_fp8_block,
     dequantize_fp8_rows,
@@ -25,7 +24,8 @@ from .formats import (
     quantize_int4,
     unpack_int4,
 )
-from .kernels import FORMATS, MAX_ROWS, STEP, wq_linear
+from ..model import text_model
+from ..ops.gemv import FORMATS, MAX_ROWS, STEP, wq_linear
 
 SCHEMES = ("fp8", "fp8-weight", "int4")
 _FP8_BLOCK = 128
@@ -91,7 +91,7 @@ def quantize(model, scheme: str, *, group_size: int = 128, lm_head: bool = False
 
     Layers the scheme cannot take stay in the model dtype, listed in one warning: int4 needs in_features
     divisible by group_size; projections with fewer than 16 outputs are kept; 3-D MoE expert weights are not
-    quantized yet. On CUDA, layers the small-M kernel cannot take (kernels.py) are quantized but listed in a
+    quantized yet. On CUDA, layers the small-M kernel cannot take (ops/gemv.py) are quantized but listed in a
     second warning: they run the reference path. Embeddings are never quantized. Returns the model.
     """
     if scheme not in SCHEMES:

@@ -1,4 +1,5 @@
-"""The small-M quantized-linear kernel (fastqwen/quant/kernels.py) against its torch reference.
+"""The weight-streaming kernel (fastqwen/ops/gemv.py), linear and grouped (routed experts) modes, against its
+torch reference.
 
 The Triton kernel runs here in Triton's CPU interpreter: a subprocess with TRITON_INTERPRET=1 (it must be set
 before the kernel is defined). Triton 3.6's interpreter needs numpy < 2.4, and Triton installed beside a CPU
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from fastqwen.quant.formats import pack_int4, unpack_int4
-from fastqwen.quant.kernels import FP8_BLOCK, FP8_ROW, INT4, reference, stored_operands, wq_linear
+from fastqwen.ops.gemv import BF16, FP8_BLOCK, FP8_ROW, INT4, expert_gemv, expert_reference, reference, stored_operands, wq_linear
 
 
 def operands(fmt, N, K, seed=0):
@@ -40,10 +41,26 @@ def test_registered_op_passes_opcheck_on_cpu(fmt, act):
     assert torch.equal(wq_linear(x, fmt, w, s, z, act, 64), reference(x, fmt, w, s, z, act, 64))
 
 
+def expert_operands(fmt, E, N, K, seed=0):
+    """Per-expert stored operands stacked on a leading expert dimension."""
+    parts = [operands(fmt, N, K, seed=seed + e) for e in range(E)]
+    return tuple(None if p[0] is None else torch.stack(p) for p in zip(*parts))
+
+
+def test_expert_reference_is_a_per_pair_matmul():
+    w = torch.randn(4, 24, 256)
+    x = torch.randn(3, 256)
+    tok, exp = torch.tensor([0, 0, 2], dtype=torch.int32), torch.tensor([3, 1, 3], dtype=torch.int32)
+    y = expert_reference(x, tok, exp, BF16, w, None, None, 24)
+    assert torch.allclose(y[2], w[3] @ x[2], atol=1e-5) and torch.allclose(y[1], w[1] @ x[0], atol=1e-5)
+    torch.library.opcheck(expert_gemv, (x, tok, exp, BF16, w, None, None, 24),
+                          test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))
+
+
 _INTERPRETED = """
 import torch
-from fastqwen.quant.kernels import FP8_BLOCK, FP8_ROW, INT4, reference, wq_matmul
-from test_quant_kernels import operands
+from fastqwen.ops.gemv import FP8_BLOCK, FP8_ROW, INT4, reference, wq_matmul
+from test_gemv import operands
 worst = 0.0
 # (not FP8_BLOCK with act_fp8: the interpreter's fp32 -> e4m3 cast drops the carry when rounding up into the
 # next binade, e.g. 126.5 -> 64 instead of 128; tests/gpu covers that path on the hardware's cast)
@@ -58,6 +75,19 @@ for fmt, act in [(FP8_ROW, False), (FP8_BLOCK, False), (INT4, False)]:
         assert y.shape == (M, N) and not y.isnan().any(), (fmt, M)
         assert err < 1e-5, f"format {fmt}, act_fp8 {act}, M={M}: relative error {err:.2e}"
         worst = max(worst, err)
+from fastqwen.ops.gemv import BF16, _launch, expert_reference
+from test_gemv import expert_operands
+for fmt in (BF16, FP8_ROW, FP8_BLOCK, INT4):  # grouped mode: routed experts
+    E, N, K = 5, 136, 256
+    w, s, z = expert_operands(fmt, E, N, K)
+    x = torch.randn(3, K, dtype=torch.bfloat16)
+    tok = torch.tensor([0, 0, 1, 1, 2, 2], dtype=torch.int32)
+    exp = torch.tensor([4, 0, 2, 4, 1, 3], dtype=torch.int32)
+    y = _launch(x, fmt, w, s, z, False, N, len(tok), (tok, exp))
+    ref = expert_reference(x.float(), tok, exp, fmt, w, s, z, N)
+    err = ((y - ref).norm() / ref.norm()).item()
+    assert err < 1e-5, f"grouped format {fmt}: relative error {err:.2e}"
+    worst = max(worst, err)
 print("worst relative error", worst)
 """
 

@@ -1,0 +1,192 @@
+"""Weight-streaming matmul for few rows: y = x · Wᵀ with W read once, in its stored format, dequantized in
+registers. Two uses: quantized linears at M ≤ 16 rows (decode, speculative verify), and the routed experts
+of a MoE layer (each (token, expert) pair multiplies one row by one expert's weight, read in place: no
+gathered copy of the selected experts).
+
+One Triton kernel, four formats (constexpr FMT):
+  FP8_ROW    w e4m3 [N, K], scale [N]: acc · scale[n] at the end.
+  FP8_BLOCK  w e4m3 [N, K], scale_inv [⌈N/128⌉, ⌈K/128⌉]: each 128-column step adds (x·wᵀ) · scale_inv[n/128, k/128];
+             with ACT_FP8, x is first rounded per row and 128 columns to e4m3 (the "fp8" scheme's numerics).
+  INT4       w uint8 [N, K/2], two codes a byte (low nibble = even column), scale and zero [N, K/128]:
+             w = (q − zero) · scale (quant/formats.py).
+  BF16       w [N, K] in the model dtype.
+Grouped mode (experts): w, scale, zero carry a leading expert dimension; pair p multiplies row tok[p] of x
+by expert exp[p] into row p of y. A program owns BLOCK_N output columns of all its rows and walks K in steps
+of 128. The dot takes fp32 operands (tf32 on the GPU): at these row counts the kernel is bound by weight
+bytes, not math, and fp32 keeps it within rounding of the torch reference (it also runs in Triton's CPU
+interpreter, where tests/test_gemv.py checks it). `wq_linear` and `expert_gemv` are the registered ops: the
+kernel on CUDA, the torch reference elsewhere.
+"""
+
+import torch
+
+from ..quant.formats import (
+    FP8_MAX,
+    dequantize_fp8_block,
+    dequantize_fp8_rows,
+    fake_quantize_fp8_activations,
+    pack_int4,
+    quantize_fp8_block,
+    quantize_fp8_rows,
+    quantize_int4,
+    unpack_int4,
+)
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the ops fall back to the reference
+    triton = None
+
+FP8_ROW, FP8_BLOCK, INT4, BF16 = 0, 1, 2, 3
+FORMATS = {"fp8-weight": FP8_ROW, "fp8": FP8_BLOCK, "int4": INT4}
+MAX_ROWS = 16  # BLOCK_M of the linear mode; more rows take the reference path (prefill: dequantize, then GEMM)
+STEP = 128  # BLOCK_K: one fp8 scale block or one int4 group per step
+
+if triton is not None:
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, tok_ptr, exp_ptr, M, N, K, s_stride, w_estride, s_estride,
+                     FMT: tl.constexpr, ACT_FP8: tl.constexpr, GROUPED: tl.constexpr, FP8_LIMIT: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = tl.arange(0, BLOCK_M)
+        if GROUPED:  # one (token, expert) pair per program along axis 1
+            p = tl.program_id(1)
+            x_ptr += tl.load(tok_ptr + p).to(tl.int64) * K
+            e = tl.load(exp_ptr + p).to(tl.int64)
+            w_ptr += e * w_estride
+            s_ptr += e * s_estride
+            z_ptr += e * s_estride
+            y_ptr += p.to(tl.int64) * N
+        n_ok, m_ok = n < N, m < M
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < K
+            x = tl.load(x_ptr + m[:, None] * K + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            x = x.to(tl.float32)
+            if ACT_FP8:
+                xs = tl.maximum(tl.max(tl.abs(x), axis=1) / FP8_LIMIT, 1e-12)
+                x = (x / xs[:, None]).to(tl.float8e4nv).to(tl.float32) * xs[:, None]
+            if FMT == 2:
+                half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+                b = tl.load(w_ptr + n[:, None] * (K // 2) + half[None, :],
+                            mask=n_ok[:, None] & (half < K // 2)[None, :], other=0)
+                q = tl.join(b & 0xF, b >> 4).reshape(BLOCK_N, BLOCK_K).to(tl.float32)
+                g = k0 // BLOCK_K
+                scale = tl.load(s_ptr + n * s_stride + g, mask=n_ok, other=0.0)
+                zero = tl.load(z_ptr + n * s_stride + g, mask=n_ok, other=0.0)
+                acc += tl.dot(x, tl.trans((q - zero[:, None]) * scale[:, None]))
+            else:
+                w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                part = tl.dot(x, tl.trans(w.to(tl.float32)))
+                if FMT == 1:
+                    part = part * tl.load(s_ptr + (n // BLOCK_K) * s_stride + k0 // BLOCK_K, mask=n_ok, other=0.0)[None, :]
+                acc += part
+        if FMT == 0:
+            acc = acc * tl.load(s_ptr + n, mask=n_ok, other=0.0)[None, :]
+        tl.store(y_ptr + m[:, None] * N + n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _block_n(N: int, programs_per_column: int = 1) -> int:
+    """Output columns per program: the widest of 64/32/16 that still gives ≥ 256 programs (2 waves on an H200)."""
+    return next((b for b in (64, 32) if N // b * programs_per_column >= 256), 16)
+
+
+def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None):
+    """fp32 y [rows, out_features]; `pairs` = (tok, exp) int32 [P] switches to grouped mode (rows = P)."""
+    K = x.shape[1]
+    if K % STEP:
+        raise ValueError(f"the weight-streaming kernel needs K divisible by {STEP}; got K={K}")
+    N = out_features
+    y = torch.empty(rows, N, dtype=torch.float32, device=x.device)
+    grouped = pairs is not None
+    bn = _block_n(N, rows if grouped else 1)
+    one = scale[0] if grouped and scale is not None else scale  # one expert's scales
+    s_stride = one.shape[1] if one is not None and one.dim() == 2 else 1
+    w_estride = w.stride(0) if grouped else 0
+    s_estride = scale.stride(0) if grouped and scale is not None else 0
+    tok, exp = pairs if grouped else (x, x)  # unused pointers outside grouped mode
+    scale = w if scale is None else scale  # BF16 reads no scale; any pointer does
+    _gemv_kernel[(triton.cdiv(N, bn), rows if grouped else 1)](
+        x, w, scale, zero if zero is not None else scale, y, tok, exp, 1 if grouped else rows, N, K, s_stride,
+        w_estride, s_estride, FMT=fmt, ACT_FP8=act_fp8, GROUPED=grouped, FP8_LIMIT=FP8_MAX,
+        BLOCK_M=MAX_ROWS, BLOCK_N=bn, BLOCK_K=STEP)
+    return y
+
+
+def wq_matmul(x: torch.Tensor, fmt: int, w, scale, zero, act_fp8: bool, out_features: int) -> torch.Tensor:
+    """The kernel in linear mode: x [M ≤ 16, K] (contiguous, any float dtype) → fp32 y [M, out_features]."""
+    if x.shape[0] > MAX_ROWS:
+        raise ValueError(f"wq_matmul takes at most {MAX_ROWS} rows; got {x.shape[0]}")
+    return _launch(x, fmt, w, scale, zero, act_fp8, out_features, x.shape[0])
+
+
+def stored_operands(fmt: int, w: torch.Tensor):
+    """(w, scale, zero) of weight w [N, K] in format `fmt`'s stored layout, as the kernel takes them."""
+    if fmt == FP8_ROW:
+        return (*quantize_fp8_rows(w), None)
+    if fmt == FP8_BLOCK:
+        return (*quantize_fp8_block(w, (STEP, STEP)), None)
+    if fmt == BF16:
+        return w, None, None
+    q, s, z = quantize_int4(w, STEP)
+    return pack_int4(q), s, z
+
+
+def dequantized(fmt: int, w, scale, zero) -> torch.Tensor:
+    """The fp32 weight [N, K] the stored operands stand for."""
+    if fmt == FP8_ROW:
+        return dequantize_fp8_rows(w, scale)
+    if fmt == FP8_BLOCK:
+        return dequantize_fp8_block(w, scale, (STEP, STEP))
+    if fmt == BF16:
+        return w.float()
+    q = unpack_int4(w)
+    N, K = q.shape
+    return ((q.float().view(N, -1, STEP) - zero[..., None]) * scale[..., None]).view(N, K)
+
+
+def reference(x, fmt: int, w, scale, zero, act_fp8: bool, out_features: int) -> torch.Tensor:
+    """The linear mode in plain torch, fp32 out: dequantize the weight, then matmul."""
+    if act_fp8:
+        x = fake_quantize_fp8_activations(x, STEP)
+    return x.float() @ dequantized(fmt, w, scale, zero).t()
+
+
+def expert_reference(x, tok, exp, fmt: int, w, scale, zero, out_features: int) -> torch.Tensor:
+    """The grouped mode in plain torch: row p = x[tok[p]] · W[exp[p]]ᵀ, fp32 [P, out_features]."""
+    rows = [x[t].float() @ dequantized(fmt, w[e], None if scale is None else scale[e],
+                                       None if zero is None else zero[e]).t()
+            for t, e in zip(tok.tolist(), exp.tolist())]
+    return torch.stack(rows) if rows else x.new_empty(0, out_features, dtype=torch.float32)
+
+
+@torch.library.custom_op("fastqwen::wq_linear", mutates_args=())
+def wq_linear(x: torch.Tensor, fmt: int, w: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None,
+              act_fp8: bool, out_features: int) -> torch.Tensor:
+    """x [M, K] · Wᵀ → [M, out_features] fp32: the kernel on CUDA, the reference elsewhere."""
+    if x.is_cuda and triton is not None:
+        return wq_matmul(x.contiguous(), fmt, w, scale, zero, act_fp8, out_features)
+    return reference(x, fmt, w, scale, zero, act_fp8, out_features)
+
+
+@wq_linear.register_fake
+def _(x, fmt, w, scale, zero, act_fp8, out_features):
+    return x.new_empty(x.shape[0], out_features, dtype=torch.float32)
+
+
+@torch.library.custom_op("fastqwen::expert_gemv", mutates_args=())
+def expert_gemv(x: torch.Tensor, tok: torch.Tensor, exp: torch.Tensor, fmt: int, w: torch.Tensor,
+                scale: torch.Tensor | None, zero: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """Routed experts: x [T, K], pairs tok / exp [P] int32, expert weights w [E, N, K] (stored format, with
+    scale / zero [E, …]) → [P, out_features] fp32, row p = x[tok[p]] · W[exp[p]]ᵀ. Kernel on CUDA."""
+    if x.is_cuda and triton is not None:
+        return _launch(x.contiguous(), fmt, w, scale, zero, False, out_features, tok.shape[0], (tok, exp))
+    return expert_reference(x, tok, exp, fmt, w, scale, zero, out_features)
+
+
+@expert_gemv.register_fake
+def _(x, tok, exp, fmt, w, scale, zero, out_features):
+    return x.new_empty(tok.shape[0], out_features, dtype=torch.float32)
