@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from .cache import HybridCache
 from .ops.attention import apply_rope, attend_cache, attend_causal, rope_cos_sin, write_kv
 from .ops.conv import causal_conv1d, commit_window
-from .ops.gemv import BF16, STEP, expert_gemv
 from .ops.gdn import gates, gdn_chunk, gdn_recurrent, gdn_replay, gdn_verify
 from .ops.norm import gated_rms_norm, rms_norm
 
@@ -163,11 +162,9 @@ class Forward:
 
 
 def routed_moe(mlp, h: torch.Tensor) -> torch.Tensor:
-    """Sparse MoE block for few tokens: run only each token's top-k experts, plus the shared expert.
+    """Sparse MoE block for few tokens: run only each token's top-k experts (gathered), plus the shared expert.
 
-    h [B, T, H]. Same routing as transformers: softmax over all experts in fp32, top-k, renormalise. On CUDA
-    each (token, expert) pair reads its expert's weights in place (ops/gemv.py `expert_gemv`); elsewhere, and
-    for hidden or expert sizes the kernel cannot take, the selected experts are gathered and multiplied.
+    h [B, T, H]. Same routing as transformers: softmax over all experts in fp32, top-k, renormalise.
     """
     shape = h.shape
     x = h.reshape(-1, shape[-1])
@@ -175,21 +172,10 @@ def routed_moe(mlp, h: torch.Tensor) -> torch.Tensor:
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)
     weights, experts = torch.topk(probs, mlp.gate.top_k, dim=-1)  # [N, k]
     weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
-    ex = mlp.experts
-    N, k = experts.shape
-    H, inter = ex.down_proj.shape[1], ex.down_proj.shape[2]
-    if x.is_cuda and H % STEP == 0 and inter % STEP == 0:
-        pair_expert = experts.flatten().int()
-        tok = torch.arange(N, device=x.device, dtype=torch.int32).repeat_interleave(k)
-        gate, up = expert_gemv(x, tok, pair_expert, BF16, ex.gate_up_proj, None, None, 2 * inter).chunk(2, dim=-1)
-        act = (ex.act_fn(gate) * up).to(x.dtype)  # [N·k, I]
-        pairs = torch.arange(N * k, device=x.device, dtype=torch.int32)
-        out = expert_gemv(act, pairs, pair_expert, BF16, ex.down_proj, None, None, H).view(N, k, H).to(x.dtype)
-    else:
-        gate_up = ex.gate_up_proj[experts]  # [N, k, 2I, H]
-        gate, up = torch.einsum("nh,nkoh->nko", x, gate_up).chunk(2, dim=-1)
-        act = ex.act_fn(gate) * up  # [N, k, I]
-        out = torch.einsum("nki,nkhi->nkh", act, ex.down_proj[experts])
+    gate_up = mlp.experts.gate_up_proj[experts]  # [N, k, 2I, H]
+    gate, up = torch.einsum("nh,nkoh->nko", x, gate_up).chunk(2, dim=-1)
+    act = mlp.experts.act_fn(gate) * up  # [N, k, I]
+    out = torch.einsum("nki,nkhi->nkh", act, mlp.experts.down_proj[experts])
     out = (out * weights[..., None]).sum(1)
     shared = mlp.shared_expert(x) * torch.sigmoid(mlp.shared_expert_gate(x))
     return (out + shared).reshape(shape)

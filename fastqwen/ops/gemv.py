@@ -1,7 +1,8 @@
 """Weight-streaming matmul for few rows: y = x · Wᵀ with W read once, in its stored format, dequantized in
 registers. Two uses: quantized linears at M ≤ 16 rows (decode, speculative verify), and the routed experts
 of a MoE layer (each (token, expert) pair multiplies one row by one expert's weight, read in place: no
-gathered copy of the selected experts).
+gathered copy of the selected experts). The second is not wired into `model.routed_moe` yet:
+scripts/bench_quant.py --experts measures it against the gather-then-einsum path first.
 
 One Triton kernel, four formats (constexpr FMT):
   FP8_ROW    w e4m3 [N, K], scale [N]: acc · scale[n] at the end.
