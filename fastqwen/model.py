@@ -172,10 +172,13 @@ def routed_moe(mlp, h: torch.Tensor) -> torch.Tensor:
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)
     weights, experts = torch.topk(probs, mlp.gate.top_k, dim=-1)  # [N, k]
     weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
-    gate_up = mlp.experts.gate_up_proj[experts]  # [N, k, 2I, H]
-    gate, up = torch.einsum("nh,nkoh->nko", x, gate_up).chunk(2, dim=-1)
-    act = mlp.experts.act_fn(gate) * up  # [N, k, I]
-    out = torch.einsum("nki,nkhi->nkh", act, mlp.experts.down_proj[experts])
+    if hasattr(mlp.experts, "routed"):  # quantized experts (quant/experts.py) read only the selected ones
+        out = mlp.experts.routed(x, experts)
+    else:
+        gate_up = mlp.experts.gate_up_proj[experts]  # [N, k, 2I, H]
+        gate, up = torch.einsum("nh,nkoh->nko", x, gate_up).chunk(2, dim=-1)
+        act = mlp.experts.act_fn(gate) * up  # [N, k, I]
+        out = torch.einsum("nki,nkhi->nkh", act, mlp.experts.down_proj[experts])
     out = (out * weights[..., None]).sum(1)
     shared = mlp.shared_expert(x) * torch.sigmoid(mlp.shared_expert_gate(x))
     return (out + shared).reshape(shape)

@@ -11,6 +11,7 @@ from test_quant_formats import pack_gptq
 
 import fastqwen
 from fastqwen.quant import QuantLinear, quantize
+from fastqwen.quant.experts import QuantExperts
 from fastqwen.quant.checkpoints import from_pretrained
 from fastqwen.quant.formats import dequantize_fp8_block, quantize_fp8_block
 
@@ -89,13 +90,19 @@ def test_gptq_checkpoint_reproduces_the_reference_weights_exactly(tmp_path, act_
     assert loaded.generate(torch.randint(1, 500, (1, 9)), max_new_tokens=8, do_sample=False).shape == (1, 17)
 
 
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
 @pytest.mark.parametrize("scheme", ["fp8", "fp8-weight", "int4"])
-def test_quantize_then_generate_matches_transformers_on_the_same_layers(scheme):
-    """quantize() swaps the linears; fastqwen's generate equals transformers' generate over the same layers."""
-    model = fresh("tiny")
+def test_quantize_then_generate_matches_transformers_on_the_same_layers(scheme, name):
+    """quantize() swaps the linears (and a MoE layer's routed experts); fastqwen's generate, whose decode reads
+    only the selected experts, equals transformers' generate over the same quantized layers."""
+    model = fresh(name)
     ids = torch.randint(1, 500, (2, 15))
     fastqwen.optimize(model, compile=False, max_seq_len=64, max_batch_size=2, quant=scheme, quant_group_size=32)
-    assert isinstance(model.model.layers[0].mlp.up_proj, QuantLinear)
+    mlp = model.model.layers[0].mlp
+    if name == "tiny":
+        assert isinstance(mlp.up_proj, QuantLinear)
+    else:
+        assert isinstance(mlp.experts, QuantExperts) and isinstance(mlp.shared_expert.up_proj, QuantLinear)
     expected = type(model).generate(model, ids, max_new_tokens=20, do_sample=False)
     assert torch.equal(model.generate(ids, max_new_tokens=20, do_sample=False), expected)
 
@@ -117,3 +124,23 @@ def test_quantization_errors(tmp_path):
     with pytest.raises(ValueError, match="has no quantization_config"):
         model.save_pretrained(tmp_path / "plain")
         from_pretrained(tmp_path / "plain")
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "fp8-weight", "int4"])
+def test_quant_experts_routed_equals_its_prefill_loop_and_the_dequantized_weights(scheme):
+    """QuantExperts: routed() (decode) and forward() (transformers' contract, prefill) give the same mixture, and
+    both equal the bf16 experts module running on the dequantized weights."""
+    model = fresh("tiny-moe")
+    experts = model.model.layers[0].mlp.experts
+    q = QuantExperts(experts, scheme, 32)
+    with torch.no_grad():
+        for m in ("gate_up", "down"):
+            getattr(experts, f"{m}_proj").copy_(torch.stack([q.weight(m, e) for e in range(q.num_experts)]))
+    x = torch.randn(5, 64)
+    idx = torch.stack([torch.randperm(8)[:2] for _ in range(5)])
+    w = torch.rand(5, 2)
+    routed = (q.routed(x, idx) * w[..., None]).sum(1)
+    looped = q(x, idx, w)
+    assert torch.allclose(routed, looped, atol=1e-5)
+    if scheme != "fp8":  # ("fp8" rounds the activations as well; the bf16 module does not)
+        assert torch.allclose(looped, experts(x, idx, w), atol=1e-5)

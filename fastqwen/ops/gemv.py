@@ -1,8 +1,8 @@
 """Weight-streaming matmul for few rows: y = x · Wᵀ with W read once, in its stored format, dequantized in
 registers. Two uses: quantized linears at M ≤ 16 rows (decode, speculative verify), and the routed experts
 of a MoE layer (each (token, expert) pair multiplies one row by one expert's weight, read in place: no
-gathered copy of the selected experts). The second is not wired into `model.routed_moe` yet:
-scripts/bench_quant.py --experts measures it against the gather-then-einsum path first.
+gathered copy of the selected experts). Quantized experts (quant/experts.py) use the second; bf16 experts
+keep `model.routed_moe`'s gather-then-einsum until scripts/bench_quant.py --experts shows the kernel faster.
 
 One Triton kernel, four formats (constexpr FMT):
   FP8_ROW    w e4m3 [N, K], scale [N]: acc · scale[n] at the end.
@@ -156,8 +156,10 @@ def reference(x, fmt: int, w, scale, zero, act_fp8: bool, out_features: int) -> 
     return x.float() @ dequantized(fmt, w, scale, zero).t()
 
 
-def expert_reference(x, tok, exp, fmt: int, w, scale, zero, out_features: int) -> torch.Tensor:
+def expert_reference(x, tok, exp, fmt: int, w, scale, zero, out_features: int, act_fp8: bool = False) -> torch.Tensor:
     """The grouped mode in plain torch: row p = x[tok[p]] · W[exp[p]]ᵀ, fp32 [P, out_features]."""
+    if act_fp8:
+        x = fake_quantize_fp8_activations(x, STEP)
     rows = [x[t].float() @ dequantized(fmt, w[e], None if scale is None else scale[e],
                                        None if zero is None else zero[e]).t()
             for t, e in zip(tok.tolist(), exp.tolist())]
@@ -180,14 +182,15 @@ def _(x, fmt, w, scale, zero, act_fp8, out_features):
 
 @torch.library.custom_op("fastqwen::expert_gemv", mutates_args=())
 def expert_gemv(x: torch.Tensor, tok: torch.Tensor, exp: torch.Tensor, fmt: int, w: torch.Tensor,
-                scale: torch.Tensor | None, zero: torch.Tensor | None, out_features: int) -> torch.Tensor:
+                scale: torch.Tensor | None, zero: torch.Tensor | None, out_features: int,
+                act_fp8: bool = False) -> torch.Tensor:
     """Routed experts: x [T, K], pairs tok / exp [P] int32, expert weights w [E, N, K] (stored format, with
     scale / zero [E, …]) → [P, out_features] fp32, row p = x[tok[p]] · W[exp[p]]ᵀ. Kernel on CUDA."""
     if x.is_cuda and triton is not None:
-        return _launch(x.contiguous(), fmt, w, scale, zero, False, out_features, tok.shape[0], (tok, exp))
-    return expert_reference(x, tok, exp, fmt, w, scale, zero, out_features)
+        return _launch(x.contiguous(), fmt, w, scale, zero, act_fp8, out_features, tok.shape[0], (tok, exp))
+    return expert_reference(x, tok, exp, fmt, w, scale, zero, out_features, act_fp8)
 
 
 @expert_gemv.register_fake
-def _(x, tok, exp, fmt, w, scale, zero, out_features):
+def _(x, tok, exp, fmt, w, scale, zero, out_features, act_fp8=False):
     return x.new_empty(tok.shape[0], out_features, dtype=torch.float32)

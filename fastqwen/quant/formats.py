@@ -85,3 +85,24 @@ def fake_quantize_fp8_activations(x: torch.Tensor, group: int = 128) -> torch.Te
     v = v.view(v.shape[0], -1, group)
     scale = (v.abs().amax(-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
     return ((v / scale).to(FP8).float() * scale).view(v.shape[0], -1)[:, :K].reshape(shape).to(x.dtype)
+
+
+def quantize_weight(w: torch.Tensor, scheme: str, group: int = 128) -> dict:
+    """A weight [N, K] in `scheme`'s stored layout: {"qweight", and "scale_inv" | "scale" (+ "zero")}."""
+    if scheme == "fp8":
+        q, s = quantize_fp8_block(w, (128, 128))
+        return {"qweight": q, "scale_inv": s}
+    if scheme == "fp8-weight":
+        q, s = quantize_fp8_rows(w)
+        return {"qweight": q, "scale": s}
+    q, s, z = quantize_int4(w, group)
+    return {"qweight": pack_int4(q), "scale": s, "zero": z}
+
+
+def dequantize_weight(scheme: str, t: dict, group: int = 128) -> torch.Tensor:
+    """The fp32 weight [N, K] of stored tensors `t` (as quantize_weight returns them, optionally "perm")."""
+    if scheme == "fp8":
+        return dequantize_fp8_block(t["qweight"], t["scale_inv"], (128, 128))
+    if scheme == "fp8-weight":
+        return dequantize_fp8_rows(t["qweight"], t["scale"])
+    return dequantize_int4(unpack_int4(t["qweight"]), t["scale"], t["zero"], group, t.get("perm"))

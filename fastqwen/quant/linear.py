@@ -13,22 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .formats import (
-    dequantize_fp8_block,
-    dequantize_fp8_rows,
-    dequantize_int4,
-    fake_quantize_fp8_activations,
-    pack_int4,
-    quantize_fp8_block,
-    quantize_fp8_rows,
-    quantize_int4,
-    unpack_int4,
-)
 from ..model import text_model
 from ..ops.gemv import FORMATS, MAX_ROWS, STEP, wq_linear
+from .experts import QuantExperts
+from .formats import dequantize_weight, fake_quantize_fp8_activations, quantize_weight
 
 SCHEMES = ("fp8", "fp8-weight", "int4")
-_FP8_BLOCK = 128
 _MIN_OUT_FEATURES = 16  # tiny projections (shared-expert gate: 1 row) stay in the model dtype
 
 
@@ -45,26 +35,13 @@ class QuantLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, scheme: str, group: int = 128) -> "QuantLinear":
-        w = linear.weight.detach()
-        if scheme == "fp8":
-            q, s = quantize_fp8_block(w, (_FP8_BLOCK, _FP8_BLOCK))
-            tensors = {"qweight": q, "scale_inv": s}
-        elif scheme == "fp8-weight":
-            q, s = quantize_fp8_rows(w)
-            tensors = {"qweight": q, "scale": s}
-        else:
-            q, s, z = quantize_int4(w, group)
-            tensors = {"qweight": pack_int4(q), "scale": s, "zero": z}
+        tensors = quantize_weight(linear.weight.detach(), scheme, group)
         return cls(scheme, linear.in_features, linear.out_features, tensors, linear.bias, group)
 
     def dequantized(self) -> torch.Tensor:
         """The weight [N, K] this layer multiplies by, in fp32."""
-        if self.scheme == "fp8":
-            return dequantize_fp8_block(self.qweight, self.scale_inv, (_FP8_BLOCK, _FP8_BLOCK))
-        if self.scheme == "fp8-weight":
-            return dequantize_fp8_rows(self.qweight, self.scale)
-        return dequantize_int4(unpack_int4(self.qweight), self.scale, self.zero, self.group,
-                               getattr(self, "perm", None))
+        names = ("qweight", "scale_inv", "scale", "zero", "perm")
+        return dequantize_weight(self.scheme, {n: getattr(self, n) for n in names if hasattr(self, n)}, self.group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[:-1].numel()
@@ -79,7 +56,7 @@ class QuantLinear(nn.Module):
             y = y.view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
         if self.scheme == "fp8":
-            x = fake_quantize_fp8_activations(x, _FP8_BLOCK)
+            x = fake_quantize_fp8_activations(x, STEP)
         return F.linear(x, self.dequantized().to(x.dtype), self.bias)
 
     def extra_repr(self) -> str:
@@ -90,8 +67,8 @@ def quantize(model, scheme: str, *, group_size: int = 128, lm_head: bool = False
     """Replace the decoder's nn.Linear layers (and lm_head if asked) by QuantLinear in `scheme`, in place.
 
     Layers the scheme cannot take stay in the model dtype, listed in one warning: int4 needs in_features
-    divisible by group_size; projections with fewer than 16 outputs are kept; 3-D MoE expert weights are not
-    quantized yet. On CUDA, layers the small-M kernel cannot take (ops/gemv.py) are quantized but listed in a
+    divisible by group_size; projections with fewer than 16 outputs are kept. MoE layers' 3-D routed experts
+    become QuantExperts (quant/experts.py) in the same scheme. On CUDA, layers the small-M kernel cannot take (ops/gemv.py) are quantized but listed in a
     second warning: they run the reference path. Embeddings are never quantized. Returns the model.
     """
     if scheme not in SCHEMES:
@@ -109,7 +86,11 @@ def quantize(model, scheme: str, *, group_size: int = 128, lm_head: bool = False
         for parent, name, child, full in slots:
             if not isinstance(child, nn.Linear):
                 if name == "experts" and hasattr(child, "gate_up_proj"):
-                    kept.append(f"{full} (3-D experts: not supported yet)")
+                    H, inter = child.down_proj.shape[1:]
+                    if scheme == "int4" and (H % group_size or inter % group_size):
+                        kept.append(f"{full} (expert sizes {H}, {inter} not divisible by {group_size})")
+                        continue
+                    setattr(parent, name, QuantExperts(child, scheme, group_size))
             elif child.out_features < _MIN_OUT_FEATURES:
                 kept.append(f"{full} ({child.out_features} outputs)")
             elif scheme == "int4" and child.in_features % group_size:

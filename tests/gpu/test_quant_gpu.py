@@ -57,3 +57,25 @@ def test_grouped_expert_kernel_matches_reference_at_35b_shapes(fmt):
             assert not y.isnan().any()
             err = rel_err(y, expert_reference(x.float(), tok, exp, fmt, w, s, z, N))
             assert err < 2e-3, f"format {fmt} {N}x{K} T={T}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("scheme", ["fp8-weight", "fp8", "int4"])
+def test_quant_experts_routed_kernel_matches_the_prefill_loop(scheme):
+    """QuantExperts at the 35B-A3B expert shape (32 of its 256 experts): decode's grouped kernel vs the
+    dequantize-then-matmul loop transformers' contract runs."""
+    from types import SimpleNamespace
+
+    from fastqwen.quant.experts import QuantExperts
+
+    torch.manual_seed(0)
+    E, H, inter = 32, 2048, 512
+    experts = SimpleNamespace(gate_up_proj=torch.randn(E, 2 * inter, H, device="cuda", dtype=torch.bfloat16) * 0.02,
+                              down_proj=torch.randn(E, H, inter, device="cuda", dtype=torch.bfloat16) * 0.02,
+                              act_fn=torch.nn.functional.silu)
+    q = QuantExperts(experts, scheme, 128)
+    for T in (1, 4):
+        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+        idx = torch.stack([torch.randperm(E, device="cuda")[:8] for _ in range(T)])
+        w = torch.rand(T, 8, device="cuda", dtype=torch.bfloat16)
+        got = (q.routed(x, idx) * w[..., None]).sum(1)
+        assert rel_err(got, q(x, idx, w)) < 2e-2

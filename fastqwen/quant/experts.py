@@ -1,0 +1,83 @@
+"""QuantExperts: a MoE layer's routed experts (3-D weights) held in a quantized format.
+
+transformers keeps the experts of a Qwen3.5 MoE layer as two 3-D parameters, gate_up_proj [E, 2I, H] and
+down_proj [E, H, I]. QuantExperts stores each expert's two matrices in `scheme`'s layout (quantize_weight,
+stacked on a leading expert dimension) and replaces the experts module in place:
+  forward(hidden_states, top_k_index, top_k_weights)  transformers' experts contract (prefill): each expert
+      that any token selected is dequantized once and multiplied with its tokens;
+  routed(x, experts) -> [N, k, H]  decode and verify (fastqwen.model.routed_moe): only the selected experts
+      are read; on CUDA by the grouped weight-streaming kernel (ops/gemv.py), else by the reference.
+"""
+
+import torch
+from torch import nn
+
+from ..ops.gemv import FORMATS, STEP, expert_gemv
+from .formats import dequantize_weight, fake_quantize_fp8_activations, quantize_weight
+
+_MATRICES = ("gate_up", "down")
+
+
+class QuantExperts(nn.Module):
+    def __init__(self, experts: nn.Module, scheme: str, group: int = 128):
+        super().__init__()
+        self.scheme, self.group, self.act_fn = scheme, group, experts.act_fn
+        self.num_experts = experts.gate_up_proj.shape[0]
+        self.hidden, self.inter = experts.down_proj.shape[1], experts.down_proj.shape[2]
+        self.keys = None
+        for m in _MATRICES:
+            w = getattr(experts, f"{m}_proj").detach()
+            parts = [quantize_weight(w[e], scheme, group) for e in range(self.num_experts)]
+            self.keys = tuple(parts[0])
+            for key in self.keys:
+                self.register_buffer(f"{m}_{key}", torch.stack([p[key] for p in parts]))
+
+    def stored(self, m: str, e=None) -> dict:
+        """Matrix m's stored tensors, of all experts [E, …] or of expert e."""
+        return {key: getattr(self, f"{m}_{key}") if e is None else getattr(self, f"{m}_{key}")[e]
+                for key in self.keys}
+
+    def weight(self, m: str, e) -> torch.Tensor:
+        """Expert e's matrix m, dequantized (fp32)."""
+        return dequantize_weight(self.scheme, self.stored(m, e), self.group)
+
+    def _inputs(self, x):
+        return fake_quantize_fp8_activations(x, STEP) if self.scheme == "fp8" else x
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for e in top_k_index.unique().tolist():
+            token, slot = torch.where(top_k_index == e)
+            x = hidden_states[token]
+            gate, up = (self._inputs(x) @ self.weight("gate_up", e).to(x.dtype).t()).chunk(2, dim=-1)
+            h = self.act_fn(gate) * up
+            y = self._inputs(h) @ self.weight("down", e).to(x.dtype).t()
+            out.index_add_(0, token, (y * top_k_weights[token, slot, None]).to(out.dtype))
+        return out
+
+    def _kernel_fits(self) -> bool:
+        return self.hidden % STEP == 0 and self.inter % STEP == 0 and (self.scheme != "int4" or self.group == STEP)
+
+    def routed(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """x [N, H], experts [N, k] → each pair's expert output [N, k, H] (unweighted), reading only those experts."""
+        N, k = experts.shape
+        pair_expert = experts.flatten()
+        if x.is_cuda and self._kernel_fits():
+            fmt, act = FORMATS[self.scheme], self.scheme == "fp8"
+            tok = torch.arange(N, device=x.device, dtype=torch.int32).repeat_interleave(k)
+            pe = pair_expert.int()
+            gu = self.stored("gate_up")
+            gate, up = expert_gemv(x, tok, pe, fmt, gu["qweight"], gu.get("scale_inv", gu.get("scale")),
+                                   gu.get("zero"), 2 * self.inter, act).chunk(2, dim=-1)
+            h = (self.act_fn(gate) * up).to(x.dtype)
+            dn = self.stored("down")
+            pairs = torch.arange(N * k, device=x.device, dtype=torch.int32)
+            y = expert_gemv(h, pairs, pe, fmt, dn["qweight"], dn.get("scale_inv", dn.get("scale")), dn.get("zero"),
+                            self.hidden, act)
+            return y.view(N, k, self.hidden).to(x.dtype)
+        rows = []
+        for p in range(N * k):  # the reference: one pair at a time (CPU, small N·k)
+            e, xi = pair_expert[p], self._inputs(x[p // k])
+            gate, up = (xi @ self.weight("gate_up", e).to(x.dtype).t()).chunk(2, dim=-1)
+            rows.append(self._inputs(self.act_fn(gate) * up) @ self.weight("down", e).to(x.dtype).t())
+        return torch.stack(rows).view(N, k, self.hidden)
