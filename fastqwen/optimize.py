@@ -21,7 +21,7 @@ SPECULATE = ("mtp", "dflash")
 def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile: bool = True,
              compile_options: dict | None = None, speculate: str | None = None, num_speculative_tokens: int = 3,
              draft=None, block_size: int | None = None, quant: str | None = None, quant_group_size: int = 128,
-             quant_lm_head: bool = False, compile_cache=None):
+             quant_lm_head: bool = False, draft_lm_head: str | None = None, compile_cache=None):
     """Make `model.generate` run on fastqwen's static hybrid cache and compiled decode step.
 
     model: a transformers Qwen3.5 / Qwen3.6 model (dense or MoE; CausalLM or ConditionalGeneration, text-only
@@ -29,6 +29,9 @@ def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile
     plus max_new_tokens must fit in max_seq_len. compile: compile the decode step (on CUDA with max-autotune
     and CUDA graphs); compile_options: inductor options overriding that choice; compile_cache: a file where
     warmup() saves the compiled artifacts and from which a later optimize() (any process) loads them.
+    draft_lm_head: with speculate, draft through a copy of lm_head quantized in this scheme ("fp8-weight",
+    "fp8" or "int4"): each draft step reads a quarter to half of the bytes of the 248k-row lm_head, the
+    output stays exact (the target verifies with its own lm_head), acceptance may drop slightly.
     Returns the same model object; its weights and module tree are untouched, and the original generate
     stays reachable as `type(model).generate(model, ...)`.
     """
@@ -54,11 +57,18 @@ def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile
             raise ImportError("fastqwen on CUDA needs flash-linear-attention: pip install flash-linear-attention") from err
     if speculate is not None and speculate not in SPECULATE:
         raise ValueError(f"unknown speculate={speculate!r}; supported: None, {', '.join(map(repr, SPECULATE))}")
+    if draft_lm_head is not None:
+        from .quant import SCHEMES
+
+        if speculate is None:
+            raise ValueError("draft_lm_head only applies to speculative decoding; pass speculate='mtp' or 'dflash'")
+        if draft_lm_head not in SCHEMES:
+            raise ValueError(f"unknown draft_lm_head={draft_lm_head!r}; supported: {', '.join(SCHEMES)}")
     if quant is not None:
         from .quant import quantize
 
         quantize(model, quant, group_size=quant_group_size, lm_head=quant_lm_head)
-    proposer_for = None  # engine -> proposer; built after the engine, loaded and checked before it
+    proposer_for = None  # (engine, draft lm_head) -> proposer; built after the engine, loaded and checked before it
     if speculate == "mtp":
         from .spec.mtp import MTPHead, MTPProposer, read_mtp_tensors
 
@@ -68,7 +78,7 @@ def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile
             raise ValueError("speculate='mtp' needs the checkpoint the model was loaded from; pass draft=<dir>")
         head = MTPHead(model, read_mtp_tensors(source))
         k = num_speculative_tokens
-        proposer_for = lambda engine: MTPProposer(engine, head)  # noqa: E731
+        proposer_for = lambda engine, lm_head: MTPProposer(engine, head, lm_head)  # noqa: E731
     elif speculate == "dflash":
         from .spec.dflash import DFlashDraft, DFlashProposer, read_dflash_checkpoint
 
@@ -80,12 +90,21 @@ def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile
             raise ValueError(f"block_size must be an int in 2..{dflash.block_size} (the draft's own block size), "
                              f"got {block!r}")
         k = block - 1
-        proposer_for = lambda engine: DFlashProposer(engine, dflash)  # noqa: E731
+        proposer_for = lambda engine, lm_head: DFlashProposer(engine, dflash, lm_head)  # noqa: E731
     model.eval()
     model._fastqwen = Engine(model, max_batch_size=max_batch_size, max_seq_len=max_seq_len, compile=compile,
                              compile_options=compile_options, compile_cache=compile_cache)
     if proposer_for is not None:
-        model._fastqwen.enable_speculation(proposer_for(model._fastqwen), k)
+        lm_head = None  # the target's own
+        if draft_lm_head is not None and isinstance(model.lm_head, torch.nn.Linear):  # (not already quantized)
+            from .quant import QuantLinear
+
+            if draft_lm_head == "int4" and model.lm_head.in_features % quant_group_size:
+                raise ValueError(f"draft_lm_head='int4' needs the hidden size ({model.lm_head.in_features}) "
+                                 f"divisible by quant_group_size={quant_group_size}")
+            with torch.no_grad():
+                lm_head = QuantLinear.from_linear(model.lm_head, draft_lm_head, quant_group_size)
+        model._fastqwen.enable_speculation(proposer_for(model._fastqwen, lm_head), k)
     model.generate = model._fastqwen.generate
     return model
 

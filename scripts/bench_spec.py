@@ -24,6 +24,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import fastqwen  # noqa: E402
 from fastqwen import bench, presets  # noqa: E402
 from fastqwen.bench import OracleProposer, miss_for_tau  # noqa: E402
+from fastqwen.quant import QuantLinear  # noqa: E402
 from fastqwen.spec.dflash import DFlashDraft, DFlashProposer  # noqa: E402
 from fastqwen.spec.mtp import MTPHead, MTPProposer  # noqa: E402
 
@@ -68,13 +69,15 @@ def phase_costs(e, k: int, proposer=None) -> dict:
     return out
 
 
-def real_proposer(name: str, model, e, preset: str, dtype):
-    """The real drafting compute of `name` with random weights of the real shape."""
+def real_proposer(name: str, model, e, preset: str, dtype, lm_head=None):
+    """The real drafting compute of `name` with random weights of the real shape (drafting through `lm_head`,
+    default the target's)."""
     if name == "mtp":
-        return MTPProposer(e, MTPHead(model, {k[4:]: v for k, v in presets.random_mtp_tensors(model).items()}))
+        head = MTPHead(model, {k[4:]: v for k, v in presets.random_mtp_tensors(model).items()})
+        return MTPProposer(e, head, lm_head)
     cfg = presets.dflash_config(preset)
     tensors = presets.random_dflash_tensors(cfg, model.config.hidden_size, dtype=dtype, device=e.device)
-    return DFlashProposer(e, DFlashDraft(cfg, tensors, model))
+    return DFlashProposer(e, DFlashDraft(cfg, tensors, model), lm_head)
 
 
 def main():
@@ -87,6 +90,8 @@ def main():
     p.add_argument("--n-short", type=int, default=32 if cuda else 24)
     p.add_argument("--n-long", type=int, default=160 if cuda else 200)
     p.add_argument("--verify-block", type=int, default=16, help="also time verify + commit of this block (0: no)")
+    p.add_argument("--draft-lm-head", choices=["fp8-weight", "fp8", "int4"],
+                   help="draft through a quantized copy of lm_head (optimize's draft_lm_head)")
     p.add_argument("--no-phases", action="store_true", help="skip the per-run draft / verify / commit timings")
     p.add_argument("--no-autotune", action="store_true")
     p.add_argument("--json", type=pathlib.Path)
@@ -127,11 +132,16 @@ def main():
         costs = phase_costs(e, args.verify_block - 1)
         res[f"verify{args.verify_block}"] = {**costs, "verify_over_decode": costs["verify_s"] / res["decode_s"],
                                              "commit_over_decode": costs["commit_s"] / res["decode_s"]}
+    draft_head = None
+    if args.draft_lm_head:
+        with torch.no_grad():
+            draft_head = QuantLinear.from_linear(model.lm_head, args.draft_lm_head)
+        res["draft_lm_head"] = args.draft_lm_head
     for name, k, tau in runs:
         say(f"{name} k={k} at tau={tau}: compiling and measuring")
         oracle = OracleProposer(reference, miss_for_tau(tau, k), model.config.vocab_size, impose=True)
         e.enable_speculation(oracle, k)
-        oracle.inner = real_proposer(name, model, e, args.model, dtype)
+        oracle.inner = real_proposer(name, model, e, args.model, dtype, draft_head)
         r = {"k": k, "tau": tau}
         r["tok_s"] = args.batch * bench.decode_tok_per_s(model.generate, ids, args.n_short, args.n_long)
         r["measured_tau"] = e.spec.acceptance_length(args.batch)

@@ -87,6 +87,30 @@ def test_mtp_speculative_greedy_is_token_identical(checkpoint):
     assert sampled.shape == (3, ids.shape[1] + 12)
 
 
+def test_quantized_draft_lm_head_keeps_the_output_exact(checkpoint):
+    """draft_lm_head: MTP drafts through an fp8 copy of lm_head (its argmax), the output stays the target's."""
+    from fastqwen.quant import QuantLinear
+
+    plain = fastqwen.optimize(load(checkpoint), max_batch_size=2, max_seq_len=128, compile=False)
+    spec = fastqwen.optimize(load(checkpoint), max_batch_size=2, max_seq_len=128, compile=False, speculate="mtp",
+                             num_speculative_tokens=3, draft_lm_head="fp8-weight")
+    proposer = spec._fastqwen.spec.proposer
+    assert isinstance(proposer.lm_head, QuantLinear) and spec.lm_head is not proposer.lm_head
+    ids = torch.randint(1, 500, (2, 17))
+    assert torch.equal(spec.generate(ids, do_sample=False, max_new_tokens=24),
+                       plain.generate(ids, do_sample=False, max_new_tokens=24))
+    h = torch.randn(4, spec.config.hidden_size)
+    with torch.no_grad():  # drafts come from the fp8 weights, not the target's
+        assert torch.allclose(proposer.lm_head(h), h @ proposer.lm_head.dequantized().t(), atol=1e-5)
+        assert not torch.allclose(proposer.lm_head(h), spec.lm_head(h), atol=1e-3)
+    with pytest.raises(ValueError, match="draft_lm_head only applies to speculative decoding"):
+        fastqwen.optimize(load(checkpoint), compile=False, draft_lm_head="fp8")
+    with pytest.raises(ValueError, match="unknown draft_lm_head='nf4'"):
+        fastqwen.optimize(load(checkpoint), compile=False, speculate="mtp", draft_lm_head="nf4")
+    with pytest.raises(ValueError, match="divisible by quant_group_size=128"):
+        fastqwen.optimize(load(checkpoint), compile=False, speculate="mtp", draft_lm_head="int4")
+
+
 def test_mtp_errors(tmp_path):
     model = fresh("tiny")
     bare = write_checkpoint(tmp_path / "bare", model, mtp=False)

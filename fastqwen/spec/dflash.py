@@ -106,8 +106,10 @@ class DFlashDraft(nn.Module):
 class DFlashProposer:
     """Drafts k ≤ block_size−1 tokens a round with a DFlashDraft; see the module docstring."""
 
-    def __init__(self, engine, draft: DFlashDraft):
+    def __init__(self, engine, draft: DFlashDraft, lm_head=None):
+        """lm_head: as for MTPProposer (default: the target's own)."""
         self.draft = draft
+        self.lm_head = lm_head if lm_head is not None else engine.forward.lm_head
         self.features = tuple(draft.target_layer_ids)
         cfg = draft.config
         kv_cfg = Qwen3Config(**{**cfg.to_dict(), "layer_types": ["full_attention"] * cfg.num_hidden_layers})
@@ -173,7 +175,7 @@ class DFlashProposer:
         return plain_rms_norm(x, d.norm.weight, self.eps)
 
     def propose(self, engine, k: int, do_sample: bool):
-        logits = engine.forward.lm_head(self.block_hidden(engine, k)[:, 1:]).float()  # [B, k, V]
+        logits = self.lm_head(self.block_hidden(engine, k)[:, 1:]).float()  # [B, k, V]
         if not do_sample:
             return logits.argmax(-1), None
         s = engine.state

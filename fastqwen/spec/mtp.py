@@ -99,8 +99,11 @@ class MTPProposer:
 
     features = "final"
 
-    def __init__(self, engine, head: MTPHead):
+    def __init__(self, engine, head: MTPHead, lm_head=None):
+        """lm_head: the module that turns draft states into logits (default: the target's own; a quantized
+        copy reads fewer bytes per draft step, and the target's verify keeps the output exact)."""
         self.head = head
+        self.lm_head = lm_head if lm_head is not None else engine.forward.lm_head
         cfg = copy.deepcopy(engine.model.config.get_text_config())
         cfg.layer_types = ["full_attention"]
         B, dev = engine.max_batch_size, engine.device
@@ -144,7 +147,7 @@ class MTPProposer:
         drafts, probs = [], []
         for i in range(k):
             h = self.run(engine, token[:, None], h[:, None], (self.pos + i)[:, None])[:, 0]
-            logits = engine.forward.lm_head(h).float()
+            logits = self.lm_head(h).float()
             if do_sample:
                 q = filtered_probs(logits, s["temperature"], s["top_k"], s["top_p"], s["min_p"])
                 token = sample_probs(q)
