@@ -18,7 +18,8 @@ import torch
 
 from . import presets
 
-SYSTEMS = ("hf-eager", "hf-static-compile", "fastqwen")
+QUANT_SYSTEMS = ("fastqwen-fp8-weight", "fastqwen-fp8", "fastqwen-int4")  # optimize(quant=...) after bf16
+SYSTEMS = ("hf-eager", "hf-static-compile", "fastqwen") + QUANT_SYSTEMS
 
 
 class OracleProposer:
@@ -309,6 +310,10 @@ def run(
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
         raise ValueError(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
+    quant = [q for q in QUANT_SYSTEMS if q in systems]
+    if len(quant) > 1 or (quant and model is not None):
+        raise ValueError(f"{quant}: a quantized system quantizes the model in place, so a run takes at most one, "
+                         "on a model it builds itself (run one process per scheme)")
     res = {"model": name, "batch_size": batch_size, "prompt_len": prompt_len, "n_short": n_short,
            "n_long": n_long, "dtype": str(dtype).removeprefix("torch."), "device": str(device), "systems": {}}
 
@@ -328,10 +333,10 @@ def run(
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(vocab, (batch_size, prompt_len), generator=gen).to(device)
 
-    def fastqwen_setup() -> Callable:
-        """Optimize in place and compile the graphs; returns the new ``model.generate``."""
+    def fastqwen_setup(quant=None) -> Callable:
+        """Optimize in place (quantizing first if asked) and compile the graphs; returns ``model.generate``."""
         optimized = fastqwen.optimize(model, max_batch_size=batch_size, max_seq_len=prompt_len + n_long + 64,
-                                      compile=compile, compile_options=compile_options)
+                                      compile=compile, compile_options=compile_options, quant=quant)
         optimized._fastqwen.warmup(progress=progress)
         return optimized.generate
 
@@ -344,6 +349,14 @@ def run(
             f"{label} hf-static-compile", model, ids, (n_short, n_long), say)
     if "fastqwen" in systems:
         res["systems"]["fastqwen"] = _measure(f"{label} fastqwen", fastqwen_setup, ids, (n_short, n_long), say)
+    for system in quant:  # last: it quantizes the model in place
+        torch._dynamo.reset()
+        scheme = system.removeprefix("fastqwen-")
+        res["systems"][system] = _measure(f"{label} {system}", lambda: fastqwen_setup(scheme), ids,
+                                          (n_short, n_long), say)
+        bf16 = res["systems"].get("fastqwen", {}).get("tok_s")
+        tok_s = res["systems"][system].get("tok_s")
+        res[f"{system}_vs_bf16"] = tok_s / bf16 if tok_s and bf16 else None
 
     fq = res["systems"].get("fastqwen", {}).get("tok_s")
     hf = res["systems"].get("hf-static-compile", {}).get("tok_s")
@@ -364,12 +377,24 @@ def _cell(value: float | None, fmt: str) -> str:
     return "—" if value is None else format(value, fmt)
 
 
+def _quant_cell(r: dict) -> str:
+    """"scheme tok/s (ratio×)" of a run's quantized system, if it had one."""
+    for system in QUANT_SYSTEMS:
+        out = r.get("systems", {}).get(system)
+        if out is not None:
+            if "error" in out:
+                return f"{system.removeprefix('fastqwen-')}: error"
+            ratio = r.get(f"{system}_vs_bf16")
+            return f"{system.removeprefix('fastqwen-')} {out['tok_s']:.1f}" + (f" ({ratio:.2f}×)" if ratio else "")
+    return "—"
+
+
 def format_table(results: list[dict]) -> str:
     """Markdown table of ``run`` results: decode tok/s per sequence (and fastqwen's total over the batch),
     roofline tok/s per sequence, ratios, seconds. A result with a top-level ``error`` shows "error" in every
     speed column."""
     head = ["model", "batch", "prompt", "hf-eager tok/s", "hf-static-compile tok/s", "fastqwen tok/s",
-            "fastqwen total tok/s", "roofline tok/s", "fastqwen / hf-static", "fastqwen / roofline",
+            "fastqwen total tok/s", "quantized tok/s (× bf16)", "roofline tok/s", "fastqwen / hf-static", "fastqwen / roofline",
             "hf-static first call s", "fastqwen optimize+warm-up s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
@@ -382,7 +407,8 @@ def format_table(results: list[dict]) -> str:
         fq = s.get("fastqwen", {}).get("tok_s")
         row = [r["model"], str(r.get("batch_size", "")), str(r.get("prompt_len", "")), speed("hf-eager"),
                speed("hf-static-compile"), speed("fastqwen"),
-               _cell(fq * r["batch_size"] if fq else None, ".1f"), _cell(r.get("roofline_tok_s"), ".1f"),
+               _cell(fq * r["batch_size"] if fq else None, ".1f"), _quant_cell(r),
+               _cell(r.get("roofline_tok_s"), ".1f"),
                _cell(r.get("fastqwen_vs_hf_static"), ".2f"), _cell(r.get("fastqwen_vs_roofline"), ".0%"),
                _cell(s.get("hf-static-compile", {}).get("first_call_s"), ".0f"),
                _cell(s.get("fastqwen", {}).get("setup_s"), ".0f")]

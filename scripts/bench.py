@@ -2,6 +2,7 @@
 
     python scripts/bench.py --models qwen3.5-9b qwen3.5-27b --batch-size 1 --prompt-len 512 --json docs/bench.json
     python scripts/bench.py --models qwen3.5-27b --systems fastqwen --batch-size 1 2 4 8 --prompt-len 512 32768
+    python scripts/bench.py --models qwen3.5-27b --systems fastqwen fastqwen-fp8-weight   # quantized vs bf16
 
 Every (model, batch size, prompt length) is one row, all rows of a model on one model object. Prints progress
 lines, then a markdown table; writes results and environment to ``--json`` (and ``--out-dir``) after every
@@ -79,9 +80,11 @@ def main() -> None:
     say(f"{env['hardware']} | torch {env['torch']} | transformers {env['transformers']}")
     paths = [args.json] + ([args.out_dir / "bench.json"] if args.out_dir else [])
     results = []
+    quantized = any(s in bench.QUANT_SYSTEMS for s in args.systems)  # quantizes in place: a model per row
     for name in args.models:
         try:
-            model = presets.build(name, dtype=getattr(torch, args.dtype), device=args.device).eval()
+            model = None if quantized else presets.build(name, dtype=getattr(torch, args.dtype),
+                                                         device=args.device).eval()
         except Exception as e:  # e.g. out of memory: keep going with the next model
             results.append({"model": name, "error": f"{type(e).__name__}: {e}"[:500]})
             say(f"[{name}] FAILED {results[-1]['error']}")

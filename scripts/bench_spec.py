@@ -90,6 +90,7 @@ def main():
     p.add_argument("--n-short", type=int, default=32 if cuda else 24)
     p.add_argument("--n-long", type=int, default=160 if cuda else 200)
     p.add_argument("--verify-block", type=int, default=16, help="also time verify + commit of this block (0: no)")
+    p.add_argument("--quant", choices=["fp8-weight", "fp8", "int4"], help="quantize the target (optimize's quant)")
     p.add_argument("--draft-lm-head", choices=["fp8-weight", "fp8", "int4"],
                    help="draft through a quantized copy of lm_head (optimize's draft_lm_head)")
     p.add_argument("--no-phases", action="store_true", help="skip the per-run draft / verify / commit timings")
@@ -115,7 +116,9 @@ def main():
     opts = {"triton.cudagraphs": True} if args.no_autotune and cuda else None
     block = max([k + 1 for _, k, _ in runs] + [args.verify_block])
     max_seq = args.prompt_len + args.n_long + 2 * block + 8  # room for the timed blocks after a generate
-    fastqwen.optimize(model, max_batch_size=args.batch, max_seq_len=max_seq, compile=True, compile_options=opts)
+    fastqwen.optimize(model, max_batch_size=args.batch, max_seq_len=max_seq, compile=True, compile_options=opts,
+                      quant=args.quant)
+    res["quant"] = args.quant
     e = model._fastqwen
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(model.config.vocab_size, (1, args.prompt_len), generator=gen).repeat(args.batch, 1).to(device)
@@ -133,7 +136,7 @@ def main():
         res[f"verify{args.verify_block}"] = {**costs, "verify_over_decode": costs["verify_s"] / res["decode_s"],
                                              "commit_over_decode": costs["commit_s"] / res["decode_s"]}
     draft_head = None
-    if args.draft_lm_head:
+    if args.draft_lm_head and isinstance(model.lm_head, torch.nn.Linear):
         with torch.no_grad():
             draft_head = QuantLinear.from_linear(model.lm_head, args.draft_lm_head)
         res["draft_lm_head"] = args.draft_lm_head
