@@ -8,7 +8,7 @@ int4 group 128). With --experts, also the 35B-A3B routed experts (256 of them, t
 gather-then-einsum path against the grouped kernel (`expert_gemv`) in bf16, fp8 and int4. Every candidate is timed as a CUDA graph of 20 back-to-back calls (no launch overhead, as in
 a compiled decode step): median µs per call over 10 replays. The floor is the candidate's weight bytes ÷
 the measured copy bandwidth; "% BW" is floor ÷ time. Candidates that fail to build or capture are reported
-with their error, not skipped.
+with their error, not skipped. Without CUDA it runs as a smoke test: shapes ÷ 4, 16 experts, wall-clock timing.
 """
 
 import argparse
@@ -17,6 +17,7 @@ import json
 import pathlib
 import statistics
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from fastqwen import bench  # noqa: E402
 from fastqwen.quant.linear import QuantLinear  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+SMALL = 1 if DEV == "cuda" else 4  # CPU smoke runs shrink every shape
 
 # name: [(layer, N, K)]
 SHAPES = {
@@ -60,7 +64,7 @@ def candidates(linear: torch.nn.Linear) -> dict:
     def gemlite_fp8():
         from gemlite.helper import A16W8_FP8
 
-        return A16W8_FP8(device="cuda", dtype=torch.bfloat16).from_linear(copy.deepcopy(linear)), fp8_bytes
+        return A16W8_FP8(device=DEV, dtype=torch.bfloat16).from_linear(copy.deepcopy(linear)), fp8_bytes
 
     def gemlite_int4():
         from gemlite.helper import A16Wn
@@ -68,7 +72,7 @@ def candidates(linear: torch.nn.Linear) -> dict:
         from fastqwen.quant.formats import quantize_int4
 
         q, s, z = quantize_int4(linear.weight.detach(), 128)
-        layer = A16Wn(device="cuda", dtype=torch.bfloat16).from_weights(q, s.bfloat16(), z.bfloat16(), 4, 128)
+        layer = A16Wn(device=DEV, dtype=torch.bfloat16).from_weights(q, s.bfloat16(), z.bfloat16(), 4, 128)
         return layer, int4_bytes
 
     build("torchao fp8-weight", lambda: torchao(lambda q: q.Float8WeightOnlyConfig(), fp8_bytes))
@@ -80,16 +84,16 @@ def candidates(linear: torch.nn.Linear) -> dict:
     return out
 
 
-def expert_candidates(N: int, K: int, E: int = 256, top: int = 8) -> dict:
+def expert_candidates(N: int, K: int, E: int = 256 if SMALL == 1 else 16, top: int = 8) -> dict:
     """{name: (callable x [M, K] -> [M·top, N], bytes a call must read for M = 1)} for routed experts."""
     from fastqwen.ops.gemv import BF16, FP8_ROW, INT4, expert_gemv, stored_operands
 
-    w = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16) * 0.02
-    exp = torch.randint(0, E, (16 * top,), device="cuda", dtype=torch.int32)
+    w = torch.randn(E, N, K, device=DEV, dtype=torch.bfloat16) * 0.02
+    exp = torch.randint(0, E, (16 * top,), device=DEV, dtype=torch.int32)
 
     def pairs(x):
         M = x.shape[0]
-        return torch.arange(M, device="cuda", dtype=torch.int32).repeat_interleave(top), exp[: M * top]
+        return torch.arange(M, device=DEV, dtype=torch.int32).repeat_interleave(top), exp[: M * top]
 
     out = {"gather+einsum bf16": (lambda x: torch.einsum("mk,mtnk->mtn", x, w[exp[: x.shape[0] * top].view(-1, top)]),
                                   top * N * K * 2)}
@@ -106,6 +110,11 @@ def graph_time(fn, x, calls=20, replays=10) -> float:
     with torch.no_grad():
         for _ in range(3):  # warm-up outside capture (autotuners run here)
             fn(x)
+        if DEV == "cpu":
+            t = time.perf_counter()
+            for _ in range(calls):
+                fn(x)
+            return (time.perf_counter() - t) / calls
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -129,14 +138,15 @@ def main():
     p.add_argument("--experts", action="store_true", help="also the 35B-A3B routed experts")
     p.add_argument("--json", type=pathlib.Path)
     args = p.parse_args()
-    bw = bench.copy_bandwidth("cuda")
-    res = {"hardware": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth_Bps": bw,
+    bw = bench.copy_bandwidth(DEV)
+    res = {"hardware": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (smoke)", "torch": torch.__version__, "copy_bandwidth_Bps": bw,
            "rows": []}
     print(f"{res['hardware']}, copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
-    jobs = [(model, layer, N, K, lambda N=N, K=K: candidates(_linear(N, K)))
+    jobs = [(model, layer, N // SMALL, K // SMALL, lambda N=N // SMALL, K=K // SMALL: candidates(_linear(N, K)))
             for model in args.shapes for layer, N, K in SHAPES[model]]
     if args.experts:
-        jobs += [("35b-a3b", f"experts.{part} (top-8 of 256)", N, K, lambda N=N, K=K: expert_candidates(N, K))
+        jobs += [("35b-a3b", f"experts.{part} (top-8 of 256)", N // SMALL, K // SMALL,
+                  lambda N=N // SMALL, K=K // SMALL: expert_candidates(N, K))
                  for part, N, K in (("gate_up", 1024, 2048), ("down", 2048, 512))]
     for model, layer, N, K, make in jobs:
         for name, c in make().items():
@@ -147,7 +157,7 @@ def main():
                 fn, nbytes = c
                 row["weight_bytes"] = nbytes  # at M = 1 for experts (M tokens read up to M·top experts)
                 for m in args.m:
-                    x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
+                    x = torch.randn(m, K, device=DEV, dtype=torch.bfloat16)
                     try:
                         t = graph_time(fn, x)
                         row[f"M{m}_us"], row[f"M{m}_bw"] = t * 1e6, nbytes / bw / t
@@ -164,7 +174,7 @@ def main():
 
 def _linear(N: int, K: int) -> torch.nn.Linear:
     torch.manual_seed(0)
-    linear = torch.nn.Linear(K, N, bias=False, device="cuda", dtype=torch.bfloat16)
+    linear = torch.nn.Linear(K, N, bias=False, device=DEV, dtype=torch.bfloat16)
     torch.nn.init.normal_(linear.weight, std=0.02)
     return linear
 
