@@ -19,12 +19,14 @@ _MATRICES = ("gate_up", "down")
 
 
 class QuantExperts(nn.Module):
+    """Buffers `{gate_up,down}_{key}` [E, …] for each stored tensor key of the scheme (qweight, scale or
+    scale_inv, zero); see the module docstring for the two entry points."""
+
     def __init__(self, experts: nn.Module, scheme: str, group: int = 128):
         super().__init__()
         self.scheme, self.group, self.act_fn = scheme, group, experts.act_fn
         self.num_experts = experts.gate_up_proj.shape[0]
         self.hidden, self.inter = experts.down_proj.shape[1], experts.down_proj.shape[2]
-        self.keys = None
         for m in _MATRICES:
             w = getattr(experts, f"{m}_proj").detach()
             parts = [quantize_weight(w[e], scheme, group) for e in range(self.num_experts)]
@@ -42,6 +44,7 @@ class QuantExperts(nn.Module):
         return dequantize_weight(self.scheme, self.stored(m, e), self.group)
 
     def _inputs(self, x):
+        """x as the matmul sees it: rounded to fp8 per 128 columns under the "fp8" scheme."""
         return fake_quantize_fp8_activations(x, STEP) if self.scheme == "fp8" else x
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
