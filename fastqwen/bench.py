@@ -137,6 +137,34 @@ def copy_bandwidth(device: torch.device | str, nbytes: int | None = None, repeat
     return 2 * nbytes / statistics.median(seconds)
 
 
+def graph_seconds(fn: Callable, *args, calls: int = 20, replays: int = 10) -> float:
+    """Median seconds per fn(*args) call. On CUDA: replays of a CUDA graph of `calls` back-to-back calls (no
+    launch overhead, as inside a compiled step), after 3 warm-ups outside the capture (autotuners run there);
+    elsewhere wall-clock over `calls` calls (smoke runs)."""
+    with torch.no_grad():
+        for _ in range(3):
+            fn(*args)
+        if not torch.cuda.is_available() or not any(getattr(a, "is_cuda", False) for a in args):
+            t = time.perf_counter()
+            for _ in range(calls):
+                fn(*args)
+            return (time.perf_counter() - t) / calls
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn(*args)
+        times = []
+        for _ in range(replays):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            graph.replay()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3 / calls)
+    return statistics.median(times)
+
+
 def weight_bytes(model: torch.nn.Module, tokens: int = 1) -> int:
     """Bytes of weights read by one decode step over `tokens` tokens (batch rows × positions).
 

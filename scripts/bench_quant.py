@@ -15,9 +15,7 @@ import argparse
 import copy
 import json
 import pathlib
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -105,32 +103,6 @@ def expert_candidates(N: int, K: int, E: int = 256 if SMALL == 1 else 16, top: i
     return out
 
 
-def graph_time(fn, x, calls=20, replays=10) -> float:
-    """Median seconds per fn(x) call, replaying a CUDA graph of `calls` back-to-back calls."""
-    with torch.no_grad():
-        for _ in range(3):  # warm-up outside capture (autotuners run here)
-            fn(x)
-        if DEV == "cpu":
-            t = time.perf_counter()
-            for _ in range(calls):
-                fn(x)
-            return (time.perf_counter() - t) / calls
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn(x)
-        times = []
-        for _ in range(replays):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            graph.replay()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3 / calls)
-    return statistics.median(times)
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -159,7 +131,7 @@ def main():
                 for m in args.m:
                     x = torch.randn(m, K, device=DEV, dtype=torch.bfloat16)
                     try:
-                        t = graph_time(fn, x)
+                        t = bench.graph_seconds(fn, x)
                         row[f"M{m}_us"], row[f"M{m}_bw"] = t * 1e6, nbytes / bw / t
                     except Exception as e:
                         row[f"M{m}_error"] = f"{type(e).__name__}: {e}"[:200]

@@ -7,6 +7,7 @@
 #   sweep    scripts/bench.py fastqwen at batch 1 2 4 8 on $SWEEP_MODEL (default 27B), then the plot
 #   startup  scripts/bench_startup.py on $STARTUP_MODEL (default 9B): cold vs warm start to first token
 #   profile  scripts/profile_step.py on $PROFILE_MODEL (default 35B-A3B): the decode step's kernels, µs each
+#   attention scripts/bench_attention.py (SDPA over the whole cache vs the split-KV kernel) and its GPU test
 #   qbench   scripts/bench.py on $QMODEL (default 27B): fastqwen bf16 vs quantized ($SCHEME, default fp8-weight)
 #   quality  scripts/quant_quality.py on 27B: per-linear and logit error, top-1 agreement per scheme
 #   quant    tests/gpu/test_quant_gpu.py, then scripts/bench_quant.py (per-GEMM table, M = 1..16); gemlite is
@@ -33,6 +34,8 @@ case "$stage" in
   startup) python scripts/bench_startup.py --model "${STARTUP_MODEL:-qwen3.5-9b}" --json "$out/startup.json" ;;
   profile) python scripts/profile_step.py --model "${PROFILE_MODEL:-qwen3.5-35b-a3b}" --no-autotune \
            --json "$out/profile.json" 2>&1 | grep -E "^\||µs" ;;
+  attention) python -m pytest -q -p no:warnings tests/gpu/test_attention_gpu.py 2>&1 | tail -3
+         python scripts/bench_attention.py --json "$out/bench_attention.json" 2>&1 | grep "^|" ;;
   qbench) python scripts/bench.py --models "${QMODEL:-qwen3.5-27b}" --systems fastqwen "fastqwen-${SCHEME:-fp8-weight}" \
            --no-autotune --json "$out/qbench.json" 2>&1 | grep -v "^\[transformers\]" | tail -6 ;;
   quality) python scripts/quant_quality.py --json "$out/quant_quality.json" 2>&1 | grep "error" ;;

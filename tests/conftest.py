@@ -33,3 +33,21 @@ def left_padded(rows, pad_id=0):
         ids[b, L - len(r):] = r
         mask[b, L - len(r):] = 1
     return ids, mask
+
+
+def run_in_triton_interpreter(code: str) -> str:
+    """Run `code` in a subprocess with TRITON_INTERPRET=1 (it must be set before any kernel is defined) and
+    return its stdout; skip when Triton with numpy < 2.4 (its interpreter needs that) is not available, from
+    $FASTQWEN_TRITON_SITE (a pip --target directory, .ci/run fills one: Triton installed beside CPU torch
+    breaks torch.compile) or from this environment."""
+    import subprocess
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    paths = [os.environ.get("FASTQWEN_TRITON_SITE", ""), tests, os.path.dirname(tests), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(p for p in paths if p))
+    probe = "import numpy, triton; assert tuple(map(int, numpy.__version__.split('.')[:2])) < (2, 4)"
+    if subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True).returncode:
+        pytest.skip("needs triton and numpy < 2.4 (set FASTQWEN_TRITON_SITE to a pip --target dir with both)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout

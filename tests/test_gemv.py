@@ -1,19 +1,13 @@
 """The weight-streaming kernel (fastqwen/ops/gemv.py), linear and grouped (routed experts) modes, against its
 torch reference.
 
-The Triton kernel runs here in Triton's CPU interpreter: a subprocess with TRITON_INTERPRET=1 (it must be set
-before the kernel is defined). Triton 3.6's interpreter needs numpy < 2.4, and Triton installed beside a CPU
-torch breaks torch.compile there ("0 active drivers"), so the subprocess takes them from the directory
-$FASTQWEN_TRITON_SITE (.ci/run fills it: pip install --target) when set, else from this environment.
+The Triton kernel runs here in Triton's CPU interpreter (conftest.run_in_triton_interpreter says how).
 tests/gpu/test_quant_gpu.py runs the kernel compiled on real layer shapes.
 """
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from conftest import run_in_triton_interpreter
 
 from fastqwen.quant.formats import pack_int4, unpack_int4
 from fastqwen.ops.gemv import BF16, FP8_BLOCK, FP8_ROW, INT4, expert_gemv, expert_reference, reference, stored_operands, wq_linear
@@ -93,13 +87,4 @@ print("worst relative error", worst)
 
 
 def test_kernel_matches_reference_in_the_triton_interpreter():
-    site = os.environ.get("FASTQWEN_TRITON_SITE", "")
-    paths = [site, os.path.dirname(__file__), os.path.dirname(os.path.dirname(__file__)),
-             os.environ.get("PYTHONPATH", "")]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(p for p in paths if p))
-    probe = "import numpy, triton; assert tuple(map(int, numpy.__version__.split('.')[:2])) < (2, 4)"
-    if subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True).returncode:
-        pytest.skip("needs triton and numpy < 2.4 (set FASTQWEN_TRITON_SITE to a pip --target dir with both)")
-    out = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "worst relative error" in out.stdout
+    assert "worst relative error" in run_in_triton_interpreter(_INTERPRETED)

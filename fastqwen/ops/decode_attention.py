@@ -1,0 +1,109 @@
+"""Split-KV attention of a few queries over a static KV cache that reads only the positions in use.
+
+`attention.attend_cache` (scaled_dot_product_attention with a mask) reads the whole static cache, max_seq_len
+positions per row, whatever the rows' lengths: at max_seq_len 128K that is ~8.6 GB a step on the 27B model,
+16% of its weights, per row. This kernel reads keys 0 … max(position) of each row only.
+
+Grid (B, Hkv, SPLITS). A program takes the G = Hq / Hkv query heads of its KV head and the T queries of its
+row (G·T rows of the dot), splits the row's used keys into SPLITS equal chunks (the chunk size is computed in
+the kernel from the positions, so one CUDA graph serves every length) and runs an online softmax over its
+chunk in BLOCK_S steps, masking keys after each query's position. Each split writes its partial output and
+log-sum-exp; `attend_cache_split` merges them. The dot takes fp32 operands (memory-bound; exact to the
+reference; runs in Triton's CPU interpreter, tests/test_decode_attention.py).
+Not yet the default: scripts/bench_attention.py measures it against attend_cache first.
+"""
+
+import torch
+
+from .attention import attend_cache
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+BLOCK_S = 32
+
+if triton is not None:
+
+    @triton.jit
+    def _split_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, lse_ptr, scale,
+                         sq_b, sq_h, sq_t, sk_b, sk_h, sk_s, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s,
+                         T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
+                         SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+        b, hk, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        r = tl.arange(0, ROWS)
+        r_ok = r < G * T
+        g, t = r // T, r % T
+        d = tl.arange(0, D)
+        pos = tl.load(pos_ptr + b * T + t, mask=r_ok, other=-1)
+        n_keys = tl.max(pos, axis=0) + 1
+        chunk = tl.cdiv(tl.cdiv(n_keys, SPLITS), BLOCK_S) * BLOCK_S
+        start = sp * chunk
+        end = tl.minimum(start + chunk, n_keys)
+        q = tl.load(q_ptr + b * sq_b + (hk * G + g)[:, None] * sq_h + t[:, None] * sq_t + d[None, :],
+                    mask=r_ok[:, None], other=0.0).to(tl.float32)
+        m_i = tl.full((ROWS,), float("-inf"), tl.float32)
+        l_i = tl.zeros((ROWS,), tl.float32)
+        acc = tl.zeros((ROWS, D), tl.float32)
+        kv = b * sk_b + hk * sk_h
+        for s0 in tl.range(start, end, BLOCK_S):
+            s = s0 + tl.arange(0, BLOCK_S)
+            s_ok = s < end
+            k = tl.load(k_ptr + kv + s[:, None] * sk_s + d[None, :], mask=s_ok[:, None], other=0.0).to(tl.float32)
+            qk = tl.dot(q, tl.trans(k)) * scale
+            qk = tl.where((s[None, :] <= pos[:, None]) & s_ok[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(qk - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            v = tl.load(v_ptr + kv + s[:, None] * sk_s + d[None, :], mask=s_ok[:, None], other=0.0).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p, v)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+        out = acc / tl.maximum(l_i, 1e-30)[:, None]
+        lse = tl.where(l_i > 0, m_i + tl.log(tl.maximum(l_i, 1e-30)), float("-inf"))
+        tl.store(o_ptr + b * so_b + hk * so_h + sp * so_s + r[:, None] * so_r + d[None, :], out, mask=r_ok[:, None])
+        tl.store(lse_ptr + b * sl_b + hk * sl_h + sp * sl_s + r, lse, mask=r_ok)
+
+
+def splits_for(batch: int, kv_heads: int) -> int:
+    """Splits per (row, KV head): about two waves of programs on an H200 (132 SMs), at most 64."""
+    return max(1, min(64, 264 // (batch * kv_heads)))
+
+
+def attend_cache_split(q, k_cache, v_cache, positions, scale: float, splits: int | None = None) -> torch.Tensor:
+    """attend_cache's result (q [B, Hq, T, D] at positions [B, T] over caches [B, Hkv, S, D]) from the split-KV
+    kernel, reading keys 0 … max(positions[b]) of each row only. Output in q's dtype."""
+    B, Hq, T, D = q.shape
+    Hkv = k_cache.shape[1]
+    G = Hq // Hkv
+    splits = splits or splits_for(B, Hkv)
+    rows = max(16, triton.next_power_of_2(G * T))
+    o = torch.empty(B, Hkv, splits, rows, D, dtype=torch.float32, device=q.device)
+    lse = torch.empty(B, Hkv, splits, rows, dtype=torch.float32, device=q.device)
+    k, v = k_cache, v_cache
+    pos = positions.to(torch.int32).contiguous()
+    _split_kv_kernel[(B, Hkv, splits)](
+        q, k, v, pos, o, lse, scale, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        o.stride(0), o.stride(1), o.stride(2), o.stride(3), lse.stride(0), lse.stride(1), lse.stride(2),
+        T=T, G=G, D=D, ROWS=rows, SPLITS=splits, BLOCK_S=BLOCK_S)
+    o, lse = o[:, :, :, : G * T], lse[:, :, :, : G * T]
+    weight = torch.softmax(lse, dim=2)  # splits past a row's keys have lse = -inf: weight 0
+    merged = (o * weight[..., None]).sum(2)  # [B, Hkv, G·T, D], rows ordered (g, t)
+    return merged.view(B, Hkv, G, T, D).reshape(B, Hq, T, D).to(q.dtype)
+
+
+@torch.library.custom_op("fastqwen::attend_cache_split", mutates_args=())
+def attend_cache_split_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+    """The split-KV kernel on CUDA, attend_cache (the reference) elsewhere."""
+    if q.is_cuda and triton is not None:
+        return attend_cache_split(q, k_cache, v_cache, positions, scale)
+    return attend_cache(q, k_cache, v_cache, positions, scale)
+
+
+@attend_cache_split_op.register_fake
+def _(q, k_cache, v_cache, positions, scale):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
