@@ -90,7 +90,7 @@ def miss_for_tau(tau: float, k: int) -> float:
         else:
             hi = m
     return (lo + hi) / 2
-EAGER_N = (8, 24)  # (n_short, n_long) for hf-eager: it is slow (~7 tok/s on a 27B model)
+EAGER_N = (8, 24)  # (n_short, n_long) for hf-eager on a GPU: it is slow (~7 tok/s on a 27B model)
 
 
 def _sync(device: torch.device | str) -> None:
@@ -329,7 +329,7 @@ def run(
     tokens/s per sequence like every speed here), per-system results under ``systems`` (``tok_s`` in
     tokens/s per sequence, ``setup_s`` / ``first_call_s`` in seconds, or ``error``; see ``_measure`` and
     ``_measure_hf_static``), the ratios ``fastqwen_vs_hf_static`` and ``fastqwen_vs_roofline``. HF systems
-    run before ``fastqwen.optimize`` (which replaces ``model.generate``); hf-eager uses ``EAGER_N`` lengths.
+    run before ``fastqwen.optimize`` (which replaces ``model.generate``); hf-eager uses ``EAGER_N`` lengths on CUDA.
     ``compile`` and ``compile_options`` are passed to ``fastqwen.optimize``.
     """
     import fastqwen
@@ -371,7 +371,8 @@ def run(
     label = f"[{name}]"
     if "hf-eager" in systems:  # HF first: optimize replaces model.generate
         res["systems"]["hf-eager"] = _measure(
-            f"{label} hf-eager", lambda: functools.partial(type(model).generate, model), ids, EAGER_N, say)
+            f"{label} hf-eager", lambda: functools.partial(type(model).generate, model), ids,
+            EAGER_N if torch.device(device).type == "cuda" else (n_short, n_long), say)
     if "hf-static-compile" in systems:
         res["systems"]["hf-static-compile"] = _measure_hf_static(
             f"{label} hf-static-compile", model, ids, (n_short, n_long), say)
