@@ -103,17 +103,70 @@ def expert_candidates(N: int, K: int, E: int = 256 if SMALL == 1 else 16, top: i
     return out
 
 
+def sweep(shapes, ms, bw, table: pathlib.Path | None) -> list[dict]:
+    """Time the weight-streaming kernel over its launch configs (BLOCK_N, SPLIT_K, num_warps, num_stages) per
+    layer, format and M; print the default config's time beside the best one. With `table`, merge the best
+    configs into that gemv_configs.json under this GPU's name (fastqwen.ops.gemv reads it at import)."""
+    import itertools
+
+    from fastqwen.ops import gemv
+
+    configs = list(itertools.product((32, 64, 128), (1, 2, 4, 8, 16), (4,), (2, 4)))  # 8 warps never won
+    rows, best_of = [], {}
+    for model in shapes:
+        for layer, N, K in SHAPES[model]:
+            if N > 65536:  # lm_head: its own row in the main table
+                continue
+            w = torch.randn(N // SMALL, K // SMALL, device=DEV, dtype=torch.bfloat16) * 0.02
+            N, K = w.shape
+            for name, fmt in (("fp8-weight", gemv.FP8_ROW), ("int4", gemv.INT4)):
+                q, sc, z = gemv.stored_operands(fmt, w)
+                nbytes = sum(t.numel() * t.element_size() for t in (q, sc, z) if t is not None)
+                for m in ms:
+                    x = torch.randn(m, K, device=DEV, dtype=torch.bfloat16)
+                    default = gemv.gemv_config(fmt, N, K, m)
+                    times = {}
+                    for cfg in [default] + [c for c in configs if K // 128 >= c[1] and c != default]:
+                        try:
+                            times[cfg] = bench.graph_seconds(
+                                lambda x, cfg=cfg: gemv._launch(x, fmt, q, sc, z, False, N, m, config=cfg), x)
+                        except Exception as e:  # out of resources (shared memory) for the largest tiles
+                            print(f"  {cfg}: {type(e).__name__}", flush=True)
+                    best = min(times, key=times.get)
+                    best_of[gemv.tuned_key(fmt, N, K, m)] = best
+                    row = {"model": model, "layer": layer, "N": N, "K": K, "format": name, "M": m,
+                           "default": default, "default_us": times[default] * 1e6, "best": best,
+                           "best_us": times[best] * 1e6, "best_bw": nbytes / bw / times[best]}
+                    rows.append(row)
+                    print(f"| sweep | {layer} {N}x{K} | {name} M={m} | default {default} {row['default_us']:.1f} µs "
+                          f"({nbytes / bw / times[default]:.0%}) | best {best} {row['best_us']:.1f} µs "
+                          f"({row['best_bw']:.0%}) |", flush=True)
+    if table and DEV == "cuda":
+        tuned = json.loads(table.read_text()) if table.exists() else {}
+        tuned.setdefault(torch.cuda.get_device_name(), {}).update(best_of)
+        table.write_text(json.dumps(tuned, indent=1, sort_keys=True) + "\n")
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--experts", action="store_true", help="also the 35B-A3B routed experts")
+    p.add_argument("--sweep", action="store_true", help="only time the kernel's launch configs per layer and M")
+    p.add_argument("--write-table", type=pathlib.Path, help="with --sweep: merge the best configs into this file "
+                   "(fastqwen/ops/gemv_configs.json is the one the library reads)")
     p.add_argument("--json", type=pathlib.Path)
     args = p.parse_args()
     bw = bench.copy_bandwidth(DEV)
     res = {"hardware": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (smoke)", "torch": torch.__version__, "copy_bandwidth_Bps": bw,
            "rows": []}
     print(f"{res['hardware']}, copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
+    if args.sweep:
+        res["sweep"] = sweep(args.shapes, args.m, bw, args.write_table)
+        if args.json:
+            args.json.write_text(json.dumps(res, indent=1))
+        return
     jobs = [(model, layer, N // SMALL, K // SMALL, lambda N=N // SMALL, K=K // SMALL: candidates(_linear(N, K)))
             for model in args.shapes for layer, N, K in SHAPES[model]]
     if args.experts:

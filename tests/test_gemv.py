@@ -53,7 +53,7 @@ def test_expert_reference_is_a_per_pair_matmul():
 
 _INTERPRETED = """
 import torch
-from fastqwen.ops.gemv import FP8_BLOCK, FP8_ROW, INT4, reference, wq_matmul
+from fastqwen.ops.gemv import FP8_BLOCK, FP8_ROW, INT4, _launch, reference, wq_matmul
 from test_gemv import operands
 worst = 0.0
 # (not FP8_BLOCK with act_fp8: the interpreter's fp32 -> e4m3 cast drops the carry when rounding up into the
@@ -63,13 +63,14 @@ for fmt, act in [(FP8_ROW, False), (FP8_BLOCK, False), (INT4, False)]:
         N, K = 200, 384  # N not a multiple of the program width; K three steps
         w, s, z = operands(fmt, N, K, seed=M)
         x = torch.randn(M, K, dtype=torch.bfloat16)
-        y = wq_matmul(x, fmt, w, s, z, act, N)
         ref = reference(x.float(), fmt, w, s, z, act, N)
-        err = ((y - ref).norm() / ref.norm()).item()
-        assert y.shape == (M, N) and not y.isnan().any(), (fmt, M)
-        assert err < 1e-5, f"format {fmt}, act_fp8 {act}, M={M}: relative error {err:.2e}"
-        worst = max(worst, err)
-from fastqwen.ops.gemv import BF16, _launch, expert_reference
+        for config in (None, (32, 2, 4, 2), (16, 3, 4, 1)):  # the default, and K split in 2 (uneven) and 3
+            y = wq_matmul(x, fmt, w, s, z, act, N) if config is None else _launch(x, fmt, w, s, z, act, N, M, config=config)
+            err = ((y - ref).norm() / ref.norm()).item()
+            assert y.shape == (M, N) and not y.isnan().any(), (fmt, M, config)
+            assert err < 1e-5, f"format {fmt}, act_fp8 {act}, M={M}, config {config}: relative error {err:.2e}"
+            worst = max(worst, err)
+from fastqwen.ops.gemv import BF16, expert_reference
 from test_gemv import expert_operands
 for fmt in (BF16, FP8_ROW, FP8_BLOCK, INT4):  # grouped mode: routed experts
     E, N, K = 5, 136, 256
@@ -77,11 +78,12 @@ for fmt in (BF16, FP8_ROW, FP8_BLOCK, INT4):  # grouped mode: routed experts
     x = torch.randn(3, K, dtype=torch.bfloat16)
     tok = torch.tensor([0, 0, 1, 1, 2, 2], dtype=torch.int32)
     exp = torch.tensor([4, 0, 2, 4, 1, 3], dtype=torch.int32)
-    y = _launch(x, fmt, w, s, z, False, N, len(tok), (tok, exp))
     ref = expert_reference(x.float(), tok, exp, fmt, w, s, z, N)
-    err = ((y - ref).norm() / ref.norm()).item()
-    assert err < 1e-5, f"grouped format {fmt}: relative error {err:.2e}"
-    worst = max(worst, err)
+    for config in (None, (64, 2, 4, 2)):
+        y = _launch(x, fmt, w, s, z, False, N, len(tok), (tok, exp), config=config)
+        err = ((y - ref).norm() / ref.norm()).item()
+        assert err < 1e-5, f"grouped format {fmt}, config {config}: relative error {err:.2e}"
+        worst = max(worst, err)
 print("worst relative error", worst)
 """
 

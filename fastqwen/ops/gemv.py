@@ -19,6 +19,9 @@ interpreter, where tests/test_gemv.py checks it). `wq_linear` and `expert_gemv` 
 kernel on CUDA, the torch reference elsewhere.
 """
 
+import json
+import pathlib
+
 import torch
 
 from ..quant.formats import (
@@ -48,10 +51,13 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, tok_ptr, exp_ptr, M, N, K, s_stride, w_estride, s_estride,
-                     FMT: tl.constexpr, ACT_FP8: tl.constexpr, GROUPED: tl.constexpr, FP8_LIMIT: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     k_per_split, FMT: tl.constexpr, ACT_FP8: tl.constexpr, GROUPED: tl.constexpr,
+                     FP8_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     STAGES: tl.constexpr, DOT: tl.constexpr):
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
+        split = tl.program_id(2)  # split-K: this program sums K columns [split·k_per_split, +k_per_split)
+        y_ptr += split.to(tl.int64) * tl.num_programs(1) * M * N
         if GROUPED:  # one (token, expert) pair per program along axis 1
             p = tl.program_id(1)
             x_ptr += tl.load(tok_ptr + p).to(tl.int64) * K
@@ -62,26 +68,38 @@ if triton is not None:
             y_ptr += p.to(tl.int64) * N
         n_ok, m_ok = n < N, m < M
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < K
-            x = tl.load(x_ptr + m[:, None] * K + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            x = x.to(tl.float32)
-            if ACT_FP8:
-                xs = tl.maximum(tl.max(tl.abs(x), axis=1) / FP8_LIMIT, 1e-12)
-                x = (x / xs[:, None]).to(tl.float8e4nv).to(tl.float32) * xs[:, None]
-            if FMT == 2:
-                half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-                b = tl.load(w_ptr + n[:, None] * (K // 2) + half[None, :],
-                            mask=n_ok[:, None] & (half < K // 2)[None, :], other=0)
-                q = tl.join(b & 0xF, b >> 4).reshape(BLOCK_N, BLOCK_K).to(tl.float32)
-                g = k0 // BLOCK_K
+        k_end = tl.minimum(K, (split + 1) * k_per_split)
+        for k0 in tl.range(split * k_per_split, k_end, BLOCK_K, num_stages=STAGES):
+            if FMT == 2:  # byte j holds columns 2j (low nibble) and 2j + 1: multiply each half by its own x columns
+                j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+                j_ok = j < k_end // 2
+                xm = m_ok[:, None] & j_ok[None, :]
+                xe = tl.load(x_ptr + m[:, None] * K + 2 * j[None, :], mask=xm, other=0.0).to(tl.float32)
+                xo = tl.load(x_ptr + m[:, None] * K + 2 * j[None, :] + 1, mask=xm, other=0.0).to(tl.float32)
+                b = tl.load(w_ptr + n[:, None] * (K // 2) + j[None, :], mask=n_ok[:, None] & j_ok[None, :], other=0)
+                lo, hi = (b & 0xF).to(tl.float32), (b >> 4).to(tl.float32)
+                if DOT:
+                    part = tl.dot(xe, tl.trans(lo)) + tl.dot(xo, tl.trans(hi))
+                else:
+                    part = tl.sum(xe[:, None, :] * lo[None, :, :] + xo[:, None, :] * hi[None, :, :], axis=2)
+                g = k0 // BLOCK_K  # Σ (q − zero)·scale·x = scale·(Σ q·x − zero·Σ x)
                 scale = tl.load(s_ptr + n * s_stride + g, mask=n_ok, other=0.0)
                 zero = tl.load(z_ptr + n * s_stride + g, mask=n_ok, other=0.0)
-                acc += tl.dot(x, tl.trans((q - zero[:, None]) * scale[:, None]))
+                acc += (part - tl.sum(xe + xo, axis=1)[:, None] * zero[None, :]) * scale[None, :]
             else:
+                k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = k < k_end
+                x = tl.load(x_ptr + m[:, None] * K + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                x = x.to(tl.float32)
+                if ACT_FP8:
+                    xs = tl.maximum(tl.max(tl.abs(x), axis=1) / FP8_LIMIT, 1e-12)
+                    x = (x / xs[:, None]).to(tl.float8e4nv).to(tl.float32) * xs[:, None]
                 w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                part = tl.dot(x, tl.trans(w.to(tl.float32)))
+                w = w.to(tl.float32)
+                if DOT:
+                    part = tl.dot(x, tl.trans(w))
+                else:
+                    part = tl.sum(x[:, None, :] * w[None, :, :], axis=2)
                 if FMT == 1:
                     part = part * tl.load(s_ptr + (n // BLOCK_K) * s_stride + k0 // BLOCK_K, mask=n_ok, other=0.0)[None, :]
                 acc += part
@@ -90,31 +108,59 @@ if triton is not None:
         tl.store(y_ptr + m[:, None] * N + n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _block_n(N: int, programs_per_column: int = 1) -> int:
-    """Output columns per program: the widest of 64/32/16 that still gives ≥ 256 programs (2 waves on an H200)."""
-    return next((b for b in (64, 32) if N // b * programs_per_column >= 256), 16)
+DOT_ROWS = 4  # above this many rows the kernel multiplies on tensor cores (tl.dot); at or below, in registers
+_TUNED = json.loads((pathlib.Path(__file__).with_name("gemv_configs.json")).read_text())
 
 
-def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None):
-    """fp32 y [rows, out_features]; `pairs` = (tok, exp) int32 [P] switches to grouped mode (rows = P)."""
+def tuned_key(fmt: int, N: int, K: int, rows: int) -> str:
+    """Key of a launch config in gemv_configs.json: format, shape and row bucket (1, 4 or 16)."""
+    return f"{fmt}:{N}x{K}:M{1 if rows <= 1 else DOT_ROWS if rows <= DOT_ROWS else MAX_ROWS}"
+
+
+def gemv_config(fmt: int, N: int, K: int, rows: int, columns: int = 1) -> tuple[int, int, int, int]:
+    """(BLOCK_N, SPLIT_K, num_warps, num_stages) for `rows` rows of an [N, K] weight in format `fmt`, with
+    `columns` independent copies of the grid (expert pairs in grouped mode). The linear mode takes
+    scripts/bench_quant.py --sweep's measured best for this GPU when gemv_configs.json has it; otherwise (and
+    for experts) enough programs that short K walks keep many loads in flight: BLOCK_N 64 (128 for int4, whose
+    rows are half as wide), K split in up to 8 parts of at least 4 steps of 128."""
+    if columns == 1 and torch.cuda.is_available():
+        tuned = _TUNED.get(torch.cuda.get_device_name(), {}).get(tuned_key(fmt, N, K, rows))
+        if tuned:
+            return tuple(tuned)
+    bn = 128 if fmt == INT4 else 64
+    split = 1
+    while split < 8 and K // STEP // (2 * split) >= 4 and triton.cdiv(N, bn) * columns * split < 8 * 132:
+        split *= 2
+    return bn, split, 4, 2 if fmt == INT4 else 4
+
+
+def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, config=None):
+    """fp32 y [rows, out_features]; `pairs` = (tok, exp) int32 [P] switches to grouped mode (rows = P, one x
+    row each); `config` overrides gemv_config. Split-K writes per-split partials and sums them (deterministic:
+    no atomics)."""
     K = x.shape[1]
     if K % STEP:
         raise ValueError(f"the weight-streaming kernel needs K divisible by {STEP}; got K={K}")
     N = out_features
-    y = torch.empty(rows, N, dtype=torch.float32, device=x.device)
     grouped = pairs is not None
-    bn = _block_n(N, rows if grouped else 1)
+    M = 1 if grouped else rows
+    bn, split, warps, stages = config or gemv_config(fmt, N, K, M, rows if grouped else 1)
+    k_per_split = triton.cdiv(K // STEP, split) * STEP
+    split = triton.cdiv(K, k_per_split)
+    y = torch.empty(split, rows, N, dtype=torch.float32, device=x.device)
     one = scale[0] if grouped and scale is not None else scale  # one expert's scales
     s_stride = one.shape[1] if one is not None and one.dim() == 2 else 1
     w_estride = w.stride(0) if grouped else 0
     s_estride = scale.stride(0) if grouped and scale is not None else 0
     tok, exp = pairs if grouped else (x, x)  # unused pointers outside grouped mode
     scale = w if scale is None else scale  # BF16 reads no scale; any pointer does
-    _gemv_kernel[(triton.cdiv(N, bn), rows if grouped else 1)](
-        x, w, scale, zero if zero is not None else scale, y, tok, exp, 1 if grouped else rows, N, K, s_stride,
-        w_estride, s_estride, FMT=fmt, ACT_FP8=act_fp8, GROUPED=grouped, FP8_LIMIT=FP8_MAX,
-        BLOCK_M=MAX_ROWS, BLOCK_N=bn, BLOCK_K=STEP)
-    return y
+    dot = M > DOT_ROWS
+    _gemv_kernel[(triton.cdiv(N, bn), rows if grouped else 1, split)](
+        x, w, scale, zero if zero is not None else scale, y, tok, exp, M, N, K, s_stride,
+        w_estride, s_estride, k_per_split, FMT=fmt, ACT_FP8=act_fp8, GROUPED=grouped, FP8_LIMIT=FP8_MAX,
+        BLOCK_M=MAX_ROWS if dot else triton.next_power_of_2(M), BLOCK_N=bn, BLOCK_K=STEP, STAGES=stages, DOT=dot,
+        num_warps=warps)
+    return y[0] if split == 1 else y.sum(0)
 
 
 def wq_matmul(x: torch.Tensor, fmt: int, w, scale, zero, act_fp8: bool, out_features: int) -> torch.Tensor:
