@@ -4,19 +4,23 @@ of a MoE layer (each (token, expert) pair multiplies one row by one expert's wei
 gathered copy of the selected experts). Quantized experts (quant/experts.py) use the second; bf16 experts
 keep `model.routed_moe`'s gather-then-einsum until scripts/bench_quant.py --experts shows the kernel faster.
 
-One Triton kernel, four formats (constexpr FMT):
+Two Triton kernels, four formats (constexpr FMT):
   FP8_ROW    w e4m3 [N, K], scale [N]: acc · scale[n] at the end.
   FP8_BLOCK  w e4m3 [N, K], scale_inv [⌈N/128⌉, ⌈K/128⌉]: each 128-column step adds (x·wᵀ) · scale_inv[n/128, k/128];
              with ACT_FP8, x is first rounded per row and 128 columns to e4m3 (the "fp8" scheme's numerics).
   INT4       w uint8 [N, K/2], two codes a byte (low nibble = even column), scale and zero [N, K/128]:
              w = (q − zero) · scale (quant/formats.py).
   BF16       w [N, K] in the model dtype.
-Grouped mode (experts): w, scale, zero carry a leading expert dimension; pair p multiplies row tok[p] of x
-by expert exp[p] into row p of y. A program owns BLOCK_N output columns of all its rows and walks K in steps
-of 128. The dot takes fp32 operands (tf32 on the GPU): at these row counts the kernel is bound by weight
-bytes, not math, and fp32 keeps it within rounding of the torch reference (it also runs in Triton's CPU
-interpreter, where tests/test_gemv.py checks it). `wq_linear` and `expert_gemv` are the registered ops: the
-kernel on CUDA, the torch reference elsewhere.
+`_row_kernel` takes one row of x (batch-1 decode; each (token, expert) pair of the grouped mode): products
+accumulate elementwise in registers, summed over K once at the end. `_gemv_kernel` takes 2 … 16 rows with a
+tensor-core dot per step (fp32 operands, tf32: exact for e4m3 and int4 weights and bf16 activations; the
+kernel is bound by weight bytes, not math). A program owns BLOCK_N output columns and walks its share of K in
+steps of 128; split-K programs write partial sums that one add combines (deterministic, no atomics). Launch
+configs come from gemv_configs.json, measured per GPU by scripts/bench_quant.py --sweep, else from a
+heuristic. Grouped mode (experts): w, scale, zero carry a leading expert dimension; pair p multiplies row
+tok[p] of x by expert exp[p] into row p of y. Both kernels also run in Triton's CPU interpreter, where
+tests/test_gemv.py checks them. `wq_linear` and `expert_gemv` are the registered ops: the kernels on CUDA, the
+torch reference elsewhere.
 """
 
 import json
@@ -50,56 +54,93 @@ STEP = 128  # BLOCK_K: one fp8 scale block or one int4 group per step
 if triton is not None:
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, tok_ptr, exp_ptr, M, N, K, s_stride, w_estride, s_estride,
-                     k_per_split, FMT: tl.constexpr, ACT_FP8: tl.constexpr, GROUPED: tl.constexpr,
-                     FP8_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     STAGES: tl.constexpr, DOT: tl.constexpr):
+    def _pair_pointers(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, tok_ptr, exp_ptr, N, K, w_estride, s_estride):
+        """Grouped mode: move the pointers to pair program_id(1)'s x row, expert and output row."""
+        p = tl.program_id(1)
+        e = tl.load(exp_ptr + p).to(tl.int64)
+        return (x_ptr + tl.load(tok_ptr + p).to(tl.int64) * K, w_ptr + e * w_estride, s_ptr + e * s_estride,
+                z_ptr + e * s_estride, y_ptr + p.to(tl.int64) * N)
+
+    @triton.jit
+    def _row_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, tok_ptr, exp_ptr, N, K, s_stride, w_estride, s_estride,
+                    k_per_split, FMT: tl.constexpr, ACT_FP8: tl.constexpr, GROUPED: tl.constexpr,
+                    FP8_LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACC_K: tl.constexpr,
+                    STAGES: tl.constexpr):
+        """One row of x (decode at batch 1, or one (token, expert) pair): products accumulate elementwise in
+        registers and are summed over K once, at the end (no per-step reduction, no tensor-core layout)."""
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        split = tl.program_id(2)  # split-K: this program sums K columns [split·k_per_split, +k_per_split)
+        y_ptr += split.to(tl.int64) * tl.num_programs(1) * N
+        if GROUPED:
+            x_ptr, w_ptr, s_ptr, z_ptr, y_ptr = _pair_pointers(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, tok_ptr, exp_ptr,
+                                                               N, K, w_estride, s_estride)
+        n_ok = n < N
+        acc = tl.zeros((BLOCK_N, ACC_K), tl.float32)
+        acc_odd = tl.zeros((BLOCK_N, ACC_K), tl.float32)  # int4's odd columns
+        k_end = tl.minimum(K, (split + 1) * k_per_split)
+        for k0 in tl.range(split * k_per_split, k_end, BLOCK_K, num_stages=STAGES):
+            if FMT == 2:  # byte j holds columns 2j (low nibble) and 2j + 1 (high)
+                j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+                j_ok = j < k_end // 2
+                xe = tl.load(x_ptr + 2 * j, mask=j_ok, other=0.0).to(tl.float32)
+                xo = tl.load(x_ptr + 2 * j + 1, mask=j_ok, other=0.0).to(tl.float32)
+                b = tl.load(w_ptr + n[:, None] * (K // 2) + j[None, :], mask=n_ok[:, None] & j_ok[None, :], other=0)
+                g = k0 // BLOCK_K
+                scale = tl.load(s_ptr + n * s_stride + g, mask=n_ok, other=0.0)[:, None]
+                zero = tl.load(z_ptr + n * s_stride + g, mask=n_ok, other=0.0)[:, None]
+                acc += ((b & 0xF).to(tl.float32) - zero) * scale * xe[None, :]
+                acc_odd += ((b >> 4).to(tl.float32) - zero) * scale * xo[None, :]
+            else:
+                k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = k < k_end
+                x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+                if ACT_FP8:
+                    xs = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_LIMIT, 1e-12)
+                    x = (x / xs).to(tl.float8e4nv).to(tl.float32) * xs
+                w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                w = w.to(tl.float32)
+                if FMT == 1:
+                    w = w * tl.load(s_ptr + (n // BLOCK_K) * s_stride + k0 // BLOCK_K, mask=n_ok, other=0.0)[:, None]
+                acc += w * x[None, :]
+        y = tl.sum(acc, axis=1)
+        if FMT == 2:
+            y += tl.sum(acc_odd, axis=1)
+        if FMT == 0:
+            y = y * tl.load(s_ptr + n, mask=n_ok, other=0.0)
+        tl.store(y_ptr + n, y, mask=n_ok)
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, s_stride, k_per_split, FMT: tl.constexpr,
+                     ACT_FP8: tl.constexpr, FP8_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+        """2 … 16 rows of x: a tensor-core dot (fp32 operands, tf32) per 128-column step."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
-        split = tl.program_id(2)  # split-K: this program sums K columns [split·k_per_split, +k_per_split)
-        y_ptr += split.to(tl.int64) * tl.num_programs(1) * M * N
-        if GROUPED:  # one (token, expert) pair per program along axis 1
-            p = tl.program_id(1)
-            x_ptr += tl.load(tok_ptr + p).to(tl.int64) * K
-            e = tl.load(exp_ptr + p).to(tl.int64)
-            w_ptr += e * w_estride
-            s_ptr += e * s_estride
-            z_ptr += e * s_estride
-            y_ptr += p.to(tl.int64) * N
+        split = tl.program_id(2)
+        y_ptr += split.to(tl.int64) * M * N
         n_ok, m_ok = n < N, m < M
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         k_end = tl.minimum(K, (split + 1) * k_per_split)
         for k0 in tl.range(split * k_per_split, k_end, BLOCK_K, num_stages=STAGES):
-            if FMT == 2:  # byte j holds columns 2j (low nibble) and 2j + 1: multiply each half by its own x columns
-                j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-                j_ok = j < k_end // 2
-                xm = m_ok[:, None] & j_ok[None, :]
-                xe = tl.load(x_ptr + m[:, None] * K + 2 * j[None, :], mask=xm, other=0.0).to(tl.float32)
-                xo = tl.load(x_ptr + m[:, None] * K + 2 * j[None, :] + 1, mask=xm, other=0.0).to(tl.float32)
-                b = tl.load(w_ptr + n[:, None] * (K // 2) + j[None, :], mask=n_ok[:, None] & j_ok[None, :], other=0)
-                lo, hi = (b & 0xF).to(tl.float32), (b >> 4).to(tl.float32)
-                if DOT:
-                    part = tl.dot(xe, tl.trans(lo)) + tl.dot(xo, tl.trans(hi))
-                else:
-                    part = tl.sum(xe[:, None, :] * lo[None, :, :] + xo[:, None, :] * hi[None, :, :], axis=2)
-                g = k0 // BLOCK_K  # Σ (q − zero)·scale·x = scale·(Σ q·x − zero·Σ x)
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < k_end
+            x = tl.load(x_ptr + m[:, None] * K + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            x = x.to(tl.float32)
+            if ACT_FP8:
+                xs = tl.maximum(tl.max(tl.abs(x), axis=1) / FP8_LIMIT, 1e-12)
+                x = (x / xs[:, None]).to(tl.float8e4nv).to(tl.float32) * xs[:, None]
+            if FMT == 2:
+                half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+                b = tl.load(w_ptr + n[:, None] * (K // 2) + half[None, :],
+                            mask=n_ok[:, None] & (half < k_end // 2)[None, :], other=0)
+                q = tl.join(b & 0xF, b >> 4).reshape(BLOCK_N, BLOCK_K).to(tl.float32)
+                g = k0 // BLOCK_K
                 scale = tl.load(s_ptr + n * s_stride + g, mask=n_ok, other=0.0)
                 zero = tl.load(z_ptr + n * s_stride + g, mask=n_ok, other=0.0)
-                acc += (part - tl.sum(xe + xo, axis=1)[:, None] * zero[None, :]) * scale[None, :]
+                acc += tl.dot(x, tl.trans((q - zero[:, None]) * scale[:, None]))
             else:
-                k = k0 + tl.arange(0, BLOCK_K)
-                k_ok = k < k_end
-                x = tl.load(x_ptr + m[:, None] * K + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                x = x.to(tl.float32)
-                if ACT_FP8:
-                    xs = tl.maximum(tl.max(tl.abs(x), axis=1) / FP8_LIMIT, 1e-12)
-                    x = (x / xs[:, None]).to(tl.float8e4nv).to(tl.float32) * xs[:, None]
                 w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                w = w.to(tl.float32)
-                if DOT:
-                    part = tl.dot(x, tl.trans(w))
-                else:
-                    part = tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+                part = tl.dot(x, tl.trans(w.to(tl.float32)))
                 if FMT == 1:
                     part = part * tl.load(s_ptr + (n // BLOCK_K) * s_stride + k0 // BLOCK_K, mask=n_ok, other=0.0)[None, :]
                 acc += part
@@ -108,13 +149,12 @@ if triton is not None:
         tl.store(y_ptr + m[:, None] * N + n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
 
 
-DOT_ROWS = 4  # above this many rows the kernel multiplies on tensor cores (tl.dot); at or below, in registers
 _TUNED = json.loads((pathlib.Path(__file__).with_name("gemv_configs.json")).read_text())
 
 
 def tuned_key(fmt: int, N: int, K: int, rows: int) -> str:
     """Key of a launch config in gemv_configs.json: format, shape and row bucket (1, 4 or 16)."""
-    return f"{fmt}:{N}x{K}:M{1 if rows <= 1 else DOT_ROWS if rows <= DOT_ROWS else MAX_ROWS}"
+    return f"{fmt}:{N}x{K}:M{1 if rows <= 1 else 4 if rows <= 4 else MAX_ROWS}"
 
 
 def gemv_config(fmt: int, N: int, K: int, rows: int, columns: int = 1) -> tuple[int, int, int, int]:
@@ -154,12 +194,17 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
     s_estride = scale.stride(0) if grouped and scale is not None else 0
     tok, exp = pairs if grouped else (x, x)  # unused pointers outside grouped mode
     scale = w if scale is None else scale  # BF16 reads no scale; any pointer does
-    dot = M > DOT_ROWS
-    _gemv_kernel[(triton.cdiv(N, bn), rows if grouped else 1, split)](
-        x, w, scale, zero if zero is not None else scale, y, tok, exp, M, N, K, s_stride,
-        w_estride, s_estride, k_per_split, FMT=fmt, ACT_FP8=act_fp8, GROUPED=grouped, FP8_LIMIT=FP8_MAX,
-        BLOCK_M=MAX_ROWS if dot else triton.next_power_of_2(M), BLOCK_N=bn, BLOCK_K=STEP, STAGES=stages, DOT=dot,
-        num_warps=warps)
+    zero = scale if zero is None else zero  # only INT4 reads a zero
+    if M == 1:
+        _row_kernel[(triton.cdiv(N, bn), rows, split)](
+            x, w, scale, zero, y, tok, exp, N, K, s_stride, w_estride, s_estride,
+            k_per_split, FMT=fmt, ACT_FP8=act_fp8, GROUPED=grouped, FP8_LIMIT=FP8_MAX, BLOCK_N=bn, BLOCK_K=STEP,
+            ACC_K=STEP // 2 if fmt == INT4 else STEP, STAGES=stages, num_warps=warps)
+    else:
+        _gemv_kernel[(triton.cdiv(N, bn), 1, split)](
+            x, w, scale, zero, y, M, N, K, s_stride, k_per_split, FMT=fmt,
+            ACT_FP8=act_fp8, FP8_LIMIT=FP8_MAX, BLOCK_M=MAX_ROWS, BLOCK_N=bn, BLOCK_K=STEP, STAGES=stages,
+            num_warps=warps)
     return y[0] if split == 1 else y.sum(0)
 
 
