@@ -169,7 +169,7 @@ def gemv_config(fmt: int, N: int, K: int, rows: int, columns: int = 1) -> tuple[
             return tuple(tuned)
     bn = 128 if fmt == INT4 else 64
     split = 1
-    while split < 8 and K // STEP // (2 * split) >= 4 and triton.cdiv(N, bn) * columns * split < 8 * 132:
+    while split < 8 and K // STEP // (2 * split) >= 4 and -(-N // bn) * columns * split < 8 * 132:
         split *= 2
     return bn, split, 4, 2 if fmt == INT4 else 4
 
