@@ -78,15 +78,15 @@ class Forward:
         return h if features == "final" else torch.cat(taps, dim=-1)
 
     def commit(self, keep: torch.Tensor) -> None:
-        """Accept the first keep[b] (0 ≤ keep ≤ T) positions of the last verified block of each row."""
-        block = torch.arange(self.cache.block, device=keep.device)
-        accepted = (block[None, :] < keep[:, None]).float()[..., None]  # [B, T, 1]
-        for i, kind in enumerate(self.cfg.layer_types):
-            if kind == "linear_attention":
-                conv, state = self.cache.recurrent(i)
-                r = self.cache.replay(i)
-                gdn_replay(r["k"], r["v"], r["g"] * accepted, r["beta"] * accepted, state)
-                commit_window(conv, r["x"], keep)
+        """Accept the first keep[b] (0 ≤ keep ≤ T) positions of the last verified block of each row. Every
+        Gated DeltaNet layer at once: the stacked replay inputs [L, B, T, …] run as one batch of L·B rows."""
+        if self.cache.gdn_index:
+            block = torch.arange(self.cache.block, device=keep.device)
+            accepted = (block[None, :] < keep[:, None]).float()[None, ..., None]  # [1, B, T, 1]
+            r = self.cache.replay()
+            gdn_replay(r["k"].flatten(0, 1), r["v"].flatten(0, 1), (r["g"] * accepted).flatten(0, 1),
+                       (r["beta"] * accepted).flatten(0, 1), self.cache.state.flatten(0, 1))
+            commit_window(self.cache.conv, r["x"], keep)
         self.cache.lengths.add_(keep)
 
     # ----- the stack ----------------------------------------------------------------------------------

@@ -29,11 +29,12 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, up
 
 
 def commit_window(state: torch.Tensor, x: torch.Tensor, keep: torch.Tensor) -> None:
-    """Advance the window past the first keep[b] of the T inputs x [B, T, C] (0 ≤ keep ≤ T), in place.
+    """Advance windows state [..., B, C, W-1] past the first keep[b] of the T inputs x [..., B, T, C]
+    (0 ≤ keep ≤ T), in place; leading dims (stacked layers) share keep.
 
     The new window is the W-1 inputs ending at input keep[b]-1 of cat(state, x); keep 0 leaves it as is.
     """
     width_1 = state.shape[-1]
-    window = torch.cat([state, x.transpose(1, 2).to(state.dtype)], dim=-1)  # [B, C, W-1+T]
+    window = torch.cat([state, x.transpose(-1, -2).to(state.dtype)], dim=-1)  # [..., B, C, W-1+T]
     idx = keep[:, None] + torch.arange(width_1, device=keep.device)  # [B, W-1]
-    state.copy_(window.gather(-1, idx[:, None, :].expand(-1, window.shape[1], -1)))
+    state.copy_(window.gather(-1, idx[:, None, :].expand(*window.shape[:-1], width_1)))

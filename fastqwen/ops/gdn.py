@@ -62,11 +62,13 @@ def gdn_reference(q, k, v, a, b, A_log, dt_bias, state):
     return recurrence(q, k, v, *gates(a, b, A_log, dt_bias), state)
 
 
-def _fla_recurrent(q, k, v, g, beta, state, final_state, gate_in_kernel, A_log=None, dt_bias=None):
+def _fla_recurrent(q, k, v, g, beta, state, final_state, gate_in_kernel, A_log=None, dt_bias=None, block_v=8,
+                   warps=1):
     """fla's fused recurrent kernel, called directly. h0 = state; the final state goes to `final_state`
     (None: not written; `state` itself: in place, safe because each program loads its [K, BV] tile of h0
     before the time loop and stores the same tile at the end). With gate_in_kernel, g and beta are the raw
-    a and b and the kernel applies A_log/dt_bias/softplus and the sigmoid; q and k are l2-normalised inside."""
+    a and b and the kernel applies A_log/dt_bias/softplus and the sigmoid; q and k are l2-normalised inside.
+    A program owns a [K, block_v] tile of one head's state and walks T serially."""
     import triton
     from fla.ops.gated_delta_rule.fused_recurrent import fused_recurrent_gated_delta_rule_fwd_kernel as kernel
 
@@ -74,13 +76,13 @@ def _fla_recurrent(q, k, v, g, beta, state, final_state, gate_in_kernel, A_log=N
     vheads, dv = v.shape[2], v.shape[3]
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     out = _output_like(v)
-    block_v = min(8, triton.next_power_of_2(dv))
+    block_v = min(block_v, triton.next_power_of_2(dv))
     grid = (triton.cdiv(dv, block_v) * batch * vheads,)
     kernel[grid](
         q=q, k=k, v=v, g=g, gk=None, gv=None, beta=beta, A_log=A_log, dt_bias=dt_bias, o=out,
         h0=state, ht=final_state, cu_seqlens=None, scale=dk**-0.5, T=seq, H=heads, HV=vheads, K=dk, V=dv,
         BK=triton.next_power_of_2(dk), BV=block_v, IS_BETA_HEADWISE=True, USE_QK_L2NORM_IN_KERNEL=True,
-        APPLY_BETA_SIGMOID=gate_in_kernel, ALLOW_NEG_EIGVAL=False, STATE_V_FIRST=False, num_warps=1,
+        APPLY_BETA_SIGMOID=gate_in_kernel, ALLOW_NEG_EIGVAL=False, STATE_V_FIRST=False, num_warps=warps,
         num_stages=3,
     )
     return out
@@ -157,9 +159,12 @@ def gdn_replay(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Te
     recurrence(k, k, v, g, beta, state)
 
 
+REPLAY_TILE = (8, 1)  # (block_v, num_warps) of the replay launch; scripts/bench_commit.py --tiles times others
+
+
 @gdn_replay.register_kernel("cuda")
 def _gdn_replay_cuda(k, v, g, beta, state):
-    _fla_recurrent(k, k, v, g, beta, state, state, gate_in_kernel=False)
+    _fla_recurrent(k, k, v, g, beta, state, state, gate_in_kernel=False, block_v=REPLAY_TILE[0], warps=REPLAY_TILE[1])
 
 
 @gdn_replay.register_fake
