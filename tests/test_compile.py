@@ -60,3 +60,20 @@ print("HITS", counters["inductor"]["fxgraph_cache_hit"], "MISSES", counters["ind
     assert misses > 0 and (tmp_path / "artifacts.bin").exists()
     hits, misses = run(tmp_path / "inductor-b")  # an empty local cache: only the artifacts file can help
     assert hits > 0 and misses == 0
+
+
+def test_compiled_speculative_round_matches_eager_decoding():
+    """The speculative round (verify, accept, the stacked-cache commit) compiled into one graph gives the
+    plain eager tokens, and a second call compiles nothing new."""
+    from fastqwen.bench import OracleProposer
+
+    eager = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=128, compile=False)
+    spec = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=128, compile=True)
+    for i, (ids, mask) in enumerate([left_padded([torch.randint(1, 500, (n,)) for n in (9, 30)]),
+                                     left_padded([torch.randint(1, 500, (n,)) for n in (21, 4)])]):
+        expected = eager.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+        spec._fastqwen.enable_speculation(OracleProposer(expected[:, ids.shape[1]:], 0.35, spec.config.vocab_size), 3)
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            got = spec.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+        assert torch.equal(got, expected)
+        assert 1.0 < spec._fastqwen.spec.acceptance_length(2) < 4.0
