@@ -32,8 +32,9 @@ class OracleProposer:
     `inner`, if given, is a real proposer whose draft compute runs every round and whose drafts are discarded,
     so a benchmark pays the real drafting cost.
 
-    impose=True fixes the acceptance itself (see `imposed_acceptance`): each round accepts the drafts before
-    the first miss whatever the target says. The output is then not the target's, but every round does the
+    impose=True fixes the acceptance itself (see `imposed_acceptance`): each round accepts a number of drafts
+    drawn from the same distribution, whatever the target says, by a low-discrepancy sequence rather than
+    random draws, so that a short benchmark's mean lands on τ instead of scattering around it. The output is then not the target's, but every round does the
     work of a real round with that acceptance. Benchmarks need it in bf16 on random weights: there the target's
     near-tied logits make speculative and plain decoding part ways within a few tokens (kernels differ, see
     tests/gpu), after which a precomputed reference would never be accepted again.
@@ -42,6 +43,9 @@ class OracleProposer:
     def __init__(self, reference: torch.Tensor, miss: float, vocab_size: int, inner=None, impose: bool = False):
         self.reference, self.miss, self.vocab_size, self.inner = reference, miss, vocab_size, inner
         self.impose = impose
+        # imposed rounds so far; int64 [1]: torch.compile drops in-place updates of a 0-dim float64 CPU tensor
+        self.rounds = torch.zeros(1, dtype=torch.long, device=reference.device)
+        torch._dynamo.mark_static_address(self.rounds)
 
     @property
     def features(self):
@@ -71,10 +75,17 @@ class OracleProposer:
         return torch.where(wrong, (drafts + 1) % self.vocab_size, drafts), None
 
     def imposed_acceptance(self, logits: torch.Tensor):
-        """(n [B], next [B]) for impose=True: n = drafts before the first miss (each misses independently with
-        probability `miss`), next = the target's greedy token after them. logits [B, k+1, V]."""
-        hit = torch.rand(logits.shape[0], logits.shape[1] - 1, device=logits.device) >= self.miss
-        n = hit.long().cumprod(-1).sum(-1)
+        """(n [B], next [B]) for impose=True; logits [B, k+1, V]. n has the distribution of drafts before the
+        first miss (each missing with probability `miss`): P(n ≥ i) = (1-miss)^i, so n = #{i ≤ k : u < (1-miss)^i}
+        for u uniform in [0, 1). u runs through the Weyl sequence frac(r·φ + b·√2) over rounds r, per row b
+        (equidistributed, so the mean of n over R rounds is within O(log R / R) of its expectation).
+        next = the target's greedy token after the accepted drafts."""
+        B, k = logits.shape[0], logits.shape[1] - 1
+        rows = torch.arange(B, device=logits.device, dtype=torch.float64)
+        u = torch.frac(self.rounds.double() * 0.6180339887498949 + rows * 1.4142135623730951)
+        p_at_least = (1.0 - self.miss) ** torch.arange(1, k + 1, device=logits.device, dtype=torch.float64)
+        n = (u[:, None] < p_at_least[None, :]).sum(-1)
+        self.rounds.add_(1)
         return n, logits.argmax(-1).gather(1, n[:, None])[:, 0]
 
 

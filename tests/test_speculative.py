@@ -221,10 +221,13 @@ def test_streamer_sees_every_token_with_speculation(engines):
     assert streamer.chunks[0] == ids[0].tolist() and sum(streamer.chunks[1:], []) == out[0, 8:].tolist()
 
 
-def test_imposed_acceptance_reaches_the_chosen_tau():
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_imposed_acceptance_reaches_the_chosen_tau(compile):
     """OracleProposer(impose=True), the benchmarks' proposer: every row's mean tokens per round is the τ that
-    miss_for_tau chose (within sampling error), though the drafts are random tokens the target rejects."""
-    spec = fastqwen.optimize(fresh("tiny"), max_batch_size=64, max_seq_len=160, compile=False)
+    miss_for_tau chose, though the drafts are random tokens the target rejects. The imposed counts follow a
+    low-discrepancy sequence, so each row lands within 0.15 of τ (random draws over ~48 rounds would scatter
+    by ±0.16 per row); the last round, cut by max_new_tokens, is most of that slack."""
+    spec = fastqwen.optimize(fresh("tiny"), max_batch_size=64, max_seq_len=160, compile=compile)
     k, tau = 4, 2.5
     drafts_from = torch.randint(1, 500, (64, 140))
     spec._fastqwen.enable_speculation(OracleProposer(drafts_from, miss_for_tau(tau, k), 512, impose=True), k)
@@ -232,4 +235,7 @@ def test_imposed_acceptance_reaches_the_chosen_tau():
     torch.manual_seed(0)
     spec.generate(prompt, max_new_tokens=121, min_new_tokens=121)
     measured = spec._fastqwen.spec.acceptance_length(64)
-    assert abs(measured - tau) < 0.1, f"tau {measured:.3f}, imposed {tau}"
+    assert abs(measured - tau) < 0.03, f"tau {measured:.3f}, imposed {tau}"
+    s = spec._fastqwen.spec
+    per_row = (s.n_out[:64] - 1).double() / s.rounds[:64]
+    assert (per_row - tau).abs().max() < 0.15, f"row taus {per_row.min():.3f} … {per_row.max():.3f}, imposed {tau}"
