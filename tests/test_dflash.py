@@ -138,3 +138,15 @@ def test_compiled_dflash_round_matches_eager(draft_dir):
         with torch._dynamo.config.patch(error_on_recompile=i > 0):
             assert torch.equal(compiled.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False),
                                expected)
+
+
+def test_draft_keeps_fp32_rotary_frequencies_in_a_bf16_model(draft_dir):
+    """A bf16 target casts the draft's weights to bf16, never its rotary frequencies: in bf16 the angle at
+    position p is off by up to ~p/256 rad, which would quietly cost acceptance on a real checkpoint."""
+    from fastqwen.spec.dflash import DFlashDraft, read_dflash_checkpoint
+
+    model = fresh("tiny").to(torch.bfloat16)
+    draft = DFlashDraft(*read_dflash_checkpoint(draft_dir), model)
+    assert draft.fc.weight.dtype == torch.bfloat16
+    want = Qwen3RotaryEmbedding(draft.config).inv_freq
+    assert draft.rotary.inv_freq.dtype == torch.float32 and torch.equal(draft.rotary.inv_freq, want)

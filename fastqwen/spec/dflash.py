@@ -72,8 +72,9 @@ class DFlashDraft(nn.Module):
             self.hidden_norm = Qwen3RMSNorm(H, eps=cfg.rms_norm_eps)
             self.layers = nn.ModuleList([Qwen3DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
             self.norm = Qwen3RMSNorm(H, eps=cfg.rms_norm_eps)
-            self.rotary = Qwen3RotaryEmbedding(cfg)
         self.to(emb.dtype)
+        with torch.device(emb.device):  # after the cast: rotary frequencies stay fp32, as in transformers
+            self.rotary = Qwen3RotaryEmbedding(cfg)  # (in bf16, angles at position p would be off by ~p/256 rad)
         self.config, self.eps = cfg, cfg.rms_norm_eps
         missing, unexpected = self.load_state_dict(tensors, strict=False)
         missing = [m for m in missing if not m.startswith("rotary.")]
