@@ -8,8 +8,12 @@
 #   startup  scripts/bench_startup.py on $STARTUP_MODEL (default 9B): cold vs warm start to first token
 #   profile  scripts/profile_step.py on $PROFILE_MODEL (default 35B-A3B): the decode step's kernels, µs each
 #   attention scripts/bench_attention.py (SDPA over the whole cache vs the split-KV kernel) and its GPU test
-#   qbench   scripts/bench.py on $QMODEL (default 27B): fastqwen bf16 vs quantized ($SCHEME, default fp8-weight)
+#   qbench   scripts/bench.py on $QMODEL (default 27B): fastqwen bf16 vs quantized ($SCHEME, default fp8-weight;
+#            one scheme a process: quantizing is in place)
 #   quality  scripts/quant_quality.py on 27B: per-linear and logit error, top-1 agreement per scheme
+#   commit   scripts/bench_commit.py: the speculative commit, all GDN layers in one launch vs one per layer
+#   sweep-gemv scripts/bench_quant.py --sweep: the weight-streaming kernel's launch configs per 27B/35B-A3B layer
+#            and row bucket, written into fastqwen/ops/gemv_configs.json (copied to $OUT: commit it)
 #   quant    tests/gpu/test_quant_gpu.py, then scripts/bench_quant.py (per-GEMM table, M = 1..16); gemlite is
 #            compared when its wheel is in .whl/ (here: pip download gemlite==0.6.0.post2 --no-deps, then
 #            pip wheel --no-deps -w .whl <the sdist>)
@@ -38,6 +42,10 @@ case "$stage" in
          python scripts/bench_attention.py --json "$out/bench_attention.json" 2>&1 | grep "^|" ;;
   qbench) python scripts/bench.py --models "${QMODEL:-qwen3.5-27b}" --systems fastqwen "fastqwen-${SCHEME:-fp8-weight}" \
            --no-autotune --json "$out/qbench.json" 2>&1 | grep -v "^\[transformers\]" | tail -6 ;;
+  commit) python scripts/bench_commit.py --json "$out/bench_commit.json" 2>&1 | grep "^|" ;;
+  sweep-gemv) python scripts/bench_quant.py --sweep --shapes 27b 35b-a3b --m 1 4 16 \
+           --write-table fastqwen/ops/gemv_configs.json --json "$out/gemv_sweep.json" 2>&1 | grep "^|"
+         cp fastqwen/ops/gemv_configs.json "$out/" ;;
   quality) python scripts/quant_quality.py --json "$out/quant_quality.json" 2>&1 | grep "error" ;;
   quant) python -m pytest -q -p no:warnings tests/gpu/test_quant_gpu.py 2>&1 | tee "$out/quant_tests.log" | tail -5
          python scripts/bench_quant.py --experts --json "$out/bench_quant.json" 2>&1 | grep -E "^\||bandwidth" ;;
