@@ -6,7 +6,7 @@
 #            (default 27B, default inductor + CUDA graphs; SPEC_ARGS adds options, e.g. --batch 2)
 #   sweep    scripts/bench.py fastqwen at batch 1 2 4 8 on $SWEEP_MODEL (default 27B), then the plot
 #   startup  scripts/bench_startup.py on $STARTUP_MODEL (default 9B): cold vs warm start to first token
-#   profile  scripts/profile_step.py on $PROFILE_MODEL (default 35B-A3B): the decode step's kernels, µs each
+#   profile  scripts/profile_step.py on $PROFILE_MODEL (default 35B-A3B): the decode step's kernels, µs each; PROFILE_ARGS="--speculate dflash:15" profiles a round
 #   attention scripts/bench_attention.py (SDPA over the whole cache vs the split-KV kernel) and its GPU test
 #   qbench   scripts/bench.py on $QMODEL (default 27B): fastqwen bf16 vs quantized ($SCHEME, default fp8-weight;
 #            one scheme a process: quantizing is in place)
@@ -36,7 +36,7 @@ case "$stage" in
            ${SWEEP_ARGS:-} --json "$out/sweep_$m.json" 2>&1 | grep -v "^\[transformers\]" | tail -8
          python scripts/plot_bench.py "$out/sweep_$m.json" "$out/sweep_$m.svg" ;;
   startup) python scripts/bench_startup.py --model "${STARTUP_MODEL:-qwen3.5-9b}" --json "$out/startup.json" ;;
-  profile) python scripts/profile_step.py --model "${PROFILE_MODEL:-qwen3.5-35b-a3b}" --no-autotune \
+  profile) python scripts/profile_step.py --model "${PROFILE_MODEL:-qwen3.5-35b-a3b}" --no-autotune ${PROFILE_ARGS:-} \
            --json "$out/profile.json" 2>&1 | grep -E "^\||µs" ;;
   attention) python -m pytest -q -p no:warnings tests/gpu/test_attention_gpu.py 2>&1 | tail -3
          python scripts/bench_attention.py --json "$out/bench_attention.json" 2>&1 | grep "^|" ;;

@@ -8,6 +8,11 @@ device time per step (name, launches per step, µs per step, share), the number 
 and the step's device time against the roofline of its bytes (fastqwen.bench.step_bytes ÷ copy bandwidth).
 A step far above its roofline with many short kernels is launch-bound; a few long kernels far below the
 bandwidth are the ones to rewrite. With --json the table is also written as JSON.
+
+    python scripts/profile_step.py --model qwen3.5-27b --no-autotune --speculate dflash:15
+
+profiles one speculative round instead (proposer:k, mtp or dflash, with a random draft of the real shape as
+scripts/bench_spec.py builds it): draft, verify, acceptance and commit, kernel by kernel.
 """
 
 import argparse
@@ -33,23 +38,36 @@ def main():
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--no-autotune", action="store_true")
+    p.add_argument("--speculate", metavar="PROPOSER:K", help="profile a speculative round: mtp:3, dflash:15, …")
     p.add_argument("--json", type=pathlib.Path)
     args = p.parse_args()
     device = "cuda" if cuda else "cpu"
-    model = presets.build(args.model, dtype=torch.bfloat16 if cuda else torch.float32, device=device)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    model = presets.build(args.model, dtype=dtype, device=device)
     opts = {"triton.cudagraphs": True} if args.no_autotune and cuda else None
     fastqwen.optimize(model, max_batch_size=args.batch_size, max_seq_len=args.prompt_len + 64, compile_options=opts)
     e = model._fastqwen
-    e.warmup()
+    step, what = e._greedy_step, "step"
+    if args.speculate:
+        from bench_spec import real_proposer  # scripts/ is on the path of a script run from it
+
+        name, k = args.speculate.split(":")
+        oracle = bench.OracleProposer(torch.zeros(args.batch_size, 64, dtype=torch.long, device=device), 0.5,
+                                      model.config.vocab_size, impose=True)
+        e.enable_speculation(oracle, int(k))
+        oracle.inner = real_proposer(name, model, e, args.model, dtype)
+        step, what = e.spec.greedy_round, f"{args.speculate} round"
+    else:
+        e.warmup()
     ids = torch.randint(model.config.vocab_size, (args.batch_size, args.prompt_len), device=device)
     model.generate(ids, max_new_tokens=8)  # cache rows at the prompt length; then every row is done
     e.state["done"].fill_(True)  # steps compute every row and advance none
     for _ in range(3):
-        e._greedy_step()
+        step()
     activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
     with profile(activities=[activity]) as prof:
         for _ in range(args.steps):
-            e._greedy_step()
+            step()
         if cuda:
             torch.cuda.synchronize()
     per_kernel = collections.defaultdict(lambda: [0, 0.0])  # name -> [launches, µs]
@@ -64,13 +82,14 @@ def main():
     roof_us = nbytes / bench.copy_bandwidth(device) * 1e6
     rows = sorted(((name, n / args.steps, us / args.steps) for name, (n, us) in per_kernel.items()),
                   key=lambda r: -r[2])
-    print(f"{args.model}, batch {args.batch_size}, context {args.prompt_len}: {step_us:.0f} µs of kernels per step, "
-          f"{launches:.0f} launches, roofline {roof_us:.0f} µs ({nbytes / 1e9:.2f} GB) -> {roof_us / step_us:.0%}")
-    print("| kernel | launches / step | µs / step | share |\n|---|---|---|---|")
+    print(f"{args.model}, batch {args.batch_size}, context {args.prompt_len}: {step_us:.0f} µs of kernels per {what}, "
+          f"{launches:.0f} launches; a decode step's roofline {roof_us:.0f} µs ({nbytes / 1e9:.2f} GB)"
+          + ("" if args.speculate else f" -> {roof_us / step_us:.0%}"))
+    print(f"| kernel | launches / {what} | µs / {what} | share |\n|---|---|---|---|")
     for name, n, us in rows[: args.top]:
         print(f"| {name[:90]} | {n:.0f} | {us:.1f} | {us / step_us:.1%} |")
     if args.json:
-        args.json.write_text(json.dumps({"model": args.model, "batch_size": args.batch_size,
+        args.json.write_text(json.dumps({"model": args.model, "batch_size": args.batch_size, "what": what,
                                          "prompt_len": args.prompt_len, "step_us": step_us, "launches": launches,
                                          "roofline_us": roof_us, "kernels": rows}, indent=1))
 
