@@ -13,8 +13,8 @@ Two Triton kernels, four formats (constexpr FMT):
   BF16       w [N, K] in the model dtype.
 `_row_kernel` takes one row of x (batch-1 decode; each (token, expert) pair of the grouped mode): products
 accumulate elementwise in registers, summed over K once at the end. `_gemv_kernel` takes 2 … 16 rows with a
-tensor-core dot per step (fp32 operands, tf32: exact for e4m3 and int4 weights and bf16 activations; the
-kernel is bound by weight bytes, not math). A program owns BLOCK_N output columns and walks its share of K in
+tensor-core dot per step (fp32 operands, tf32: exact for e4m3 weights and bf16 activations, int4's
+dequantized weights round to 2⁻¹¹ relative; the kernel is bound by weight bytes, not math). A program owns BLOCK_N output columns and walks its share of K in
 steps of 128; split-K programs write partial sums that one add combines (deterministic, no atomics). Launch
 configs come from gemv_configs.json, measured per GPU by scripts/bench_quant.py --sweep, else from a
 heuristic. Grouped mode (experts): w, scale, zero carry a leading expert dimension; pair p multiplies row
