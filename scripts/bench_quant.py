@@ -153,6 +153,7 @@ def main():
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--experts", action="store_true", help="also the 35B-A3B routed experts")
+    p.add_argument("--only", help="time only candidates whose name contains this (e.g. 'expert_gemv', 'fastqwen')")
     p.add_argument("--sweep", action="store_true", help="only time the kernel's launch configs per layer and M")
     p.add_argument("--write-table", type=pathlib.Path, help="with --sweep: merge the best configs into this file "
                    "(fastqwen/ops/gemv_configs.json is the one the library reads)")
@@ -175,6 +176,8 @@ def main():
                  for part, N, K in (("gate_up", 1024, 2048), ("down", 2048, 512))]
     for model, layer, N, K, make in jobs:
         for name, c in make().items():
+            if args.only and args.only not in name and not (args.only == "fastqwen" and name == "bf16"):
+                continue
             row = {"model": model, "layer": layer, "N": N, "K": K, "candidate": name}
             if isinstance(c, str):
                 row["error"] = c

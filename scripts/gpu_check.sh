@@ -14,7 +14,8 @@
 #   commit   scripts/bench_commit.py: the speculative commit, all GDN layers in one launch vs one per layer
 #   sweep-gemv scripts/bench_quant.py --sweep: the weight-streaming kernel's launch configs per 27B/35B-A3B layer
 #            and row bucket, written into fastqwen/ops/gemv_configs.json (copied to $OUT: commit it)
-#   quant    tests/gpu/test_quant_gpu.py, then scripts/bench_quant.py (per-GEMM table, M = 1..16); gemlite is
+#   quant    tests/gpu/test_quant_gpu.py, then scripts/bench_quant.py (per-GEMM table, M = 1..16; QUANT_ARGS, e.g.
+#            "--only fastqwen" skips torchao and gemlite, measured on 2026-11-30); gemlite is
 #            compared when its wheel is in .whl/ (here: pip download gemlite==0.6.0.post2 --no-deps, then
 #            pip wheel --no-deps -w .whl <the sdist>)
 # Prefix with the wheel install line from README (fla and torchao are not on the machine).
@@ -48,6 +49,6 @@ case "$stage" in
          cp fastqwen/ops/gemv_configs.json "$out/" ;;
   quality) python scripts/quant_quality.py --json "$out/quant_quality.json" 2>&1 | grep "error" ;;
   quant) python -m pytest -q -p no:warnings tests/gpu/test_quant_gpu.py 2>&1 | tee "$out/quant_tests.log" | tail -5
-         python scripts/bench_quant.py --experts --json "$out/bench_quant.json" 2>&1 | grep -E "^\||bandwidth" ;;
+         python scripts/bench_quant.py --experts ${QUANT_ARGS:-} --json "$out/bench_quant.json" 2>&1 | grep -E "^\||bandwidth" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
