@@ -21,7 +21,7 @@ SPECULATE = ("mtp", "dflash")
 def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile: bool = True,
              compile_options: dict | None = None, speculate: str | None = None, num_speculative_tokens: int = 3,
              draft=None, block_size: int | None = None, quant: str | None = None, quant_group_size: int = 128,
-             quant_lm_head: bool = False, draft_lm_head: str | None = None, compile_cache=None):
+             quant_lm_head: bool = False, draft_lm_head: str | None = None, draft_vocab=None, compile_cache=None):
     """Make `model.generate` run on fastqwen's static hybrid cache and compiled decode step.
 
     model: a transformers Qwen3.5 / Qwen3.6 model (dense or MoE; CausalLM or ConditionalGeneration, text-only
@@ -32,6 +32,9 @@ def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile
     draft_lm_head: with speculate, draft through a copy of lm_head quantized in this scheme ("fp8-weight",
     "fp8" or "int4"): each draft step reads a quarter to half of the bytes of the 248k-row lm_head, the
     output stays exact (the target verifies with its own lm_head), acceptance may drop slightly.
+    draft_vocab: with speculate, draft over a subset of the vocabulary only: an int N (token ids 0 … N−1) or
+    the token ids themselves (e.g. a corpus's most frequent); each draft step reads N of the lm_head's rows.
+    Exact output as well (spec/draft_head.py); acceptance drops where the target's token is outside the subset.
     Returns the same model object; its weights and module tree are untouched, and the original generate
     stays reachable as `type(model).generate(model, ...)`.
     """
@@ -57,11 +60,12 @@ def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile
             raise ImportError("fastqwen on CUDA needs flash-linear-attention: pip install flash-linear-attention") from err
     if speculate is not None and speculate not in SPECULATE:
         raise ValueError(f"unknown speculate={speculate!r}; supported: None, {', '.join(map(repr, SPECULATE))}")
+    for name, value in (("draft_lm_head", draft_lm_head), ("draft_vocab", draft_vocab)):
+        if value is not None and speculate is None:
+            raise ValueError(f"{name} only applies to speculative decoding; pass speculate='mtp' or 'dflash'")
     if draft_lm_head is not None:
         from .quant import SCHEMES
 
-        if speculate is None:
-            raise ValueError("draft_lm_head only applies to speculative decoding; pass speculate='mtp' or 'dflash'")
         if draft_lm_head not in SCHEMES:
             raise ValueError(f"unknown draft_lm_head={draft_lm_head!r}; supported: {', '.join(SCHEMES)}")
     if quant is not None:
@@ -91,19 +95,14 @@ def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile
                              f"got {block!r}")
         k = block - 1
         proposer_for = lambda engine, lm_head: DFlashProposer(engine, dflash, lm_head)  # noqa: E731
+    if proposer_for is not None:
+        from .spec.draft_head import draft_head
+
+        lm_head = draft_head(model.lm_head, draft_vocab, draft_lm_head, quant_group_size)  # None: the target's
     model.eval()
     model._fastqwen = Engine(model, max_batch_size=max_batch_size, max_seq_len=max_seq_len, compile=compile,
                              compile_options=compile_options, compile_cache=compile_cache)
     if proposer_for is not None:
-        lm_head = None  # the target's own
-        if draft_lm_head is not None and isinstance(model.lm_head, torch.nn.Linear):  # (not already quantized)
-            from .quant import QuantLinear
-
-            if draft_lm_head == "int4" and model.lm_head.in_features % quant_group_size:
-                raise ValueError(f"draft_lm_head='int4' needs the hidden size ({model.lm_head.in_features}) "
-                                 f"divisible by quant_group_size={quant_group_size}")
-            with torch.no_grad():
-                lm_head = QuantLinear.from_linear(model.lm_head, draft_lm_head, quant_group_size)
         model._fastqwen.enable_speculation(proposer_for(model._fastqwen, lm_head), k)
     model.generate = model._fastqwen.generate
     return model

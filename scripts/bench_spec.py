@@ -25,8 +25,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import fastqwen  # noqa: E402
 from fastqwen import bench, presets  # noqa: E402
 from fastqwen.bench import OracleProposer, miss_for_tau  # noqa: E402
-from fastqwen.quant import QuantLinear  # noqa: E402
 from fastqwen.spec.dflash import DFlashDraft, DFlashProposer  # noqa: E402
+from fastqwen.spec.draft_head import draft_head  # noqa: E402
 from fastqwen.spec.mtp import MTPHead, MTPProposer  # noqa: E402
 
 
@@ -95,6 +95,7 @@ def main():
     p.add_argument("--quant", choices=["fp8-weight", "fp8", "int4"], help="quantize the target (optimize's quant)")
     p.add_argument("--draft-lm-head", choices=["fp8-weight", "fp8", "int4"],
                    help="draft through a quantized copy of lm_head (optimize's draft_lm_head)")
+    p.add_argument("--draft-vocab", type=int, help="draft over token ids 0 … N−1 only (optimize's draft_vocab)")
     p.add_argument("--no-phases", action="store_true", help="skip the per-run draft / verify / commit timings")
     p.add_argument("--no-autotune", action="store_true")
     p.add_argument("--json", type=pathlib.Path)
@@ -137,16 +138,13 @@ def main():
         costs = phase_costs(e, args.verify_block - 1)
         res[f"verify{args.verify_block}"] = {**costs, "verify_over_decode": costs["verify_s"] / res["decode_s"],
                                              "commit_over_decode": costs["commit_s"] / res["decode_s"]}
-    draft_head = None
-    if args.draft_lm_head and isinstance(model.lm_head, torch.nn.Linear):
-        with torch.no_grad():
-            draft_head = QuantLinear.from_linear(model.lm_head, args.draft_lm_head)
-        res["draft_lm_head"] = args.draft_lm_head
+    head = draft_head(model.lm_head, args.draft_vocab, args.draft_lm_head)  # None: the target's own
+    res["draft_lm_head"], res["draft_vocab"] = args.draft_lm_head, args.draft_vocab
     for name, k, tau in runs:
         say(f"{name} k={k} at tau={tau}: compiling and measuring")
         oracle = OracleProposer(reference, miss_for_tau(tau, k), model.config.vocab_size, impose=True)
         e.enable_speculation(oracle, k)
-        oracle.inner = real_proposer(name, model, e, args.model, dtype, draft_head)
+        oracle.inner = real_proposer(name, model, e, args.model, dtype, head)
         r = {"k": k, "tau": tau}
         r["tok_s"] = args.batch * bench.decode_tok_per_s(model.generate, ids, args.n_short, args.n_long)
         r["measured_tau"] = e.spec.acceptance_length(args.batch)
