@@ -19,7 +19,11 @@ import torch
 from . import presets
 
 QUANT_SYSTEMS = ("fastqwen-fp8-weight", "fastqwen-fp8", "fastqwen-int4")  # optimize(quant=...) after bf16
-SYSTEMS = ("hf-eager", "hf-static-compile", "fastqwen") + QUANT_SYSTEMS
+# fastqwen with an alternative kernel (optimize's `kernels`), measured against the default on the same model
+CANDIDATE_SYSTEMS = {"fastqwen+split-attention": {"attention": "split"},
+                     "fastqwen+grouped-experts": {"experts": "grouped"}}
+DEFAULT_SYSTEMS = ("hf-eager", "hf-static-compile", "fastqwen")  # the others are asked for by name
+SYSTEMS = DEFAULT_SYSTEMS + tuple(CANDIDATE_SYSTEMS) + QUANT_SYSTEMS
 
 
 class OracleProposer:
@@ -320,7 +324,7 @@ def run(
     name: str,
     *,
     model: torch.nn.Module | None = None,
-    systems: tuple[str, ...] = SYSTEMS,
+    systems: tuple[str, ...] = DEFAULT_SYSTEMS,
     batch_size: int = 1,
     prompt_len: int = 512,
     n_short: int = 32,
@@ -372,10 +376,11 @@ def run(
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(vocab, (batch_size, prompt_len), generator=gen).to(device)
 
-    def fastqwen_setup(quant=None) -> Callable:
+    def fastqwen_setup(quant=None, kernels=None) -> Callable:
         """Optimize in place (quantizing first if asked) and compile the graphs; returns ``model.generate``."""
         optimized = fastqwen.optimize(model, max_batch_size=batch_size, max_seq_len=prompt_len + n_long + 64,
-                                      compile=compile, compile_options=compile_options, quant=quant)
+                                      compile=compile, compile_options=compile_options, quant=quant,
+                                      kernels=kernels)
         optimized._fastqwen.warmup(progress=progress)
         return optimized.generate
 
@@ -389,6 +394,13 @@ def run(
             f"{label} hf-static-compile", model, ids, (n_short, n_long), say)
     if "fastqwen" in systems:
         res["systems"]["fastqwen"] = _measure(f"{label} fastqwen", fastqwen_setup, ids, (n_short, n_long), say)
+    for system, kernels in CANDIDATE_SYSTEMS.items():
+        if system in systems:
+            torch._dynamo.reset()
+            res["systems"][system] = _measure(f"{label} {system}", lambda k=kernels: fastqwen_setup(kernels=k), ids,
+                                              (n_short, n_long), say)
+            base, tok_s = res["systems"].get("fastqwen", {}).get("tok_s"), res["systems"][system].get("tok_s")
+            res[f"{system}_vs_fastqwen"] = tok_s / base if tok_s and base else None
     for system in quant:  # last: it quantizes the model in place
         torch._dynamo.reset()
         scheme = system.removeprefix("fastqwen-")
@@ -429,12 +441,25 @@ def _quant_cell(r: dict) -> str:
     return "—"
 
 
+def _candidate_cell(r: dict) -> str:
+    """"name tok/s (ratio×)" of each alternative-kernel system a run measured, or an em dash."""
+    cells = []
+    for system in CANDIDATE_SYSTEMS:
+        out = r.get("systems", {}).get(system)
+        if out is not None:
+            name = system.removeprefix("fastqwen+")
+            ratio = r.get(f"{system}_vs_fastqwen")
+            cells.append(f"{name}: error" if "error" in out else
+                         f"{name} {out['tok_s']:.1f}" + (f" ({ratio:.2f}×)" if ratio else ""))
+    return "; ".join(cells) or "—"
+
+
 def format_table(results: list[dict]) -> str:
     """Markdown table of ``run`` results: decode tok/s per sequence (and fastqwen's total over the batch),
     roofline tok/s per sequence, ratios, seconds. A result with a top-level ``error`` shows "error" in every
     speed column."""
     head = ["model", "batch", "prompt", "hf-eager tok/s", "hf-static-compile tok/s", "fastqwen tok/s",
-            "fastqwen total tok/s", "quantized tok/s (× bf16)", "roofline tok/s", "fastqwen / hf-static", "fastqwen / roofline",
+            "fastqwen total tok/s", "alternative kernels tok/s (× fastqwen)", "quantized tok/s (× bf16)", "roofline tok/s", "fastqwen / hf-static", "fastqwen / roofline",
             "hf-static first call s", "fastqwen optimize+warm-up s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
@@ -447,7 +472,7 @@ def format_table(results: list[dict]) -> str:
         fq = s.get("fastqwen", {}).get("tok_s")
         row = [r["model"], str(r.get("batch_size", "")), str(r.get("prompt_len", "")), speed("hf-eager"),
                speed("hf-static-compile"), speed("fastqwen"),
-               _cell(fq * r["batch_size"] if fq else None, ".1f"), _quant_cell(r),
+               _cell(fq * r["batch_size"] if fq else None, ".1f"), _candidate_cell(r), _quant_cell(r),
                _cell(r.get("roofline_tok_s"), ".1f"),
                _cell(r.get("fastqwen_vs_hf_static"), ".2f"), _cell(r.get("fastqwen_vs_roofline"), ".0%"),
                _cell(s.get("hf-static-compile", {}).get("first_call_s"), ".0f"),

@@ -51,7 +51,7 @@ class Engine:
     """Owns the cache, the forward and the compiled decode steps of one optimized model."""
 
     def __init__(self, model, *, max_batch_size: int, max_seq_len: int, compile: bool, compile_options=None,
-                 compile_cache=None):
+                 compile_cache=None, kernels=None):
         self.model = model
         embed = model.get_input_embeddings().weight
         self.device, self.dtype = embed.device, embed.dtype
@@ -60,7 +60,7 @@ class Engine:
         self.cache = HybridCache(
             model.config.get_text_config(), max_batch_size, max_seq_len, self.dtype, self.device
         )
-        self.forward = Forward(model, self.cache)
+        self.forward = Forward(model, self.cache, kernels)
         B, dev = max_batch_size, self.device
         self.state = {
             "tokens": torch.zeros(B, dtype=torch.long, device=dev),  # last token of each row, not yet cached

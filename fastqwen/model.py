@@ -15,6 +15,8 @@ import torch.nn.functional as F
 
 from .cache import HybridCache
 from .ops.attention import apply_rope, attend_cache, attend_causal, rope_cos_sin, write_kv
+from .ops.decode_attention import attend_cache_split_op
+from .ops.gemv import BF16, expert_gemv
 from .ops.conv import causal_conv1d, commit_window
 from .ops.gdn import gates, gdn_chunk, gdn_recurrent, gdn_replay, gdn_verify
 from .ops.norm import gated_rms_norm, rms_norm
@@ -28,8 +30,36 @@ def text_model(model):
     return getattr(inner, "language_model", inner)
 
 
+KERNELS = {"attention": ("sdpa", "split"), "experts": ("gather", "grouped")}  # first: the default
+
+
+def check_kernels(kernels: dict | None, cfg, device) -> dict:
+    """The kernel choice of each op, defaults filled in: optimize's `kernels` option. "attention": decode
+    attention over the cache by SDPA with a mask over all max_seq_len keys ("sdpa") or by the split-KV kernel
+    that reads only the keys in use ("split", ops/decode_attention.py); "experts": a MoE model's routed experts
+    at decode gathered then multiplied ("gather") or read in place by the grouped kernel ("grouped",
+    ops/gemv.py; off CUDA both run their torch references). The defaults are the ones measured fastest so far
+    (docs/BENCHMARKS.md)."""
+    kernels = dict(kernels or {})
+    unknown = set(kernels) - set(KERNELS)
+    if unknown:
+        raise ValueError(f"unknown kernels {sorted(unknown)}; choose from {sorted(KERNELS)}")
+    for op, choices in KERNELS.items():
+        kernels.setdefault(op, choices[0])
+        if kernels[op] not in choices:
+            raise ValueError(f"kernels[{op!r}]={kernels[op]!r}; choose from {', '.join(choices)}")
+    if kernels["experts"] == "grouped":
+        inter = getattr(cfg, "moe_intermediate_size", None)
+        if inter is None:
+            raise ValueError("kernels['experts']='grouped' applies to MoE models only")
+        if torch.device(device).type == "cuda" and (cfg.hidden_size % 128 or inter % 128):
+            raise ValueError(f"kernels['experts']='grouped' needs hidden size ({cfg.hidden_size}) and expert "
+                             f"intermediate size ({inter}) divisible by 128")
+    return kernels
+
+
 class Forward:
-    def __init__(self, model, cache: HybridCache):
+    def __init__(self, model, cache: HybridCache, kernels: dict | None = None):
         text = text_model(model)
         self.cfg = text.config
         self.embed, self.layers, self.norm, self.lm_head = text.embed_tokens, text.layers, text.norm, model.lm_head
@@ -37,6 +67,7 @@ class Forward:
         self.rope_scaling = float(getattr(text.rotary_emb, "attention_scaling", 1.0))
         self.eps = self.cfg.rms_norm_eps
         self.cache = cache
+        self.kernels = check_kernels(kernels, self.cfg, cache.lengths.device)
 
     # ----- entry points -------------------------------------------------------------------------------
     def prefill(self, first_row: int, tokens: torch.Tensor, features=None):
@@ -150,6 +181,8 @@ class Forward:
         write_kv(k_cache, v_cache, k, v, positions)
         if mode == "prefill":
             o = attend_causal(q, k, v, m.scaling)
+        elif self.kernels["attention"] == "split":
+            o = attend_cache_split_op(q, k_cache, v_cache, positions, m.scaling)
         else:
             o = attend_cache(q, k_cache, v_cache, positions, m.scaling)
         o = o.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate.reshape(B, T, -1))
@@ -158,13 +191,14 @@ class Forward:
     def _mlp(self, mlp, h, mode):
         if not hasattr(mlp, "experts") or mode == "prefill":
             return mlp(h)  # dense MLP; for MoE prefill transformers' own grouped expert loop
-        return routed_moe(mlp, h)
+        return routed_moe(mlp, h, grouped=self.kernels["experts"] == "grouped")
 
 
-def routed_moe(mlp, h: torch.Tensor) -> torch.Tensor:
-    """Sparse MoE block for few tokens: run only each token's top-k experts (gathered), plus the shared expert.
+def routed_moe(mlp, h: torch.Tensor, grouped: bool = False) -> torch.Tensor:
+    """Sparse MoE block for few tokens: run only each token's top-k experts, plus the shared expert.
 
-    h [B, T, H]. Same routing as transformers: softmax over all experts in fp32, top-k, renormalise.
+    h [B, T, H]. Same routing as transformers: softmax over all experts in fp32, top-k, renormalise. bf16
+    experts are gathered then multiplied, or with `grouped` read in place by ops/gemv.py's grouped kernel.
     """
     shape = h.shape
     x = h.reshape(-1, shape[-1])
@@ -174,6 +208,17 @@ def routed_moe(mlp, h: torch.Tensor) -> torch.Tensor:
     weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
     if hasattr(mlp.experts, "routed"):  # quantized experts (quant/experts.py) read only the selected ones
         out = mlp.experts.routed(x, experts)
+    elif grouped:
+        e = mlp.experts
+        N, k = experts.shape
+        pair_expert = experts.flatten().int()
+        tok = torch.arange(N, device=x.device, dtype=torch.int32).repeat_interleave(k)
+        gate, up = expert_gemv(x, tok, pair_expert, BF16, e.gate_up_proj, None, None,
+                               e.gate_up_proj.shape[1]).chunk(2, dim=-1)
+        act = (e.act_fn(gate) * up).to(x.dtype)  # [N·k, I]
+        pairs = torch.arange(N * k, device=x.device, dtype=torch.int32)
+        out = expert_gemv(act, pairs, pair_expert, BF16, e.down_proj, None, None, e.down_proj.shape[1])
+        out = out.view(N, k, -1).to(x.dtype)
     else:
         gate_up = mlp.experts.gate_up_proj[experts]  # [N, k, 2I, H]
         gate, up = torch.einsum("nh,nkoh->nko", x, gate_up).chunk(2, dim=-1)

@@ -9,6 +9,7 @@ from transformers import (
 )
 
 from .generate import Engine, check_num_speculative_tokens
+from .model import check_kernels
 
 SUPPORTED = (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5ForConditionalGeneration,
              Qwen3_5MoeForConditionalGeneration)
@@ -21,7 +22,8 @@ SPECULATE = ("mtp", "dflash")
 def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile: bool = True,
              compile_options: dict | None = None, speculate: str | None = None, num_speculative_tokens: int = 3,
              draft=None, block_size: int | None = None, quant: str | None = None, quant_group_size: int = 128,
-             quant_lm_head: bool = False, draft_lm_head: str | None = None, draft_vocab=None, compile_cache=None):
+             quant_lm_head: bool = False, draft_lm_head: str | None = None, draft_vocab=None, compile_cache=None,
+             kernels: dict | None = None):
     """Make `model.generate` run on fastqwen's static hybrid cache and compiled decode step.
 
     model: a transformers Qwen3.5 / Qwen3.6 model (dense or MoE; CausalLM or ConditionalGeneration, text-only
@@ -35,6 +37,8 @@ def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile
     draft_vocab: with speculate, draft over a subset of the vocabulary only: an int N (token ids 0 … N−1) or
     the token ids themselves (e.g. a corpus's most frequent); each draft step reads N of the lm_head's rows.
     Exact output as well (spec/draft_head.py); acceptance drops where the target's token is outside the subset.
+    kernels: the kernel of each op whose alternatives are still being measured, e.g. {"attention": "split",
+    "experts": "grouped"} (model.check_kernels lists them; the defaults are the measured fastest).
     Returns the same model object; its weights and module tree are untouched, and the original generate
     stays reachable as `type(model).generate(model, ...)`.
     """
@@ -58,6 +62,7 @@ def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile
             import fla.ops.gated_delta_rule  # noqa: F401
         except ImportError as err:
             raise ImportError("fastqwen on CUDA needs flash-linear-attention: pip install flash-linear-attention") from err
+    check_kernels(kernels, model.config.get_text_config(), device)
     if speculate is not None and speculate not in SPECULATE:
         raise ValueError(f"unknown speculate={speculate!r}; supported: None, {', '.join(map(repr, SPECULATE))}")
     for name, value in (("draft_lm_head", draft_lm_head), ("draft_vocab", draft_vocab)):
@@ -101,7 +106,7 @@ def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile
         lm_head = draft_head(model.lm_head, draft_vocab, draft_lm_head, quant_group_size)  # None: the target's
     model.eval()
     model._fastqwen = Engine(model, max_batch_size=max_batch_size, max_seq_len=max_seq_len, compile=compile,
-                             compile_options=compile_options, compile_cache=compile_cache)
+                             compile_options=compile_options, compile_cache=compile_cache, kernels=kernels)
     if proposer_for is not None:
         model._fastqwen.enable_speculation(proposer_for(model._fastqwen, lm_head), k)
     model.generate = model._fastqwen.generate

@@ -3,6 +3,7 @@
     python scripts/bench.py --models qwen3.5-9b qwen3.5-27b --batch-size 1 --prompt-len 512 --json docs/bench.json
     python scripts/bench.py --models qwen3.5-27b --systems fastqwen --batch-size 1 2 4 8 --prompt-len 512 32768
     python scripts/bench.py --models qwen3.5-27b --systems fastqwen fastqwen-fp8-weight   # quantized vs bf16
+    python scripts/bench.py --models qwen3.5-35b-a3b --systems fastqwen fastqwen+grouped-experts   # a candidate kernel
 
 Every (model, batch size, prompt length) is one row, all rows of a model on one model object. Prints progress
 lines, then a markdown table; writes results and environment to ``--json`` (and ``--out-dir``) after every
@@ -40,7 +41,9 @@ def parse_args() -> argparse.Namespace:
     """Command-line options; defaults depend on whether CUDA is available."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=DEFAULTS["models"], help="preset names (fastqwen.presets)")
-    p.add_argument("--systems", nargs="+", default=list(bench.SYSTEMS), choices=bench.SYSTEMS)
+    p.add_argument("--systems", nargs="+", default=list(bench.DEFAULT_SYSTEMS), choices=bench.SYSTEMS,
+                   help="default: HF eager, HF static cache + compile, fastqwen; also fastqwen with an alternative "
+                        "kernel (fastqwen+…) or quantized (fastqwen-…, one scheme a process)")
     p.add_argument("--batch-size", type=int, nargs="+", default=[1], help="rows per generate (a sweep if several)")
     p.add_argument("--prompt-len", type=int, nargs="+", default=[DEFAULTS["prompt_len"]],
                    help="prompt tokens per row, i.e. the context decoding starts from (a sweep if several)")

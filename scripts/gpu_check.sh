@@ -11,6 +11,9 @@
 #   qbench   scripts/bench.py on $QMODEL (default 27B): fastqwen bf16 vs quantized ($SCHEME, default fp8-weight;
 #            one scheme a process: quantizing is in place)
 #   quality  scripts/quant_quality.py on 27B: per-linear and logit error, top-1 agreement per scheme
+#   candidates scripts/bench.py: fastqwen vs fastqwen with an alternative kernel in one process, on $CAND_MODEL
+#            (default 35B-A3B) with $CAND_SYSTEMS (default fastqwen+grouped-experts) and $CAND_ARGS (e.g.
+#            CAND_MODEL=qwen3.5-27b CAND_SYSTEMS=fastqwen+split-attention CAND_ARGS="--prompt-len 32768")
 #   commit   scripts/bench_commit.py: the speculative commit, all GDN layers in one launch vs one per layer
 #   sweep-gemv scripts/bench_quant.py --sweep: the weight-streaming kernel's launch configs per 27B/35B-A3B layer
 #            and row bucket, written into fastqwen/ops/gemv_configs.json (copied to $OUT: commit it)
@@ -43,6 +46,9 @@ case "$stage" in
          python scripts/bench_attention.py --json "$out/bench_attention.json" 2>&1 | grep "^|" ;;
   qbench) python scripts/bench.py --models "${QMODEL:-qwen3.5-27b}" --systems fastqwen "fastqwen-${SCHEME:-fp8-weight}" \
            --no-autotune --json "$out/qbench.json" 2>&1 | grep -v "^\[transformers\]" | tail -6 ;;
+  candidates) python scripts/bench.py --models "${CAND_MODEL:-qwen3.5-35b-a3b}" --systems fastqwen \
+           ${CAND_SYSTEMS:-fastqwen+grouped-experts} --no-autotune ${CAND_ARGS:-} --json "$out/candidates.json" 2>&1 \
+           | grep -v "^\[transformers\]" | tail -4 ;;
   commit) python scripts/bench_commit.py --json "$out/bench_commit.json" 2>&1 | grep "^|" ;;
   sweep-gemv) python scripts/bench_quant.py --sweep --shapes 27b 35b-a3b --m 1 4 16 \
            --write-table fastqwen/ops/gemv_configs.json --json "$out/gemv_sweep.json" 2>&1 | grep "^|"
