@@ -148,6 +148,7 @@ class Engine:
                                  f"generate (type(model).generate(model, ...)) for it")
         input_ids = kwargs.pop("input_ids", inputs)
         attention_mask = kwargs.pop("attention_mask", None)
+        k = self._speculative_tokens(kwargs.pop("num_speculative_tokens", None))
         kwargs.pop("use_cache", None)
         gen, unused = self.model._prepare_generation_config(generation_config, **kwargs)
         unused = {k: v for k, v in unused.items() if v is not None}
@@ -172,7 +173,7 @@ class Engine:
         self._set_params(gen, eos, pad, min_new)
         if streamer is not None:
             streamer.put(input_ids.cpu())
-        sequences = self._decode(rows, max_new, gen.do_sample, streamer, stopping_criteria, input_ids, eos)
+        sequences = self._decode(rows, max_new, gen.do_sample, streamer, stopping_criteria, input_ids, eos, k)
         sequences = torch.cat([input_ids, sequences], dim=1)
         if streamer is not None:
             streamer.end()
@@ -180,13 +181,26 @@ class Engine:
             return GenerateDecoderOnlyOutput(sequences=sequences)
         return sequences
 
-    def _decode(self, rows, max_new, do_sample, streamer, stopping_criteria, input_ids, eos):
-        """Prefill every row, then decode; returns the new tokens [B, n] (n ≤ max_new), pad after EOS."""
+    def _speculative_tokens(self, k):
+        """generate's num_speculative_tokens: None (the optimize-time k), or an int 1 … that k."""
+        if k is None:
+            return None
+        if self.spec is None:
+            raise ValueError("num_speculative_tokens applies to speculative decoding; optimize the model with "
+                             "speculate='mtp' or 'dflash'")
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= self.spec.k:
+            raise ValueError(f"num_speculative_tokens must be an int in 1..{self.spec.k} (the most this model was "
+                             f"optimized for: raise optimize's num_speculative_tokens / block_size), got {k!r}")
+        return k
+
+    def _decode(self, rows, max_new, do_sample, streamer, stopping_criteria, input_ids, eos, k=None):
+        """Prefill every row, then decode (k drafts a speculative round, default the optimize-time k); returns the
+        new tokens [B, n] (n ≤ max_new), pad after EOS."""
         s, B = self.state, len(rows)
         first = self._prefill(rows, do_sample)
         every = 1 if (streamer is not None or stopping_criteria) else SYNC_EVERY
         if self.spec is not None:
-            return self.spec.decode(first, B, max_new, do_sample, streamer, every)
+            return self.spec.decode(first, B, max_new, do_sample, streamer, every, k)
         out = torch.empty(self.max_batch_size, max_new, dtype=torch.long, device=self.device)
         out[:, 0] = first
         step = self._sample_step if do_sample else self._greedy_step

@@ -86,7 +86,7 @@ class Forward:
         """Run tokens [B, T] (B = cache batch) at positions lengths[b] + t; returns logits [B, T, V] fp32, or
         (logits, features [B, T, F]) when `features` is requested (see `_features`).
 
-        verify: leave the recurrent state for `commit` (T must equal the cache's block).
+        verify: leave the recurrent state for `commit` (T ≤ the cache's block).
         """
         offsets = torch.arange(tokens.shape[1], device=tokens.device)
         positions = self.cache.lengths[:, None] + offsets
@@ -160,7 +160,7 @@ class Forward:
             o = gdn_verify(q, k, v, a, b, m.A_log, m.dt_bias, state)
             g, beta = gates(a, b, m.A_log, m.dt_bias)
             for name, value in zip(("x", "k", "v", "g", "beta"), (x, k, v, g, beta)):
-                self.cache.replay(i)[name].copy_(value)
+                self.cache.replay(i)[name][:, :T].copy_(value)  # commit masks the positions past T
         elif mode == "prefill" and T >= _CHUNK_MIN_TOKENS:
             o = gdn_chunk(q, k, v, a, b, m.A_log, m.dt_bias, state)
         else:

@@ -64,16 +64,20 @@ print("HITS", counters["inductor"]["fxgraph_cache_hit"], "MISSES", counters["ind
 
 def test_compiled_speculative_round_matches_eager_decoding():
     """The speculative round (verify, accept, the stacked-cache commit) compiled into one graph gives the
-    plain eager tokens, and a second call compiles nothing new."""
+    plain eager tokens, with the optimize-time 3 drafts and with 2 asked for per call (its own graph), and
+    calls after the first of each compile nothing new."""
     from fastqwen.bench import OracleProposer
 
     eager = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=128, compile=False)
     spec = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=128, compile=True)
+    oracle = OracleProposer(torch.zeros(2, 20, dtype=torch.long), 0.35, spec.config.vocab_size)
+    spec._fastqwen.enable_speculation(oracle, 3)
     for i, (ids, mask) in enumerate([left_padded([torch.randint(1, 500, (n,)) for n in (9, 30)]),
-                                     left_padded([torch.randint(1, 500, (n,)) for n in (21, 4)])]):
+                                     left_padded([torch.randint(1, 500, (n,)) for n in (21, 4)])] * 2):
         expected = eager.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
-        spec._fastqwen.enable_speculation(OracleProposer(expected[:, ids.shape[1]:], 0.35, spec.config.vocab_size), 3)
-        with torch._dynamo.config.patch(error_on_recompile=i > 0):
-            got = spec.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+        oracle.reference = expected[:, ids.shape[1]:].contiguous()  # same shape and strides: no recompile
+        k = 3 if i < 2 else 2
+        with torch._dynamo.config.patch(error_on_recompile=i % 2 == 1):
+            got = spec.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, num_speculative_tokens=k)
         assert torch.equal(got, expected)
-        assert 1.0 < spec._fastqwen.spec.acceptance_length(2) < 4.0
+        assert 1.0 < spec._fastqwen.spec.acceptance_length(2) < k + 1

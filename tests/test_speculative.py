@@ -239,3 +239,28 @@ def test_imposed_acceptance_reaches_the_chosen_tau(compile):
     s = spec._fastqwen.spec
     per_row = (s.n_out[:64] - 1).double() / s.rounds[:64]
     assert (per_row - tau).abs().max() < 0.15, f"row taus {per_row.min():.3f} … {per_row.max():.3f}, imposed {tau}"
+
+
+@pytest.mark.parametrize("k", [1, 2, K])
+def test_fewer_drafts_per_call_are_token_identical(engines, k):
+    """generate(num_speculative_tokens=k) with k below the optimize-time K: a smaller verify block in the same
+    cache (its replay masks the unused positions), same tokens."""
+    plain, spec = engines
+    ids, mask = left_padded([torch.randint(1, 500, (n,)) for n in (25, 6, 40)])
+    expected = plain.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    speculate(spec, expected[:, ids.shape[1]:], 0.3)
+    got = spec.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, num_speculative_tokens=k)
+    assert torch.equal(got, expected)
+    assert 1.0 < spec._fastqwen.spec.acceptance_length(3) <= k + 1
+
+
+def test_num_speculative_tokens_errors(engines):
+    plain, spec = engines
+    ids = torch.randint(1, 500, (1, 5))
+    speculate(spec, torch.randint(1, 500, (1, 20)), 0.3)
+    with pytest.raises(ValueError, match=rf"num_speculative_tokens must be an int in 1..{K}"):
+        spec.generate(ids, max_new_tokens=4, num_speculative_tokens=K + 1)
+    with pytest.raises(ValueError, match="num_speculative_tokens must be an int"):
+        spec.generate(ids, max_new_tokens=4, num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="applies to speculative decoding"):
+        plain.generate(ids, max_new_tokens=4, num_speculative_tokens=2)

@@ -28,6 +28,7 @@ class Speculator:
     """
 
     def __init__(self, engine, proposer, k: int):
+        """k: drafts a round, and the most a generate call may ask for (the cache's verify block is k + 1)."""
         self.engine, self.proposer, self.k = engine, proposer, k
         B, dev = engine.max_batch_size, engine.device
         # emitted tokens; the last column takes the writes of positions a row does not emit
@@ -39,9 +40,18 @@ class Speculator:
             torch._dynamo.mark_static_address(buf)
         self.greedy_round = engine.compile(lambda: self.round(do_sample=False))
         self.sample_round = engine.compile(lambda: self.round(do_sample=True))
+        self._fewer = {}  # (k, do_sample) -> compiled round with fewer drafts than self.k, built on first use
 
-    def round(self, do_sample: bool) -> None:
-        e, s, k = self.engine, self.engine.state, self.k
+    def step_for(self, k: int, do_sample: bool):
+        """The compiled round of k ≤ self.k drafts (a graph per k: shapes are fixed)."""
+        if k == self.k:
+            return self.sample_round if do_sample else self.greedy_round
+        if (k, do_sample) not in self._fewer:
+            self._fewer[k, do_sample] = self.engine.compile(lambda: self.round(do_sample=do_sample, k=k))
+        return self._fewer[k, do_sample]
+
+    def round(self, do_sample: bool, k: int | None = None) -> None:
+        e, s, k = self.engine, self.engine.state, self.k if k is None else k
         drafts, q = self.proposer.propose(e, k, do_sample)
         block = torch.cat([s["tokens"][:, None], drafts], dim=1)
         out = e.forward.step(block, verify=True, features=self.proposer.features)  # logits [B, k+1, V]
@@ -76,9 +86,10 @@ class Speculator:
         s["tokens"].copy_(nxt)
         self.proposer.observe(e, emitted, feats, start, keep)
 
-    def decode(self, first: torch.Tensor, rows: int, max_new: int, do_sample: bool, streamer, sync_every: int):
-        """Rounds until every row is done; first [B] are the prefill's tokens. Returns tokens [rows, n], n ≤ max_new,
-        with each row's tokens after its end set to the engine's pad."""
+    def decode(self, first: torch.Tensor, rows: int, max_new: int, do_sample: bool, streamer, sync_every: int,
+               k: int | None = None):
+        """Rounds of k (default self.k) drafts until every row is done; first [B] are the prefill's tokens.
+        Returns tokens [rows, n], n ≤ max_new, with each row's tokens after its end set to the engine's pad."""
         s = self.engine.state
         self.out[:, 0] = first
         self.n_out.fill_(1)
@@ -86,7 +97,7 @@ class Speculator:
         self.max_new.fill_(max_new)
         s["done"][:rows] |= max_new <= 1
         self.proposer.start(self.engine)
-        step = self.sample_round if do_sample else self.greedy_round
+        step = self.step_for(self.k if k is None else k, do_sample)
         if streamer is not None:
             streamer.put(first[:1].cpu())
         shown = 1
