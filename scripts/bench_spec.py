@@ -25,9 +25,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import fastqwen  # noqa: E402
 from fastqwen import bench, presets  # noqa: E402
 from fastqwen.bench import OracleProposer, miss_for_tau  # noqa: E402
-from fastqwen.spec.dflash import DFlashDraft, DFlashProposer  # noqa: E402
 from fastqwen.spec.draft_head import draft_head  # noqa: E402
-from fastqwen.spec.mtp import MTPHead, MTPProposer  # noqa: E402
 
 
 def time_call(fn, device, iters=20, repeats=5) -> float:
@@ -69,17 +67,6 @@ def phase_costs(e, k: int, proposer=None) -> dict:
         out["draft_s"] = time_call(e.compile(lambda: proposer.propose(e, k, False)), e.device)
         out["round_graph_s"] = time_call(e.spec.greedy_round, e.device)  # the whole round, as generate runs it
     return out
-
-
-def real_proposer(name: str, model, e, preset: str, dtype, lm_head=None):
-    """The real drafting compute of `name` with random weights of the real shape (drafting through `lm_head`,
-    default the target's)."""
-    if name == "mtp":
-        head = MTPHead(model, {k[4:]: v for k, v in presets.random_mtp_tensors(model).items()})
-        return MTPProposer(e, head, lm_head)
-    cfg = presets.dflash_config(preset)
-    tensors = presets.random_dflash_tensors(cfg, model.config.hidden_size, dtype=dtype, device=e.device)
-    return DFlashProposer(e, DFlashDraft(cfg, tensors, model), lm_head)
 
 
 def main():
@@ -144,7 +131,7 @@ def main():
         say(f"{name} k={k} at tau={tau}: compiling and measuring")
         oracle = OracleProposer(reference, miss_for_tau(tau, k), model.config.vocab_size, impose=True)
         e.enable_speculation(oracle, k)
-        oracle.inner = real_proposer(name, model, e, args.model, dtype, head)
+        oracle.inner = bench.random_proposer(name, model, e, args.model, head)
         r = {"k": k, "tau": tau}
         r["tok_s"] = args.batch * bench.decode_tok_per_s(model.generate, ids, args.n_short, args.n_long)
         r["measured_tau"] = e.spec.acceptance_length(args.batch)

@@ -49,13 +49,11 @@ def main():
     e = model._fastqwen
     step, what = e._greedy_step, "step"
     if args.speculate:
-        from bench_spec import real_proposer  # scripts/ is on the path of a script run from it
-
         name, k = args.speculate.split(":")
         oracle = bench.OracleProposer(torch.zeros(args.batch_size, 64, dtype=torch.long, device=device), 0.5,
                                       model.config.vocab_size, impose=True)
         e.enable_speculation(oracle, int(k))
-        oracle.inner = real_proposer(name, model, e, args.model, dtype)
+        oracle.inner = bench.random_proposer(name, model, e, args.model)
         step, what = e.spec.greedy_round, f"{args.speculate} round"
     else:
         e.warmup()

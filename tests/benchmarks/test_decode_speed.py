@@ -1,10 +1,13 @@
-"""pytest-benchmark suite for fastqwen generate: a Qwen3.5-9B GPU benchmark and a tiny CPU smoke variant.
+"""pytest-benchmark suite for fastqwen generate: Qwen3.5-9B GPU benchmarks (plain, and speculative with the real
+MTP drafting compute at a fixed acceptance) and tiny CPU smoke variants.
 
     pytest tests/benchmarks --benchmark-only          # GPU benchmark is skipped without CUDA
 
 Each benchmark times one end-to-end ``model.generate`` call (prefill + NEW_TOKENS decode steps, forced
 with ``min_new_tokens``) and records end-to-end tokens/s per sequence in ``benchmark.extra_info``.
-For prefill-free decode speed and baselines use ``scripts/bench.py``.
+For prefill-free decode speed and baselines use ``scripts/bench.py`` and ``scripts/bench_spec.py``. The
+speculative benchmarks impose the acceptance (``bench.OracleProposer(impose=True)``: random weights have none of
+their own), so they guard the cost of a round, not acceptance.
 """
 
 import gc
@@ -48,6 +51,19 @@ def _bench_generate(benchmark, model, ids: torch.Tensor) -> None:
         benchmark.extra_info["tok_per_s"] = NEW_TOKENS / benchmark.stats.stats.median
 
 
+def _speculate(model, preset: str, k: int, tau: float, drafter: str | None) -> None:
+    """Switch `model` to speculative decoding with k drafts a round and imposed mean acceptance tau, paying for
+    `drafter`'s real compute ("mtp", "dflash") with random weights of its real shape, or for none."""
+    from fastqwen import bench
+
+    e = model._fastqwen
+    reference = torch.zeros(1, NEW_TOKENS + k + 2, dtype=torch.long, device=e.device)
+    oracle = bench.OracleProposer(reference, bench.miss_for_tau(tau, k), model.config.vocab_size, impose=True)
+    e.enable_speculation(oracle, k)
+    if drafter is not None:
+        oracle.inner = bench.random_proposer(drafter, model, e, preset)
+
+
 @pytest.fixture(scope="module")
 def qwen9b():
     """Qwen3.5-9B shapes, bf16 on CUDA, optimized and warmed up once for this module."""
@@ -65,7 +81,21 @@ def test_decode_speed_qwen9b_bf16(benchmark, qwen9b):
     _bench_generate(benchmark, qwen9b["model"], qwen9b["ids"])
 
 
+def test_speculative_speed_qwen9b_mtp_k3_tau3(benchmark, qwen9b):
+    """MTP k=3 at τ=3 on Qwen3.5-9B (bf16, batch 1). Runs after the plain benchmark (file order): it switches the
+    shared model to speculative decoding."""
+    _speculate(qwen9b["model"], "qwen3.5-9b", k=3, tau=3.0, drafter="mtp")
+    _bench_generate(benchmark, qwen9b["model"], qwen9b["ids"])
+
+
 def test_decode_speed_tiny_cpu(benchmark):
     """CPU smoke variant: the "tiny" preset in float32 without compilation; always runs."""
     model, ids = _model_and_prompt("tiny", torch.float32, "cpu", prompt_len=16, compile=False)
+    _bench_generate(benchmark, model, ids)
+
+
+def test_speculative_speed_tiny_cpu(benchmark):
+    """CPU smoke variant of the speculative loop: tiny, 4 drafts a round at τ = 2.5, no drafting model."""
+    model, ids = _model_and_prompt("tiny", torch.float32, "cpu", prompt_len=16, compile=False)
+    _speculate(model, "tiny", k=4, tau=2.5, drafter=None)
     _bench_generate(benchmark, model, ids)
