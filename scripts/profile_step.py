@@ -11,7 +11,7 @@ bandwidth are the ones to rewrite. With --json the table is also written as JSON
 
     python scripts/profile_step.py --model qwen3.5-27b --no-autotune --speculate dflash:15
 
-profiles one speculative round instead (proposer:k, mtp or dflash, with a random draft of the real shape as
+also profiles one speculative round after the decode step (proposer:k, mtp or dflash, with a random draft of the real shape as
 scripts/bench_spec.py builds it): draft, verify, acceptance and commit, kernel by kernel.
 """
 
@@ -47,21 +47,40 @@ def main():
     opts = {"triton.cudagraphs": True} if args.no_autotune and cuda else None
     fastqwen.optimize(model, max_batch_size=args.batch_size, max_seq_len=args.prompt_len + 64, compile_options=opts)
     e = model._fastqwen
-    step, what = e._greedy_step, "step"
+    ids = torch.randint(model.config.vocab_size, (args.batch_size, args.prompt_len), device=device)
+    e.warmup()
+    model.generate(ids, max_new_tokens=8)  # cache rows at the prompt length; then every row is done
+    report = [profile_one(e._greedy_step, "step", model, args)]
     if args.speculate:
         name, k = args.speculate.split(":")
         oracle = bench.OracleProposer(torch.zeros(args.batch_size, 64, dtype=torch.long, device=device), 0.5,
                                       model.config.vocab_size, impose=True)
         e.enable_speculation(oracle, int(k))
         oracle.inner = bench.random_proposer(name, model, e, args.model)
-        step, what = e.spec.greedy_round, f"{args.speculate} round"
-    else:
-        e.warmup()
-    ids = torch.randint(model.config.vocab_size, (args.batch_size, args.prompt_len), device=device)
-    model.generate(ids, max_new_tokens=8)  # cache rows at the prompt length; then every row is done
-    e.state["done"].fill_(True)  # steps compute every row and advance none
+        model.generate(ids, max_new_tokens=8)
+        report.append(profile_one(e.spec.greedy_round, f"{args.speculate} round", model, args))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+
+
+def profile_one(step, what: str, model, args) -> dict:
+    """Profile `steps` calls of `step` (a compiled graph) with every cache row marked done, so each call
+    computes and advances nothing; print the table and return it as a dict. `wall_us` is the device time per
+    call measured by CUDA events around back-to-back calls: wall − the kernels' sum is the idle time between
+    kernels inside the graph."""
+    e, cuda = model._fastqwen, model.device.type == "cuda"
+    e.state["done"].fill_(True)
     for _ in range(3):
         step()
+    wall_us = None
+    if cuda:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(args.steps):
+            step()
+        b.record()
+        b.synchronize()
+        wall_us = a.elapsed_time(b) * 1e3 / args.steps
     activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
     with profile(activities=[activity]) as prof:
         for _ in range(args.steps):
@@ -77,20 +96,18 @@ def main():
     step_us = sum(us for _, us in per_kernel.values()) / args.steps
     launches = sum(n for n, _ in per_kernel.values()) / args.steps
     nbytes = bench.step_bytes(model, args.batch_size, args.prompt_len + 8)
-    roof_us = nbytes / bench.copy_bandwidth(device) * 1e6
+    roof_us = nbytes / bench.copy_bandwidth(e.device) * 1e6
     rows = sorted(((name, n / args.steps, us / args.steps) for name, (n, us) in per_kernel.items()),
                   key=lambda r: -r[2])
-    print(f"{args.model}, batch {args.batch_size}, context {args.prompt_len}: {step_us:.0f} µs of kernels per {what}, "
-          f"{launches:.0f} launches; a decode step's roofline {roof_us:.0f} µs ({nbytes / 1e9:.2f} GB)"
-          + ("" if args.speculate else f" -> {roof_us / step_us:.0%}"))
+    wall = f", {wall_us:.0f} µs wall (idle {wall_us - step_us:.0f})" if wall_us else ""
+    print(f"{args.model}, batch {args.batch_size}, context {args.prompt_len}: {step_us:.0f} µs of kernels per {what}"
+          f"{wall}, {launches:.0f} launches; a decode step's roofline {roof_us:.0f} µs ({nbytes / 1e9:.2f} GB)"
+          + ("" if args.speculate and what != "step" else f" -> {roof_us / (wall_us or step_us):.0%}"))
     print(f"| kernel | launches / {what} | µs / {what} | share |\n|---|---|---|---|")
     for name, n, us in rows[: args.top]:
         print(f"| {name[:90]} | {n:.0f} | {us:.1f} | {us / step_us:.1%} |")
-    if args.json:
-        args.json.write_text(json.dumps({"model": args.model, "batch_size": args.batch_size, "what": what,
-                                         "prompt_len": args.prompt_len, "step_us": step_us, "launches": launches,
-                                         "roofline_us": roof_us, "kernels": rows}, indent=1))
-
+    return {"model": args.model, "batch_size": args.batch_size, "what": what, "prompt_len": args.prompt_len,
+            "step_us": step_us, "wall_us": wall_us, "launches": launches, "roofline_us": roof_us, "kernels": rows}
 
 if __name__ == "__main__":
     main()
