@@ -58,6 +58,48 @@ def check_kernels(kernels: dict | None, cfg, device) -> dict:
     return kernels
 
 
+def fuse_linears(module, names) -> None:
+    """Give `module`'s bias-free linears `names` (same input size, dtype, device) one weight [ΣN, K]: their
+    weights become row slices of `module.fastqwen_fused`, so one matmul serves them all (fewer launches per
+    decode step, same bytes). The module's own forward and state dict are unchanged (the parameters are views).
+    No-op when any of them is not a plain bias-free nn.Linear (quantized, say)."""
+    linears = [getattr(module, n, None) for n in names]
+    if not all(type(lin) is torch.nn.Linear and lin.bias is None for lin in linears):
+        return
+    if len({(lin.in_features, lin.weight.dtype, lin.weight.device) for lin in linears}) != 1:
+        return
+    with torch.no_grad():
+        fused = torch.cat([lin.weight for lin in linears])
+    start = 0
+    for lin in linears:
+        n = lin.out_features
+        lin.weight = torch.nn.Parameter(fused[start:start + n], requires_grad=False)
+        start += n
+    torch._dynamo.mark_static_address(fused)
+    module.fastqwen_fused = fused
+    module.fastqwen_fused_sizes = tuple(lin.out_features for lin in linears)
+
+
+def project(module, h, names):
+    """The outputs of `module`'s linears `names` on h: one matmul over the fused weight if fuse_linears gave
+    the module one, else one call each."""
+    fused = getattr(module, "fastqwen_fused", None)
+    if fused is None:
+        return [getattr(module, n)(h) for n in names]
+    return F.linear(h, fused).split(module.fastqwen_fused_sizes, dim=-1)
+
+
+_GDN_IN = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+_ATTN_IN = ("q_proj", "k_proj", "v_proj")
+_MLP_IN = ("gate_proj", "up_proj")
+
+
+def mlp_forward(mlp, h):
+    """A dense gated MLP (transformers' Qwen3.5 MLP, or a MoE layer's shared expert): down(act(gate)·up)."""
+    gate, up = project(mlp, h, _MLP_IN)
+    return mlp.down_proj(mlp.act_fn(gate) * up)
+
+
 class Forward:
     def __init__(self, model, cache: HybridCache, kernels: dict | None = None):
         text = text_model(model)
@@ -68,6 +110,12 @@ class Forward:
         self.eps = self.cfg.rms_norm_eps
         self.cache = cache
         self.kernels = check_kernels(kernels, self.cfg, cache.lengths.device)
+        for layer in self.layers:
+            if hasattr(layer, "linear_attn"):
+                fuse_linears(layer.linear_attn, _GDN_IN)
+            if hasattr(layer, "self_attn"):
+                fuse_linears(layer.self_attn, _ATTN_IN)
+            fuse_linears(getattr(layer.mlp, "shared_expert", layer.mlp), _MLP_IN)
 
     # ----- entry points -------------------------------------------------------------------------------
     def prefill(self, first_row: int, tokens: torch.Tensor, features=None):
@@ -149,13 +197,12 @@ class Forward:
         B, T, _ = h.shape
         cfg = self.cfg
         key_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim
-        x = m.in_proj_qkv(h)
+        x, z, b, a = project(m, h, _GDN_IN)
         qkv = causal_conv1d(x, m.conv1d.weight[:, 0], conv, update=mode != "verify")
         q, k, v = torch.split(qkv, [key_dim, key_dim, qkv.shape[-1] - 2 * key_dim], dim=-1)
         q = q.reshape(B, T, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
         k = k.reshape(B, T, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
         v = v.reshape(B, T, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
-        a, b = m.in_proj_a(h), m.in_proj_b(h)
         if mode == "verify":
             o = gdn_verify(q, k, v, a, b, m.A_log, m.dt_bias, state)
             g, beta = gates(a, b, m.A_log, m.dt_bias)
@@ -165,7 +212,7 @@ class Forward:
             o = gdn_chunk(q, k, v, a, b, m.A_log, m.dt_bias, state)
         else:
             o = gdn_recurrent(q, k, v, a, b, m.A_log, m.dt_bias, state)
-        z = m.in_proj_z(h).reshape(o.shape)
+        z = z.reshape(o.shape)
         o = gated_rms_norm(o, z, m.norm.weight, m.norm.variance_epsilon)
         return m.out_proj(o.reshape(B, T, -1))
 
@@ -173,10 +220,11 @@ class Forward:
         """Gated full attention: q/k norms, partial rope, cache write, attention, sigmoid output gate."""
         B, T, _ = h.shape
         D = m.head_dim
-        q, gate = m.q_proj(h).view(B, T, -1, 2 * D).chunk(2, dim=-1)
+        q, k, v = project(m, h, _ATTN_IN)
+        q, gate = q.reshape(B, T, -1, 2 * D).chunk(2, dim=-1)
         q = rms_norm(q, m.q_norm.weight, m.q_norm.eps).transpose(1, 2)
-        k = rms_norm(m.k_proj(h).view(B, T, -1, D), m.k_norm.weight, m.k_norm.eps).transpose(1, 2)
-        v = m.v_proj(h).view(B, T, -1, D).transpose(1, 2)
+        k = rms_norm(k.reshape(B, T, -1, D), m.k_norm.weight, m.k_norm.eps).transpose(1, 2)
+        v = v.reshape(B, T, -1, D).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         write_kv(k_cache, v_cache, k, v, positions)
         if mode == "prefill":
@@ -189,8 +237,10 @@ class Forward:
         return m.o_proj(o)
 
     def _mlp(self, mlp, h, mode):
-        if not hasattr(mlp, "experts") or mode == "prefill":
-            return mlp(h)  # dense MLP; for MoE prefill transformers' own grouped expert loop
+        if not hasattr(mlp, "experts"):
+            return mlp_forward(mlp, h)
+        if mode == "prefill":
+            return mlp(h)  # transformers' own grouped expert loop
         return routed_moe(mlp, h, grouped=self.kernels["experts"] == "grouped")
 
 
@@ -225,5 +275,5 @@ def routed_moe(mlp, h: torch.Tensor, grouped: bool = False) -> torch.Tensor:
         act = mlp.experts.act_fn(gate) * up  # [N, k, I]
         out = torch.einsum("nki,nkhi->nkh", act, mlp.experts.down_proj[experts])
     out = (out * weights[..., None]).sum(1)
-    shared = mlp.shared_expert(x) * torch.sigmoid(mlp.shared_expert_gate(x))
+    shared = mlp_forward(mlp.shared_expert, x) * torch.sigmoid(mlp.shared_expert_gate(x))
     return (out + shared).reshape(shape)
