@@ -21,7 +21,8 @@ from . import presets
 QUANT_SYSTEMS = ("fastqwen-fp8-weight", "fastqwen-fp8", "fastqwen-int4")  # optimize(quant=...) after bf16
 # fastqwen with an alternative kernel (optimize's `kernels`), measured against the default on the same model
 CANDIDATE_SYSTEMS = {"fastqwen+split-attention": {"attention": "split"},
-                     "fastqwen+grouped-experts": {"experts": "grouped"}}
+                     "fastqwen+grouped-experts": {"experts": "grouped"},
+                     "fastqwen+fused-projections": {"projections": "fused"}}
 DEFAULT_SYSTEMS = ("hf-eager", "hf-static-compile", "fastqwen")  # the others are asked for by name
 SYSTEMS = DEFAULT_SYSTEMS + tuple(CANDIDATE_SYSTEMS) + QUANT_SYSTEMS
 

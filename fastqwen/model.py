@@ -30,7 +30,8 @@ def text_model(model):
     return getattr(inner, "language_model", inner)
 
 
-KERNELS = {"attention": ("sdpa", "split"), "experts": ("gather", "grouped")}  # first: the default
+KERNELS = {"attention": ("sdpa", "split"), "experts": ("gather", "grouped"),
+           "projections": ("separate", "fused")}  # first: the default
 
 
 def check_kernels(kernels: dict | None, cfg, device) -> dict:
@@ -38,7 +39,9 @@ def check_kernels(kernels: dict | None, cfg, device) -> dict:
     attention over the cache by SDPA with a mask over all max_seq_len keys ("sdpa") or by the split-KV kernel
     that reads only the keys in use ("split", ops/decode_attention.py); "experts": a MoE model's routed experts
     at decode gathered then multiplied ("gather") or read in place by the grouped kernel ("grouped",
-    ops/gemv.py; off CUDA both run their torch references). The defaults are the ones measured fastest so far
+    ops/gemv.py; off CUDA both run their torch references); "projections": each layer's input projections
+as one matmul each ("separate") or one over a fused weight per layer ("fused": GDN qkv+z+b+a, attention
+q+k+v, MLP gate+up; fewer launches, same bytes; see fuse_linears). The defaults are the ones measured fastest so far
     (docs/BENCHMARKS.md)."""
     kernels = dict(kernels or {})
     unknown = set(kernels) - set(KERNELS)
@@ -80,10 +83,10 @@ def fuse_linears(module, names) -> None:
     module.fastqwen_fused_sizes = tuple(lin.out_features for lin in linears)
 
 
-def project(module, h, names):
-    """The outputs of `module`'s linears `names` on h: one matmul over the fused weight if fuse_linears gave
-    the module one, else one call each."""
-    fused = getattr(module, "fastqwen_fused", None)
+def project(module, h, names, fused: bool):
+    """The outputs of `module`'s linears `names` on h: with `fused`, one matmul over the fused weight if
+    fuse_linears gave the module one; else one call each."""
+    fused = getattr(module, "fastqwen_fused", None) if fused else None
     if fused is None:
         return [getattr(module, n)(h) for n in names]
     return F.linear(h, fused).split(module.fastqwen_fused_sizes, dim=-1)
@@ -94,9 +97,9 @@ _ATTN_IN = ("q_proj", "k_proj", "v_proj")
 _MLP_IN = ("gate_proj", "up_proj")
 
 
-def mlp_forward(mlp, h):
+def mlp_forward(mlp, h, fused: bool):
     """A dense gated MLP (transformers' Qwen3.5 MLP, or a MoE layer's shared expert): down(act(gate)·up)."""
-    gate, up = project(mlp, h, _MLP_IN)
+    gate, up = project(mlp, h, _MLP_IN, fused)
     return mlp.down_proj(mlp.act_fn(gate) * up)
 
 
@@ -110,7 +113,8 @@ class Forward:
         self.eps = self.cfg.rms_norm_eps
         self.cache = cache
         self.kernels = check_kernels(kernels, self.cfg, cache.lengths.device)
-        for layer in self.layers:
+        self.fused = self.kernels["projections"] == "fused"
+        for layer in self.layers if self.fused else ():
             if hasattr(layer, "linear_attn"):
                 fuse_linears(layer.linear_attn, _GDN_IN)
             if hasattr(layer, "self_attn"):
@@ -197,7 +201,7 @@ class Forward:
         B, T, _ = h.shape
         cfg = self.cfg
         key_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim
-        x, z, b, a = project(m, h, _GDN_IN)
+        x, z, b, a = project(m, h, _GDN_IN, self.fused)
         qkv = causal_conv1d(x, m.conv1d.weight[:, 0], conv, update=mode != "verify")
         q, k, v = torch.split(qkv, [key_dim, key_dim, qkv.shape[-1] - 2 * key_dim], dim=-1)
         q = q.reshape(B, T, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
@@ -220,7 +224,7 @@ class Forward:
         """Gated full attention: q/k norms, partial rope, cache write, attention, sigmoid output gate."""
         B, T, _ = h.shape
         D = m.head_dim
-        q, k, v = project(m, h, _ATTN_IN)
+        q, k, v = project(m, h, _ATTN_IN, self.fused)
         q, gate = q.reshape(B, T, -1, 2 * D).chunk(2, dim=-1)
         q = rms_norm(q, m.q_norm.weight, m.q_norm.eps).transpose(1, 2)
         k = rms_norm(k.reshape(B, T, -1, D), m.k_norm.weight, m.k_norm.eps).transpose(1, 2)
@@ -238,13 +242,13 @@ class Forward:
 
     def _mlp(self, mlp, h, mode):
         if not hasattr(mlp, "experts"):
-            return mlp_forward(mlp, h)
+            return mlp_forward(mlp, h, self.fused)
         if mode == "prefill":
             return mlp(h)  # transformers' own grouped expert loop
-        return routed_moe(mlp, h, grouped=self.kernels["experts"] == "grouped")
+        return routed_moe(mlp, h, grouped=self.kernels["experts"] == "grouped", fused=self.fused)
 
 
-def routed_moe(mlp, h: torch.Tensor, grouped: bool = False) -> torch.Tensor:
+def routed_moe(mlp, h: torch.Tensor, grouped: bool = False, fused: bool = False) -> torch.Tensor:
     """Sparse MoE block for few tokens: run only each token's top-k experts, plus the shared expert.
 
     h [B, T, H]. Same routing as transformers: softmax over all experts in fp32, top-k, renormalise. bf16
@@ -275,5 +279,5 @@ def routed_moe(mlp, h: torch.Tensor, grouped: bool = False) -> torch.Tensor:
         act = mlp.experts.act_fn(gate) * up  # [N, k, I]
         out = torch.einsum("nki,nkhi->nkh", act, mlp.experts.down_proj[experts])
     out = (out * weights[..., None]).sum(1)
-    shared = mlp_forward(mlp.shared_expert, x) * torch.sigmoid(mlp.shared_expert_gate(x))
+    shared = mlp_forward(mlp.shared_expert, x, fused) * torch.sigmoid(mlp.shared_expert_gate(x))
     return (out + shared).reshape(shape)

@@ -10,13 +10,14 @@ import fastqwen
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
 def test_fused_projections_leave_the_model_its_forward_and_checkpoint(name, tmp_path):
-    """optimize() gives each layer's input projections one weight (their parameters become views of it): the
-    model's own forward, and a save_pretrained / from_pretrained round trip, are unchanged."""
+    """kernels={"projections": "fused"} gives each layer's input projections one weight (their parameters
+    become views of it): the model's own forward, and a save_pretrained / from_pretrained round trip, are
+    unchanged."""
     model = fresh(name)
     ids = torch.randint(1, 500, (2, 11))
     with torch.no_grad():
         before = model(ids).logits
-    fastqwen.optimize(model, compile=False, max_seq_len=64)
+    fastqwen.optimize(model, compile=False, max_seq_len=64, kernels={"projections": "fused"})
     gdn, attn = model.model.layers[0].linear_attn, model.model.layers[3].self_attn
     mlp = model.model.layers[0].mlp
     mlp = getattr(mlp, "shared_expert", mlp)
