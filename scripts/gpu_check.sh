@@ -34,7 +34,7 @@ case "$stage" in
            --out-dir "$out" 2>&1 | grep -v "^\[transformers\]" | tail -20 ;;
   spec)  m=${SPEC_MODEL:-qwen3.5-27b}
          python scripts/bench_spec.py --model "$m" --no-autotune ${SPEC_ARGS:-} --json "$out/spec_$m.json" 2>&1 \
-           | grep -v "^\[transformers\]" | tee "$out/spec_$m.log" | grep -vE '^ *"|^[{}]'; cat "$out/spec_$m.json" ;;
+           | grep --line-buffered -v "^\[transformers\]" | tee "$out/spec_$m.log" | grep -vE '^ *"|^[{}]'; cat "$out/spec_$m.json" ;;
   sweep) m=${SWEEP_MODEL:-qwen3.5-27b}
          python scripts/bench.py --models "$m" --systems fastqwen --batch-size 1 2 4 8 --no-autotune \
            ${SWEEP_ARGS:-} --json "$out/sweep_$m.json" 2>&1 | grep -v "^\[transformers\]" | tail -8
