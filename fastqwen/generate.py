@@ -4,11 +4,13 @@ The loop reads in one go, as in gpt-fast: `prefill` each row's prompt, pick the 
 compiled `decode_step` once per token. The step takes no arguments: it reads and writes static buffers
 (the cache, the last token of each row, finished flags, sampling parameters), so it is one CUDA graph that
 never recompiles across calls, prompt lengths or batch contents, and the host never waits on the device
-inside it. The host checks for "all rows finished" every `SYNC_EVERY` tokens (every token when a streamer
-or stopping criteria need to see them). With speculation enabled, the same prefill is followed by
-speculative rounds instead (spec/loop.py), each also one compiled graph.
+inside it. The host learns that every row has finished through a `DoneWatch`: one step behind, so
+the device always has the next step queued and at most one step runs past the end (in step when a streamer
+or stopping criteria need to see every token). With speculation enabled, the same prefill is followed by
+speculative rounds instead (spec/loop.py), each also one compiled graph, watched the same way.
 """
 
+import collections
 import os
 import types
 
@@ -19,8 +21,44 @@ from .cache import HybridCache
 from .model import Forward
 from .sampling import greedy, sample
 
-SYNC_EVERY = 8
 MAX_SPECULATIVE_TOKENS = 32
+
+
+class DoneWatch:
+    """The host's view of "every row is done" (done: a bool view [B] of the static flags) without stalling
+    the device. `launched()` after each launch queues a copy of done.all() (on CUDA: asynchronous, into
+    pinned memory, with an event); `finished()` reads only the copy from `lag` launches ago, so with lag 2 the
+    device runs the latest launch while the host waits, and exactly one launch runs past the end (it computes
+    for finished rows and changes nothing). lag 1 reads the latest launch's copy: no launch past the end,
+    but the device idles while the host launches the next one."""
+
+    def __init__(self, done: torch.Tensor, lag: int):
+        self.done, self.lag = done, lag
+        self.cuda = done.is_cuda
+        self.pending = collections.deque()  # (flag, event or None), oldest first
+        self.free = []  # pinned flags and events already read, for reuse
+
+    def launched(self) -> None:
+        flag = self.done.all()
+        if not self.cuda:
+            self.pending.append((flag, None))
+            return
+        host, event = self.free.pop() if self.free else (torch.empty((), dtype=torch.bool, pin_memory=True),
+                                                         torch.cuda.Event())
+        host.copy_(flag, non_blocking=True)
+        event.record()
+        self.pending.append((host, event))
+
+    def finished(self) -> bool:
+        """Whether the copy from `lag` launches ago (or any older one not read yet) says every row is done."""
+        while len(self.pending) >= self.lag:
+            host, event = self.pending.popleft()
+            if event is not None:
+                event.synchronize()
+                self.free.append((host, event))
+            if bool(host):
+                return True
+        return False
 
 # GenerationConfig fields that change the decoding algorithm, with the value that means "off".
 _UNSUPPORTED = {
@@ -198,22 +236,23 @@ class Engine:
         new tokens [B, n] (n ≤ max_new), pad after EOS."""
         s, B = self.state, len(rows)
         first = self._prefill(rows, do_sample)
-        every = 1 if (streamer is not None or stopping_criteria) else SYNC_EVERY
+        each = streamer is not None or bool(stopping_criteria)  # the host sees every token anyway
+        watch = DoneWatch(s["done"][:B], lag=1 if each else 2)
         if self.spec is not None:
-            return self.spec.decode(first, B, max_new, do_sample, streamer, every, k)
+            return self.spec.decode(first, B, max_new, do_sample, streamer, watch, k)
         out = torch.empty(self.max_batch_size, max_new, dtype=torch.long, device=self.device)
         out[:, 0] = first
         step = self._sample_step if do_sample else self._greedy_step
         n = 1
         while True:
-            if n % every == 0 or n == max_new:
-                if streamer is not None:
-                    streamer.put(out[:B, n - 1].cpu())
-                if stopping_criteria:
-                    seqs = torch.cat([input_ids, out[:B, :n]], dim=1)
-                    s["done"][:B] |= stopping_criteria(seqs, None).to(self.device)
-                if n == max_new or bool(s["done"][:B].all()):
-                    break
+            if streamer is not None:
+                streamer.put(out[:B, n - 1].cpu())
+            if stopping_criteria:
+                seqs = torch.cat([input_ids, out[:B, :n]], dim=1)
+                s["done"][:B] |= stopping_criteria(seqs, None).to(self.device)
+            watch.launched()
+            if n == max_new or watch.finished():
+                break
             step()
             out[:, n] = s["tokens"]
             n += 1

@@ -5,6 +5,7 @@ import torch
 from conftest import fresh, hf_generate, left_padded
 
 import fastqwen
+from fastqwen.generate import DoneWatch
 
 NEW = 64
 
@@ -142,3 +143,19 @@ def test_conditional_generation_class_text_only():
     expected = hf_generate(model, ids, max_new_tokens=20)
     fastqwen.optimize(model, compile=False, max_seq_len=128)
     assert torch.equal(model.generate(ids, max_new_tokens=20, do_sample=False), expected)
+
+
+@pytest.mark.parametrize("lag", [1, 2, 3])
+def test_done_watch_runs_lag_minus_one_launches_past_the_end(lag):
+    """generate's end-of-decode check: the host reads the "all done" flag `lag` launches late, so exactly
+    lag − 1 launches run after the last row finishes (2 − 1 = 1 in generate without a streamer)."""
+    done = torch.zeros(2, dtype=torch.bool)
+    watch, launches = DoneWatch(done, lag), 0
+    while True:
+        watch.launched()
+        if watch.finished():
+            break
+        launches += 1  # a "step": row 0 finishes at the 3rd, row 1 at the 5th
+        done[0] |= launches >= 3
+        done[1] |= launches >= 5
+    assert launches == 5 + lag - 1

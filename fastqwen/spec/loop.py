@@ -86,9 +86,10 @@ class Speculator:
         s["tokens"].copy_(nxt)
         self.proposer.observe(e, emitted, feats, start, keep)
 
-    def decode(self, first: torch.Tensor, rows: int, max_new: int, do_sample: bool, streamer, sync_every: int,
+    def decode(self, first: torch.Tensor, rows: int, max_new: int, do_sample: bool, streamer, watch,
                k: int | None = None):
-        """Rounds of k (default self.k) drafts until every row is done; first [B] are the prefill's tokens.
+        """Rounds of k (default self.k) drafts until `watch` (generate.DoneWatch over the first `rows` rows)
+        says every row is done; first [B] are the prefill's tokens.
         Returns tokens [rows, n], n ≤ max_new, with each row's tokens after its end set to the engine's pad."""
         s = self.engine.state
         self.out[:, 0] = first
@@ -101,8 +102,9 @@ class Speculator:
         if streamer is not None:
             streamer.put(first[:1].cpu())
         shown = 1
-        for r in range(max_new):
-            if r % sync_every == 0 and bool(s["done"][:rows].all()):
+        for _ in range(max_new):
+            watch.launched()
+            if watch.finished():
                 break
             step()
             if streamer is not None:
