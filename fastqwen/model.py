@@ -31,7 +31,7 @@ def text_model(model):
 
 
 KERNELS = {"attention": ("sdpa", "split"), "experts": ("gather", "grouped"),
-           "projections": ("separate", "fused")}  # first: the default
+           "projections": ("fused", "separate")}  # first: the default
 
 
 def check_kernels(kernels: dict | None, cfg, device) -> dict:
@@ -41,7 +41,7 @@ def check_kernels(kernels: dict | None, cfg, device) -> dict:
     at decode gathered then multiplied ("gather") or read in place by the grouped kernel ("grouped",
     ops/gemv.py; off CUDA both run their torch references); "projections": each layer's input projections
 as one matmul each ("separate") or one over a fused weight per layer ("fused": GDN qkv+z+b+a, attention
-q+k+v, MLP gate+up; fewer launches, same bytes; see fuse_linears). The defaults are the ones measured fastest so far
+q+k+v, MLP gate+up; fewer launches, same bytes; see fuse_linears: 1.08× on 27B decode). The defaults are the ones measured fastest so far
     (docs/BENCHMARKS.md)."""
     kernels = dict(kernels or {})
     unknown = set(kernels) - set(KERNELS)
@@ -65,11 +65,17 @@ def fuse_linears(module, names) -> None:
     """Give `module`'s bias-free linears `names` (same input size, dtype, device) one weight [ΣN, K]: their
     weights become row slices of `module.fastqwen_fused`, so one matmul serves them all (fewer launches per
     decode step, same bytes). The module's own forward and state dict are unchanged (the parameters are views).
-    No-op when any of them is not a plain bias-free nn.Linear (quantized, say)."""
+    Idempotent. When any of them is not a plain bias-free nn.Linear (quantized, say), a fused weight left by
+    an earlier optimize is dropped, so `project` calls the linears themselves."""
     linears = [getattr(module, n, None) for n in names]
-    if not all(type(lin) is torch.nn.Linear and lin.bias is None for lin in linears):
-        return
-    if len({(lin.in_features, lin.weight.dtype, lin.weight.device) for lin in linears}) != 1:
+    plain = all(type(lin) is torch.nn.Linear and lin.bias is None for lin in linears) and len(
+        {(lin.in_features, lin.weight.dtype, lin.weight.device) for lin in linears}) == 1
+    fused = getattr(module, "fastqwen_fused", None)
+    if not plain or (fused is not None and not _views_of(fused, linears)):
+        for attr in ("fastqwen_fused", "fastqwen_fused_sizes"):
+            module.__dict__.pop(attr, None)
+        fused = None
+    if not plain or fused is not None:
         return
     with torch.no_grad():
         fused = torch.cat([lin.weight for lin in linears])
@@ -81,6 +87,18 @@ def fuse_linears(module, names) -> None:
     torch._dynamo.mark_static_address(fused)
     module.fastqwen_fused = fused
     module.fastqwen_fused_sizes = tuple(lin.out_features for lin in linears)
+
+
+def _views_of(fused: torch.Tensor, linears) -> bool:
+    """Whether the linears' weights are still the consecutive row slices of `fused` (no weight replaced)."""
+    start = 0
+    for lin in linears:
+        w = lin.weight
+        if (w.untyped_storage().data_ptr() != fused.untyped_storage().data_ptr()
+                or w.storage_offset() != fused.storage_offset() + start * fused.shape[1]):
+            return False
+        start += w.shape[0]
+    return start == fused.shape[0]
 
 
 def project(module, h, names, fused: bool):

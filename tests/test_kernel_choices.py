@@ -21,17 +21,17 @@ def test_grouped_experts_match_the_gathered_ones():
         torch.testing.assert_close(routed_moe(mlp, h, grouped=True), routed_moe(mlp, h), rtol=1e-5, atol=1e-5)
 
 
-ALL = {"attention": "split", "experts": "grouped", "projections": "fused"}
+ALL = {"attention": "split", "experts": "grouped", "projections": "separate"}
 
 
 @pytest.mark.parametrize("name,kernels,compile", [("tiny", {"attention": "split"}, False),
-                                                  ("tiny", {"projections": "fused"}, True),
+                                                  ("tiny", {"projections": "separate"}, True),
                                                   ("tiny-moe", ALL, False),
                                                   ("tiny-moe", ALL, True)])
 def test_alternative_kernels_give_the_default_tokens(name, kernels, compile):
     default = fastqwen.optimize(fresh(name), max_batch_size=2, max_seq_len=96, compile=False)
     other = fastqwen.optimize(fresh(name), max_batch_size=2, max_seq_len=96, compile=compile, kernels=kernels)
-    assert other._fastqwen.forward.kernels == {"attention": "sdpa", "experts": "gather", "projections": "separate",
+    assert other._fastqwen.forward.kernels == {"attention": "sdpa", "experts": "gather", "projections": "fused",
                                                **kernels}
     ids, mask = left_padded([torch.randint(1, 500, (n,)) for n in (17, 5)])
     assert torch.equal(other.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16),

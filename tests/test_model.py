@@ -29,3 +29,23 @@ def test_fused_projections_leave_the_model_its_forward_and_checkpoint(name, tmp_
     model.save_pretrained(tmp_path)
     with torch.no_grad():  # (a loaded MoE model may pick another experts implementation: rounding differs)
         assert torch.allclose(AutoModelForCausalLM.from_pretrained(tmp_path)(ids).logits, before, atol=1e-5)
+
+
+def test_fusion_follows_weights_replaced_after_an_earlier_optimize():
+    """Re-optimizing after the linears changed (quantized, or a weight swapped) must not use the stale fused
+    weight: the tokens are those of a model prepared the same way without the first optimize."""
+    ids = torch.randint(1, 500, (1, 9))
+    gen = dict(do_sample=False, max_new_tokens=8)
+    once = fastqwen.optimize(fresh("tiny"), compile=False, max_seq_len=64, quant="fp8-weight")
+    twice = fastqwen.optimize(fresh("tiny"), compile=False, max_seq_len=64)
+    fastqwen.optimize(twice, compile=False, max_seq_len=64, quant="fp8-weight")
+    assert not hasattr(twice.model.layers[0].mlp, "fastqwen_fused")
+    assert torch.equal(twice.generate(ids, **gen), once.generate(ids, **gen))
+    swapped, reference = fresh("tiny"), fresh("tiny")
+    fastqwen.optimize(swapped, compile=False, max_seq_len=64)
+    for model in (swapped, reference):
+        mlp = model.model.layers[0].mlp
+        mlp.up_proj.weight = torch.nn.Parameter(torch.ones_like(mlp.up_proj.weight) * 0.01, requires_grad=False)
+    fastqwen.optimize(swapped, compile=False, max_seq_len=64)
+    fastqwen.optimize(reference, compile=False, max_seq_len=64)
+    assert torch.equal(swapped.generate(ids, **gen), reference.generate(ids, **gen))
