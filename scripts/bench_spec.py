@@ -83,7 +83,8 @@ def main():
     p.add_argument("--draft-lm-head", choices=["fp8-weight", "fp8", "int4"],
                    help="draft through a quantized copy of lm_head (optimize's draft_lm_head)")
     p.add_argument("--draft-vocab", type=int, help="draft over token ids 0 … N−1 only (optimize's draft_vocab)")
-    p.add_argument("--no-phases", action="store_true", help="skip the per-run draft / verify / commit timings")
+    p.add_argument("--phases", nargs="*", metavar="PROPOSER", help="time draft / verify / commit for these runs "
+                   "only (default: every run; none given: no run)")
     p.add_argument("--no-autotune", action="store_true")
     p.add_argument("--json", type=pathlib.Path)
     args = p.parse_args()
@@ -138,7 +139,7 @@ def main():
         r["over_plain"] = r["tok_s"] / res["plain_tok_s"]
         r["round_s"] = r["measured_tau"] * args.batch / r["tok_s"]
         res[name] = r
-        if args.no_phases:
+        if args.phases is not None and name not in args.phases:
             continue
         say(f"{name}: timing draft / verify / commit")
         r.update(phase_costs(e, k, oracle.inner))
