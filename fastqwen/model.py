@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from .cache import HybridCache
 from .ops.attention import apply_rope, attend_cache, attend_causal, rope_cos_sin, write_kv
 from .ops.decode_attention import attend_cache_split_op
-from .ops.gemv import BF16, expert_gemv
+from .ops.gemv import BF16, STEP, expert_gemv
 from .ops.conv import causal_conv1d, commit_window
 from .ops.gdn import gates, gdn_chunk, gdn_recurrent, gdn_replay, gdn_verify
 from .ops.norm import gated_rms_norm, rms_norm
@@ -62,52 +62,85 @@ q+k+v, MLP gate+up; fewer launches, same bytes; see fuse_linears: 1.08× on 27B 
 
 
 def fuse_linears(module, names) -> None:
-    """Give `module`'s bias-free linears `names` (same input size, dtype, device) one weight [ΣN, K]: their
-    weights become row slices of `module.fastqwen_fused`, so one matmul serves them all (fewer launches per
-    decode step, same bytes). The module's own forward and state dict are unchanged (the parameters are views).
-    Idempotent. When any of them is not a plain bias-free nn.Linear (quantized, say), a fused weight left by
-    an earlier optimize is dropped, so `project` calls the linears themselves."""
+    """Give `module`'s bias-free linears `names` one linear `module.fastqwen_fused` with their weights stacked
+    by rows ([ΣN, K]), so one matmul serves them all (fewer launches per decode step, same bytes); each
+    linear's weight becomes a row slice of it, so the module's own forward and state dict are unchanged.
+    bf16 nn.Linear of one dtype, or QuantLinear of one scheme and group (their stored tensors stacked; fp8
+    128×128 blocks need every part but the last to be whole blocks of rows; no act-order permutation).
+    Idempotent; a fused linear whose parts were replaced since (quantized, say) is dropped, and rebuilt if the
+    new parts fuse. The fused linear is not a registered submodule: it holds no tensors of its own."""
     linears = [getattr(module, n, None) for n in names]
-    plain = all(type(lin) is torch.nn.Linear and lin.bias is None for lin in linears) and len(
-        {(lin.in_features, lin.weight.dtype, lin.weight.device) for lin in linears}) == 1
-    fused = getattr(module, "fastqwen_fused", None)
-    if not plain or (fused is not None and not _views_of(fused, linears)):
-        for attr in ("fastqwen_fused", "fastqwen_fused_sizes"):
-            module.__dict__.pop(attr, None)
+    fused = module.__dict__.get("fastqwen_fused")
+    if fused is not None and not _views_of(fused, linears):
+        module.__dict__.pop("fastqwen_fused")
         fused = None
-    if not plain or fused is not None:
+    if fused is not None or not _fusable(linears):
         return
     with torch.no_grad():
-        fused = torch.cat([lin.weight for lin in linears])
+        if type(linears[0]) is torch.nn.Linear:
+            fused = torch.nn.Linear(linears[0].in_features, sum(lin.out_features for lin in linears), bias=False,
+                                    device="meta")
+            fused.weight = torch.nn.Parameter(torch.cat([lin.weight for lin in linears]), requires_grad=False)
+        else:
+            first = linears[0]
+            tensors = {name: torch.cat([lin.get_buffer(name) for lin in linears]) for name, _ in
+                       first.named_buffers(recurse=False)}
+            fused = type(first)(first.scheme, first.in_features, sum(lin.out_features for lin in linears), tensors,
+                                group=first.group)
     start = 0
     for lin in linears:
         n = lin.out_features
-        lin.weight = torch.nn.Parameter(fused[start:start + n], requires_grad=False)
+        if type(lin) is torch.nn.Linear:
+            lin.weight = torch.nn.Parameter(fused.weight[start:start + n], requires_grad=False)
+        else:
+            for name, t in fused.named_buffers(recurse=False):
+                rows = (slice(start // STEP, -(-(start + n) // STEP)) if name == "scale_inv" and lin.scheme == "fp8"
+                        else slice(start, start + n))
+                lin._buffers[name] = t[rows]
         start += n
-    torch._dynamo.mark_static_address(fused)
-    module.fastqwen_fused = fused
-    module.fastqwen_fused_sizes = tuple(lin.out_features for lin in linears)
+    for t in (*fused.parameters(), *fused.buffers()):
+        torch._dynamo.mark_static_address(t)
+    module.__dict__["fastqwen_fused"] = fused
+    module.__dict__["fastqwen_fused_sizes"] = tuple(lin.out_features for lin in linears)
 
 
-def _views_of(fused: torch.Tensor, linears) -> bool:
-    """Whether the linears' weights are still the consecutive row slices of `fused` (no weight replaced)."""
-    start = 0
+def _fusable(linears) -> bool:
+    from .quant.linear import QuantLinear
+
+    if all(type(lin) is torch.nn.Linear and lin.bias is None for lin in linears):
+        return len({(lin.in_features, lin.weight.dtype, lin.weight.device) for lin in linears}) == 1
+    if not all(type(lin) is QuantLinear and lin.bias is None and getattr(lin, "perm", None) is None
+               for lin in linears):
+        return False
+    whole_blocks = linears[0].scheme != "fp8" or all(lin.scale_inv.shape[0] * STEP == lin.out_features
+                                                     for lin in linears[:-1])
+    return whole_blocks and len({(lin.scheme, lin.group, lin.in_features, lin.qweight.device)
+                                 for lin in linears}) == 1
+
+
+def _main_weight(linear):
+    return getattr(linear, "weight", None) if type(linear) is torch.nn.Linear else getattr(linear, "qweight", None)
+
+
+def _views_of(fused, linears) -> bool:
+    """Whether the linears are still of the fused linear's type and their weights its consecutive row slices."""
+    whole, start = _main_weight(fused), 0
     for lin in linears:
-        w = lin.weight
-        if (w.untyped_storage().data_ptr() != fused.untyped_storage().data_ptr()
-                or w.storage_offset() != fused.storage_offset() + start * fused.shape[1]):
+        w = _main_weight(lin) if type(lin) is type(fused) else None
+        if (w is None or w.untyped_storage().data_ptr() != whole.untyped_storage().data_ptr()
+                or w.storage_offset() != whole.storage_offset() + start * whole.stride(0)):
             return False
         start += w.shape[0]
-    return start == fused.shape[0]
+    return start == whole.shape[0]
 
 
 def project(module, h, names, fused: bool):
-    """The outputs of `module`'s linears `names` on h: with `fused`, one matmul over the fused weight if
+    """The outputs of `module`'s linears `names` on h: with `fused`, one matmul by the fused linear if
     fuse_linears gave the module one; else one call each."""
-    fused = getattr(module, "fastqwen_fused", None) if fused else None
+    fused = module.__dict__.get("fastqwen_fused") if fused else None
     if fused is None:
         return [getattr(module, n)(h) for n in names]
-    return F.linear(h, fused).split(module.fastqwen_fused_sizes, dim=-1)
+    return fused(h).split(module.__dict__["fastqwen_fused_sizes"], dim=-1)
 
 
 _GDN_IN = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")

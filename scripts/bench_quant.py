@@ -27,12 +27,15 @@ from fastqwen.quant.linear import QuantLinear  # noqa: E402
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = 1 if DEV == "cuda" else 4  # CPU smoke runs shrink every shape
 
-# name: [(layer, N, K)]
+# name: [(layer, N, K)]: the decode step's matmuls with fused input projections (the default; model.fuse_linears),
+# "-separate": the projections one by one (kernels={"projections": "separate"}; measured before fusion)
 SHAPES = {
-    "27b": [("mlp.gate/up", 17408, 5120), ("mlp.down", 5120, 17408), ("attn.q+gate", 12288, 5120),
-            ("gdn.in_qkv", 10240, 5120), ("gdn.out", 5120, 6144), ("attn.k", 1024, 5120)],
-    "35b-a3b": [("attn.q+gate", 8192, 2048), ("gdn.in_qkv", 8192, 2048), ("shared.gate/up", 512, 2048),
+    "27b": [("mlp.gate+up", 34816, 5120), ("mlp.down", 5120, 17408), ("attn.q+gate+k+v", 14336, 5120),
+            ("gdn.qkv+z+b+a", 16480, 5120), ("gdn.out, attn.o", 5120, 6144)],
+    "35b-a3b": [("attn.q+gate+k+v", 9216, 2048), ("gdn.qkv+z+b+a", 12352, 2048), ("shared.gate+up", 1024, 2048),
                 ("lm_head", 248320, 2048)],
+    "27b-separate": [("mlp.gate/up", 17408, 5120), ("attn.q+gate", 12288, 5120), ("gdn.in_qkv", 10240, 5120),
+                     ("attn.k", 1024, 5120)],
 }
 
 

@@ -6,6 +6,7 @@ from conftest import fresh
 from transformers import AutoModelForCausalLM
 
 import fastqwen
+from fastqwen.quant.linear import QuantLinear
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
@@ -22,8 +23,10 @@ def test_fused_projections_leave_the_model_its_forward_and_checkpoint(name, tmp_
     mlp = model.model.layers[0].mlp
     mlp = getattr(mlp, "shared_expert", mlp)
     for module, first in ((gdn, gdn.in_proj_qkv), (attn, attn.q_proj), (mlp, mlp.gate_proj)):
-        assert first.weight.untyped_storage().data_ptr() == module.fastqwen_fused.untyped_storage().data_ptr()
-    assert gdn.fastqwen_fused.shape[0] == sum(gdn.fastqwen_fused_sizes)
+        whole = module.fastqwen_fused.weight
+        assert first.weight.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+    assert gdn.fastqwen_fused.weight.shape[0] == sum(gdn.fastqwen_fused_sizes)
+    assert "fastqwen_fused" not in dict(model.named_modules(remove_duplicate=False)).get("model.layers.0.linear_attn")._modules
     with torch.no_grad():
         assert torch.equal(model(ids).logits, before)
     model.save_pretrained(tmp_path)
@@ -39,7 +42,7 @@ def test_fusion_follows_weights_replaced_after_an_earlier_optimize():
     once = fastqwen.optimize(fresh("tiny"), compile=False, max_seq_len=64, quant="fp8-weight")
     twice = fastqwen.optimize(fresh("tiny"), compile=False, max_seq_len=64)
     fastqwen.optimize(twice, compile=False, max_seq_len=64, quant="fp8-weight")
-    assert not hasattr(twice.model.layers[0].mlp, "fastqwen_fused")
+    assert type(twice.model.layers[0].mlp.fastqwen_fused) is QuantLinear  # re-fused from the quantized parts
     assert torch.equal(twice.generate(ids, **gen), once.generate(ids, **gen))
     swapped, reference = fresh("tiny"), fresh("tiny")
     fastqwen.optimize(swapped, compile=False, max_seq_len=64)
@@ -49,3 +52,43 @@ def test_fusion_follows_weights_replaced_after_an_earlier_optimize():
     fastqwen.optimize(swapped, compile=False, max_seq_len=64)
     fastqwen.optimize(reference, compile=False, max_seq_len=64)
     assert torch.equal(swapped.generate(ids, **gen), reference.generate(ids, **gen))
+
+
+@pytest.mark.parametrize("scheme,compile", [("fp8-weight", False), ("int4", False), ("int4", True)])
+def test_quantized_projections_fuse_and_give_the_separate_tokens(scheme, compile):
+    """QuantLinears of one scheme fuse too (their stored tensors stacked by rows, each part a view of them); the
+    tokens are those of the same quantized model with separate projections. (The tiny GDN blocks do not fuse:
+    their 4-row a/b projections stay unquantized.)"""
+    ids = torch.randint(1, 500, (2, 9))
+    gen = dict(do_sample=False, max_new_tokens=8)
+    opts = dict(max_seq_len=64, max_batch_size=2, quant=scheme, quant_group_size=32)
+    fused = fastqwen.optimize(fresh("tiny-moe"), **opts, compile=compile)
+    separate = fastqwen.optimize(fresh("tiny-moe"), **opts, compile=False, kernels={"projections": "separate"})
+    layer = fused.model.layers[3]
+    shared = layer.mlp.shared_expert
+    assert type(shared.fastqwen_fused) is QuantLinear and type(layer.self_attn.fastqwen_fused) is QuantLinear
+    assert "fastqwen_fused" not in fused.model.layers[0].linear_attn.__dict__
+    assert shared.up_proj.qweight.untyped_storage().data_ptr() == shared.fastqwen_fused.qweight.untyped_storage().data_ptr()
+    torch.testing.assert_close(shared.fastqwen_fused.dequantized(),
+                               torch.cat([shared.gate_proj.dequantized(), shared.up_proj.dequantized()]))
+    assert torch.equal(fused.generate(ids, **gen), separate.generate(ids, **gen))
+
+
+def test_fp8_block_projections_fuse_only_in_whole_blocks():
+    """fp8's 128×128 scale blocks: parts fuse when every part but the last is whole blocks of rows."""
+    from fastqwen.model import fuse_linears, project
+
+    torch.manual_seed(0)
+    h = torch.randn(3, 128)
+    for sizes, fuses in (((256, 128, 40), True), ((256, 40, 128), False)):
+        module = torch.nn.Module()
+        names = [f"p{i}" for i in range(len(sizes))]
+        for name, n in zip(names, sizes):
+            setattr(module, name, QuantLinear.from_linear(torch.nn.Linear(128, n, bias=False), "fp8"))
+        separate = project(module, h, names, fused=False)
+        fuse_linears(module, names)
+        assert ("fastqwen_fused" in module.__dict__) == fuses
+        for got, want in zip(project(module, h, names, fused=True), separate):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        for got, want in zip([getattr(module, n)(h) for n in names], separate):  # the parts, now views
+            torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -35,9 +35,14 @@ class QuantExperts(nn.Module):
                 self.register_buffer(f"{m}_{key}", torch.stack([p[key] for p in parts]))
 
     def stored(self, m: str, e=None) -> dict:
-        """Matrix m's stored tensors, of all experts [E, …] or of expert e."""
-        return {key: getattr(self, f"{m}_{key}") if e is None else getattr(self, f"{m}_{key}")[e]
-                for key in self.keys}
+        """Matrix m's stored tensors, of all experts [E, …] or of expert e (an int or a 0-dim tensor; a tensor is
+        read by index_select, which torch.compile traces without a data-dependent int)."""
+        stacked = {key: getattr(self, f"{m}_{key}") for key in self.keys}
+        if e is None:
+            return stacked
+        if isinstance(e, torch.Tensor):
+            return {key: t.index_select(0, e.reshape(1))[0] for key, t in stacked.items()}
+        return {key: t[e] for key, t in stacked.items()}
 
     def weight(self, m: str, e) -> torch.Tensor:
         """Expert e's matrix m, dequantized (fp32)."""
