@@ -107,14 +107,15 @@ def expert_candidates(N: int, K: int, E: int = 256 if SMALL == 1 else 16, top: i
 
 
 def sweep(shapes, ms, bw, table: pathlib.Path | None) -> list[dict]:
-    """Time the weight-streaming kernel over its launch configs (BLOCK_N, SPLIT_K, num_warps, num_stages) per
-    layer, format and M; print the default config's time beside the best one. With `table`, merge the best
-    configs into that gemv_configs.json under this GPU's name (fastqwen.ops.gemv reads it at import)."""
+    """Time the weight-streaming kernel over its launch configs (BLOCK_N, SPLIT_K, num_warps, num_stages, BITS:
+    conversion instructions or bit moves to decode the weight) per layer, format and M; print the default
+    config's time beside the best one. With `table`, merge the best configs into that gemv_configs.json under
+    this GPU's name (fastqwen.ops.gemv reads it at import)."""
     import itertools
 
     from fastqwen.ops import gemv
 
-    configs = list(itertools.product((32, 64, 128), (1, 2, 4, 8, 16), (4,), (2, 4)))  # 8 warps never won
+    configs = list(itertools.product((32, 64, 128), (1, 2, 4, 8, 16), (4,), (2, 4), (0, 1)))  # 8 warps never won
     rows, best_of = [], {}
     for model in shapes:
         for layer, N, K in SHAPES[model]:
@@ -127,7 +128,7 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None) -> list[dict]:
                 nbytes = sum(t.numel() * t.element_size() for t in (q, sc, z) if t is not None)
                 for m in ms:
                     x = torch.randn(m, K, device=DEV, dtype=torch.bfloat16)
-                    default = gemv.gemv_config(fmt, N, K, m)
+                    default = (*gemv.gemv_config(fmt, N, K, m), 0)[:5]  # BITS 0 unless the table says 1
                     times = {}
                     for cfg in [default] + [c for c in configs if K // 128 >= c[1] and c != default]:
                         try:

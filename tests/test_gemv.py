@@ -64,7 +64,8 @@ for fmt, act in [(FP8_ROW, False), (FP8_BLOCK, False), (INT4, False)]:
         w, s, z = operands(fmt, N, K, seed=M)
         x = torch.randn(M, K, dtype=torch.bfloat16)
         ref = reference(x.float(), fmt, w, s, z, act, N)
-        for config in (None, (32, 2, 4, 2), (16, 3, 4, 1)):  # the default, and K split in 2 (uneven) and 3
+        # the default, K split in 2 (uneven) and 3, and the same decoded by bit moves (BITS)
+        for config in (None, (32, 2, 4, 2), (16, 3, 4, 1), (64, 1, 4, 2, 1), (32, 2, 4, 2, 1), (16, 3, 4, 1, 1)):
             y = wq_matmul(x, fmt, w, s, z, act, N) if config is None else _launch(x, fmt, w, s, z, act, N, M, config=config)
             err = ((y - ref).norm() / ref.norm()).item()
             assert y.shape == (M, N) and not y.isnan().any(), (fmt, M, config)
@@ -79,11 +80,22 @@ for fmt in (BF16, FP8_ROW, FP8_BLOCK, INT4):  # grouped mode: routed experts
     tok = torch.tensor([0, 0, 1, 1, 2, 2], dtype=torch.int32)
     exp = torch.tensor([4, 0, 2, 4, 1, 3], dtype=torch.int32)
     ref = expert_reference(x.float(), tok, exp, fmt, w, s, z, N)
-    for config in (None, (64, 2, 4, 2)):
+    for config in (None, (64, 2, 4, 2), (64, 2, 4, 2, 1)):
         y = _launch(x, fmt, w, s, z, False, N, len(tok), (tok, exp), config=config)
         err = ((y - ref).norm() / ref.norm()).item()
         assert err < 1e-5, f"grouped format {fmt}, config {config}: relative error {err:.2e}"
         worst = max(worst, err)
+codes = torch.arange(256).to(torch.uint8)
+codes = codes[(codes & 0x7F) != 0x7F]  # every e4m3 code but the NaNs, subnormals and ±0 included
+q = torch.zeros(len(codes), 128, dtype=torch.uint8)
+q[:, 5] = codes
+q = q.view(torch.float8_e4m3fn)
+for M in (1, 2):  # one-hot x: y is each code's value, exactly, whichever way the kernel decodes it
+    x = torch.zeros(M, 128)
+    x[:, 5] = 1
+    for config in ((64, 1, 4, 2, 0), (64, 1, 4, 2, 1)):
+        y = _launch(x, FP8_ROW, q, torch.ones(len(codes)), None, False, len(codes), M, config=config)
+        assert torch.equal(y[0], q[:, 5].float()), (M, config)
 print("worst relative error", worst)
 """
 

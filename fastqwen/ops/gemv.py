@@ -14,7 +14,11 @@ Two Triton kernels, four formats (constexpr FMT):
 `_row_kernel` takes one row of x (batch-1 decode; each (token, expert) pair of the grouped mode): products
 accumulate elementwise in registers, summed over K once at the end. `_gemv_kernel` takes 2 … 16 rows with a
 tensor-core dot per step (fp32 operands, tf32: exact for e4m3 weights and bf16 activations, int4's
-dequantized weights round to 2⁻¹¹ relative; the kernel is bound by weight bytes, not math). A program owns BLOCK_N output columns and walks its share of K in
+dequantized weights round to 2⁻¹¹ relative; the kernel is bound by weight bytes, not math). Either decodes
+the weight with conversion instructions or, with the launch config's BITS, by moving bits (fp8: sign,
+exponent and mantissa into fp32's places, a 2⁻¹²⁰-scaled value; int4: the code OR-ed into 2²³'s bits):
+conversions run at a fraction of the FMA rate, and fp8 at ~65% and int4 at 25% of bandwidth look
+conversion-bound. The sweep decides per shape. A program owns BLOCK_N output columns and walks its share of K in
 steps of 128; split-K programs write partial sums that one add combines (deterministic, no atomics). Launch
 configs come from gemv_configs.json, measured per GPU by scripts/bench_quant.py --sweep, else from a
 heuristic. Grouped mode (experts): w, scale, zero carry a leading expert dimension; pair p multiplies row
@@ -62,12 +66,26 @@ if triton is not None:
                 z_ptr + e * s_estride, y_ptr + p.to(tl.int64) * N)
 
     @triton.jit
+    def _fp8_bits(u, i: tl.constexpr):
+        """Byte i of each int32 word u, an e4m3 code, as fp32 · 2⁻¹²⁰, exactly (subnormals too): its sign,
+        exponent and mantissa bits moved into fp32's places, with no conversion instruction."""
+        return ((((u >> (8 * i)) & 0x7F) << 20) | (((u >> (8 * i + 7)) & 1) << 31)).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _int4_bits(u, i: tl.constexpr):
+        """Nibble i of each int32 word u, an int4 code q, as the fp32 2²³ + q, exactly, with no conversion
+        instruction (2²³'s exponent OR-ed onto the code's bits)."""
+        return (((u >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _row_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, tok_ptr, exp_ptr, N, K, s_stride, w_estride, s_estride,
                     k_per_split, FMT: tl.constexpr, ACT_FP8: tl.constexpr, GROUPED: tl.constexpr,
                     FP8_LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACC_K: tl.constexpr,
-                    STAGES: tl.constexpr):
+                    STAGES: tl.constexpr, BITS: tl.constexpr):
         """One row of x (decode at batch 1, or one (token, expert) pair): products accumulate elementwise in
-        registers and are summed over K once, at the end (no per-step reduction, no tensor-core layout)."""
+        registers and are summed over K once, at the end (no per-step reduction, no tensor-core layout).
+        BITS: the weight is read as int32 words and decoded by bit moves (_fp8_bits, _int4_bits) instead of
+        conversion instructions; word column j of a step holds columns 4j … 4j+3 (fp8) or 8j … 8j+7 (int4)."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         split = tl.program_id(2)  # split-K: this program sums K columns [split·k_per_split, +k_per_split)
         y_ptr += split.to(tl.int64) * tl.num_programs(1) * N
@@ -79,7 +97,35 @@ if triton is not None:
         acc_odd = tl.zeros((BLOCK_N, ACC_K), tl.float32)  # int4's odd columns
         k_end = tl.minimum(K, (split + 1) * k_per_split)
         for k0 in tl.range(split * k_per_split, k_end, BLOCK_K, num_stages=STAGES):
-            if FMT == 2:  # byte j holds columns 2j (low nibble) and 2j + 1 (high)
+            if BITS and FMT == 2:
+                wd = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+                wd_ok = wd < k_end // 8
+                u = tl.load(w_ptr + n[:, None] * (K // 8) + wd[None, :], mask=n_ok[:, None] & wd_ok[None, :], other=0)
+                g = k0 // BLOCK_K
+                off = tl.load(z_ptr + n * s_stride + g, mask=n_ok, other=0.0)[:, None] + 8388608.0  # 2²³ + zero
+                part = tl.zeros((BLOCK_N, BLOCK_K // 8), tl.float32)
+                for i in tl.static_range(8):
+                    xi = tl.load(x_ptr + 8 * wd + i, mask=wd_ok, other=0.0).to(tl.float32)
+                    part += (_int4_bits(u, i) - off) * xi[None, :]  # (q − zero) · x, exact subtraction
+                acc += part * tl.load(s_ptr + n * s_stride + g, mask=n_ok, other=0.0)[:, None]
+            elif BITS:  # fp8
+                wd = k0 // 4 + tl.arange(0, BLOCK_K // 4)
+                wd_ok = wd < k_end // 4
+                u = tl.load(w_ptr + n[:, None] * (K // 4) + wd[None, :], mask=n_ok[:, None] & wd_ok[None, :], other=0)
+                if ACT_FP8:
+                    k = k0 + tl.arange(0, BLOCK_K)
+                    xs = tl.load(x_ptr + k, mask=k < k_end, other=0.0).to(tl.float32)
+                    xs = tl.maximum(tl.max(tl.abs(xs), axis=0) / FP8_LIMIT, 1e-12)
+                part = tl.zeros((BLOCK_N, BLOCK_K // 4), tl.float32)
+                for i in tl.static_range(4):
+                    xi = tl.load(x_ptr + 4 * wd + i, mask=wd_ok, other=0.0).to(tl.float32)
+                    if ACT_FP8:
+                        xi = (xi / xs).to(tl.float8e4nv).to(tl.float32) * xs
+                    part += _fp8_bits(u, i) * xi[None, :]
+                if FMT == 1:
+                    part = part * tl.load(s_ptr + (n // BLOCK_K) * s_stride + k0 // BLOCK_K, mask=n_ok, other=0.0)[:, None]
+                acc += part
+            elif FMT == 2:  # byte j holds columns 2j (low nibble) and 2j + 1 (high)
                 j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
                 j_ok = j < k_end // 2
                 xe = tl.load(x_ptr + 2 * j, mask=j_ok, other=0.0).to(tl.float32)
@@ -103,8 +149,10 @@ if triton is not None:
                     w = w * tl.load(s_ptr + (n // BLOCK_K) * s_stride + k0 // BLOCK_K, mask=n_ok, other=0.0)[:, None]
                 acc += w * x[None, :]
         y = tl.sum(acc, axis=1)
-        if FMT == 2:
+        if FMT == 2 and not BITS:
             y += tl.sum(acc_odd, axis=1)
+        if BITS and FMT < 2:
+            y = y * 1.329227995784916e36  # 2¹²⁰: _fp8_bits' codes were 2⁻¹²⁰ of their values
         if FMT == 0:
             y = y * tl.load(s_ptr + n, mask=n_ok, other=0.0)
         tl.store(y_ptr + n, y, mask=n_ok)
@@ -112,8 +160,9 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, s_stride, k_per_split, FMT: tl.constexpr,
                      ACT_FP8: tl.constexpr, FP8_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
-        """2 … 16 rows of x: a tensor-core dot (fp32 operands, tf32) per 128-column step."""
+                     BLOCK_K: tl.constexpr, STAGES: tl.constexpr, BITS: tl.constexpr):
+        """2 … 16 rows of x: a tensor-core dot (fp32 operands, tf32) per 128-column step (BITS: as in
+        _row_kernel, one dot per word position; int4's dots take q − zero, exact in tf32, and scale after)."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
         split = tl.program_id(2)
@@ -129,7 +178,31 @@ if triton is not None:
             if ACT_FP8:
                 xs = tl.maximum(tl.max(tl.abs(x), axis=1) / FP8_LIMIT, 1e-12)
                 x = (x / xs[:, None]).to(tl.float8e4nv).to(tl.float32) * xs[:, None]
-            if FMT == 2:
+            if BITS:
+                PER: tl.constexpr = 8 if FMT == 2 else 4  # codes per int32 word
+                wd = k0 // PER + tl.arange(0, BLOCK_K // PER)
+                wd_ok = wd < k_end // PER
+                u = tl.load(w_ptr + n[:, None] * (K // PER) + wd[None, :], mask=n_ok[:, None] & wd_ok[None, :], other=0)
+                xm = m_ok[:, None] & wd_ok[None, :]
+                part = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+                if FMT == 2:
+                    g = k0 // BLOCK_K
+                    off = tl.load(z_ptr + n * s_stride + g, mask=n_ok, other=0.0)[:, None] + 8388608.0
+                    for i in tl.static_range(8):
+                        xi = tl.load(x_ptr + m[:, None] * K + 8 * wd[None, :] + i, mask=xm, other=0.0).to(tl.float32)
+                        part += tl.dot(xi, tl.trans(_int4_bits(u, i) - off))
+                    part = part * tl.load(s_ptr + n * s_stride + g, mask=n_ok, other=0.0)[None, :]
+                else:
+                    for i in tl.static_range(4):
+                        xi = tl.load(x_ptr + m[:, None] * K + 4 * wd[None, :] + i, mask=xm, other=0.0).to(tl.float32)
+                        if ACT_FP8:
+                            xi = (xi / xs[:, None]).to(tl.float8e4nv).to(tl.float32) * xs[:, None]
+                        # back to the code's value before the dot: tensor cores may flush fp32 subnormals
+                        part += tl.dot(xi, tl.trans(_fp8_bits(u, i) * 1.329227995784916e36))
+                    if FMT == 1:
+                        part = part * tl.load(s_ptr + (n // BLOCK_K) * s_stride + k0 // BLOCK_K, mask=n_ok, other=0.0)[None, :]
+                acc += part
+            elif FMT == 2:
                 half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
                 b = tl.load(w_ptr + n[:, None] * (K // 2) + half[None, :],
                             mask=n_ok[:, None] & (half < k_end // 2)[None, :], other=0)
@@ -157,12 +230,13 @@ def tuned_key(fmt: int, N: int, K: int, rows: int) -> str:
     return f"{fmt}:{N}x{K}:M{1 if rows <= 1 else 4 if rows <= 4 else MAX_ROWS}"
 
 
-def gemv_config(fmt: int, N: int, K: int, rows: int, columns: int = 1) -> tuple[int, int, int, int]:
-    """(BLOCK_N, SPLIT_K, num_warps, num_stages) for `rows` rows of an [N, K] weight in format `fmt`, with
-    `columns` independent copies of the grid (expert pairs in grouped mode). The linear mode takes
+def gemv_config(fmt: int, N: int, K: int, rows: int, columns: int = 1) -> tuple[int, ...]:
+    """(BLOCK_N, SPLIT_K, num_warps, num_stages[, BITS]) for `rows` rows of an [N, K] weight in format `fmt`,
+    with `columns` independent copies of the grid (expert pairs in grouped mode). The linear mode takes
     scripts/bench_quant.py --sweep's measured best for this GPU when gemv_configs.json has it; otherwise (and
     for experts) enough programs that short K walks keep many loads in flight: BLOCK_N 64 (128 for int4, whose
-    rows are half as wide), K split in up to 8 parts of at least 4 steps of 128."""
+    rows are half as wide), K split in up to 8 parts of at least 4 steps of 128. BITS (default 0) decodes the
+    weight by bit moves instead of conversion instructions (see _fp8_bits); the sweep tries both."""
     if columns == 1 and torch.cuda.is_available():
         tuned = _TUNED.get(torch.cuda.get_device_name(), {}).get(tuned_key(fmt, N, K, rows))
         if tuned:
@@ -184,7 +258,10 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
     N = out_features
     grouped = pairs is not None
     M = 1 if grouped else rows
-    bn, split, warps, stages = config or gemv_config(fmt, N, K, M, rows if grouped else 1)
+    bn, split, warps, stages, *bits = config or gemv_config(fmt, N, K, M, rows if grouped else 1)
+    bits = bool(bits and bits[0]) and fmt != BF16
+    if bits:
+        w = w.view(torch.int32)  # 4 fp8 codes or 8 int4 codes a word, in column order
     k_per_split = triton.cdiv(K // STEP, split) * STEP
     split = triton.cdiv(K, k_per_split)
     y = torch.empty(split, rows, N, dtype=torch.float32, device=x.device)
@@ -196,15 +273,16 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
     scale = w if scale is None else scale  # BF16 reads no scale; any pointer does
     zero = scale if zero is None else zero  # only INT4 reads a zero
     if M == 1:
+        acc_k = STEP // (8 if fmt == INT4 else 4) if bits else STEP // 2 if fmt == INT4 else STEP
         _row_kernel[(triton.cdiv(N, bn), rows, split)](
             x, w, scale, zero, y, tok, exp, N, K, s_stride, w_estride, s_estride,
             k_per_split, FMT=fmt, ACT_FP8=act_fp8, GROUPED=grouped, FP8_LIMIT=FP8_MAX, BLOCK_N=bn, BLOCK_K=STEP,
-            ACC_K=STEP // 2 if fmt == INT4 else STEP, STAGES=stages, num_warps=warps)
+            ACC_K=acc_k, STAGES=stages, BITS=bits, num_warps=warps)
     else:
         _gemv_kernel[(triton.cdiv(N, bn), 1, split)](
             x, w, scale, zero, y, M, N, K, s_stride, k_per_split, FMT=fmt,
             ACT_FP8=act_fp8, FP8_LIMIT=FP8_MAX, BLOCK_M=MAX_ROWS, BLOCK_N=bn, BLOCK_K=STEP, STAGES=stages,
-            num_warps=warps)
+            BITS=bits, num_warps=warps)
     return y[0] if split == 1 else y.sum(0)
 
 

@@ -5,7 +5,8 @@ import pytest
 import torch
 from conftest import poison_allocator, rel_err
 
-from fastqwen.ops.gemv import BF16, FP8_BLOCK, FP8_ROW, INT4, expert_gemv, expert_reference, reference, stored_operands, wq_matmul
+from fastqwen.ops.gemv import (BF16, FP8_BLOCK, FP8_ROW, INT4, _launch, expert_gemv, expert_reference, gemv_config,
+                               reference, stored_operands, wq_matmul)
 from fastqwen.quant.formats import fake_quantize_fp8_activations
 from fastqwen.quant.linear import QuantLinear
 
@@ -16,16 +17,18 @@ FORMATS = [("fp8-weight", FP8_ROW, False), ("fp8", FP8_BLOCK, True), ("int4", IN
 
 @pytest.mark.parametrize("N,K", SHAPES)
 @pytest.mark.parametrize("name,fmt,act", FORMATS)
-def test_kernel_matches_fp32_reference(N, K, name, fmt, act):
+@pytest.mark.parametrize("bits", [None, 0, 1])  # the shipped config; then forced conversion / bit-move decoding
+def test_kernel_matches_fp32_reference(N, K, name, fmt, act, bits):
     w = torch.randn(N, K, device="cuda") * 0.02
     q, s, z = stored_operands(fmt, w)
     for M in (1, 2, 4, 8, 16):
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         poison_allocator((M, N), dtype=torch.float32)
-        y = wq_matmul(x, fmt, q, s, z, act, N)
+        config = None if bits is None else (*gemv_config(fmt, N, K, M)[:4], bits)
+        y = wq_matmul(x, fmt, q, s, z, act, N) if config is None else _launch(x, fmt, q, s, z, act, N, M, config=config)
         assert not y.isnan().any(), f"{name} M={M}: unwritten outputs"
         err = rel_err(y, reference(x.float(), fmt, q, s, z, act, N))
-        assert err < 2e-3, f"{name} {N}x{K} M={M}: relative error {err:.2e}"
+        assert err < 2e-3, f"{name} {N}x{K} M={M} config {config}: relative error {err:.2e}"
 
 
 @pytest.mark.parametrize("scheme", ["fp8-weight", "fp8", "int4"])
