@@ -22,7 +22,8 @@ QUANT_SYSTEMS = ("fastqwen-fp8-weight", "fastqwen-fp8", "fastqwen-int4")  # opti
 # fastqwen with an alternative kernel (optimize's `kernels`), measured against the default on the same model
 CANDIDATE_SYSTEMS = {"fastqwen+split-attention": {"attention": "split"},
                      "fastqwen+grouped-experts": {"experts": "grouped"},
-                     "fastqwen+separate-projections": {"projections": "separate"}}
+                     "fastqwen+separate-projections": {"projections": "separate"},
+                     "fastqwen+gemv-linears": {"linears": "gemv"}}
 DEFAULT_SYSTEMS = ("hf-eager", "hf-static-compile", "fastqwen")  # the others are asked for by name
 SYSTEMS = DEFAULT_SYSTEMS + tuple(CANDIDATE_SYSTEMS) + QUANT_SYSTEMS
 

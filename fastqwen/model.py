@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from .cache import HybridCache
 from .ops.attention import apply_rope, attend_cache, attend_causal, rope_cos_sin, write_kv
 from .ops.decode_attention import attend_cache_split_op
-from .ops.gemv import BF16, STEP, expert_gemv
+from .ops.gemv import BF16, MAX_ROWS, STEP, expert_gemv, wq_linear
 from .ops.conv import causal_conv1d, commit_window
 from .ops.gdn import gates, gdn_chunk, gdn_recurrent, gdn_replay, gdn_verify
 from .ops.norm import gated_rms_norm, rms_norm
@@ -31,7 +31,7 @@ def text_model(model):
 
 
 KERNELS = {"attention": ("sdpa", "split"), "experts": ("gather", "grouped"),
-           "projections": ("fused", "separate")}  # first: the default
+           "projections": ("fused", "separate"), "linears": ("torch", "gemv")}  # first: the default
 
 
 def check_kernels(kernels: dict | None, cfg, device) -> dict:
@@ -41,7 +41,9 @@ def check_kernels(kernels: dict | None, cfg, device) -> dict:
     at decode gathered then multiplied ("gather") or read in place by the grouped kernel ("grouped",
     ops/gemv.py; off CUDA both run their torch references); "projections": each layer's input projections
 as one matmul each ("separate") or one over a fused weight per layer ("fused": GDN qkv+z+b+a, attention
-q+k+v, MLP gate+up; fewer launches, same bytes; see fuse_linears: 1.08× on 27B decode). The defaults are the ones measured fastest so far
+q+k+v, MLP gate+up; fewer launches, same bytes; see fuse_linears: 1.08× on 27B decode); "linears": the
+decoder's bf16 linears at decode and verify by F.linear ("torch": cuBLAS) or by the weight-streaming kernel
+("gemv"; see Linears). The defaults are the ones measured fastest so far
     (docs/BENCHMARKS.md)."""
     kernels = dict(kernels or {})
     unknown = set(kernels) - set(KERNELS)
@@ -134,13 +136,30 @@ def _views_of(fused, linears) -> bool:
     return start == whole.shape[0]
 
 
-def project(module, h, names, fused: bool):
-    """The outputs of `module`'s linears `names` on h: with `fused`, one matmul by the fused linear if
-    fuse_linears gave the module one; else one call each."""
-    fused = module.__dict__.get("fastqwen_fused") if fused else None
-    if fused is None:
-        return [getattr(module, n)(h) for n in names]
-    return fused(h).split(module.__dict__["fastqwen_fused_sizes"], dim=-1)
+class Linears:
+    """How the compiled steps run the model's linears. `fused`: a module's input projections as one matmul by
+    the fused linear fuse_linears gave it (else one call each). `gemv`: a bias-free floating-point nn.Linear
+    on at most MAX_ROWS rows (decode, verify) through the weight-streaming kernel (ops/gemv.py, launch configs
+    per shape from gemv_configs.json) instead of F.linear (cuBLAS on a GPU); more rows, quantized and other
+    modules run as they are."""
+
+    def __init__(self, fused: bool = False, gemv: bool = False):
+        self.fused, self.gemv = fused, gemv
+
+    def __call__(self, module, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if not (self.gemv and type(module) is torch.nn.Linear and module.bias is None and rows <= MAX_ROWS
+                and (module.in_features % STEP == 0 or not x.is_cuda)):  # (off CUDA: wq_linear's reference)
+            return module(x)
+        y = wq_linear(x.reshape(rows, -1), BF16, module.weight, None, None, False, module.out_features)
+        return y.to(x.dtype).view(*x.shape[:-1], module.out_features)
+
+    def project(self, module, h, names):
+        """The outputs of `module`'s linears `names` on h."""
+        fused = module.__dict__.get("fastqwen_fused") if self.fused else None
+        if fused is None:
+            return [self(getattr(module, n), h) for n in names]
+        return self(fused, h).split(module.__dict__["fastqwen_fused_sizes"], dim=-1)
 
 
 _GDN_IN = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
@@ -148,10 +167,10 @@ _ATTN_IN = ("q_proj", "k_proj", "v_proj")
 _MLP_IN = ("gate_proj", "up_proj")
 
 
-def mlp_forward(mlp, h, fused: bool):
+def mlp_forward(mlp, h, lin: Linears):
     """A dense gated MLP (transformers' Qwen3.5 MLP, or a MoE layer's shared expert): down(act(gate)·up)."""
-    gate, up = project(mlp, h, _MLP_IN, fused)
-    return mlp.down_proj(mlp.act_fn(gate) * up)
+    gate, up = lin.project(mlp, h, _MLP_IN)
+    return lin(mlp.down_proj, mlp.act_fn(gate) * up)
 
 
 class Forward:
@@ -164,8 +183,8 @@ class Forward:
         self.eps = self.cfg.rms_norm_eps
         self.cache = cache
         self.kernels = check_kernels(kernels, self.cfg, cache.lengths.device)
-        self.fused = self.kernels["projections"] == "fused"
-        for layer in self.layers if self.fused else ():
+        self.lin = Linears(fused=self.kernels["projections"] == "fused", gemv=self.kernels["linears"] == "gemv")
+        for layer in self.layers if self.lin.fused else ():
             if hasattr(layer, "linear_attn"):
                 fuse_linears(layer.linear_attn, _GDN_IN)
             if hasattr(layer, "self_attn"):
@@ -252,7 +271,7 @@ class Forward:
         B, T, _ = h.shape
         cfg = self.cfg
         key_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim
-        x, z, b, a = project(m, h, _GDN_IN, self.fused)
+        x, z, b, a = self.lin.project(m, h, _GDN_IN)
         qkv = causal_conv1d(x, m.conv1d.weight[:, 0], conv, update=mode != "verify")
         q, k, v = torch.split(qkv, [key_dim, key_dim, qkv.shape[-1] - 2 * key_dim], dim=-1)
         q = q.reshape(B, T, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
@@ -272,13 +291,13 @@ class Forward:
             o = gdn_recurrent(q, k, v, a, b, m.A_log, m.dt_bias, state)
         z = z.reshape(o.shape)
         o = gated_rms_norm(o, z, m.norm.weight, m.norm.variance_epsilon)
-        return m.out_proj(o.reshape(B, T, -1))
+        return self.lin(m.out_proj, o.reshape(B, T, -1))
 
     def _attention(self, m, h, cos, sin, positions, k_cache, v_cache, mode):
         """Gated full attention: q/k norms, partial rope, cache write, attention, sigmoid output gate."""
         B, T, _ = h.shape
         D = m.head_dim
-        q, k, v = project(m, h, _ATTN_IN, self.fused)
+        q, k, v = self.lin.project(m, h, _ATTN_IN)
         q, gate = q.reshape(B, T, -1, 2 * D).chunk(2, dim=-1)
         q = rms_norm(q, m.q_norm.weight, m.q_norm.eps).transpose(1, 2)
         k = rms_norm(k.reshape(B, T, -1, D), m.k_norm.weight, m.k_norm.eps).transpose(1, 2)
@@ -292,17 +311,17 @@ class Forward:
         else:
             o = attend_cache(q, k_cache, v_cache, positions, m.scaling)
         o = o.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate.reshape(B, T, -1))
-        return m.o_proj(o)
+        return self.lin(m.o_proj, o)
 
     def _mlp(self, mlp, h, mode):
         if not hasattr(mlp, "experts"):
-            return mlp_forward(mlp, h, self.fused)
+            return mlp_forward(mlp, h, self.lin)
         if mode == "prefill":
             return mlp(h)  # transformers' own grouped expert loop
-        return routed_moe(mlp, h, grouped=self.kernels["experts"] == "grouped", fused=self.fused)
+        return routed_moe(mlp, h, grouped=self.kernels["experts"] == "grouped", lin=self.lin)
 
 
-def routed_moe(mlp, h: torch.Tensor, grouped: bool = False, fused: bool = False) -> torch.Tensor:
+def routed_moe(mlp, h: torch.Tensor, grouped: bool = False, lin: Linears | None = None) -> torch.Tensor:
     """Sparse MoE block for few tokens: run only each token's top-k experts, plus the shared expert.
 
     h [B, T, H]. Same routing as transformers: softmax over all experts in fp32, top-k, renormalise. bf16
@@ -333,5 +352,6 @@ def routed_moe(mlp, h: torch.Tensor, grouped: bool = False, fused: bool = False)
         act = mlp.experts.act_fn(gate) * up  # [N, k, I]
         out = torch.einsum("nki,nkhi->nkh", act, mlp.experts.down_proj[experts])
     out = (out * weights[..., None]).sum(1)
-    shared = mlp_forward(mlp.shared_expert, x, fused) * torch.sigmoid(mlp.shared_expert_gate(x))
+    lin = lin or Linears()
+    shared = mlp_forward(mlp.shared_expert, x, lin) * torch.sigmoid(mlp.shared_expert_gate(x))
     return (out + shared).reshape(shape)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from fastqwen import bench  # noqa: E402
+from fastqwen.model import Linears  # noqa: E402
 from fastqwen.quant.linear import QuantLinear  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -42,7 +43,8 @@ SHAPES = {
 def candidates(linear: torch.nn.Linear) -> dict:
     """{name: (callable x -> y, weight bytes)}; a candidate that cannot be built maps to its error string."""
     N, K = linear.out_features, linear.in_features
-    out = {"bf16": (lambda x: F.linear(x, linear.weight), N * K * 2)}
+    out = {"bf16": (lambda x: F.linear(x, linear.weight), N * K * 2),
+           "fastqwen bf16": (lambda x: Linears(gemv=True)(linear, x), N * K * 2)}  # kernels={"linears": "gemv"}
     for scheme in ("fp8-weight", "fp8", "int4"):
         layer = QuantLinear.from_linear(linear, scheme)
         out[f"fastqwen {scheme}"] = (layer, sum(b.numel() * b.element_size() for b in layer.buffers()))
@@ -123,14 +125,15 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None) -> list[dict]:
                 continue
             w = torch.randn(N // SMALL, K // SMALL, device=DEV, dtype=torch.bfloat16) * 0.02
             N, K = w.shape
-            for name, fmt in (("fp8-weight", gemv.FP8_ROW), ("int4", gemv.INT4)):
+            for name, fmt in (("fp8-weight", gemv.FP8_ROW), ("int4", gemv.INT4), ("bf16", gemv.BF16)):
                 q, sc, z = gemv.stored_operands(fmt, w)
                 nbytes = sum(t.numel() * t.element_size() for t in (q, sc, z) if t is not None)
                 for m in ms:
                     x = torch.randn(m, K, device=DEV, dtype=torch.bfloat16)
                     default = (*gemv.gemv_config(fmt, N, K, m), 0)[:5]  # BITS 0 unless the table says 1
                     times = {}
-                    for cfg in [default] + [c for c in configs if K // 128 >= c[1] and c != default]:
+                    for cfg in [default] + [c for c in configs if K // 128 >= c[1] and c != default
+                                            and not (fmt == gemv.BF16 and c[4])]:  # bf16 has no bit decoding
                         try:
                             times[cfg] = bench.graph_seconds(
                                 lambda x, cfg=cfg: gemv._launch(x, fmt, q, sc, z, False, N, m, config=cfg), x)

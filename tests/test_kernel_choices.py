@@ -21,18 +21,19 @@ def test_grouped_experts_match_the_gathered_ones():
         torch.testing.assert_close(routed_moe(mlp, h, grouped=True), routed_moe(mlp, h), rtol=1e-5, atol=1e-5)
 
 
-ALL = {"attention": "split", "experts": "grouped", "projections": "separate"}
+ALL = {"attention": "split", "experts": "grouped", "projections": "separate", "linears": "gemv"}
 
 
 @pytest.mark.parametrize("name,kernels,compile", [("tiny", {"attention": "split"}, False),
                                                   ("tiny", {"projections": "separate"}, True),
+                                                  ("tiny", {"linears": "gemv"}, True),
                                                   ("tiny-moe", ALL, False),
                                                   ("tiny-moe", ALL, True)])
 def test_alternative_kernels_give_the_default_tokens(name, kernels, compile):
     default = fastqwen.optimize(fresh(name), max_batch_size=2, max_seq_len=96, compile=False)
     other = fastqwen.optimize(fresh(name), max_batch_size=2, max_seq_len=96, compile=compile, kernels=kernels)
     assert other._fastqwen.forward.kernels == {"attention": "sdpa", "experts": "gather", "projections": "fused",
-                                               **kernels}
+                                               "linears": "torch", **kernels}
     ids, mask = left_padded([torch.randint(1, 500, (n,)) for n in (17, 5)])
     assert torch.equal(other.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16),
                        default.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16))
@@ -45,3 +46,22 @@ def test_bad_kernel_choices():
         fastqwen.optimize(fresh("tiny"), compile=False, kernels={"attention": "flash"})
     with pytest.raises(ValueError, match="applies to MoE models only"):
         fastqwen.optimize(fresh("tiny"), compile=False, kernels={"experts": "grouped"})
+
+
+def test_gemv_linears_take_the_decode_linears(monkeypatch):
+    """kernels={"linears": "gemv"}: decode runs the bf16 linears (fused projections, out/o/down projections,
+    the shared expert) through wq_linear, prefill does not, and the tokens are the default's."""
+    import fastqwen.model as model_module
+
+    calls = []
+    real = model_module.wq_linear
+    monkeypatch.setattr(model_module, "wq_linear", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    ids = torch.randint(1, 500, (1, 21))
+    gen = dict(do_sample=False, max_new_tokens=6)
+    default = fastqwen.optimize(fresh("tiny-moe"), max_seq_len=64, compile=False)
+    other = fastqwen.optimize(fresh("tiny-moe"), max_seq_len=64, compile=False, kernels={"linears": "gemv"})
+    assert torch.equal(other.generate(ids, **gen), default.generate(ids, **gen))
+    layers = other.config.num_hidden_layers
+    # 4 a layer (fused input projections, out/o projection, shared expert gate+up and down) in each of the 5
+    # decode steps; none in prefill (21 rows)
+    assert len(calls) == 4 * layers * 5 and set(calls) == {1}

@@ -76,7 +76,7 @@ def test_quantized_projections_fuse_and_give_the_separate_tokens(scheme, compile
 
 def test_fp8_block_projections_fuse_only_in_whole_blocks():
     """fp8's 128×128 scale blocks: parts fuse when every part but the last is whole blocks of rows."""
-    from fastqwen.model import fuse_linears, project
+    from fastqwen.model import Linears, fuse_linears
 
     torch.manual_seed(0)
     h = torch.randn(3, 128)
@@ -85,10 +85,10 @@ def test_fp8_block_projections_fuse_only_in_whole_blocks():
         names = [f"p{i}" for i in range(len(sizes))]
         for name, n in zip(names, sizes):
             setattr(module, name, QuantLinear.from_linear(torch.nn.Linear(128, n, bias=False), "fp8"))
-        separate = project(module, h, names, fused=False)
+        separate = Linears().project(module, h, names)
         fuse_linears(module, names)
         assert ("fastqwen_fused" in module.__dict__) == fuses
-        for got, want in zip(project(module, h, names, fused=True), separate):
+        for got, want in zip(Linears(fused=True).project(module, h, names), separate):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
         for got, want in zip([getattr(module, n)(h) for n in names], separate):  # the parts, now views
             torch.testing.assert_close(got, want, rtol=0, atol=0)

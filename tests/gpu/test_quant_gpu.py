@@ -12,7 +12,8 @@ from fastqwen.quant.linear import QuantLinear
 
 # (N, K): 27B MLP gate/up and down, 27B attention q (with gate) and GDN qkv; 35B-A3B attention q, shared expert
 SHAPES = [(17408, 5120), (5120, 17408), (12288, 5120), (10240, 5120), (8192, 2048), (512, 2048)]
-FORMATS = [("fp8-weight", FP8_ROW, False), ("fp8", FP8_BLOCK, True), ("int4", INT4, False)]
+FORMATS = [("fp8-weight", FP8_ROW, False), ("fp8", FP8_BLOCK, True), ("int4", INT4, False),
+           ("bf16", BF16, False)]  # bf16: kernels={"linears": "gemv"}
 
 
 @pytest.mark.parametrize("N,K", SHAPES)
