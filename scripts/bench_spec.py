@@ -86,6 +86,8 @@ def main():
     p.add_argument("--phases", nargs="*", metavar="PROPOSER", help="time draft / verify / commit for these runs "
                    "only (default: every run; none given: no run)")
     p.add_argument("--no-autotune", action="store_true")
+    p.add_argument("--kernels", nargs="*", default=[], metavar="OP=CHOICE",
+                   help="optimize's kernels option, e.g. attention=split linears=gemv")
     p.add_argument("--json", type=pathlib.Path)
     args = p.parse_args()
     runs = []
@@ -107,9 +109,10 @@ def main():
     opts = {"triton.cudagraphs": True} if args.no_autotune and cuda else None
     block = max([k + 1 for _, k, _ in runs] + [args.verify_block])
     max_seq = args.prompt_len + args.n_long + 2 * block + 8  # room for the timed blocks after a generate
+    kernels = dict(kv.split("=", 1) for kv in args.kernels)
     fastqwen.optimize(model, max_batch_size=args.batch, max_seq_len=max_seq, compile=True, compile_options=opts,
-                      quant=args.quant)
-    res["quant"] = args.quant
+                      quant=args.quant, kernels=kernels)
+    res["quant"], res["kernels"] = args.quant, kernels
     e = model._fastqwen
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(model.config.vocab_size, (1, args.prompt_len), generator=gen).repeat(args.batch, 1).to(device)

@@ -38,6 +38,8 @@ def main():
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--no-autotune", action="store_true")
+    p.add_argument("--kernels", nargs="*", default=[], metavar="OP=CHOICE",
+                   help="optimize's kernels option, e.g. attention=split linears=gemv")
     p.add_argument("--speculate", metavar="PROPOSER:K", help="profile a speculative round: mtp:3, dflash:15, …")
     p.add_argument("--json", type=pathlib.Path)
     args = p.parse_args()
@@ -45,7 +47,8 @@ def main():
     dtype = torch.bfloat16 if cuda else torch.float32
     model = presets.build(args.model, dtype=dtype, device=device)
     opts = {"triton.cudagraphs": True} if args.no_autotune and cuda else None
-    fastqwen.optimize(model, max_batch_size=args.batch_size, max_seq_len=args.prompt_len + 64, compile_options=opts)
+    fastqwen.optimize(model, max_batch_size=args.batch_size, max_seq_len=args.prompt_len + 64, compile_options=opts,
+                      kernels=dict(kv.split("=", 1) for kv in args.kernels))
     e = model._fastqwen
     ids = torch.randint(model.config.vocab_size, (args.batch_size, args.prompt_len), device=device)
     e.warmup()
