@@ -23,7 +23,8 @@ QUANT_SYSTEMS = ("fastqwen-fp8-weight", "fastqwen-fp8", "fastqwen-int4")  # opti
 CANDIDATE_SYSTEMS = {"fastqwen+split-attention": {"attention": "split"},
                      "fastqwen+grouped-experts": {"experts": "grouped"},
                      "fastqwen+separate-projections": {"projections": "separate"},
-                     "fastqwen+gemv-linears": {"linears": "gemv"}}
+                     "fastqwen+gemv-linears": {"linears": "gemv"},
+                     "fastqwen+unrolled-gdn": {"gdn": "unrolled"}}
 DEFAULT_SYSTEMS = ("hf-eager", "hf-static-compile", "fastqwen")  # the others are asked for by name
 SYSTEMS = DEFAULT_SYSTEMS + tuple(CANDIDATE_SYSTEMS) + QUANT_SYSTEMS
 

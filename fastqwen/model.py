@@ -31,7 +31,8 @@ def text_model(model):
 
 
 KERNELS = {"attention": ("sdpa", "split"), "experts": ("gather", "grouped"),
-           "projections": ("fused", "separate"), "linears": ("torch", "gemv")}  # first: the default
+           "projections": ("fused", "separate"), "linears": ("torch", "gemv"),
+           "gdn": ("fla", "unrolled")}  # first: the default
 
 
 def check_kernels(kernels: dict | None, cfg, device) -> dict:
@@ -43,7 +44,9 @@ def check_kernels(kernels: dict | None, cfg, device) -> dict:
 as one matmul each ("separate") or one over a fused weight per layer ("fused": GDN qkv+z+b+a, attention
 q+k+v, MLP gate+up; fewer launches, same bytes; see fuse_linears: 1.08× on 27B decode); "linears": the
 decoder's bf16 linears at decode and verify by F.linear ("torch": cuBLAS) or by the weight-streaming kernel
-("gemv"; see Linears). The defaults are the ones measured fastest so far
+("gemv"; see Linears); "gdn": the gated delta rule of decode, verify and commit by flash-linear-attention's
+fused recurrent kernel ("fla") or by ours with the time loop unrolled ("unrolled", ops/gdn.py; prefill keeps
+fla's either way). The defaults are the ones measured fastest so far
     (docs/BENCHMARKS.md)."""
     kernels = dict(kernels or {})
     unknown = set(kernels) - set(KERNELS)
@@ -183,6 +186,7 @@ class Forward:
         self.eps = self.cfg.rms_norm_eps
         self.cache = cache
         self.kernels = check_kernels(kernels, self.cfg, cache.lengths.device)
+        self.unrolled = self.kernels["gdn"] == "unrolled"  # (a Triton compile per T: not for prefill)
         self.lin = Linears(fused=self.kernels["projections"] == "fused", gemv=self.kernels["linears"] == "gemv")
         for layer in self.layers if self.lin.fused else ():
             if hasattr(layer, "linear_attn"):
@@ -238,7 +242,7 @@ class Forward:
             accepted = (block[None, :] < keep[:, None]).float()[None, ..., None]  # [1, B, T, 1]
             r = self.cache.replay()
             gdn_replay(r["k"].flatten(0, 1), r["v"].flatten(0, 1), (r["g"] * accepted).flatten(0, 1),
-                       (r["beta"] * accepted).flatten(0, 1), self.cache.state.flatten(0, 1))
+                       (r["beta"] * accepted).flatten(0, 1), self.cache.state.flatten(0, 1), self.unrolled)
             commit_window(self.cache.conv, r["x"], keep)
         self.cache.lengths.add_(keep)
 
@@ -281,14 +285,14 @@ class Forward:
         # would be three eager copies per layer once T > 1)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         if mode == "verify":
-            o = gdn_verify(q, k, v, a, b, m.A_log, m.dt_bias, state)
+            o = gdn_verify(q, k, v, a, b, m.A_log, m.dt_bias, state, self.unrolled)
             g, beta = gates(a, b, m.A_log, m.dt_bias)
             for name, value in zip(("x", "k", "v", "g", "beta"), (x, k, v, g, beta)):
                 self.cache.replay(i)[name][:, :T].copy_(value)  # commit masks the positions past T
         elif mode == "prefill" and T >= _CHUNK_MIN_TOKENS:
             o = gdn_chunk(q, k, v, a, b, m.A_log, m.dt_bias, state)
         else:
-            o = gdn_recurrent(q, k, v, a, b, m.A_log, m.dt_bias, state)
+            o = gdn_recurrent(q, k, v, a, b, m.A_log, m.dt_bias, state, self.unrolled and mode != "prefill")
         z = z.reshape(o.shape)
         o = gated_rms_norm(o, z, m.norm.weight, m.norm.variance_epsilon)
         return self.lin(m.out_proj, o.reshape(B, T, -1))

@@ -1,6 +1,7 @@
 """The speculative commit (GDN state replay + conv window over the accepted prefix of a verified block) on a
 real model's cache shapes: all Gated DeltaNet layers in one launch (Forward.commit over the stacked cache)
-against one launch per layer (what the commit did before the cache was stacked), and the bytes floor.
+against one launch per layer (what the commit did before the cache was stacked), the stacked commit with our
+unrolled replay kernel (kernels={"gdn": "unrolled"}), and the bytes floor.
 
     python scripts/bench_commit.py --models qwen3.5-27b qwen3.5-9b --block 16
 
@@ -51,7 +52,8 @@ def main():
     dev, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     bw = bench.copy_bandwidth(dev)
     rows = []
-    print("| model | B | layers | stacked µs | per-layer µs | floor µs | same states |\n|---|---|---|---|---|---|---|")
+    print("| model | B | layers | stacked µs | stacked, unrolled µs | per-layer µs | floor µs | same states |\n"
+          "|---|---|---|---|---|---|---|---|")
     for name in args.models:
         cfg = presets.config(name)
         for B in args.batch:
@@ -64,14 +66,18 @@ def main():
             cache.replay_beta.copy_(cache.replay_beta.abs().clamp(max=1))
             keep = torch.randint(0, args.block + 1, (B,), generator=gen, device=dev)
             saved = {n: b.clone() for n, b in cache.named_buffers()}
-            stacked = SimpleNamespace(cache=cache)
-            Forward.commit(stacked, keep)
-            after = (cache.state.clone(), cache.conv.clone())
-            for n, b in cache.named_buffers():
-                b.copy_(saved[n])
-            per_layer_commit(cache, keep)
-            same = max((after[0] - cache.state).abs().max().item(), (after[1] - cache.conv).abs().max().item())
+            stacked = SimpleNamespace(cache=cache, unrolled=False)
+            unrolled = SimpleNamespace(cache=cache, unrolled=True)
+            states = []  # after each way of committing, from the same saved buffers
+            for commit in (lambda: Forward.commit(stacked, keep), lambda: Forward.commit(unrolled, keep),
+                           lambda: per_layer_commit(cache, keep)):
+                for n, b in cache.named_buffers():
+                    b.copy_(saved[n])
+                commit()
+                states.append((cache.state.clone(), cache.conv.clone()))
+            same = max((a - b).abs().max().item() for other in states[1:] for a, b in zip(other, states[0]))
             t_stacked = bench.graph_seconds(lambda: Forward.commit(stacked, keep))
+            t_unrolled = bench.graph_seconds(lambda: Forward.commit(unrolled, keep))
             t_layer = float("nan") if args.no_per_layer else bench.graph_seconds(lambda: per_layer_commit(cache, keep))
             floor = 2 * cache.state.numel() * 4 / bw
             tiles = {}
@@ -82,9 +88,10 @@ def main():
                 print(f"  replay tile {tile}: {tiles[tile] * 1e6:.0f} µs", flush=True)
             L = len(cache.gdn_index)
             rows.append({"model": name, "batch": B, "block": args.block, "gdn_layers": L, "stacked_s": t_stacked,
-                         "per_layer_s": t_layer, "floor_s": floor, "max_state_diff": same, "tiles_s": tiles})
-            print(f"| {name} | {B} | {L} | {t_stacked * 1e6:.0f} | {t_layer * 1e6:.0f} | {floor * 1e6:.0f} | "
-                  f"{same:.1e} |", flush=True)
+                         "unrolled_s": t_unrolled, "per_layer_s": t_layer, "floor_s": floor, "max_state_diff": same,
+                         "tiles_s": tiles})
+            print(f"| {name} | {B} | {L} | {t_stacked * 1e6:.0f} | {t_unrolled * 1e6:.0f} | {t_layer * 1e6:.0f} | "
+                  f"{floor * 1e6:.0f} | {same:.1e} |", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"hardware": torch.cuda.get_device_name() if cuda else "cpu (smoke)",
                                          "copy_bandwidth_Bps": bw, "rows": rows}, indent=1))

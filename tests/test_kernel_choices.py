@@ -21,7 +21,7 @@ def test_grouped_experts_match_the_gathered_ones():
         torch.testing.assert_close(routed_moe(mlp, h, grouped=True), routed_moe(mlp, h), rtol=1e-5, atol=1e-5)
 
 
-ALL = {"attention": "split", "experts": "grouped", "projections": "separate", "linears": "gemv"}
+ALL = {"attention": "split", "experts": "grouped", "projections": "separate", "linears": "gemv", "gdn": "unrolled"}
 
 
 @pytest.mark.parametrize("name,kernels,compile", [("tiny", {"attention": "split"}, False),
@@ -33,15 +33,17 @@ def test_alternative_kernels_give_the_default_tokens(name, kernels, compile):
     default = fastqwen.optimize(fresh(name), max_batch_size=2, max_seq_len=96, compile=False)
     other = fastqwen.optimize(fresh(name), max_batch_size=2, max_seq_len=96, compile=compile, kernels=kernels)
     assert other._fastqwen.forward.kernels == {"attention": "sdpa", "experts": "gather", "projections": "fused",
-                                               "linears": "torch", **kernels}
+                                               "linears": "torch", "gdn": "fla", **kernels}
     ids, mask = left_padded([torch.randint(1, 500, (n,)) for n in (17, 5)])
     assert torch.equal(other.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16),
                        default.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16))
 
 
 def test_bad_kernel_choices():
-    with pytest.raises(ValueError, match=r"unknown kernels \['gdn'\]"):
-        fastqwen.optimize(fresh("tiny"), compile=False, kernels={"gdn": "fla"})
+    with pytest.raises(ValueError, match=r"unknown kernels \['mlp'\]"):
+        fastqwen.optimize(fresh("tiny"), compile=False, kernels={"mlp": "fused"})
+    with pytest.raises(ValueError, match=r"kernels\['gdn'\]='chunk'; choose from fla, unrolled"):
+        fastqwen.optimize(fresh("tiny"), compile=False, kernels={"gdn": "chunk"})
     with pytest.raises(ValueError, match=r"kernels\['attention'\]='flash'; choose from sdpa, split"):
         fastqwen.optimize(fresh("tiny"), compile=False, kernels={"attention": "flash"})
     with pytest.raises(ValueError, match="applies to MoE models only"):

@@ -88,22 +88,93 @@ def _fla_recurrent(q, k, v, g, beta, state, final_state, gate_in_kernel, A_log=N
     return out
 
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the ops run the reference
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _unrolled_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, h0_ptr, ht_ptr, o_ptr, scale,
+                         T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                         BV: tl.constexpr, GATE_IN: tl.constexpr, WRITE_O: tl.constexpr, WRITE_STATE: tl.constexpr):
+        """The recurrence over T positions with the time loop unrolled (T is a compile-time constant), so the
+        loads of every position, which do not depend on the state, can be issued ahead of the serial state
+        updates. A program owns a [K, BV] tile of one (row, value head)'s state. GATE_IN: a, b are the raw
+        projections (g = -exp(A_log)·softplus(a + dt_bias), beta = sigmoid(b)); else they are g and beta."""
+        i_v, i_bh = tl.program_id(0), tl.program_id(1)
+        row, hv = i_bh // HV, i_bh % HV
+        h = hv // (HV // H)
+        ok = tl.arange(0, K)
+        ov = i_v * BV + tl.arange(0, BV)
+        tile = (i_bh * K + ok[:, None]) * V + ov[None, :]
+        S = tl.load(h0_ptr + tile)
+        if GATE_IN:
+            A = -tl.exp(tl.load(A_log_ptr + hv).to(tl.float32))
+            dt_bias = tl.load(dt_bias_ptr + hv).to(tl.float32)
+        for t in tl.static_range(T):
+            qk = ((row * T + t) * H + h) * K + ok
+            gb = (row * T + t) * HV + hv
+            kt = tl.load(k_ptr + qk).to(tl.float32)
+            kt = kt / tl.sqrt(tl.sum(kt * kt) + 1e-6)
+            vt = tl.load(v_ptr + gb * V + ov).to(tl.float32)
+            at = tl.load(a_ptr + gb).to(tl.float32)
+            bt = tl.load(b_ptr + gb).to(tl.float32)
+            if GATE_IN:
+                x = at + dt_bias
+                at = A * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+                bt = 1.0 / (1.0 + tl.exp(-bt))
+            S = S * tl.exp(at)
+            u = (vt - tl.sum(S * kt[:, None], 0)) * bt
+            S = S + kt[:, None] * u[None, :]
+            if WRITE_O:
+                qt = tl.load(q_ptr + qk).to(tl.float32)
+                qt = qt / tl.sqrt(tl.sum(qt * qt) + 1e-6) * scale
+                tl.store(o_ptr + gb * V + ov, tl.sum(S * qt[:, None], 0).to(o_ptr.dtype.element_ty))
+        if WRITE_STATE:
+            tl.store(ht_ptr + tile, S)
+
+
+UNROLLED_MAX_T = 64  # longer blocks (prefill) keep fla's kernels
+
+
+def _unrolled(q, k, v, a, b, state, final_state, gate_in, A_log=None, dt_bias=None, write_o=True, block_v=16):
+    """_unrolled_kernel on contiguous inputs (same contract as _fla_recurrent); returns o (or None)."""
+    batch, seq, heads, dk = k.shape
+    vheads, dv = v.shape[2], v.shape[3]
+    q, k, v, a, b = (t.contiguous() for t in (q, k, v, a, b))
+    out = _output_like(v) if write_o else None
+    block_v = min(block_v, dv)
+    dummy = state  # pointers the kernel does not read under its flags
+    _unrolled_kernel[(triton.cdiv(dv, block_v), batch * vheads)](
+        q, k, v, a, b, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias, state,
+        dummy if final_state is None else final_state, dummy if out is None else out, dk**-0.5,
+        T=seq, H=heads, HV=vheads, K=dk, V=dv, BV=block_v, GATE_IN=gate_in, WRITE_O=write_o,
+        WRITE_STATE=final_state is not None, num_warps=4 if block_v >= 32 else 2)
+    return out
+
+
 @torch.library.custom_op("fastqwen::gdn_recurrent", mutates_args=("state",))
 def gdn_recurrent(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-    A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
+    A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, unrolled: bool = False,
 ) -> torch.Tensor:
-    """Recurrent gated delta rule for small T (decode, verify); updates `state` in place."""
+    """Recurrent gated delta rule for small T (decode, verify); updates `state` in place. unrolled: on CUDA,
+    our unrolled kernel instead of fla's (kernels={"gdn": "unrolled"})."""
     return gdn_reference(q, k, v, a, b, A_log, dt_bias, state)
 
 
 @gdn_recurrent.register_kernel("cuda")
-def _gdn_recurrent_cuda(q, k, v, a, b, A_log, dt_bias, state):
+def _gdn_recurrent_cuda(q, k, v, a, b, A_log, dt_bias, state, unrolled=False):
+    if unrolled and k.shape[1] <= UNROLLED_MAX_T:
+        return _unrolled(q, k, v, a, b, state, state, gate_in=True, A_log=A_log, dt_bias=dt_bias)
     return _fla_recurrent(q, k, v, a, b, state, state, gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
 
 
 @gdn_recurrent.register_fake
-def _(q, k, v, a, b, A_log, dt_bias, state):
+def _(q, k, v, a, b, A_log, dt_bias, state, unrolled=False):
     return _output_like(v)
 
 
@@ -137,24 +208,27 @@ def _(q, k, v, a, b, A_log, dt_bias, state):
 @torch.library.custom_op("fastqwen::gdn_verify", mutates_args=())
 def gdn_verify(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-    A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
+    A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, unrolled: bool = False,
 ) -> torch.Tensor:
     """Outputs of a speculative block from the checkpoint `state`, which is read and left as it is."""
     return gdn_reference(q, k, v, a, b, A_log, dt_bias, state.clone())
 
 
 @gdn_verify.register_kernel("cuda")
-def _gdn_verify_cuda(q, k, v, a, b, A_log, dt_bias, state):
+def _gdn_verify_cuda(q, k, v, a, b, A_log, dt_bias, state, unrolled=False):
+    if unrolled and k.shape[1] <= UNROLLED_MAX_T:
+        return _unrolled(q, k, v, a, b, state, None, gate_in=True, A_log=A_log, dt_bias=dt_bias)
     return _fla_recurrent(q, k, v, a, b, state, None, gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
 
 
 @gdn_verify.register_fake
-def _(q, k, v, a, b, A_log, dt_bias, state):
+def _(q, k, v, a, b, A_log, dt_bias, state, unrolled=False):
     return _output_like(v)
 
 
 @torch.library.custom_op("fastqwen::gdn_replay", mutates_args=("state",))
-def gdn_replay(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor) -> None:
+def gdn_replay(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+               unrolled: bool = False) -> None:
     """Advance `state` in place over a block with explicit g, beta [B, T, HV] (zeros where not accepted)."""
     recurrence(k, k, v, g, beta, state)
 
@@ -163,10 +237,13 @@ REPLAY_TILE = (8, 1)  # (block_v, num_warps) of the replay launch; scripts/bench
 
 
 @gdn_replay.register_kernel("cuda")
-def _gdn_replay_cuda(k, v, g, beta, state):
+def _gdn_replay_cuda(k, v, g, beta, state, unrolled=False):
+    if unrolled and k.shape[1] <= UNROLLED_MAX_T:
+        _unrolled(k, k, v, g, beta, state, state, gate_in=False, write_o=False)
+        return
     _fla_recurrent(k, k, v, g, beta, state, state, gate_in_kernel=False, block_v=REPLAY_TILE[0], warps=REPLAY_TILE[1])
 
 
 @gdn_replay.register_fake
-def _(k, v, g, beta, state):
+def _(k, v, g, beta, state, unrolled=False):
     return None

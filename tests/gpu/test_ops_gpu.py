@@ -23,9 +23,11 @@ def gdn_inputs(B, T, H, HV, K=128, V=128, dtype=torch.bfloat16):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("op,B,T", [(gdn_recurrent, 1, 1), (gdn_recurrent, 3, 1), (gdn_recurrent, 2, 16),
-                                    (gdn_chunk, 1, 200), (gdn_chunk, 2, 64)])
-def test_gdn_fast_matches_reference(shape, op, B, T):
+@pytest.mark.parametrize("op,B,T,unrolled", [(gdn_recurrent, 1, 1, False), (gdn_recurrent, 3, 1, False),
+                                             (gdn_recurrent, 2, 16, False), (gdn_recurrent, 1, 1, True),
+                                             (gdn_recurrent, 3, 16, True), (gdn_chunk, 1, 200, False),
+                                             (gdn_chunk, 2, 64, False)])
+def test_gdn_fast_matches_reference(shape, op, B, T, unrolled):
     H, HV = SHAPES[shape]
     x = gdn_inputs(B, T, H, HV)
     h0 = torch.randn(B, HV, 128, 128, device="cuda") * 0.1
@@ -33,7 +35,7 @@ def test_gdn_fast_matches_reference(shape, op, B, T):
     ref = gdn_reference(**{n: t.float() for n, t in x.items()}, state=ref_state)
     state = h0.clone()
     poison_allocator((B, T, HV, 128))
-    out = op(**x, state=state)
+    out = op(**x, state=state, unrolled=True) if unrolled else op(**x, state=state)
     assert not out.isnan().any() and not state.isnan().any()
     assert rel_err(out, ref) < 1e-2
     assert rel_err(state, ref_state) < 1e-2
@@ -101,8 +103,9 @@ def test_routed_moe_matches_transformers_block_real_shape(grouped):
     assert rel_err(f(block, h, grouped), block.float()(h.float())) < 2e-2
 
 
+@pytest.mark.parametrize("unrolled", [False, True])
 @pytest.mark.parametrize("B,T", [(1, 4), (3, 16)])
-def test_gdn_verify_reads_and_replay_commits_like_the_reference(B, T):
+def test_gdn_verify_reads_and_replay_commits_like_the_reference(B, T, unrolled):
     """verify: outputs of the block from the checkpoint state, which stays untouched; replay with a per-row
     accepted prefix: the state of running only that prefix."""
     from fastqwen.ops.gdn import gates, gdn_replay, gdn_verify, recurrence
@@ -112,13 +115,13 @@ def test_gdn_verify_reads_and_replay_commits_like_the_reference(B, T):
     h0 = torch.randn(B, HV, 128, 128, device="cuda") * 0.1
     state = h0.clone()
     poison_allocator((B, T, HV, 128))
-    out = gdn_verify(**x, state=state)
+    out = gdn_verify(**x, state=state, unrolled=unrolled)
     assert torch.equal(state, h0), "verify must not write the checkpoint state"
     assert rel_err(out, gdn_reference(**{n: t.float() for n, t in x.items()}, state=h0.clone())) < 1e-2
     keep = torch.randint(0, T + 1, (B,), device="cuda")
     g, beta = gates(x["a"], x["b"], x["A_log"], x["dt_bias"])
     accepted = (torch.arange(T, device="cuda")[None] < keep[:, None]).float()[..., None]
-    gdn_replay(x["k"], x["v"], g * accepted, beta * accepted, state)
+    gdn_replay(x["k"], x["v"], g * accepted, beta * accepted, state, unrolled)
     for b in range(B):
         n = int(keep[b])
         ref = h0[b:b + 1].clone()
