@@ -96,21 +96,23 @@ class OracleProposer:
         return n, logits.argmax(-1).gather(1, n[:, None])[:, 0]
 
 
-def random_proposer(name: str, model, engine, preset: str, lm_head=None):
+def random_proposer(name: str, model, engine, preset: str, lm_head=None, quant: str | None = None):
     """The real drafting compute of `name` ("mtp" or "dflash") with random weights of the real shape, for the
-    target `model` of preset `preset` (drafting through `lm_head`, default the target's). Benchmarks wrap it in
-    an OracleProposer (`inner`) so that every round pays for it."""
+    target `model` of preset `preset` (drafting through `lm_head`, default the target's; the draft quantized
+    in `quant`'s scheme, as optimize does it for a quantized target). Benchmarks wrap it in an OracleProposer
+    (`inner`) so that every round pays for it."""
+    from .optimize import quantize_draft
     from .spec.dflash import DFlashDraft, DFlashProposer
     from .spec.mtp import MTPHead, MTPProposer
 
     if name == "mtp":
         head = MTPHead(model, {k[4:]: v for k, v in presets.random_mtp_tensors(model).items()})
-        return MTPProposer(engine, head, lm_head)
+        return MTPProposer(engine, quantize_draft(head, quant, 128), lm_head)
     if name != "dflash":
         raise ValueError(f"unknown proposer {name!r}: use mtp or dflash")
     cfg = presets.dflash_config(preset)
     tensors = presets.random_dflash_tensors(cfg, model.config.hidden_size, dtype=engine.dtype, device=engine.device)
-    return DFlashProposer(engine, DFlashDraft(cfg, tensors, model), lm_head)
+    return DFlashProposer(engine, quantize_draft(DFlashDraft(cfg, tensors, model), quant, 128), lm_head)
 
 
 def miss_for_tau(tau: float, k: int) -> float:

@@ -39,6 +39,8 @@ def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile
     Exact output as well (spec/draft_head.py); acceptance drops where the target's token is outside the subset.
     kernels: the kernel of each op whose alternatives are still being measured, e.g. {"attention": "split",
     "experts": "grouped"} (model.check_kernels lists them; the defaults are the measured fastest).
+    quant: also quantizes the speculative draft (the MTP head's or the DFlash draft's linears and experts) in
+    the same scheme: it is read every round, and its precision only moves acceptance, never the output.
     Returns the same model object; its weights and module tree are untouched, and the original generate
     stays reachable as `type(model).generate(model, ...)`.
     """
@@ -85,7 +87,7 @@ def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile
         source = draft or getattr(model, "name_or_path", "") or model.config._name_or_path
         if not source:
             raise ValueError("speculate='mtp' needs the checkpoint the model was loaded from; pass draft=<dir>")
-        head = MTPHead(model, read_mtp_tensors(source))
+        head = quantize_draft(MTPHead(model, read_mtp_tensors(source)), quant, quant_group_size)
         k = num_speculative_tokens
         proposer_for = lambda engine, lm_head: MTPProposer(engine, head, lm_head)  # noqa: E731
     elif speculate == "dflash":
@@ -93,7 +95,7 @@ def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile
 
         if draft is None:
             raise ValueError("speculate='dflash' needs draft=<DFlash checkpoint directory>")
-        dflash = DFlashDraft(*read_dflash_checkpoint(draft), model)
+        dflash = quantize_draft(DFlashDraft(*read_dflash_checkpoint(draft), model), quant, quant_group_size)
         block = dflash.block_size if block_size is None else block_size
         if not isinstance(block, int) or not 2 <= block <= dflash.block_size:
             raise ValueError(f"block_size must be an int in 2..{dflash.block_size} (the draft's own block size), "
@@ -112,3 +114,12 @@ def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile
     model.generate = model._fastqwen.generate
     return model
 
+
+
+def quantize_draft(draft, quant: str | None, group_size: int):
+    """The draft module with its linears and experts in the target's quantization scheme (if any)."""
+    if quant is None:
+        return draft
+    from .quant.linear import quantize_modules
+
+    return quantize_modules(draft, quant, group_size=group_size, prefix="draft.")

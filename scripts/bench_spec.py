@@ -135,7 +135,7 @@ def main():
         say(f"{name} k={k} at tau={tau}: compiling and measuring")
         oracle = OracleProposer(reference, miss_for_tau(tau, k), model.config.vocab_size, impose=True)
         e.enable_speculation(oracle, k)
-        oracle.inner = bench.random_proposer(name, model, e, args.model, head)
+        oracle.inner = bench.random_proposer(name, model, e, args.model, head, quant=args.quant)
         r = {"k": k, "tau": tau}
         r["tok_s"] = args.batch * bench.decode_tok_per_s(model.generate, ids, args.n_short, args.n_long)
         r["measured_tau"] = e.spec.acceptance_length(args.batch)

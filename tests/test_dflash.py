@@ -150,3 +150,17 @@ def test_draft_keeps_fp32_rotary_frequencies_in_a_bf16_model(draft_dir):
     assert draft.fc.weight.dtype == torch.bfloat16
     want = Qwen3RotaryEmbedding(draft.config).inv_freq
     assert draft.rotary.inv_freq.dtype == torch.float32 and torch.equal(draft.rotary.inv_freq, want)
+
+
+def test_a_quantized_target_drafts_through_a_quantized_draft(draft_dir):
+    """quant= quantizes the DFlash draft's linears in the same scheme; the output is the quantized target's."""
+    from fastqwen.quant import QuantLinear
+
+    opts = dict(max_batch_size=2, max_seq_len=128, compile=False, quant="fp8-weight")
+    plain = fastqwen.optimize(fresh("tiny"), **opts)
+    spec = fastqwen.optimize(fresh("tiny"), **opts, speculate="dflash", draft=draft_dir, block_size=4)
+    draft = spec._fastqwen.spec.proposer.draft
+    assert isinstance(draft.fc, QuantLinear) and isinstance(draft.layers[0].mlp.down_proj, QuantLinear)
+    ids = torch.randint(1, 500, (2, 19))
+    assert torch.equal(spec.generate(ids, do_sample=False, max_new_tokens=20),
+                       plain.generate(ids, do_sample=False, max_new_tokens=20))

@@ -149,3 +149,17 @@ def test_compiled_speculative_round_matches_eager_without_recompiling(tmp_path):
         assert torch.equal(got, expected)
     assert counters["stats"]["unique_graphs"] == 1
 
+
+
+def test_a_quantized_target_drafts_through_a_quantized_head(checkpoint):
+    """quant= quantizes the MTP head in the same scheme; the output is the quantized target's own."""
+    from fastqwen.quant import QuantLinear
+
+    opts = dict(max_batch_size=2, max_seq_len=128, compile=False, quant="int4", quant_group_size=32)
+    plain = fastqwen.optimize(load(checkpoint), **opts)
+    spec = fastqwen.optimize(load(checkpoint), **opts, speculate="mtp", num_speculative_tokens=3)
+    head = spec._fastqwen.spec.proposer.head
+    assert isinstance(head.fc, QuantLinear) and isinstance(head.layers[0].self_attn.o_proj, QuantLinear)
+    ids = torch.randint(1, 500, (2, 17))
+    assert torch.equal(spec.generate(ids, do_sample=False, max_new_tokens=24),
+                       plain.generate(ids, do_sample=False, max_new_tokens=24))

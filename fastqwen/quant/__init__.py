@@ -2,11 +2,11 @@
 
 formats.py: quantize / dequantize references for fp8 (128×128 blocks, per row) and int4 (group-wise);
 gptq.py: GPTQ (incl. act-order) and AWQ int4 checkpoints → our int4 layout, exactly;
-linear.py: QuantLinear and `quantize`;
+linear.py: QuantLinear, `quantize` (a model's decoder) and `quantize_modules` (any module: speculative drafts);
 experts.py: QuantExperts, a MoE layer's 3-D routed experts in the same formats.
 """
 
-__all__ = ["SCHEMES", "QuantLinear", "quantize"]
+__all__ = ["SCHEMES", "QuantLinear", "quantize", "quantize_modules"]
 
 
 def __getattr__(name):

@@ -71,17 +71,37 @@ def quantize(model, scheme: str, *, group_size: int = 128, lm_head: bool = False
     become QuantExperts (quant/experts.py) in the same scheme. On CUDA, layers the small-M kernel cannot take (ops/gemv.py) are quantized but listed in a
     second warning: they run the reference path. Embeddings are never quantized. Returns the model.
     """
+    _check(scheme, group_size)
+    extra = [(model, "lm_head", model.lm_head, "lm_head")] if lm_head else []
+    _quantize_slots(_slots(text_model(model).layers, "model.layers.") + extra, scheme, group_size)
+    return model
+
+
+def quantize_modules(root: nn.Module, scheme: str, *, group_size: int = 128, prefix: str = "") -> nn.Module:
+    """quantize() for every linear and routed-expert block under `root` (a speculative draft: the MTP head,
+    a DFlash draft), with the same rules and warnings. Returns root."""
+    _check(scheme, group_size)
+    _quantize_slots(_slots(root, prefix), scheme, group_size)
+    return root
+
+
+def _check(scheme, group_size):
     if scheme not in SCHEMES:
         raise ValueError(f"unknown quantization scheme {scheme!r}; supported: {', '.join(SCHEMES)}")
     if not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")
-    layers = text_model(model).layers
-    slots = [(parent, name, child, f"model.layers.{prefix}.{name}".replace("..", "."))
-             for prefix, parent in layers.named_modules() for name, child in parent.named_children()]
-    if lm_head:
-        slots.append((model, "lm_head", model.lm_head, "lm_head"))
+
+
+def _slots(root: nn.Module, prefix: str) -> list:
+    """(parent, attribute, child, full name) of every child module under root."""
+    return [(parent, name, child, f"{prefix}{path}.{name}".replace("..", ".").lstrip("."))
+            for path, parent in root.named_modules() for name, child in parent.named_children()]
+
+
+def _quantize_slots(slots, scheme: str, group_size: int) -> None:
     kept, slow = [], []
-    cuda = next(model.parameters()).is_cuda
+    params = [p for _, _, child, _ in slots for p in child.parameters()]
+    cuda = bool(params) and params[0].is_cuda
     with torch.no_grad():
         for parent, name, child, full in slots:
             if not isinstance(child, nn.Linear):
@@ -99,12 +119,12 @@ def quantize(model, scheme: str, *, group_size: int = 128, lm_head: bool = False
                 setattr(parent, name, QuantLinear.from_linear(child, scheme, group_size))
                 if cuda and (child.in_features % STEP or (scheme == "int4" and group_size != STEP)):
                     slow.append(f"{full} (in_features {child.in_features}, group {group_size})")
+    dtype = params[0].dtype if params else None
     if slow:
         warnings.warn(f"quantize({scheme!r}): no small-M kernel for {len(slow)} layers (it needs in_features "
                       f"divisible by {STEP} and int4 groups of {STEP}); they decode through the slower "
                       f"dequantize-then-matmul reference: " + "; ".join(slow[:12]) + (" …" if len(slow) > 12 else ""),
-                      stacklevel=2)
+                      stacklevel=3)
     if kept:
-        warnings.warn(f"quantize({scheme!r}) kept {len(kept)} layers in {model.dtype}: " + "; ".join(kept[:12])
-                      + (" …" if len(kept) > 12 else ""), stacklevel=2)
-    return model
+        warnings.warn(f"quantize({scheme!r}) kept {len(kept)} layers in {dtype}: " + "; ".join(kept[:12])
+                      + (" …" if len(kept) > 12 else ""), stacklevel=3)
