@@ -108,7 +108,10 @@ def expert_candidates(N: int, K: int, E: int = 256 if SMALL == 1 else 16, top: i
     return out
 
 
-def sweep(shapes, ms, bw, table: pathlib.Path | None) -> list[dict]:
+SWEPT = {"fp8-weight": "FP8_ROW", "int4": "INT4", "bf16": "BF16"}  # formats the sweep tunes (name: gemv constant)
+
+
+def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT)) -> list[dict]:
     """Time the weight-streaming kernel over its launch configs (BLOCK_N, SPLIT_K, num_warps, num_stages, BITS:
     conversion instructions or bit moves to decode the weight) per layer, format and M; print the default
     config's time beside the best one. With `table`, merge the best configs into that gemv_configs.json under
@@ -125,7 +128,7 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None) -> list[dict]:
                 continue
             w = torch.randn(N // SMALL, K // SMALL, device=DEV, dtype=torch.bfloat16) * 0.02
             N, K = w.shape
-            for name, fmt in (("fp8-weight", gemv.FP8_ROW), ("int4", gemv.INT4), ("bf16", gemv.BF16)):
+            for name, fmt in ((f, getattr(gemv, SWEPT[f])) for f in formats):
                 q, sc, z = gemv.stored_operands(fmt, w)
                 nbytes = sum(t.numel() * t.element_size() for t in (q, sc, z) if t is not None)
                 for m in ms:
@@ -148,11 +151,17 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None) -> list[dict]:
                     print(f"| sweep | {layer} {N}x{K} | {name} M={m} | default {default} {row['default_us']:.1f} µs "
                           f"({nbytes / bw / times[default]:.0%}) | best {best} {row['best_us']:.1f} µs "
                           f"({row['best_bw']:.0%}) |", flush=True)
-    if table and DEV == "cuda":
+                merge_table(table, best_of)
+    return rows
+
+
+def merge_table(table: pathlib.Path | None, best_of: dict) -> None:
+    """Merge the best configs found so far into `table` under this GPU's name (after every layer, so a run cut
+    short keeps what it measured)."""
+    if table and DEV == "cuda" and best_of:
         tuned = json.loads(table.read_text()) if table.exists() else {}
         tuned.setdefault(torch.cuda.get_device_name(), {}).update(best_of)
         table.write_text(json.dumps(tuned, indent=1, sort_keys=True) + "\n")
-    return rows
 
 
 def main():
@@ -162,6 +171,7 @@ def main():
     p.add_argument("--experts", action="store_true", help="also the 35B-A3B routed experts")
     p.add_argument("--only", help="time only candidates whose name contains this (e.g. 'expert_gemv', 'fastqwen')")
     p.add_argument("--sweep", action="store_true", help="only time the kernel's launch configs per layer and M")
+    p.add_argument("--formats", nargs="+", default=list(SWEPT), choices=list(SWEPT), help="with --sweep: these only")
     p.add_argument("--write-table", type=pathlib.Path, help="with --sweep: merge the best configs into this file "
                    "(fastqwen/ops/gemv_configs.json is the one the library reads)")
     p.add_argument("--json", type=pathlib.Path)
@@ -171,7 +181,7 @@ def main():
            "rows": []}
     print(f"{res['hardware']}, copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     if args.sweep:
-        res["sweep"] = sweep(args.shapes, args.m, bw, args.write_table)
+        res["sweep"] = sweep(args.shapes, args.m, bw, args.write_table, args.formats)
         if args.json:
             args.json.write_text(json.dumps(res, indent=1))
         return

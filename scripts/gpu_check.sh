@@ -12,11 +12,14 @@
 #            one scheme a process: quantizing is in place)
 #   quality  scripts/quant_quality.py on 27B: per-linear and logit error, top-1 agreement per scheme
 #   candidates scripts/bench.py: fastqwen vs fastqwen with an alternative kernel in one process, on $CAND_MODEL
-#            (default 35B-A3B) with $CAND_SYSTEMS (default fastqwen+grouped-experts) and $CAND_ARGS (e.g.
+#            (default 35B-A3B) with $CAND_SYSTEMS (default fastqwen+grouped-experts; also fastqwen+split-attention,
+#            fastqwen+gemv-linears, fastqwen+unrolled-gdn, fastqwen+separate-projections) and $CAND_ARGS (e.g.
 #            CAND_MODEL=qwen3.5-27b CAND_SYSTEMS=fastqwen+split-attention CAND_ARGS="--prompt-len 32768")
 #   commit   scripts/bench_commit.py: the speculative commit, all GDN layers in one launch vs one per layer
-#   sweep-gemv scripts/bench_quant.py --sweep: the weight-streaming kernel's launch configs per 27B/35B-A3B layer
-#            and row bucket, written into fastqwen/ops/gemv_configs.json (copied to $OUT: commit it)
+#   sweep-gemv scripts/bench_quant.py --sweep: the weight-streaming kernel's launch configs (BITS decoding too) per
+#            layer of $SWEEP_SHAPES (default 27b; 35b-a3b) and row bucket ($SWEEP_M, default 1 4 16), formats
+#            $SWEEP_FORMATS (default fp8-weight int4 bf16), written into fastqwen/ops/gemv_configs.json (copied to
+#            $OUT: commit it). All three formats on 27B is ~7 min: split it over calls by format.
 #   quant    tests/gpu/test_quant_gpu.py, then scripts/bench_quant.py (per-GEMM table, M = 1..16; QUANT_ARGS, e.g.
 #            "--only fastqwen" skips torchao and gemlite, measured on 2026-11-30); gemlite is
 #            compared when its wheel is in .whl/ (here: pip download gemlite==0.6.0.post2 --no-deps, then
@@ -50,7 +53,8 @@ case "$stage" in
            ${CAND_SYSTEMS:-fastqwen+grouped-experts} --no-autotune ${CAND_ARGS:-} --json "$out/candidates.json" 2>&1 \
            | grep -v "^\[transformers\]" | tail -4 ;;
   commit) python scripts/bench_commit.py --json "$out/bench_commit.json" 2>&1 | grep "^|" ;;
-  sweep-gemv) python scripts/bench_quant.py --sweep --shapes 27b 35b-a3b --m 1 4 16 \
+  sweep-gemv) python scripts/bench_quant.py --sweep --shapes ${SWEEP_SHAPES:-27b} --m ${SWEEP_M:-1 4 16} \
+           --formats ${SWEEP_FORMATS:-fp8-weight int4 bf16} \
            --write-table fastqwen/ops/gemv_configs.json --json "$out/gemv_sweep.json" 2>&1 | grep "^|"
          cp fastqwen/ops/gemv_configs.json "$out/" ;;
   quality) python scripts/quant_quality.py --json "$out/quant_quality.json" 2>&1 | grep "error" ;;
