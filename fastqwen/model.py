@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from .cache import HybridCache
 from .ops.attention import apply_rope, attend_cache, attend_causal, rope_cos_sin, write_kv
 from .ops.decode_attention import attend_cache_split_op
-from .ops.gemv import BF16, MAX_ROWS, STEP, expert_gemv, wq_linear
+from .linears import Linears, fuse_linears
+from .ops.gemv import BF16, expert_gemv
 from .ops.conv import causal_conv1d, commit_window
 from .ops.gdn import gates, gdn_chunk, gdn_recurrent, gdn_replay, gdn_verify
 from .ops.norm import gated_rms_norm, rms_norm
@@ -41,12 +42,12 @@ def check_kernels(kernels: dict | None, cfg, device) -> dict:
     that reads only the keys in use ("split", ops/decode_attention.py); "experts": a MoE model's routed experts
     at decode gathered then multiplied ("gather") or read in place by the grouped kernel ("grouped",
     ops/gemv.py; off CUDA both run their torch references); "projections": each layer's input projections
-as one matmul each ("separate") or one over a fused weight per layer ("fused": GDN qkv+z+b+a, attention
-q+k+v, MLP gate+up; fewer launches, same bytes; see fuse_linears: 1.08× on 27B decode); "linears": the
-decoder's bf16 linears at decode and verify by F.linear ("torch": cuBLAS) or by the weight-streaming kernel
-("gemv"; see Linears); "gdn": the gated delta rule of decode, verify and commit by flash-linear-attention's
-fused recurrent kernel ("fla") or by ours with the time loop unrolled ("unrolled", ops/gdn.py; prefill keeps
-fla's either way). The defaults are the ones measured fastest so far
+    as one matmul each ("separate") or one over a fused weight per layer ("fused": GDN qkv+z+b+a, attention
+    q+k+v, MLP gate+up; fewer launches, same bytes; linears.fuse_linears; 1.08× on 27B decode); "linears":
+    the decoder's bf16 linears at decode and verify by F.linear ("torch": cuBLAS) or by the weight-streaming
+    kernel ("gemv"; linears.Linears); "gdn": the gated delta rule of decode, verify and commit by
+    flash-linear-attention's fused recurrent kernel ("fla") or by ours with the time loop unrolled
+    ("unrolled", ops/gdn.py; prefill keeps fla's either way). The defaults are the ones measured fastest so far
     (docs/BENCHMARKS.md)."""
     kernels = dict(kernels or {})
     unknown = set(kernels) - set(KERNELS)
@@ -64,105 +65,6 @@ fla's either way). The defaults are the ones measured fastest so far
             raise ValueError(f"kernels['experts']='grouped' needs hidden size ({cfg.hidden_size}) and expert "
                              f"intermediate size ({inter}) divisible by 128")
     return kernels
-
-
-def fuse_linears(module, names) -> None:
-    """Give `module`'s bias-free linears `names` one linear `module.fastqwen_fused` with their weights stacked
-    by rows ([ΣN, K]), so one matmul serves them all (fewer launches per decode step, same bytes); each
-    linear's weight becomes a row slice of it, so the module's own forward and state dict are unchanged.
-    bf16 nn.Linear of one dtype, or QuantLinear of one scheme and group (their stored tensors stacked; fp8
-    128×128 blocks need every part but the last to be whole blocks of rows; no act-order permutation).
-    Idempotent; a fused linear whose parts were replaced since (quantized, say) is dropped, and rebuilt if the
-    new parts fuse. The fused linear is not a registered submodule: it holds no tensors of its own."""
-    linears = [getattr(module, n, None) for n in names]
-    fused = module.__dict__.get("fastqwen_fused")
-    if fused is not None and not _views_of(fused, linears):
-        module.__dict__.pop("fastqwen_fused")
-        fused = None
-    if fused is not None or not _fusable(linears):
-        return
-    with torch.no_grad():
-        if type(linears[0]) is torch.nn.Linear:
-            fused = torch.nn.Linear(linears[0].in_features, sum(lin.out_features for lin in linears), bias=False,
-                                    device="meta")
-            fused.weight = torch.nn.Parameter(torch.cat([lin.weight for lin in linears]), requires_grad=False)
-        else:
-            first = linears[0]
-            tensors = {name: torch.cat([lin.get_buffer(name) for lin in linears]) for name, _ in
-                       first.named_buffers(recurse=False)}
-            fused = type(first)(first.scheme, first.in_features, sum(lin.out_features for lin in linears), tensors,
-                                group=first.group)
-    start = 0
-    for lin in linears:
-        n = lin.out_features
-        if type(lin) is torch.nn.Linear:
-            lin.weight = torch.nn.Parameter(fused.weight[start:start + n], requires_grad=False)
-        else:
-            for name, t in fused.named_buffers(recurse=False):
-                rows = (slice(start // STEP, -(-(start + n) // STEP)) if name == "scale_inv" and lin.scheme == "fp8"
-                        else slice(start, start + n))
-                lin._buffers[name] = t[rows]
-        start += n
-    for t in (*fused.parameters(), *fused.buffers()):
-        torch._dynamo.mark_static_address(t)
-    module.__dict__["fastqwen_fused"] = fused
-    module.__dict__["fastqwen_fused_sizes"] = tuple(lin.out_features for lin in linears)
-
-
-def _fusable(linears) -> bool:
-    from .quant.linear import QuantLinear
-
-    if all(type(lin) is torch.nn.Linear and lin.bias is None for lin in linears):
-        return len({(lin.in_features, lin.weight.dtype, lin.weight.device) for lin in linears}) == 1
-    if not all(type(lin) is QuantLinear and lin.bias is None and getattr(lin, "perm", None) is None
-               for lin in linears):
-        return False
-    whole_blocks = linears[0].scheme != "fp8" or all(lin.scale_inv.shape[0] * STEP == lin.out_features
-                                                     for lin in linears[:-1])
-    return whole_blocks and len({(lin.scheme, lin.group, lin.in_features, lin.qweight.device)
-                                 for lin in linears}) == 1
-
-
-def _main_weight(linear):
-    return getattr(linear, "weight", None) if type(linear) is torch.nn.Linear else getattr(linear, "qweight", None)
-
-
-def _views_of(fused, linears) -> bool:
-    """Whether the linears are still of the fused linear's type and their weights its consecutive row slices."""
-    whole, start = _main_weight(fused), 0
-    for lin in linears:
-        w = _main_weight(lin) if type(lin) is type(fused) else None
-        if (w is None or w.untyped_storage().data_ptr() != whole.untyped_storage().data_ptr()
-                or w.storage_offset() != whole.storage_offset() + start * whole.stride(0)):
-            return False
-        start += w.shape[0]
-    return start == whole.shape[0]
-
-
-class Linears:
-    """How the compiled steps run the model's linears. `fused`: a module's input projections as one matmul by
-    the fused linear fuse_linears gave it (else one call each). `gemv`: a bias-free floating-point nn.Linear
-    on at most MAX_ROWS rows (decode, verify) through the weight-streaming kernel (ops/gemv.py, launch configs
-    per shape from gemv_configs.json) instead of F.linear (cuBLAS on a GPU); more rows, quantized and other
-    modules run as they are."""
-
-    def __init__(self, fused: bool = False, gemv: bool = False):
-        self.fused, self.gemv = fused, gemv
-
-    def __call__(self, module, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        if not (self.gemv and type(module) is torch.nn.Linear and module.bias is None and rows <= MAX_ROWS
-                and (module.in_features % STEP == 0 or not x.is_cuda)):  # (off CUDA: wq_linear's reference)
-            return module(x)
-        y = wq_linear(x.reshape(rows, -1), BF16, module.weight, None, None, False, module.out_features)
-        return y.to(x.dtype).view(*x.shape[:-1], module.out_features)
-
-    def project(self, module, h, names):
-        """The outputs of `module`'s linears `names` on h."""
-        fused = module.__dict__.get("fastqwen_fused") if self.fused else None
-        if fused is None:
-            return [self(getattr(module, n), h) for n in names]
-        return self(fused, h).split(module.__dict__["fastqwen_fused_sizes"], dim=-1)
 
 
 _GDN_IN = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from fastqwen import bench  # noqa: E402
-from fastqwen.model import Linears  # noqa: E402
+from fastqwen.linears import Linears  # noqa: E402
 from fastqwen.quant.linear import QuantLinear  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -53,11 +53,11 @@ def test_bad_kernel_choices():
 def test_gemv_linears_take_the_decode_linears(monkeypatch):
     """kernels={"linears": "gemv"}: decode runs the bf16 linears (fused projections, out/o/down projections,
     the shared expert) through wq_linear, prefill does not, and the tokens are the default's."""
-    import fastqwen.model as model_module
+    import fastqwen.linears as linears_module
 
     calls = []
-    real = model_module.wq_linear
-    monkeypatch.setattr(model_module, "wq_linear", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    real = linears_module.wq_linear
+    monkeypatch.setattr(linears_module, "wq_linear", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
     ids = torch.randint(1, 500, (1, 21))
     gen = dict(do_sample=False, max_new_tokens=6)
     default = fastqwen.optimize(fresh("tiny-moe"), max_seq_len=64, compile=False)

@@ -76,7 +76,7 @@ def test_quantized_projections_fuse_and_give_the_separate_tokens(scheme, compile
 
 def test_fp8_block_projections_fuse_only_in_whole_blocks():
     """fp8's 128×128 scale blocks: parts fuse when every part but the last is whole blocks of rows."""
-    from fastqwen.model import Linears, fuse_linears
+    from fastqwen.linears import Linears, fuse_linears
 
     torch.manual_seed(0)
     h = torch.randn(3, 128)
