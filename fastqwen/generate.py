@@ -5,7 +5,7 @@ compiled `decode_step` once per token. The step takes no arguments: it reads and
 (the cache, the last token of each row, finished flags, sampling parameters), so it is one CUDA graph that
 never recompiles across calls, prompt lengths or batch contents, and the host never waits on the device
 inside it. The host learns that every row has finished through a `DoneWatch`: one step behind, so
-the device always has the next step queued and at most one step runs past the end (in step when a streamer
+the device always has the next step queued and at most one step runs past the end (none when a streamer
 or stopping criteria need to see every token). With speculation enabled, the same prefill is followed by
 speculative rounds instead (spec/loop.py), each also one compiled graph, watched the same way.
 """
@@ -59,6 +59,7 @@ class DoneWatch:
             if bool(host):
                 return True
         return False
+
 
 # GenerationConfig fields that change the decoding algorithm, with the value that means "off".
 _UNSUPPORTED = {
