@@ -10,6 +10,8 @@ import torch
 
 from .ops.gemv import BF16, MAX_ROWS, STEP, wq_linear
 
+MLP_IN = ("gate_proj", "up_proj")  # a gated MLP's input projections
+
 
 def fuse_linears(module, names) -> None:
     """Give `module`'s bias-free linears `names` one linear `module.fastqwen_fused` with their weights stacked
@@ -108,3 +110,8 @@ class Linears:
         if fused is None:
             return [self(getattr(module, n), h) for n in names]
         return self(fused, h).split(module.__dict__["fastqwen_fused_sizes"], dim=-1)
+
+    def mlp(self, mlp, h):
+        """A dense gated MLP (transformers' Qwen3.5 MLP, or a MoE layer's shared expert): down(act(gate)·up)."""
+        gate, up = self.project(mlp, h, MLP_IN)
+        return self(mlp.down_proj, mlp.act_fn(gate) * up)

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from .cache import HybridCache
 from .ops.attention import apply_rope, attend_cache, attend_causal, rope_cos_sin, write_kv
 from .ops.decode_attention import attend_cache_split_op
-from .linears import Linears, fuse_linears
-from .ops.gemv import BF16, expert_gemv
+from .linears import MLP_IN, Linears, fuse_linears
+from .moe import routed_moe, stack_shared_expert
 from .ops.conv import causal_conv1d, commit_window
 from .ops.gdn import gates, gdn_chunk, gdn_recurrent, gdn_replay, gdn_verify
 from .ops.norm import gated_rms_norm, rms_norm
@@ -69,13 +69,6 @@ def check_kernels(kernels: dict | None, cfg, device) -> dict:
 
 _GDN_IN = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 _ATTN_IN = ("q_proj", "k_proj", "v_proj")
-_MLP_IN = ("gate_proj", "up_proj")
-
-
-def mlp_forward(mlp, h, lin: Linears):
-    """A dense gated MLP (transformers' Qwen3.5 MLP, or a MoE layer's shared expert): down(act(gate)·up)."""
-    gate, up = lin.project(mlp, h, _MLP_IN)
-    return lin(mlp.down_proj, mlp.act_fn(gate) * up)
 
 
 class Forward:
@@ -90,12 +83,17 @@ class Forward:
         self.kernels = check_kernels(kernels, self.cfg, cache.lengths.device)
         self.unrolled = self.kernels["gdn"] == "unrolled"  # (a Triton compile per T: not for prefill)
         self.lin = Linears(fused=self.kernels["projections"] == "fused", gemv=self.kernels["linears"] == "gemv")
-        for layer in self.layers if self.lin.fused else ():
+        grouped = self.kernels["experts"] == "grouped"
+        for layer in self.layers:
+            stacked = grouped and hasattr(layer.mlp, "experts") and stack_shared_expert(layer.mlp)
+            if not self.lin.fused:
+                continue
             if hasattr(layer, "linear_attn"):
                 fuse_linears(layer.linear_attn, _GDN_IN)
             if hasattr(layer, "self_attn"):
                 fuse_linears(layer.self_attn, _ATTN_IN)
-            fuse_linears(getattr(layer.mlp, "shared_expert", layer.mlp), _MLP_IN)
+            if not stacked:  # (a stacked shared expert runs inside the grouped expert launch)
+                fuse_linears(getattr(layer.mlp, "shared_expert", layer.mlp), MLP_IN)
 
     # ----- entry points -------------------------------------------------------------------------------
     def prefill(self, first_row: int, tokens: torch.Tensor, features=None):
@@ -221,43 +219,7 @@ class Forward:
 
     def _mlp(self, mlp, h, mode):
         if not hasattr(mlp, "experts"):
-            return mlp_forward(mlp, h, self.lin)
+            return self.lin.mlp(mlp, h)
         if mode == "prefill":
             return mlp(h)  # transformers' own grouped expert loop
         return routed_moe(mlp, h, grouped=self.kernels["experts"] == "grouped", lin=self.lin)
-
-
-def routed_moe(mlp, h: torch.Tensor, grouped: bool = False, lin: Linears | None = None) -> torch.Tensor:
-    """Sparse MoE block for few tokens: run only each token's top-k experts, plus the shared expert.
-
-    h [B, T, H]. Same routing as transformers: softmax over all experts in fp32, top-k, renormalise. bf16
-    experts are gathered then multiplied, or with `grouped` read in place by ops/gemv.py's grouped kernel.
-    """
-    shape = h.shape
-    x = h.reshape(-1, shape[-1])
-    router_logits = F.linear(x, mlp.gate.weight)
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)
-    weights, experts = torch.topk(probs, mlp.gate.top_k, dim=-1)  # [N, k]
-    weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
-    if hasattr(mlp.experts, "routed"):  # quantized experts (quant/experts.py) read only the selected ones
-        out = mlp.experts.routed(x, experts)
-    elif grouped:
-        e = mlp.experts
-        N, k = experts.shape
-        pair_expert = experts.flatten().int()
-        tok = torch.arange(N, device=x.device, dtype=torch.int32).repeat_interleave(k)
-        gate, up = expert_gemv(x, tok, pair_expert, BF16, e.gate_up_proj, None, None,
-                               e.gate_up_proj.shape[1]).chunk(2, dim=-1)
-        act = (e.act_fn(gate) * up).to(x.dtype)  # [N·k, I]
-        pairs = torch.arange(N * k, device=x.device, dtype=torch.int32)
-        out = expert_gemv(act, pairs, pair_expert, BF16, e.down_proj, None, None, e.down_proj.shape[1])
-        out = out.view(N, k, -1).to(x.dtype)
-    else:
-        gate_up = mlp.experts.gate_up_proj[experts]  # [N, k, 2I, H]
-        gate, up = torch.einsum("nh,nkoh->nko", x, gate_up).chunk(2, dim=-1)
-        act = mlp.experts.act_fn(gate) * up  # [N, k, I]
-        out = torch.einsum("nki,nkhi->nkh", act, mlp.experts.down_proj[experts])
-    out = (out * weights[..., None]).sum(1)
-    lin = lin or Linears()
-    shared = mlp_forward(mlp.shared_expert, x, lin) * torch.sigmoid(mlp.shared_expert_gate(x))
-    return (out + shared).reshape(shape)

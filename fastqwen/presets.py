@@ -43,7 +43,7 @@ _PRESETS = {
     "tiny-moe": (
         Qwen3_5MoeTextConfig,
         dict(_TINY, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-             shared_expert_intermediate_size=48),
+             shared_expert_intermediate_size=32),  # equal, as in Qwen3.5-35B-A3B (512 and 512)
     ),
     # Qwen/Qwen3.5-9B text model: the transformers defaults are its shape.
     "qwen3.5-9b": (Qwen3_5TextConfig, dict()),

@@ -7,7 +7,7 @@ import torch
 from conftest import fresh, left_padded
 
 import fastqwen
-from fastqwen.model import routed_moe
+from fastqwen.moe import routed_moe
 
 
 def test_grouped_experts_match_the_gathered_ones():
@@ -67,3 +67,30 @@ def test_gemv_linears_take_the_decode_linears(monkeypatch):
     # 4 a layer (fused input projections, out/o projection, shared expert gate+up and down) in each of the 5
     # decode steps; none in prefill (21 rows)
     assert len(calls) == 4 * layers * 5 and set(calls) == {1}
+
+
+def test_the_shared_expert_stacks_onto_the_routed_ones():
+    """With grouped experts, the shared expert becomes expert E of the stacked weights and its gate row E of
+    the router: the HF parameters are views (forward and state dict unchanged), routed_moe gives the HF
+    block's output, re-stacking is a no-op, and a replaced parameter drops the stack."""
+    from fastqwen.moe import stack_shared_expert
+
+    model = fresh("tiny-moe")
+    mlp = model.model.layers[0].mlp
+    h = torch.randn(3, 2, model.config.hidden_size)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        hf = mlp(h)
+        hf = hf[0] if isinstance(hf, tuple) else hf
+        assert stack_shared_expert(mlp) and stack_shared_expert(mlp)
+        gate_up, down, router = mlp.fastqwen_stacked
+        E = mlp.experts.gate_up_proj.shape[0]
+        assert gate_up.shape[0] == down.shape[0] == router.shape[0] == E + 1
+        assert mlp.shared_expert.up_proj.weight.untyped_storage().data_ptr() == gate_up.untyped_storage().data_ptr()
+        assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+        again = mlp(h)
+        torch.testing.assert_close(again[0] if isinstance(again, tuple) else again, hf, rtol=0, atol=0)
+        torch.testing.assert_close(routed_moe(mlp, h, grouped=True), hf, rtol=1e-4, atol=1e-5)
+        mlp.shared_expert.down_proj.weight = torch.nn.Parameter(torch.zeros_like(mlp.shared_expert.down_proj.weight))
+        assert stack_shared_expert(mlp)  # re-stacked from the new parameter
+        assert torch.equal(mlp.fastqwen_stacked[1][E], torch.zeros_like(mlp.fastqwen_stacked[1][E]))

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from conftest import fresh
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-from fastqwen.model import routed_moe
+from fastqwen.moe import routed_moe
 from fastqwen.ops.attention import apply_rope, attend_cache, rope_cos_sin, write_kv
 from fastqwen.ops.conv import causal_conv1d
 from fastqwen.ops.gdn import gdn_chunk, gdn_recurrent

@@ -5,7 +5,7 @@ import torch
 from conftest import poison_allocator, rel_err
 
 from fastqwen import presets
-from fastqwen.model import routed_moe
+from fastqwen.moe import routed_moe
 from fastqwen.ops.attention import attend_cache
 from fastqwen.ops.conv import causal_conv1d
 from fastqwen.ops.gdn import gdn_chunk, gdn_recurrent, gdn_reference
@@ -88,8 +88,9 @@ def test_compiled_sampling_filters_match_eager(rows):
     assert (ref.gather(-1, tokens[:, None]) > 0).all(), "a sampled token lies outside the filtered support"
 
 
-@pytest.mark.parametrize("grouped", [False, True], ids=["gather", "grouped-kernel"])
-def test_routed_moe_matches_transformers_block_real_shape(grouped):
+@pytest.mark.parametrize("grouped,stacked", [(False, False), (True, False), (True, True)],
+                         ids=["gather", "grouped-kernel", "grouped-with-the-shared-expert-stacked"])
+def test_routed_moe_matches_transformers_block_real_shape(grouped, stacked):
     cfg = presets.config("qwen3.5-35b-a3b")
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
 
@@ -99,8 +100,14 @@ def test_routed_moe_matches_transformers_block_real_shape(grouped):
     for p in block.parameters():
         torch.nn.init.normal_(p, std=0.02)
     h = torch.randn(4, 1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    ref = block.float()(h.float())
+    block = block.to(torch.bfloat16)
+    if stacked:
+        from fastqwen.moe import stack_shared_expert
+
+        assert stack_shared_expert(block)
     f = torch.compile(routed_moe, fullgraph=True)
-    assert rel_err(f(block, h, grouped), block.float()(h.float())) < 2e-2
+    assert rel_err(f(block, h, grouped), ref) < 2e-2
 
 
 @pytest.mark.parametrize("unrolled", [False, True])

@@ -1,0 +1,105 @@
+"""The sparse MoE block at decode and verify: route, run only the selected experts, add the shared expert.
+
+`routed_moe` routes as transformers does (softmax over all experts in fp32, top-k, renormalise). bf16 experts
+are gathered then multiplied, or with `grouped` read in place by ops/gemv.py's grouped kernel; quantized
+experts (quant/experts.py) read only the selected ones their own way. For the grouped kernel,
+`stack_shared_expert` appends the shared expert to the routed experts' weights as expert E, and the
+shared-expert gate to the router as row E (when the intermediate sizes match, as in Qwen3.5-35B-A3B): one
+matmul then gives the router logits and the shared gate, and one grouped launch per matrix runs the k routed
+experts and the shared one, with sigmoid(shared gate) as its weight.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from .linears import Linears
+from .ops.gemv import BF16, expert_gemv
+
+
+def stack_shared_expert(mlp) -> bool:
+    """Stack `mlp`'s shared expert onto its bf16 routed experts (see the module docstring): gate_up [E+1, 2I, H],
+    down [E+1, H, I], router [E+1, H] in `mlp.fastqwen_stacked`, every HF parameter a view of them (state dict
+    and forward unchanged). Idempotent; returns whether the stack is in place. A stack whose parameters were
+    replaced since is dropped; shapes that do not fit (quantized experts, other sizes) get none."""
+    stacked = mlp.__dict__.get("fastqwen_stacked")
+    if stacked is not None and not (_fits(mlp) and _intact(mlp, stacked)):
+        mlp.__dict__.pop("fastqwen_stacked")
+        stacked = None
+    if stacked is not None:
+        return True
+    if not _fits(mlp):
+        return False
+    e, shared, E = mlp.experts, mlp.shared_expert, mlp.experts.gate_up_proj.shape[0]
+    inter = shared.gate_proj.out_features
+    with torch.no_grad():
+        gate_up = torch.cat([e.gate_up_proj, torch.cat([shared.gate_proj.weight, shared.up_proj.weight])[None]])
+        down = torch.cat([e.down_proj, shared.down_proj.weight[None]])
+        router = torch.cat([mlp.gate.weight, mlp.shared_expert_gate.weight])
+    view = lambda t: torch.nn.Parameter(t, requires_grad=False)  # noqa: E731
+    e.gate_up_proj, e.down_proj, mlp.gate.weight = view(gate_up[:E]), view(down[:E]), view(router[:E])
+    shared.gate_proj.weight, shared.up_proj.weight = view(gate_up[E, :inter]), view(gate_up[E, inter:])
+    shared.down_proj.weight, mlp.shared_expert_gate.weight = view(down[E]), view(router[E:])
+    for t in (gate_up, down, router):
+        torch._dynamo.mark_static_address(t)
+    mlp.__dict__["fastqwen_stacked"] = (gate_up, down, router)
+    return True
+
+
+def _intact(mlp, stacked) -> bool:
+    """Whether every part of the stack is still a view of it (no parameter replaced since)."""
+    gate_up, down, router = stacked
+    e, shared = mlp.experts, mlp.shared_expert
+    pairs = ((e.gate_up_proj, gate_up), (shared.gate_proj.weight, gate_up), (shared.up_proj.weight, gate_up),
+             (e.down_proj, down), (shared.down_proj.weight, down), (mlp.gate.weight, router),
+             (mlp.shared_expert_gate.weight, router))
+    return all(p.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr() for p, whole in pairs)
+
+
+def _fits(mlp) -> bool:
+    e, shared, sgate = mlp.experts, getattr(mlp, "shared_expert", None), getattr(mlp, "shared_expert_gate", None)
+    if not isinstance(getattr(e, "gate_up_proj", None), torch.Tensor) or shared is None or sgate is None:
+        return False
+    linears = [getattr(shared, n, None) for n in ("gate_proj", "up_proj", "down_proj")] + [sgate]
+    if not all(type(lin) is torch.nn.Linear and lin.bias is None for lin in linears):
+        return False
+    E, two_i, H = e.gate_up_proj.shape
+    params = [e.gate_up_proj, e.down_proj, mlp.gate.weight] + [lin.weight for lin in linears]
+    return (shared.gate_proj.weight.shape == (two_i // 2, H) and shared.up_proj.weight.shape == (two_i // 2, H)
+            and shared.down_proj.weight.shape == (H, two_i // 2) and tuple(e.down_proj.shape) == (E, H, two_i // 2)
+            and sgate.weight.shape == (1, H) and tuple(mlp.gate.weight.shape) == (E, H)
+            and len({(p.dtype, p.device) for p in params}) == 1)
+
+
+def routed_moe(mlp, h: torch.Tensor, grouped: bool = False, lin: Linears | None = None) -> torch.Tensor:
+    """The MoE block on few tokens h [B, T, H]: each token's top-k experts only, plus the shared expert."""
+    shape = h.shape
+    x = h.reshape(-1, shape[-1])
+    stacked = mlp.__dict__.get("fastqwen_stacked") if grouped else None
+    E = mlp.gate.weight.shape[0]
+    logits = F.linear(x, mlp.gate.weight if stacked is None else stacked[2])  # [N, E] (+ the shared gate)
+    probs = torch.softmax(logits[:, :E], dim=-1, dtype=torch.float)
+    weights, experts = torch.topk(probs, mlp.gate.top_k, dim=-1)  # [N, k]
+    weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
+    if stacked is not None:  # the shared expert as expert E, weighted by its sigmoid gate
+        experts = torch.cat([experts, torch.full_like(experts[:, :1], E)], dim=1)
+        weights = torch.cat([weights, torch.sigmoid(logits[:, E:])], dim=1)
+    if hasattr(mlp.experts, "routed"):  # quantized experts
+        out = mlp.experts.routed(x, experts)
+    elif grouped:
+        gate_up, down = (mlp.experts.gate_up_proj, mlp.experts.down_proj) if stacked is None else stacked[:2]
+        N, k = experts.shape
+        pair_expert = experts.flatten().int()
+        tok = torch.arange(N, device=x.device, dtype=torch.int32).repeat_interleave(k)
+        gate, up = expert_gemv(x, tok, pair_expert, BF16, gate_up, None, None, gate_up.shape[1]).chunk(2, dim=-1)
+        act = (mlp.experts.act_fn(gate) * up).to(x.dtype)  # [N·k, I]
+        pairs = torch.arange(N * k, device=x.device, dtype=torch.int32)
+        out = expert_gemv(act, pairs, pair_expert, BF16, down, None, None, down.shape[1]).view(N, k, -1).to(x.dtype)
+    else:
+        gate_up = mlp.experts.gate_up_proj[experts]  # [N, k, 2I, H]
+        gate, up = torch.einsum("nh,nkoh->nko", x, gate_up).chunk(2, dim=-1)
+        act = mlp.experts.act_fn(gate) * up  # [N, k, I]
+        out = torch.einsum("nki,nkhi->nkh", act, mlp.experts.down_proj[experts])
+    out = (out * weights[..., None]).sum(1)
+    if stacked is None:
+        out = out + (lin or Linears()).mlp(mlp.shared_expert, x) * torch.sigmoid(mlp.shared_expert_gate(x))
+    return out.reshape(shape)
