@@ -27,6 +27,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMS
 from ..cache import HybridCache
 from ..model import text_model
 from ..ops.attention import apply_rope, rope_cos_sin, write_kv
+from ..ops.decode_attention import attend_cache_split_op
 from ..ops.norm import plain_rms_norm
 from ..sampling import filtered_probs, sample_probs
 
@@ -157,6 +158,10 @@ class DFlashProposer:
         keys = torch.arange(engine.max_seq_len, device=s.device)
         full = (keys[None, None, :] <= (s + k)[:, None, None]).expand(-1, T, -1)  # context + whole block
         causal = keys[None, None, :] <= positions[:, :, None]
+        # with the split-KV kernel (kernels={"attention": "split"}), a full-attention layer reads only the keys
+        # in use: every query of the block sees keys 0 … s+k, i.e. the kernel's mask at position s+k
+        split = engine.forward.kernels["attention"] == "split"
+        block_end = (s + k)[:, None].expand(-1, T)
         for i, layer in enumerate(d.layers):
             a = layer.self_attn
             h = plain_rms_norm(x, layer.input_layernorm.weight, self.eps)
@@ -165,12 +170,13 @@ class DFlashProposer:
             vb = a.v_proj(h).view(B, T, -1, self.head_dim).transpose(1, 2)
             k_cache, v_cache = self.cache.attention(i)
             write_kv(k_cache, v_cache, apply_rope(kb, cos, sin), vb, positions)
-            if d.layer_types[i] == "sliding_attention" and d.sliding_window:
-                mask = causal & (keys[None, None, :] > positions[:, :, None] - d.sliding_window)
+            sliding = d.layer_types[i] == "sliding_attention" and d.sliding_window
+            if split and not sliding:
+                o = attend_cache_split_op(apply_rope(q, cos, sin), k_cache, v_cache, block_end, a.scaling)
             else:
-                mask = full
-            o = F.scaled_dot_product_attention(apply_rope(q, cos, sin), k_cache, v_cache, attn_mask=mask[:, None],
-                                               scale=a.scaling, enable_gqa=True)
+                mask = causal & (keys[None, None, :] > positions[:, :, None] - d.sliding_window) if sliding else full
+                o = F.scaled_dot_product_attention(apply_rope(q, cos, sin), k_cache, v_cache,
+                                                   attn_mask=mask[:, None], scale=a.scaling, enable_gqa=True)
             x = x + a.o_proj(o.transpose(1, 2).reshape(B, T, -1))
             x = x + layer.mlp(plain_rms_norm(x, layer.post_attention_layernorm.weight, self.eps))
         return plain_rms_norm(x, d.norm.weight, self.eps)
