@@ -20,6 +20,8 @@
 #            layer of $SWEEP_SHAPES (default 27b; 35b-a3b) and row bucket ($SWEEP_M, default 1 4 16), formats
 #            $SWEEP_FORMATS (default fp8-weight int4 bf16), written into fastqwen/ops/gemv_configs.json (copied to
 #            $OUT: commit it). All three formats on 27B is ~7 min: split it over calls by format.
+#   suite    the pytest-benchmark suite (tests/benchmarks, 9B plain and MTP) saved as a baseline under
+#            tests/benchmarks/baselines (copied to $OUT: commit it); later runs compare against it
 #   quant    tests/gpu/test_quant_gpu.py, then scripts/bench_quant.py (per-GEMM table, M = 1..16; QUANT_ARGS, e.g.
 #            "--only fastqwen" skips torchao and gemlite, measured on 2026-11-30); gemlite is
 #            compared when its wheel is in .whl/ (here: pip download gemlite==0.6.0.post2 --no-deps, then
@@ -57,6 +59,9 @@ case "$stage" in
            --formats ${SWEEP_FORMATS:-fp8-weight int4 bf16} \
            --write-table fastqwen/ops/gemv_configs.json --json "$out/gemv_sweep.json" 2>&1 | grep "^|"
          cp fastqwen/ops/gemv_configs.json "$out/" ;;
+  suite) python -m pytest -q -p no:warnings tests/benchmarks --benchmark-only \
+           --benchmark-storage=file://tests/benchmarks/baselines --benchmark-save=h200 2>&1 | tail -12
+         cp -r tests/benchmarks/baselines "$out/" ;;
   quality) python scripts/quant_quality.py --json "$out/quant_quality.json" 2>&1 | grep "error" ;;
   quant) python -m pytest -q -p no:warnings tests/gpu/test_quant_gpu.py 2>&1 | tee "$out/quant_tests.log" | tail -5
          python scripts/bench_quant.py --experts ${QUANT_ARGS:-} --json "$out/bench_quant.json" 2>&1 | grep -E "^\||bandwidth" ;;
