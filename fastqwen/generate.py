@@ -30,13 +30,16 @@ class DoneWatch:
     pinned memory, with an event); `finished()` reads only the copy from `lag` launches ago, so with lag 2 the
     device runs the latest launch while the host waits, and exactly one launch runs past the end (it computes
     for finished rows and changes nothing). lag 1 reads the latest launch's copy: no launch past the end,
-    but the device idles while the host launches the next one."""
+    but the device idles while the host launches the next one. The first copy (the flags before any launch,
+    e.g. every row already ended by its first token) is read at once: nothing is launched for rows that are
+    all done."""
 
     def __init__(self, done: torch.Tensor, lag: int):
         self.done, self.lag = done, lag
         self.cuda = done.is_cuda
         self.pending = collections.deque()  # (flag, event or None), oldest first
         self.free = []  # pinned flags and events already read, for reuse
+        self.first = True
 
     def launched(self) -> None:
         flag = self.done.all()
@@ -51,7 +54,8 @@ class DoneWatch:
 
     def finished(self) -> bool:
         """Whether the copy from `lag` launches ago (or any older one not read yet) says every row is done."""
-        while len(self.pending) >= self.lag:
+        lag, self.first = 1 if self.first else self.lag, False
+        while len(self.pending) >= lag:
             host, event = self.pending.popleft()
             if event is not None:
                 event.synchronize()

@@ -159,3 +159,7 @@ def test_done_watch_runs_lag_minus_one_launches_past_the_end(lag):
         done[0] |= launches >= 3
         done[1] |= launches >= 5
     assert launches == 5 + lag - 1
+    done.fill_(True)  # every row ended before the first launch: nothing is launched, whatever the lag
+    watch = DoneWatch(done, lag)
+    watch.launched()
+    assert watch.finished()
