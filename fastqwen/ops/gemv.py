@@ -178,29 +178,32 @@ if triton is not None:
             if ACT_FP8:
                 xs = tl.maximum(tl.max(tl.abs(x), axis=1) / FP8_LIMIT, 1e-12)
                 x = (x / xs[:, None]).to(tl.float8e4nv).to(tl.float32) * xs[:, None]
-            if BITS:
-                PER: tl.constexpr = 8 if FMT == 2 else 4  # codes per int32 word
-                wd = k0 // PER + tl.arange(0, BLOCK_K // PER)
-                wd_ok = wd < k_end // PER
-                u = tl.load(w_ptr + n[:, None] * (K // PER) + wd[None, :], mask=n_ok[:, None] & wd_ok[None, :], other=0)
-                xm = m_ok[:, None] & wd_ok[None, :]
+            if BITS and FMT == 2:
+                wd = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+                wd_ok = wd < k_end // 8
+                u = tl.load(w_ptr + n[:, None] * (K // 8) + wd[None, :], mask=n_ok[:, None] & wd_ok[None, :], other=0)
+                g = k0 // BLOCK_K
+                off = tl.load(z_ptr + n * s_stride + g, mask=n_ok, other=0.0)[:, None] + 8388608.0
                 part = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-                if FMT == 2:
-                    g = k0 // BLOCK_K
-                    off = tl.load(z_ptr + n * s_stride + g, mask=n_ok, other=0.0)[:, None] + 8388608.0
-                    for i in tl.static_range(8):
-                        xi = tl.load(x_ptr + m[:, None] * K + 8 * wd[None, :] + i, mask=xm, other=0.0).to(tl.float32)
-                        part += tl.dot(xi, tl.trans(_int4_bits(u, i) - off))
-                    part = part * tl.load(s_ptr + n * s_stride + g, mask=n_ok, other=0.0)[None, :]
-                else:
-                    for i in tl.static_range(4):
-                        xi = tl.load(x_ptr + m[:, None] * K + 4 * wd[None, :] + i, mask=xm, other=0.0).to(tl.float32)
-                        if ACT_FP8:
-                            xi = (xi / xs[:, None]).to(tl.float8e4nv).to(tl.float32) * xs[:, None]
-                        # back to the code's value before the dot: tensor cores may flush fp32 subnormals
-                        part += tl.dot(xi, tl.trans(_fp8_bits(u, i) * 1.329227995784916e36))
-                    if FMT == 1:
-                        part = part * tl.load(s_ptr + (n // BLOCK_K) * s_stride + k0 // BLOCK_K, mask=n_ok, other=0.0)[None, :]
+                for i in tl.static_range(8):
+                    xi = tl.load(x_ptr + m[:, None] * K + 8 * wd[None, :] + i, mask=m_ok[:, None] & wd_ok[None, :],
+                                 other=0.0).to(tl.float32)
+                    part += tl.dot(xi, tl.trans(_int4_bits(u, i) - off))
+                acc += part * tl.load(s_ptr + n * s_stride + g, mask=n_ok, other=0.0)[None, :]
+            elif BITS:  # fp8
+                wd = k0 // 4 + tl.arange(0, BLOCK_K // 4)
+                wd_ok = wd < k_end // 4
+                u = tl.load(w_ptr + n[:, None] * (K // 4) + wd[None, :], mask=n_ok[:, None] & wd_ok[None, :], other=0)
+                part = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+                for i in tl.static_range(4):
+                    xi = tl.load(x_ptr + m[:, None] * K + 4 * wd[None, :] + i, mask=m_ok[:, None] & wd_ok[None, :],
+                                 other=0.0).to(tl.float32)
+                    if ACT_FP8:
+                        xi = (xi / xs[:, None]).to(tl.float8e4nv).to(tl.float32) * xs[:, None]
+                    # back to the code's value before the dot: tensor cores may flush fp32 subnormals
+                    part += tl.dot(xi, tl.trans(_fp8_bits(u, i) * 1.329227995784916e36))
+                if FMT == 1:
+                    part = part * tl.load(s_ptr + (n // BLOCK_K) * s_stride + k0 // BLOCK_K, mask=n_ok, other=0.0)[None, :]
                 acc += part
             elif FMT == 2:
                 half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
