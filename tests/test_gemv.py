@@ -10,7 +10,8 @@ import torch
 from conftest import run_in_triton_interpreter
 
 from fastqwen.quant.formats import pack_int4, unpack_int4
-from fastqwen.ops.gemv import BF16, FP8_BLOCK, FP8_ROW, INT4, expert_gemv, expert_reference, reference, stored_operands, wq_linear
+from fastqwen.ops.gemv import (BF16, FP8_BLOCK, FP8_ROW, INT4, expert_gemv, expert_reference, reference, stored_operands,
+                               tuned_config, wq_linear)
 
 
 def operands(fmt, N, K, seed=0):
@@ -102,3 +103,16 @@ print("worst relative error", worst)
 
 def test_kernel_matches_reference_in_the_triton_interpreter():
     assert "worst relative error" in run_in_triton_interpreter(_INTERPRETED)
+
+
+def test_launch_configs_fall_back_to_the_nearest_measured_shape():
+    """A shape the sweep has not seen (a fused projection) takes the config measured for the nearest N with
+    the same format, K and row bucket; nothing within 2× of N: None (the heuristic)."""
+    table = {"0:17408x5120:M1": [32, 1, 4, 4], "0:12288x5120:M1": [32, 2, 4, 2], "0:12288x5120:M4": [128, 4, 4, 4],
+             "2:16480x5120:M1": [64, 4, 4, 2]}
+    assert tuned_config(table, FP8_ROW, 12288, 5120, 1) == [32, 2, 4, 2]  # measured
+    assert tuned_config(table, FP8_ROW, 16480, 5120, 1) == [32, 1, 4, 4]  # nearest N, same format
+    assert tuned_config(table, FP8_ROW, 14336, 5120, 1) == [32, 2, 4, 2]
+    assert tuned_config(table, FP8_ROW, 14336, 5120, 3) == [128, 4, 4, 4]  # row bucket M4
+    assert tuned_config(table, FP8_ROW, 34816, 5120, 1) == [32, 1, 4, 4]
+    assert tuned_config(table, FP8_ROW, 40000, 5120, 1) is None and tuned_config(table, FP8_ROW, 16480, 6144, 1) is None

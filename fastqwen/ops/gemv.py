@@ -20,7 +20,8 @@ exponent and mantissa into fp32's places, a 2⁻¹²⁰-scaled value; int4: the 
 conversions run at a fraction of the FMA rate, and fp8 at ~65% and int4 at 25% of bandwidth look
 conversion-bound. The sweep decides per shape. A program owns BLOCK_N output columns and walks its share of K in
 steps of 128; split-K programs write partial sums that one add combines (deterministic, no atomics). Launch
-configs come from gemv_configs.json, measured per GPU by scripts/bench_quant.py --sweep, else from a
+configs come from gemv_configs.json, measured per GPU by scripts/bench_quant.py --sweep (a shape not yet swept
+takes the nearest measured N with the same K), else from a
 heuristic. Grouped mode (experts): w, scale, zero carry a leading expert dimension; pair p multiplies row
 tok[p] of x by expert exp[p] into row p of y. Both kernels also run in Triton's CPU interpreter, where
 tests/test_gemv.py checks them. `wq_linear` and `expert_gemv` are the registered ops: the kernels on CUDA, the
@@ -28,6 +29,7 @@ torch reference elsewhere.
 """
 
 import json
+import math
 import pathlib
 
 import torch
@@ -233,6 +235,22 @@ def tuned_key(fmt: int, N: int, K: int, rows: int) -> str:
     return f"{fmt}:{N}x{K}:M{1 if rows <= 1 else 4 if rows <= 4 else MAX_ROWS}"
 
 
+def tuned_config(table: dict, fmt: int, N: int, K: int, rows: int):
+    """The measured config for this shape in `table` (one GPU's part of gemv_configs.json); failing that, the
+    one measured for the nearest N (within 2×) with the same format, K and row bucket (a fused projection's
+    shape before the sweep has seen it); else None."""
+    if tuned_key(fmt, N, K, rows) in table:
+        return table[tuned_key(fmt, N, K, rows)]
+    prefix, bucket = f"{fmt}:", tuned_key(fmt, N, K, rows).rsplit(":", 1)[1]
+    near = []
+    for key, config in table.items():
+        f, shape, b = key.split(":")
+        n, k = map(int, shape.split("x"))
+        if f"{f}:" == prefix and k == K and b == bucket and N / 2 <= n <= 2 * N:
+            near.append((abs(math.log(n / N)), config))
+    return min(near, key=lambda t: t[0])[1] if near else None
+
+
 def gemv_config(fmt: int, N: int, K: int, rows: int, columns: int = 1) -> tuple[int, ...]:
     """(BLOCK_N, SPLIT_K, num_warps, num_stages[, BITS]) for `rows` rows of an [N, K] weight in format `fmt`,
     with `columns` independent copies of the grid (expert pairs in grouped mode). The linear mode takes
@@ -241,7 +259,7 @@ def gemv_config(fmt: int, N: int, K: int, rows: int, columns: int = 1) -> tuple[
     rows are half as wide), K split in up to 8 parts of at least 4 steps of 128. BITS (default 0) decodes the
     weight by bit moves instead of conversion instructions (see _fp8_bits); the sweep tries both."""
     if columns == 1 and torch.cuda.is_available():
-        tuned = _TUNED.get(torch.cuda.get_device_name(), {}).get(tuned_key(fmt, N, K, rows))
+        tuned = tuned_config(_TUNED.get(torch.cuda.get_device_name(), {}), fmt, N, K, rows)
         if tuned:
             return tuple(tuned)
     bn = 128 if fmt == INT4 else 64
