@@ -256,13 +256,20 @@ def step_bytes(model: torch.nn.Module, batch: int = 1, context: int = 0) -> int:
     return weight_bytes(model, batch) + batch * state_bytes(model.config, context, dtype)
 
 
-def _generate(generate_fn: Callable, input_ids: torch.Tensor, n: int) -> float:
+def ragged_mask(batch: int, prompt_len: int, device) -> torch.Tensor:
+    """Attention mask [batch, prompt_len] of left-padded rows whose lengths step down evenly from prompt_len to
+    about half of it (row b: prompt_len − b·⌊prompt_len / 2batch⌋ tokens): a concurrent batch of requests."""
+    lengths = prompt_len - torch.arange(batch) * (prompt_len // (2 * batch))
+    return (torch.arange(prompt_len)[None, :] >= prompt_len - lengths[:, None]).long().to(device)
+
+
+def _generate(generate_fn: Callable, input_ids: torch.Tensor, n: int, mask: torch.Tensor | None = None) -> float:
     """Run ``generate_fn`` for exactly ``n`` new tokens (greedy, no early EOS); returns wall seconds."""
     _sync(input_ids.device)
     t0 = time.perf_counter()
     out = generate_fn(
         input_ids,
-        attention_mask=torch.ones_like(input_ids),
+        attention_mask=torch.ones_like(input_ids) if mask is None else mask,
         max_new_tokens=n,
         min_new_tokens=n,
         do_sample=False,
@@ -276,7 +283,8 @@ def _generate(generate_fn: Callable, input_ids: torch.Tensor, n: int) -> float:
 
 
 def decode_tok_per_s(
-    generate_fn: Callable, input_ids: torch.Tensor, n_short: int, n_long: int, repeats: int = 3
+    generate_fn: Callable, input_ids: torch.Tensor, n_short: int, n_long: int, repeats: int = 3,
+    mask: torch.Tensor | None = None,
 ) -> float:
     """Decode speed of ``generate_fn`` in tokens/s per sequence (decode steps per second).
 
@@ -285,9 +293,9 @@ def decode_tok_per_s(
     for the longest run and is not reallocated). ``generate_fn`` takes HF ``generate`` arguments.
     """
     for n in (n_long, n_short):
-        _generate(generate_fn, input_ids, n)
-    t_short = statistics.median(_generate(generate_fn, input_ids, n_short) for _ in range(repeats))
-    t_long = statistics.median(_generate(generate_fn, input_ids, n_long) for _ in range(repeats))
+        _generate(generate_fn, input_ids, n, mask)
+    t_short = statistics.median(_generate(generate_fn, input_ids, n_short, mask) for _ in range(repeats))
+    t_long = statistics.median(_generate(generate_fn, input_ids, n_long, mask) for _ in range(repeats))
     if t_long <= t_short:
         raise RuntimeError(f"timing noise: {n_long} tokens took {t_long:.4f} s, {n_short} took {t_short:.4f} s")
     return (n_long - n_short) / (t_long - t_short)
@@ -308,7 +316,7 @@ def _drop_hf_compiled(model: torch.nn.Module, device: torch.device | str) -> Non
 
 
 def _measure(label: str, setup: Callable[[], Callable], ids: torch.Tensor, lengths: tuple[int, int],
-             say: Callable[[str], None]) -> dict:
+             say: Callable[[str], None], mask: torch.Tensor | None = None) -> dict:
     """Set up one system and time it; errors are recorded under ``error`` instead of raised.
 
     Returns ``setup_s`` (seconds for ``setup()``: optimize + warm-up for fastqwen), ``first_call_s`` (seconds
@@ -323,8 +331,8 @@ def _measure(label: str, setup: Callable[[], Callable], ids: torch.Tensor, lengt
         _sync(ids.device)
         out["setup_s"] = time.perf_counter() - t0
         say(f"{label}: measuring ({lengths[0]} vs {lengths[1]} new tokens)")
-        out["first_call_s"] = _generate(generate_fn, ids, lengths[1])
-        out["tok_s"] = decode_tok_per_s(generate_fn, ids, *lengths)
+        out["first_call_s"] = _generate(generate_fn, ids, lengths[1], mask)
+        out["tok_s"] = decode_tok_per_s(generate_fn, ids, *lengths, mask=mask)
         say(f"{label}: {out['tok_s']:.1f} tok/s")
     except Exception as e:  # keep benchmarking the other systems
         out["error"] = f"{type(e).__name__}: {e}"[:500]
@@ -333,10 +341,10 @@ def _measure(label: str, setup: Callable[[], Callable], ids: torch.Tensor, lengt
 
 
 def _measure_hf_static(label: str, model: torch.nn.Module, ids: torch.Tensor, lengths: tuple[int, int],
-                       say: Callable[[str], None]) -> dict:
+                       say: Callable[[str], None], mask: torch.Tensor | None = None) -> dict:
     """``_measure`` HF static cache + compile; adds ``compiled`` (whether transformers really compiled the
     forward: it does not off CUDA) and drops the compiled graphs afterwards."""
-    out = _measure(label, lambda: _hf_static_generate(model), ids, lengths, say)
+    out = _measure(label, lambda: _hf_static_generate(model), ids, lengths, say, mask)
     out["compiled"] = "_compiled_call" in model.__dict__
     _drop_hf_compiled(model, ids.device)
     return out
@@ -356,6 +364,7 @@ def run(
     compile: bool = True,
     compile_options: dict | None = None,
     progress: Callable[[str], None] | None = print,
+    ragged: bool = False,
 ) -> dict:
     """Benchmark preset ``name`` (random weights, seed 0) on one model object in this process.
 
@@ -367,7 +376,8 @@ def run(
     tokens/s per sequence, ``setup_s`` / ``first_call_s`` in seconds, or ``error``; see ``_measure`` and
     ``_measure_hf_static``), the ratios ``fastqwen_vs_hf_static`` and ``fastqwen_vs_roofline``. HF systems
     run before ``fastqwen.optimize`` (which replaces ``model.generate``); hf-eager uses ``EAGER_N`` lengths on CUDA.
-    ``compile`` and ``compile_options`` are passed to ``fastqwen.optimize``.
+    ``compile`` and ``compile_options`` are passed to ``fastqwen.optimize``. ``ragged``: the rows are prompts of
+    different lengths, left-padded (`ragged_mask`), as concurrent requests are; ``prompt_len`` is the longest.
     """
     import fastqwen
 
@@ -381,6 +391,9 @@ def run(
                          "on a model it builds itself (run one process per scheme)")
     res = {"model": name, "batch_size": batch_size, "prompt_len": prompt_len, "n_short": n_short,
            "n_long": n_long, "dtype": str(dtype).removeprefix("torch."), "device": str(device), "systems": {}}
+    mask = ragged_mask(batch_size, prompt_len, device) if ragged and batch_size > 1 else None
+    if mask is not None:
+        res["row_lengths"] = mask.sum(1).tolist()
 
     res["copy_bandwidth_Bps"] = copy_bandwidth(device)
     say(f"[{name}] copy bandwidth {res['copy_bandwidth_Bps'] / 1e9:.0f} GB/s")
@@ -389,7 +402,8 @@ def run(
         say(f"[{name}] building model ({res['dtype']}, random init)")
         model = presets.build(name, dtype=dtype, device=device, seed=0).eval()
     res["weight_bytes"] = weight_bytes(model, batch_size)
-    res["step_bytes"] = step_bytes(model, batch_size, prompt_len + (n_short + n_long) // 2)
+    mean_prompt = prompt_len if mask is None else float(mask.float().sum(1).mean())
+    res["step_bytes"] = step_bytes(model, batch_size, int(mean_prompt) + (n_short + n_long) // 2)
     res["roofline_tok_s"] = res["copy_bandwidth_Bps"] / res["step_bytes"]
     say(f"[{name}] bytes per step {res['step_bytes'] / 1e9:.3g} GB (weights {res['weight_bytes'] / 1e9:.3g})"
         f" -> roofline {res['roofline_tok_s']:.1f} tok/s per sequence")
@@ -410,24 +424,25 @@ def run(
     if "hf-eager" in systems:  # HF first: optimize replaces model.generate
         res["systems"]["hf-eager"] = _measure(
             f"{label} hf-eager", lambda: functools.partial(type(model).generate, model), ids,
-            EAGER_N if torch.device(device).type == "cuda" else (n_short, n_long), say)
+            EAGER_N if torch.device(device).type == "cuda" else (n_short, n_long), say, mask)
     if "hf-static-compile" in systems:
         res["systems"]["hf-static-compile"] = _measure_hf_static(
-            f"{label} hf-static-compile", model, ids, (n_short, n_long), say)
+            f"{label} hf-static-compile", model, ids, (n_short, n_long), say, mask)
     if "fastqwen" in systems:
-        res["systems"]["fastqwen"] = _measure(f"{label} fastqwen", fastqwen_setup, ids, (n_short, n_long), say)
+        res["systems"]["fastqwen"] = _measure(f"{label} fastqwen", fastqwen_setup, ids, (n_short, n_long), say,
+                                              mask)
     for system, kernels in CANDIDATE_SYSTEMS.items():
         if system in systems:
             torch._dynamo.reset()
             res["systems"][system] = _measure(f"{label} {system}", lambda k=kernels: fastqwen_setup(kernels=k), ids,
-                                              (n_short, n_long), say)
+                                              (n_short, n_long), say, mask)
             base, tok_s = res["systems"].get("fastqwen", {}).get("tok_s"), res["systems"][system].get("tok_s")
             res[f"{system}_vs_fastqwen"] = tok_s / base if tok_s and base else None
     for system in quant:  # last: it quantizes the model in place
         torch._dynamo.reset()
         scheme = system.removeprefix("fastqwen-")
         res["systems"][system] = _measure(f"{label} {system}", lambda: fastqwen_setup(scheme), ids,
-                                          (n_short, n_long), say)
+                                          (n_short, n_long), say, mask)
         bf16 = res["systems"].get("fastqwen", {}).get("tok_s")
         tok_s = res["systems"][system].get("tok_s")
         res[f"{system}_vs_bf16"] = tok_s / bf16 if tok_s and bf16 else None

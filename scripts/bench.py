@@ -45,6 +45,8 @@ def parse_args() -> argparse.Namespace:
                    help="default: HF eager, HF static cache + compile, fastqwen; also fastqwen with an alternative "
                         "kernel (fastqwen+…) or quantized (fastqwen-…, one scheme a process)")
     p.add_argument("--batch-size", type=int, nargs="+", default=[1], help="rows per generate (a sweep if several)")
+    p.add_argument("--ragged", action="store_true", help="rows of different prompt lengths (left-padded, the "
+                   "longest --prompt-len, the shortest about half), as concurrent requests")
     p.add_argument("--prompt-len", type=int, nargs="+", default=[DEFAULTS["prompt_len"]],
                    help="prompt tokens per row, i.e. the context decoding starts from (a sweep if several)")
     p.add_argument("--n-short", type=int, default=DEFAULTS["n_short"], help="new tokens in the short run")
@@ -100,6 +102,7 @@ def main() -> None:
                         prompt_len=prompt_len, n_short=args.n_short, n_long=args.n_long,
                         dtype=getattr(torch, args.dtype), device=args.device, compile=args.compile, progress=say,
                         compile_options={"triton.cudagraphs": True} if args.no_autotune else None,
+                        ragged=args.ragged,
                     ))
                 except Exception as e:  # e.g. out of memory: keep going with the next row
                     error = f"{type(e).__name__}: {e}"[:500]

@@ -4,7 +4,8 @@
 #   bench    scripts/bench.py for the models in $MODELS (default: all three real shapes)
 #   spec     scripts/bench_spec.py: MTP k=3 tau=3 and DFlash k=15 tau=6.5 in one process on $SPEC_MODEL
 #            (default 27B, default inductor + CUDA graphs; SPEC_ARGS adds options, e.g. --batch 2)
-#   sweep    scripts/bench.py fastqwen at batch 1 2 4 8 on $SWEEP_MODEL (default 27B), then the plot
+#   sweep    scripts/bench.py fastqwen at batch 1 2 4 8 (ragged rows: prompts of 512 down to ~256 tokens) on
+#            $SWEEP_MODEL (default 27B), then the plot
 #   startup  scripts/bench_startup.py on $STARTUP_MODEL (default 9B): cold vs warm start to first token
 #   profile  scripts/profile_step.py on $PROFILE_MODEL (default 35B-A3B): the decode step's kernels, µs each; PROFILE_ARGS="--speculate dflash:15" profiles a round
 #   attention scripts/bench_attention.py (SDPA over the whole cache vs the split-KV kernel) and its GPU test
@@ -41,7 +42,7 @@ case "$stage" in
          python scripts/bench_spec.py --model "$m" --no-autotune ${SPEC_ARGS:-} --json "$out/spec_$m.json" 2>&1 \
            | grep --line-buffered -v "^\[transformers\]" | tee "$out/spec_$m.log" | grep -vE '^ *"|^[{}]'; cat "$out/spec_$m.json" ;;
   sweep) m=${SWEEP_MODEL:-qwen3.5-27b}
-         python scripts/bench.py --models "$m" --systems fastqwen --batch-size 1 2 4 8 --no-autotune \
+         python scripts/bench.py --models "$m" --systems fastqwen --batch-size 1 2 4 8 --ragged --no-autotune \
            ${SWEEP_ARGS:-} --json "$out/sweep_$m.json" 2>&1 | grep -v "^\[transformers\]" | tail -8
          python scripts/plot_bench.py "$out/sweep_$m.json" "$out/sweep_$m.svg" ;;
   startup) python scripts/bench_startup.py --model "${STARTUP_MODEL:-qwen3.5-9b}" --json "$out/startup.json" ;;

@@ -47,3 +47,11 @@ def test_plot_draws_a_line_and_a_roofline_per_model_and_prompt(tmp_path):
     svg = (tmp_path / "b.svg").read_text()
     assert svg.count("<polyline") == 4 and svg.count("<circle") == 8
     assert "m, prompt 32768" in svg
+
+
+def test_ragged_rows_step_down_from_the_prompt_length_to_about_half():
+    from fastqwen.bench import ragged_mask
+
+    mask = ragged_mask(4, 512, "cpu")
+    assert mask.shape == (4, 512) and mask.sum(1).tolist() == [512, 448, 384, 320]
+    assert bool((mask[:, -1] == 1).all()) and bool((mask.diff(dim=1) >= 0).all())  # left padding only
