@@ -24,6 +24,7 @@ CANDIDATE_SYSTEMS = {"fastqwen+split-attention": {"attention": "split"},
                      "fastqwen+grouped-experts": {"experts": "grouped"},
                      "fastqwen+separate-projections": {"projections": "separate"},
                      "fastqwen+gemv-linears": {"linears": "gemv"},
+                     "fastqwen+auto-linears": {"linears": "auto"},
                      "fastqwen+unrolled-gdn": {"gdn": "unrolled"}}
 DEFAULT_SYSTEMS = ("hf-eager", "hf-static-compile", "fastqwen")  # the others are asked for by name
 SYSTEMS = DEFAULT_SYSTEMS + tuple(CANDIDATE_SYSTEMS) + QUANT_SYSTEMS

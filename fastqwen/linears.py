@@ -8,7 +8,7 @@ weight-streaming kernel (ops/gemv.py) for bf16 linears at decode and verify.
 
 import torch
 
-from .ops.gemv import BF16, MAX_ROWS, STEP, wq_linear
+from .ops.gemv import BF16, MAX_ROWS, STEP, gemv_beats_cublas, gpu_table, wq_linear
 
 MLP_IN = ("gate_proj", "up_proj")  # a gated MLP's input projections
 
@@ -88,18 +88,21 @@ def _views_of(fused, linears) -> bool:
 
 class Linears:
     """How the compiled steps run the model's linears. `fused`: a module's input projections as one matmul by
-    the fused linear fuse_linears gave it (else one call each). `gemv`: a bias-free floating-point nn.Linear
-    on at most MAX_ROWS rows (decode, verify) through the weight-streaming kernel (ops/gemv.py, launch configs
-    per shape from gemv_configs.json) instead of F.linear (cuBLAS on a GPU); more rows, quantized and other
-    modules run as they are."""
+    the fused linear fuse_linears gave it (else one call each). `gemv` True: a bias-free floating-point
+    nn.Linear on at most MAX_ROWS rows (decode, verify) through the weight-streaming kernel (ops/gemv.py,
+    launch configs per shape from gemv_configs.json) instead of F.linear (cuBLAS on a GPU); "auto": only
+    where this GPU's sweep measured the kernel faster than cuBLAS at that shape; more rows, quantized and
+    other modules run as they are."""
 
-    def __init__(self, fused: bool = False, gemv: bool = False):
+    def __init__(self, fused: bool = False, gemv: bool | str = False):
         self.fused, self.gemv = fused, gemv
 
     def __call__(self, module, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         if not (self.gemv and type(module) is torch.nn.Linear and module.bias is None and rows <= MAX_ROWS
-                and (module.in_features % STEP == 0 or not x.is_cuda)):  # (off CUDA: wq_linear's reference)
+                and (module.in_features % STEP == 0 or not x.is_cuda)  # (off CUDA: wq_linear's reference)
+                and (self.gemv is True or gemv_beats_cublas(gpu_table(), module.out_features,
+                                                             module.in_features, rows))):
             return module(x)
         y = wq_linear(x.reshape(rows, -1), BF16, module.weight, None, None, False, module.out_features)
         return y.to(x.dtype).view(*x.shape[:-1], module.out_features)

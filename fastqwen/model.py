@@ -32,7 +32,7 @@ def text_model(model):
 
 
 KERNELS = {"attention": ("sdpa", "split"), "experts": ("gather", "grouped"),
-           "projections": ("fused", "separate"), "linears": ("torch", "gemv"),
+           "projections": ("fused", "separate"), "linears": ("torch", "gemv", "auto"),
            "gdn": ("fla", "unrolled")}  # first: the default
 
 
@@ -45,7 +45,8 @@ def check_kernels(kernels: dict | None, cfg, device) -> dict:
     as one matmul each ("separate") or one over a fused weight per layer ("fused": GDN qkv+z+b+a, attention
     q+k+v, MLP gate+up; fewer launches, same bytes; linears.fuse_linears; 1.08× on 27B decode); "linears":
     the decoder's bf16 linears at decode and verify by F.linear ("torch": cuBLAS) or by the weight-streaming
-    kernel ("gemv"; linears.Linears); "gdn": the gated delta rule of decode, verify and commit by
+    kernel ("gemv"), or by it only at the shapes where this GPU's sweep measured it faster ("auto";
+    linears.Linears); "gdn": the gated delta rule of decode, verify and commit by
     flash-linear-attention's fused recurrent kernel ("fla") or by ours with the time loop unrolled
     ("unrolled", ops/gdn.py; prefill keeps fla's either way). The defaults are the ones measured fastest so far
     (docs/BENCHMARKS.md)."""
@@ -82,7 +83,7 @@ class Forward:
         self.cache = cache
         self.kernels = check_kernels(kernels, self.cfg, cache.lengths.device)
         self.unrolled = self.kernels["gdn"] == "unrolled"  # (a Triton compile per T: not for prefill)
-        self.lin = Linears(fused=self.kernels["projections"] == "fused", gemv=self.kernels["linears"] == "gemv")
+        self.lin = Linears(fused=self.kernels["projections"] == "fused", gemv={"torch": False, "gemv": True, "auto": "auto"}[self.kernels["linears"]])
         grouped = self.kernels["experts"] == "grouped"
         for layer in self.layers:
             stacked = grouped and hasattr(layer.mlp, "experts") and stack_shared_expert(layer.mlp)

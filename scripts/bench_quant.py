@@ -144,6 +144,11 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT)) -> l
                             print(f"  {cfg}: {type(e).__name__}", flush=True)
                     best = min(times, key=times.get)
                     best_of[gemv.tuned_key(fmt, N, K, m)] = best
+                    if fmt == gemv.BF16:  # for kernels={"linears": "auto"}: is the kernel worth it over cuBLAS here?
+                        cublas = bench.graph_seconds(lambda x: F.linear(x, w), x)
+                        best_of["cublas:" + gemv.tuned_key(fmt, N, K, m).split(":", 1)[1]] = [
+                            round(cublas * 1e6, 2), round(times[best] * 1e6, 2)]
+                        print(f"  cuBLAS {cublas * 1e6:.1f} µs", flush=True)
                     row = {"model": model, "layer": layer, "N": N, "K": K, "format": name, "M": m,
                            "default": default, "default_us": times[default] * 1e6, "best": best,
                            "best_us": times[best] * 1e6, "best_bw": nbytes / bw / times[best]}

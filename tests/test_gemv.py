@@ -11,7 +11,7 @@ from conftest import run_in_triton_interpreter
 
 from fastqwen.quant.formats import pack_int4, unpack_int4
 from fastqwen.ops.gemv import (BF16, FP8_BLOCK, FP8_ROW, INT4, expert_gemv, expert_reference, reference, stored_operands,
-                               tuned_config, wq_linear)
+                               gemv_beats_cublas, tuned_config, wq_linear)
 
 
 def operands(fmt, N, K, seed=0):
@@ -116,3 +116,11 @@ def test_launch_configs_fall_back_to_the_nearest_measured_shape():
     assert tuned_config(table, FP8_ROW, 14336, 5120, 3) == [128, 4, 4, 4]  # row bucket M4
     assert tuned_config(table, FP8_ROW, 34816, 5120, 1) == [32, 1, 4, 4]
     assert tuned_config(table, FP8_ROW, 40000, 5120, 1) is None and tuned_config(table, FP8_ROW, 16480, 6144, 1) is None
+
+
+def test_auto_linears_take_the_kernel_only_where_the_sweep_measured_it_faster():
+    table = {"cublas:5120x6144:M1": [30.0, 26.5], "cublas:5120x6144:M16": [31.0, 33.0], "3:5120x6144:M1": [64, 4, 4, 4]}
+    assert gemv_beats_cublas(table, 5120, 6144, 1)
+    assert not gemv_beats_cublas(table, 5120, 6144, 9)  # M16 bucket: cuBLAS was faster
+    assert not gemv_beats_cublas(table, 5120, 17408, 1)  # never measured: cuBLAS
+    assert tuned_config(table, BF16, 5120, 6144, 1) == [64, 4, 4, 4] and tuned_config(table, BF16, 12288, 6144, 1) is None

@@ -27,6 +27,7 @@ ALL = {"attention": "split", "experts": "grouped", "projections": "separate", "l
 @pytest.mark.parametrize("name,kernels,compile", [("tiny", {"attention": "split"}, False),
                                                   ("tiny", {"projections": "separate"}, True),
                                                   ("tiny", {"linears": "gemv"}, True),
+                                                  ("tiny", {"linears": "auto"}, False),
                                                   ("tiny-moe", ALL, False),
                                                   ("tiny-moe", ALL, True)])
 def test_alternative_kernels_give_the_default_tokens(name, kernels, compile):

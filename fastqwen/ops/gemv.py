@@ -245,10 +245,24 @@ def tuned_config(table: dict, fmt: int, N: int, K: int, rows: int):
     near = []
     for key, config in table.items():
         f, shape, b = key.split(":")
+        if f"{f}:" != prefix:
+            continue
         n, k = map(int, shape.split("x"))
-        if f"{f}:" == prefix and k == K and b == bucket and N / 2 <= n <= 2 * N:
+        if k == K and b == bucket and N / 2 <= n <= 2 * N:
             near.append((abs(math.log(n / N)), config))
     return min(near, key=lambda t: t[0])[1] if near else None
+
+
+def gemv_beats_cublas(table: dict, N: int, K: int, rows: int) -> bool:
+    """Whether `table` (one GPU's part of gemv_configs.json) has the bf16 kernel measured faster than cuBLAS at
+    this exact shape and row bucket: the sweep stores "cublas:NxK:Mb" = [cuBLAS µs, kernel µs]."""
+    times = table.get("cublas:" + tuned_key(BF16, N, K, rows).split(":", 1)[1])
+    return times is not None and times[1] < times[0]
+
+
+def gpu_table() -> dict:
+    """This GPU's measured launch configs (empty without CUDA or for a GPU the sweep has not seen)."""
+    return _TUNED.get(torch.cuda.get_device_name(), {}) if torch.cuda.is_available() else {}
 
 
 def gemv_config(fmt: int, N: int, K: int, rows: int, columns: int = 1) -> tuple[int, ...]:
@@ -258,8 +272,8 @@ def gemv_config(fmt: int, N: int, K: int, rows: int, columns: int = 1) -> tuple[
     for experts) enough programs that short K walks keep many loads in flight: BLOCK_N 64 (128 for int4, whose
     rows are half as wide), K split in up to 8 parts of at least 4 steps of 128. BITS (default 0) decodes the
     weight by bit moves instead of conversion instructions (see _fp8_bits); the sweep tries both."""
-    if columns == 1 and torch.cuda.is_available():
-        tuned = tuned_config(_TUNED.get(torch.cuda.get_device_name(), {}), fmt, N, K, rows)
+    if columns == 1:
+        tuned = tuned_config(gpu_table(), fmt, N, K, rows)
         if tuned:
             return tuple(tuned)
     bn = 128 if fmt == INT4 else 64
