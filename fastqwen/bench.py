@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 from . import presets
+from .sampling import argmax_last
 
 QUANT_SYSTEMS = ("fastqwen-fp8-weight", "fastqwen-fp8", "fastqwen-int4")  # optimize(quant=...) after bf16
 # fastqwen with an alternative kernel (optimize's `kernels`), measured against the default on the same model
@@ -94,7 +95,7 @@ class OracleProposer:
         p_at_least = (1.0 - self.miss) ** torch.arange(1, k + 1, device=logits.device, dtype=torch.float64)
         n = (u[:, None] < p_at_least[None, :]).sum(-1)
         self.rounds.add_(1)
-        return n, logits.argmax(-1).gather(1, n[:, None])[:, 0]
+        return n, argmax_last(logits).gather(1, n[:, None])[:, 0]
 
 
 def random_proposer(name: str, model, engine, preset: str, lm_head=None, quant: str | None = None):

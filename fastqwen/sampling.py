@@ -54,7 +54,7 @@ def sample(logits, temperature, top_k, top_p, min_p):
     sorted_logits, order = filter_logits(logits, temperature, top_k, top_p, min_p)
     probs = sorted_logits.softmax(-1)
     race = probs / torch.empty_like(probs).exponential_(1)
-    return order.gather(-1, race.argmax(-1, keepdim=True))[:, 0]
+    return order.gather(-1, argmax_last(race)[:, None])[:, 0]
 
 
 def filtered_probs(logits, temperature, top_k, top_p, min_p):
@@ -65,9 +65,22 @@ def filtered_probs(logits, temperature, top_k, top_p, min_p):
 
 def sample_probs(probs):
     """One token per row [B] from (unnormalised) probabilities [B, V], by the exponential race."""
-    return (probs / torch.empty_like(probs).exponential_(1)).argmax(-1)
+    return argmax_last(probs / torch.empty_like(probs).exponential_(1))
+
+
+def argmax_last(x: torch.Tensor, chunks: int = 64) -> torch.Tensor:
+    """x.argmax(-1) (the first maximum, as torch's), in two stages when the last dim splits into `chunks`:
+    the max of each chunk, then the first chunk holding the overall max. Inductor does not split an argmax
+    reduction, so a single [1, 248320] row reduces in one program (71 µs of a 27B decode step, profiled);
+    chunked, 64 programs share it."""
+    V = x.shape[-1]
+    if V % chunks or V < 64 * chunks:
+        return x.argmax(-1)
+    vals, idx = x.unflatten(-1, (chunks, V // chunks)).max(-1)  # [..., chunks]: first max within each chunk
+    best = vals.argmax(-1, keepdim=True)  # first chunk with the overall max
+    return (best * (V // chunks) + idx.gather(-1, best)).squeeze(-1)
 
 
 def greedy(logits):
     """The argmax token per row [B]."""
-    return logits.argmax(-1)
+    return argmax_last(logits)

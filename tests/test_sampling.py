@@ -82,3 +82,17 @@ def test_generate_first_token_distribution_and_seeds():
     assert torch.equal(a, b)
     torch.manual_seed(8)
     assert not torch.equal(a, opt.generate(prompt, do_sample=True, max_new_tokens=20))
+
+
+@pytest.mark.parametrize("shape", [(3, 64 * 64), (2, 5, 248320), (4, 100)])
+def test_two_stage_argmax_is_torchs_argmax_ties_included(shape):
+    """argmax_last picks torch.argmax's index (the first maximum) also where the maximum repeats across
+    chunks and within one, and on rows too short or not divisible to split."""
+    from fastqwen.sampling import argmax_last
+
+    torch.manual_seed(0)
+    x = torch.randint(0, 50, shape).float()  # many ties
+    assert torch.equal(argmax_last(x), x.argmax(-1))
+    x = torch.randn(shape)
+    x[..., -1] = x.max() + 1  # the max in the last chunk
+    assert torch.equal(argmax_last(x), x.argmax(-1))

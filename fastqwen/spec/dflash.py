@@ -29,7 +29,7 @@ from ..model import text_model
 from ..ops.attention import apply_rope, rope_cos_sin, write_kv
 from ..ops.decode_attention import attend_cache_split_op
 from ..ops.norm import plain_rms_norm
-from ..sampling import filtered_probs, sample_probs
+from ..sampling import argmax_last, filtered_probs, sample_probs
 
 
 def read_dflash_checkpoint(path):
@@ -184,7 +184,7 @@ class DFlashProposer:
     def propose(self, engine, k: int, do_sample: bool):
         logits = self.lm_head(self.block_hidden(engine, k)[:, 1:]).float()  # [B, k, V]
         if not do_sample:
-            return logits.argmax(-1), None
+            return argmax_last(logits), None
         s = engine.state
         rep = lambda t: t.repeat_interleave(k)  # noqa: E731
         q = filtered_probs(logits.flatten(0, 1), rep(s["temperature"]), rep(s["top_k"]), rep(s["top_p"]),

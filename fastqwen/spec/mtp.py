@@ -22,7 +22,7 @@ from ..cache import HybridCache
 from ..model import text_model
 from ..ops.attention import rope_cos_sin
 from ..ops.norm import rms_norm
-from ..sampling import filtered_probs, sample_probs
+from ..sampling import argmax_last, filtered_probs, sample_probs
 
 
 def read_mtp_tensors(path) -> dict:
@@ -153,7 +153,7 @@ class MTPProposer:
                 token = sample_probs(q)
                 probs.append(q)
             else:
-                token = logits.argmax(-1)
+                token = argmax_last(logits)
             drafts.append(token)
         return torch.stack(drafts, dim=1), (torch.stack(probs, dim=1) if do_sample else None)
 

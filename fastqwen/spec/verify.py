@@ -8,12 +8,12 @@ last draft. So every round emits n + 1 tokens: d1 … dn and `next`.
 
 import torch
 
-from ..sampling import sample_probs
+from ..sampling import argmax_last, sample_probs
 
 
 def accept_greedy(logits: torch.Tensor, drafts: torch.Tensor):
     """(n [B], next [B]): drafts [B, k] accepted while they equal the target's argmax."""
-    target = logits.argmax(-1)  # [B, k+1]
+    target = argmax_last(logits)  # [B, k+1]
     n = (drafts == target[:, :-1]).long().cumprod(-1).sum(-1)
     return n, target.gather(1, n[:, None])[:, 0]
 
