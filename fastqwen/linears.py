@@ -18,16 +18,21 @@ def fuse_linears(module, names) -> None:
     by rows ([ΣN, K]), so one matmul serves them all (fewer launches per decode step, same bytes); each
     linear's weight becomes a row slice of it, so the module's own forward and state dict are unchanged.
     bf16 nn.Linear of one dtype, or QuantLinear of one scheme and group (their stored tensors stacked; fp8
-    128×128 blocks need every part but the last to be whole blocks of rows; no act-order permutation).
-    Idempotent; a fused linear whose parts were replaced since (quantized, say) is dropped, and rebuilt if the
-    new parts fuse. The fused linear is not a registered submodule: it holds no tensors of its own."""
+    128×128 blocks need every part but the last to be whole blocks of rows; no act-order permutation). When
+    only a prefix of `names` can fuse (fp8 blocks: the 27B GDN block's 48-row b before a), that prefix is, and
+    `fastqwen_fused_sizes` says how many. Idempotent; a fused linear whose parts were replaced since (quantized,
+    say) is dropped, and rebuilt if the new parts fuse. The fused linear is not a registered submodule: it
+    holds no tensors of its own."""
     linears = [getattr(module, n, None) for n in names]
     fused = module.__dict__.get("fastqwen_fused")
-    if fused is not None and not _views_of(fused, linears):
-        module.__dict__.pop("fastqwen_fused")
+    if fused is not None and not _views_of(fused, linears[:len(module.__dict__["fastqwen_fused_sizes"])]):
+        for attr in ("fastqwen_fused", "fastqwen_fused_sizes"):
+            module.__dict__.pop(attr)
         fused = None
-    if fused is not None or not _fusable(linears):
+    count = max((p for p in range(len(linears), 1, -1) if _fusable(linears[:p])), default=0)
+    if fused is not None or count < 2:
         return
+    linears = linears[:count]
     with torch.no_grad():
         if type(linears[0]) is torch.nn.Linear:
             fused = torch.nn.Linear(linears[0].in_features, sum(lin.out_features for lin in linears), bias=False,
@@ -112,7 +117,8 @@ class Linears:
         fused = module.__dict__.get("fastqwen_fused") if self.fused else None
         if fused is None:
             return [self(getattr(module, n), h) for n in names]
-        return self(fused, h).split(module.__dict__["fastqwen_fused_sizes"], dim=-1)
+        sizes = module.__dict__["fastqwen_fused_sizes"]
+        return [*self(fused, h).split(sizes, dim=-1), *(self(getattr(module, n), h) for n in names[len(sizes):])]
 
     def mlp(self, mlp, h):
         """A dense gated MLP (transformers' Qwen3.5 MLP, or a MoE layer's shared expert): down(act(gate)·up)."""
