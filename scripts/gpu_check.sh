@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call of the GPU plan: `bash scripts/gpu_check.sh STAGE` on the H200 (logs and JSON go to $OUT).
-#   tests    tests/gpu but the quant tests (default inductor + CUDA graphs; ~7 min)
+#   tests    tests/gpu but the quant tests and the candidates' (default inductor + CUDA graphs; ~7 min)
+#   candidate-tests  tests/gpu/test_candidates_gpu.py: every kernel candidate at once against the default, 9B
 #   bench    scripts/bench.py for the models in $MODELS (default: all three real shapes)
 #   spec     scripts/bench_spec.py: MTP k=3 tau=3 and DFlash k=15 tau=6.5 in one process on $SPEC_MODEL
 #            (default 27B, default inductor + CUDA graphs; SPEC_ARGS adds options, e.g. --batch 2)
@@ -34,8 +35,10 @@ out=${OUT:-/tmp/out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 case "$stage" in
-  tests) python -m pytest -q -s -p no:warnings tests/gpu --ignore tests/gpu/test_quant_gpu.py 2>&1 | tee "$out/gpu_tests.log" \
+  tests) python -m pytest -q -s -p no:warnings tests/gpu --ignore tests/gpu/test_quant_gpu.py -m "not candidates" 2>&1 \
+           | tee "$out/gpu_tests.log" \
            | grep -E "passed|failed|FAILED|Error|divergence|agreed|identical|tau" ;;
+  candidate-tests) python -m pytest -q -s -p no:warnings tests/gpu/test_candidates_gpu.py 2>&1 | tail -6 ;;
   bench) python scripts/bench.py --models ${MODELS:-qwen3.5-9b qwen3.5-27b qwen3.5-35b-a3b} ${BENCH_ARGS:-} \
            --out-dir "$out" 2>&1 | grep -v "^\[transformers\]" | tail -20 ;;
   spec)  m=${SPEC_MODEL:-qwen3.5-27b}
