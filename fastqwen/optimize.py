@@ -23,7 +23,7 @@ def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile
              compile_options: dict | None = None, speculate: str | None = None, num_speculative_tokens: int = 3,
              draft=None, block_size: int | None = None, quant: str | None = None, quant_group_size: int = 128,
              quant_lm_head: bool = False, draft_lm_head: str | None = None, draft_vocab=None, compile_cache=None,
-             kernels: dict | None = None):
+             kernels: dict | None = None, draft_quant: str | None = None):
     """Make `model.generate` run on fastqwen's static hybrid cache and compiled decode step.
 
     model: a transformers Qwen3.5 / Qwen3.6 model (dense or MoE; CausalLM or ConditionalGeneration, text-only
@@ -41,6 +41,8 @@ def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile
     "experts": "grouped"} (model.check_kernels lists them; the defaults are the measured fastest).
     quant: also quantizes the speculative draft (the MTP head's or the DFlash draft's linears and experts) in
     the same scheme: it is read every round, and its precision only moves acceptance, never the output.
+    draft_quant: the draft's scheme when it should differ from quant's, e.g. "fp8-weight" drafts for a bf16
+    target (half the draft's bytes a round; the target verifies in bf16, so the output is unchanged).
     Returns the same model object; its weights and module tree are untouched, and the original generate
     stays reachable as `type(model).generate(model, ...)`.
     """
@@ -67,14 +69,15 @@ def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile
     check_kernels(kernels, model.config.get_text_config(), device)
     if speculate is not None and speculate not in SPECULATE:
         raise ValueError(f"unknown speculate={speculate!r}; supported: None, {', '.join(map(repr, SPECULATE))}")
-    for name, value in (("draft_lm_head", draft_lm_head), ("draft_vocab", draft_vocab)):
+    for name, value in (("draft_lm_head", draft_lm_head), ("draft_vocab", draft_vocab), ("draft_quant", draft_quant)):
         if value is not None and speculate is None:
             raise ValueError(f"{name} only applies to speculative decoding; pass speculate='mtp' or 'dflash'")
-    if draft_lm_head is not None:
-        from .quant import SCHEMES
+    from .quant import SCHEMES
 
-        if draft_lm_head not in SCHEMES:
-            raise ValueError(f"unknown draft_lm_head={draft_lm_head!r}; supported: {', '.join(SCHEMES)}")
+    for name, value in (("draft_lm_head", draft_lm_head), ("draft_quant", draft_quant)):
+        if value is not None and value not in SCHEMES:
+            raise ValueError(f"unknown {name}={value!r}; supported: {', '.join(SCHEMES)}")
+    draft_quant = draft_quant or quant
     if quant is not None:
         from .quant import quantize
 
@@ -87,7 +90,7 @@ def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile
         source = draft or getattr(model, "name_or_path", "") or model.config._name_or_path
         if not source:
             raise ValueError("speculate='mtp' needs the checkpoint the model was loaded from; pass draft=<dir>")
-        head = quantize_draft(MTPHead(model, read_mtp_tensors(source)), quant, quant_group_size)
+        head = quantize_draft(MTPHead(model, read_mtp_tensors(source)), draft_quant, quant_group_size)
         k = num_speculative_tokens
         proposer_for = lambda engine, lm_head: MTPProposer(engine, head, lm_head)  # noqa: E731
     elif speculate == "dflash":
@@ -95,7 +98,7 @@ def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile
 
         if draft is None:
             raise ValueError("speculate='dflash' needs draft=<DFlash checkpoint directory>")
-        dflash = quantize_draft(DFlashDraft(*read_dflash_checkpoint(draft), model), quant, quant_group_size)
+        dflash = quantize_draft(DFlashDraft(*read_dflash_checkpoint(draft), model), draft_quant, quant_group_size)
         block = dflash.block_size if block_size is None else block_size
         if not isinstance(block, int) or not 2 <= block <= dflash.block_size:
             raise ValueError(f"block_size must be an int in 2..{dflash.block_size} (the draft's own block size), "

@@ -83,6 +83,8 @@ def main():
     p.add_argument("--draft-lm-head", choices=["fp8-weight", "fp8", "int4"],
                    help="draft through a quantized copy of lm_head (optimize's draft_lm_head)")
     p.add_argument("--draft-vocab", type=int, help="draft over token ids 0 … N−1 only (optimize's draft_vocab)")
+    p.add_argument("--draft-quant", choices=["fp8-weight", "fp8", "int4"],
+                   help="the draft's own quantization (optimize's draft_quant; default: --quant's)")
     p.add_argument("--phases", nargs="*", metavar="PROPOSER", help="time draft / verify / commit for these runs "
                    "only (default: every run; none given: no run)")
     p.add_argument("--no-autotune", action="store_true")
@@ -131,11 +133,12 @@ def main():
                                              "commit_over_decode": costs["commit_s"] / res["decode_s"]}
     head = draft_head(model.lm_head, args.draft_vocab, args.draft_lm_head)  # None: the target's own
     res["draft_lm_head"], res["draft_vocab"] = args.draft_lm_head, args.draft_vocab
+    res["draft_quant"] = args.draft_quant or args.quant
     for name, k, tau in runs:
         say(f"{name} k={k} at tau={tau}: compiling and measuring")
         oracle = OracleProposer(reference, miss_for_tau(tau, k), model.config.vocab_size, impose=True)
         e.enable_speculation(oracle, k)
-        oracle.inner = bench.random_proposer(name, model, e, args.model, head, quant=args.quant)
+        oracle.inner = bench.random_proposer(name, model, e, args.model, head, quant=args.draft_quant or args.quant)
         r = {"k": k, "tau": tau}
         r["tok_s"] = args.batch * bench.decode_tok_per_s(model.generate, ids, args.n_short, args.n_long)
         r["measured_tau"] = e.spec.acceptance_length(args.batch)

@@ -163,3 +163,22 @@ def test_a_quantized_target_drafts_through_a_quantized_head(checkpoint):
     ids = torch.randint(1, 500, (2, 17))
     assert torch.equal(spec.generate(ids, do_sample=False, max_new_tokens=24),
                        plain.generate(ids, do_sample=False, max_new_tokens=24))
+
+
+def test_draft_quant_quantizes_the_head_of_a_bf16_target(checkpoint):
+    """draft_quant: the MTP head in fp8 while the target stays as it is; the output is the target's."""
+    from fastqwen.quant import QuantLinear
+
+    opts = dict(max_batch_size=2, max_seq_len=128, compile=False)
+    plain = fastqwen.optimize(load(checkpoint), **opts)
+    spec = fastqwen.optimize(load(checkpoint), **opts, speculate="mtp", num_speculative_tokens=3,
+                             draft_quant="fp8-weight")
+    assert isinstance(spec._fastqwen.spec.proposer.head.fc, QuantLinear)
+    assert not any(isinstance(m, QuantLinear) for m in spec.model.modules())
+    ids = torch.randint(1, 500, (2, 17))
+    assert torch.equal(spec.generate(ids, do_sample=False, max_new_tokens=24),
+                       plain.generate(ids, do_sample=False, max_new_tokens=24))
+    with pytest.raises(ValueError, match="draft_quant only applies to speculative decoding"):
+        fastqwen.optimize(load(checkpoint), compile=False, draft_quant="fp8")
+    with pytest.raises(ValueError, match="unknown draft_quant='nf4'"):
+        fastqwen.optimize(load(checkpoint), compile=False, speculate="mtp", draft_quant="nf4")
