@@ -1,5 +1,5 @@
 """pytest-benchmark suite for fastqwen generate: Qwen3.5-9B GPU benchmarks (plain, and speculative with the real
-MTP drafting compute at a fixed acceptance) and tiny CPU smoke variants.
+MTP or DFlash drafting compute at a fixed acceptance) and tiny CPU smoke variants.
 
     pytest tests/benchmarks --benchmark-only          # GPU benchmark is skipped without CUDA
 
@@ -85,6 +85,12 @@ def test_speculative_speed_qwen9b_mtp_k3_tau3(benchmark, qwen9b):
     """MTP k=3 at τ=3 on Qwen3.5-9B (bf16, batch 1). Runs after the plain benchmark (file order): it switches the
     shared model to speculative decoding."""
     _speculate(qwen9b["model"], "qwen3.5-9b", k=3, tau=3.0, drafter="mtp")
+    _bench_generate(benchmark, qwen9b["model"], qwen9b["ids"])
+
+
+def test_speculative_speed_qwen9b_dflash_k15_tau65(benchmark, qwen9b):
+    """DFlash k=15 at τ=6.5 on Qwen3.5-9B with a random draft of the real 9B-draft shape (after the MTP one)."""
+    _speculate(qwen9b["model"], "qwen3.5-9b", k=15, tau=6.5, drafter="dflash")
     _bench_generate(benchmark, qwen9b["model"], qwen9b["ids"])
 
 
