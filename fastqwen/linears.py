@@ -101,12 +101,13 @@ class Linears:
 
     def __init__(self, fused: bool = False, gemv: bool | str = False):
         self.fused, self.gemv = fused, gemv
+        self.table = gpu_table() if gemv == "auto" else {}  # read here: not inside a traced step
 
     def __call__(self, module, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         if not (self.gemv and type(module) is torch.nn.Linear and module.bias is None and rows <= MAX_ROWS
                 and (module.in_features % STEP == 0 or not x.is_cuda)  # (off CUDA: wq_linear's reference)
-                and (self.gemv is True or gemv_beats_cublas(gpu_table(), module.out_features,
+                and (self.gemv is True or gemv_beats_cublas(self.table, module.out_features,
                                                              module.in_features, rows))):
             return module(x)
         y = wq_linear(x.reshape(rows, -1), BF16, module.weight, None, None, False, module.out_features)
