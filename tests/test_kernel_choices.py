@@ -7,6 +7,7 @@ import torch
 from conftest import fresh, left_padded
 
 import fastqwen
+from transformers import AutoModelForCausalLM
 from fastqwen.moe import routed_moe
 
 
@@ -70,7 +71,7 @@ def test_gemv_linears_take_the_decode_linears(monkeypatch):
     assert len(calls) == 4 * layers * 5 and set(calls) == {1}
 
 
-def test_the_shared_expert_stacks_onto_the_routed_ones():
+def test_the_shared_expert_stacks_onto_the_routed_ones(tmp_path):
     """With grouped experts, the shared expert becomes expert E of the stacked weights and its gate row E of
     the router: the HF parameters are views (forward and state dict unchanged), routed_moe gives the HF
     block's output, re-stacking is a no-op, and a replaced parameter drops the stack."""
@@ -92,6 +93,9 @@ def test_the_shared_expert_stacks_onto_the_routed_ones():
         again = mlp(h)
         torch.testing.assert_close(again[0] if isinstance(again, tuple) else again, hf, rtol=0, atol=0)
         torch.testing.assert_close(routed_moe(mlp, h, grouped=True), hf, rtol=1e-4, atol=1e-5)
+        model.save_pretrained(tmp_path)  # parameters that are views of the stacks save and load as before
+        ids = torch.randint(1, 500, (1, 9))
+        torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(tmp_path)(ids).logits, model(ids).logits)
         mlp.shared_expert.down_proj.weight = torch.nn.Parameter(torch.zeros_like(mlp.shared_expert.down_proj.weight))
         assert stack_shared_expert(mlp)  # re-stacked from the new parameter
         assert torch.equal(mlp.fastqwen_stacked[1][E], torch.zeros_like(mlp.fastqwen_stacked[1][E]))
