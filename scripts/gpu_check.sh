@@ -35,9 +35,9 @@ out=${OUT:-/tmp/out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 case "$stage" in
-  tests) python -m pytest -q -s -p no:warnings tests/gpu --ignore tests/gpu/test_quant_gpu.py -m "not candidates" 2>&1 \
+  tests) python -m pytest -q -s -p no:warnings --durations=12 tests/gpu --ignore tests/gpu/test_quant_gpu.py -m "not candidates" ${TESTS_ARGS:-} 2>&1 \
            | tee "$out/gpu_tests.log" \
-           | grep -E "passed|failed|FAILED|Error|divergence|agreed|identical|tau" ;;
+           | grep -E "passed|failed|FAILED|Error|divergence|agreed|identical|tau|^[0-9.]+s (call|setup)" ;;
   candidate-tests) python -m pytest -q -s -p no:warnings tests/gpu/test_candidates_gpu.py 2>&1 | tail -6 ;;
   bench) python scripts/bench.py --models ${MODELS:-qwen3.5-9b qwen3.5-27b qwen3.5-35b-a3b} ${BENCH_ARGS:-} \
            --out-dir "$out" 2>&1 | grep -v "^\[transformers\]" | tail -20 ;;

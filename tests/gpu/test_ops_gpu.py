@@ -107,7 +107,8 @@ def test_routed_moe_matches_transformers_block_real_shape(grouped, stacked):
 
         assert stack_shared_expert(block)
     f = torch.compile(routed_moe, fullgraph=True)
-    assert rel_err(f(block, h, grouped), ref) < 2e-2
+    with torch.no_grad():  # as the engine runs it: our expert kernels are inference-only (no backward)
+        assert rel_err(f(block, h, grouped), ref) < 2e-2
 
 
 @pytest.mark.parametrize("unrolled", [False, True])
