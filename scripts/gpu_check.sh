@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call of the GPU plan: `bash scripts/gpu_check.sh STAGE` on the H200 (logs and JSON go to $OUT).
-#   tests    tests/gpu but the quant tests and the candidates' (default inductor + CUDA graphs; ~7 min)
+#   tests    tests/gpu but the quant tests and the candidates' (default inductor + CUDA graphs; ~10 min on one GPU:
+#            on nvidia-h200-x2 the two 9B halves run at once, one per GPU)
 #   candidate-tests  tests/gpu/test_candidates_gpu.py: every kernel candidate at once against the default, 9B
 #   bench    scripts/bench.py for the models in $MODELS (default: all three real shapes)
 #   spec     scripts/bench_spec.py: MTP k=3 tau=3 and DFlash k=15 tau=6.5 in one process on $SPEC_MODEL
@@ -35,9 +36,15 @@ out=${OUT:-/tmp/out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 case "$stage" in
-  tests) python -m pytest -q -s -p no:warnings --durations=12 tests/gpu --ignore tests/gpu/test_quant_gpu.py -m "not candidates" ${TESTS_ARGS:-} 2>&1 \
-           | tee "$out/gpu_tests.log" \
-           | grep -E "passed|failed|FAILED|Error|divergence|agreed|identical|tau|^[0-9.]+s (call|setup)" ;;
+  tests) t=(python -m pytest -q -s -p no:warnings --durations=12 -m "not candidates" ${TESTS_ARGS:-})
+         show='passed|failed|FAILED|Error|divergence|agreed|identical|tau|^[0-9.]+s (call|setup)'
+         if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then  # two GPUs: the 9B generate and speculative halves at once
+           CUDA_VISIBLE_DEVICES=0 "${t[@]}" tests/gpu/test_generate_gpu.py tests/gpu/test_attention_gpu.py >"$out/gpu_tests.log" 2>&1 &
+           CUDA_VISIBLE_DEVICES=1 "${t[@]}" tests/gpu/test_speculative_gpu.py tests/gpu/test_ops_gpu.py >"$out/gpu_tests_2.log" 2>&1
+           wait; grep -hE "$show" "$out/gpu_tests.log" "$out/gpu_tests_2.log"
+         else
+           "${t[@]}" tests/gpu --ignore tests/gpu/test_quant_gpu.py 2>&1 | tee "$out/gpu_tests.log" | grep -E "$show"
+         fi ;;
   candidate-tests) python -m pytest -q -s -p no:warnings tests/gpu/test_candidates_gpu.py 2>&1 | tail -6 ;;
   bench) python scripts/bench.py --models ${MODELS:-qwen3.5-9b qwen3.5-27b qwen3.5-35b-a3b} ${BENCH_ARGS:-} \
            --out-dir "$out" 2>&1 | grep -v "^\[transformers\]" | tail -20 ;;
