@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call of the GPU plan: `bash scripts/gpu_check.sh STAGE` on the H200 (logs and JSON go to $OUT).
-#   tests    tests/gpu but the quant tests and the candidates' (default inductor + CUDA graphs; ~10 min on one GPU:
-#            on nvidia-h200-x2 the two 9B halves run at once, one per GPU)
+#   tests    tests/gpu but the quant tests and the candidates' (default inductor + CUDA graphs), as four pytest
+#            processes: all at once on nvidia-h200-x2 (the way to run it), two at a time on one GPU
 #   candidate-tests  tests/gpu/test_candidates_gpu.py: every kernel candidate at once against the default, 9B
 #   bench    scripts/bench.py for the models in $MODELS (default: all three real shapes)
 #   spec     scripts/bench_spec.py: MTP k=3 tau=3 and DFlash k=15 tau=6.5 in one process on $SPEC_MODEL
@@ -36,15 +36,20 @@ out=${OUT:-/tmp/out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 case "$stage" in
-  tests) t=(python -m pytest -q -s -p no:warnings --durations=12 -m "not candidates" ${TESTS_ARGS:-})
-         show='passed|failed|FAILED|Error|divergence|agreed|identical|tau|^[0-9.]+s (call|setup)'
-         if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then  # two GPUs: the 9B generate and speculative halves at once
-           CUDA_VISIBLE_DEVICES=0 "${t[@]}" tests/gpu/test_generate_gpu.py tests/gpu/test_attention_gpu.py >"$out/gpu_tests.log" 2>&1 &
-           CUDA_VISIBLE_DEVICES=1 "${t[@]}" tests/gpu/test_speculative_gpu.py tests/gpu/test_ops_gpu.py >"$out/gpu_tests_2.log" 2>&1
-           wait; grep -hE "$show" "$out/gpu_tests.log" "$out/gpu_tests_2.log"
-         else
-           "${t[@]}" tests/gpu --ignore tests/gpu/test_quant_gpu.py 2>&1 | tee "$out/gpu_tests.log" | grep -E "$show"
-         fi ;;
+  tests) # four pytest processes at once (the 9B ones compile ~2 min each, CPU-bound): two a GPU; one GPU
+         # takes them two at a time (each 9B process with its fp32 near-tie copy holds ~60 GB)
+         t=(python -m pytest -q -s -p no:warnings --durations=6 -m "not candidates" ${TESTS_ARGS:-})
+         groups=("tests/gpu/test_generate_gpu.py" "tests/gpu/test_speculative_gpu.py -k mtp"
+                 "tests/gpu/test_speculative_gpu.py -k dflash or oracle"
+                 "tests/gpu/test_ops_gpu.py tests/gpu/test_attention_gpu.py")
+         ngpu=$(nvidia-smi -L | wc -l)
+         for i in 0 1 2 3; do
+           g=${groups[$i]}; sel=(${g%% -k *}); k=(); [[ $g == *" -k "* ]] && k=(-k "${g#* -k }")
+           CUDA_VISIBLE_DEVICES=$((i % ngpu)) "${t[@]}" "${sel[@]}" "${k[@]}" >"$out/gpu_tests_$i.log" 2>&1 &
+           if [ "$ngpu" -lt 2 ] && [ $i -eq 1 ]; then wait; fi
+         done
+         wait
+         grep -hE 'passed|failed|FAILED|ERROR|divergence|agreed|identical|tau|^[0-9.]+s (call|setup)' "$out"/gpu_tests_*.log ;;
   candidate-tests) python -m pytest -q -s -p no:warnings tests/gpu/test_candidates_gpu.py 2>&1 | tail -6 ;;
   bench) python scripts/bench.py --models ${MODELS:-qwen3.5-9b qwen3.5-27b qwen3.5-35b-a3b} ${BENCH_ARGS:-} \
            --out-dir "$out" 2>&1 | grep -v "^\[transformers\]" | tail -20 ;;
