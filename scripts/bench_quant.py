@@ -113,14 +113,15 @@ SWEPT = {"fp8-weight": "FP8_ROW", "int4": "INT4", "bf16": "BF16"}  # formats the
 
 def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT)) -> list[dict]:
     """Time the weight-streaming kernel over its launch configs (BLOCK_N, SPLIT_K, num_warps, num_stages, BITS:
-    conversion instructions or bit moves to decode the weight) per layer, format and M; print the default
-    config's time beside the best one. With `table`, merge the best configs into that gemv_configs.json under
-    this GPU's name (fastqwen.ops.gemv reads it at import)."""
+    conversion instructions or bit moves to decode the weight, KSTEP: 128-column blocks a loop step) per layer,
+    format and M; print the default config's time beside the best one. With `table`, merge the best configs into
+    that gemv_configs.json under this GPU's name (fastqwen.ops.gemv reads it at import)."""
     import itertools
 
     from fastqwen.ops import gemv
 
-    configs = list(itertools.product((32, 64, 128), (1, 2, 4, 8, 16), (4,), (2, 4), (0, 1)))  # 8 warps never won
+    configs = list(itertools.product((32, 64, 128), (1, 2, 4, 8, 16), (4,), (2, 4), (0, 1), (1,)))  # 8 warps never won
+    wide = list(itertools.product((32, 64, 128), (1, 2, 4, 8), (4,), (2, 4), (0,), (2, 4)))  # KSTEP: fp8-weight, bf16
     rows, best_of = [], {}
     for model in shapes:
         for layer, N, K in SHAPES[model]:
@@ -133,9 +134,10 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT)) -> l
                 nbytes = sum(t.numel() * t.element_size() for t in (q, sc, z) if t is not None)
                 for m in ms:
                     x = torch.randn(m, K, device=DEV, dtype=torch.bfloat16)
-                    default = (*gemv.gemv_config(fmt, N, K, m), 0)[:5]  # BITS 0 unless the table says 1
+                    default = gemv.full_config(gemv.gemv_config(fmt, N, K, m))
                     times = {}
-                    for cfg in [default] + [c for c in configs if K // 128 >= c[1] and c != default
+                    tried = configs + (wide if fmt in (gemv.FP8_ROW, gemv.BF16) else [])
+                    for cfg in [default] + [c for c in tried if K // (128 * c[5]) >= c[1] and c != default
                                             and not (fmt == gemv.BF16 and c[4])]:  # bf16 has no bit decoding
                         try:
                             times[cfg] = bench.graph_seconds(

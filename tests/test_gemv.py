@@ -54,19 +54,23 @@ def test_expert_reference_is_a_per_pair_matmul():
 
 _INTERPRETED = """
 import torch
-from fastqwen.ops.gemv import FP8_BLOCK, FP8_ROW, INT4, _launch, reference, wq_matmul
+from fastqwen.ops.gemv import BF16, FP8_BLOCK, FP8_ROW, INT4, _launch, reference, wq_matmul
 from test_gemv import operands
 worst = 0.0
 # (not FP8_BLOCK with act_fp8: the interpreter's fp32 -> e4m3 cast drops the carry when rounding up into the
 # next binade, e.g. 126.5 -> 64 instead of 128; tests/gpu covers that path on the hardware's cast)
-for fmt, act in [(FP8_ROW, False), (FP8_BLOCK, False), (INT4, False)]:
+# the default, K split in 2 (uneven) and 3, and the same decoded by bit moves (BITS)
+CONFIGS = (None, (32, 2, 4, 2), (16, 3, 4, 1), (64, 1, 4, 2, 1), (32, 2, 4, 2, 1), (16, 3, 4, 1, 1))
+# steps of 256 columns split in 2 (the second step half masked), one step of 512 (a quarter masked)
+WIDE = ((32, 2, 4, 2, 0, 2), (16, 1, 4, 1, 0, 4))
+for fmt, act, configs in [(FP8_ROW, False, CONFIGS + WIDE), (FP8_BLOCK, False, CONFIGS), (INT4, False, CONFIGS),
+                          (BF16, False, (None,) + WIDE)]:
     for M in (1, 3, 16):
         N, K = 200, 384  # N not a multiple of the program width; K three steps
         w, s, z = operands(fmt, N, K, seed=M)
         x = torch.randn(M, K, dtype=torch.bfloat16)
         ref = reference(x.float(), fmt, w, s, z, act, N)
-        # the default, K split in 2 (uneven) and 3, and the same decoded by bit moves (BITS)
-        for config in (None, (32, 2, 4, 2), (16, 3, 4, 1), (64, 1, 4, 2, 1), (32, 2, 4, 2, 1), (16, 3, 4, 1, 1)):
+        for config in configs:
             y = wq_matmul(x, fmt, w, s, z, act, N) if config is None else _launch(x, fmt, w, s, z, act, N, M, config=config)
             err = ((y - ref).norm() / ref.norm()).item()
             assert y.shape == (M, N) and not y.isnan().any(), (fmt, M, config)
@@ -97,6 +101,13 @@ for M in (1, 2):  # one-hot x: y is each code's value, exactly, whichever way th
     for config in ((64, 1, 4, 2, 0), (64, 1, 4, 2, 1)):
         y = _launch(x, FP8_ROW, q, torch.ones(len(codes)), None, False, len(codes), M, config=config)
         assert torch.equal(y[0], q[:, 5].float()), (M, config)
+for fmt, act in ((INT4, False), (FP8_BLOCK, True)):  # a scale inside the step: wide steps are refused
+    w, s, z = operands(fmt, 64, 256)
+    try:
+        _launch(torch.randn(1, 256), fmt, w, s, z, act, 64, 1, config=(32, 1, 4, 2, 0, 2))
+        raise AssertionError(f"format {fmt} took KSTEP 2")
+    except ValueError as e:
+        assert "KSTEP 2 needs" in str(e)
 print("worst relative error", worst)
 """
 

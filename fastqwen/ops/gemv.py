@@ -19,7 +19,10 @@ the weight with conversion instructions or, with the launch config's BITS, by mo
 exponent and mantissa into fp32's places, a 2⁻¹²⁰-scaled value; int4: the code OR-ed into 2²³'s bits):
 conversions run at a fraction of the FMA rate, and fp8 at ~65% and int4 at 25% of bandwidth look
 conversion-bound. The sweep decides per shape. A program owns BLOCK_N output columns and walks its share of K in
-steps of 128; split-K programs write partial sums that one add combines (deterministic, no atomics). Launch
+steps of 128 columns, or KSTEP × 128 (launch option; fp8-weight and bf16 without BITS, whose scales do not change
+inside a step): an fp8 step of 128 columns moves half the bytes of a bf16 one, and the M = 1 sweep found bf16 at
+88–97% of bandwidth where fp8 reached 62–76%. Split-K programs write partial sums that one add combines
+(deterministic, no atomics). Launch
 configs come from gemv_configs.json, measured per GPU by scripts/bench_quant.py --sweep (a shape not yet swept
 takes the nearest measured N with the same K), else from a
 heuristic. Grouped mode (experts): w, scale, zero carry a leading expert dimension; pair p multiplies row
@@ -266,12 +269,13 @@ def gpu_table() -> dict:
 
 
 def gemv_config(fmt: int, N: int, K: int, rows: int, columns: int = 1) -> tuple[int, ...]:
-    """(BLOCK_N, SPLIT_K, num_warps, num_stages[, BITS]) for `rows` rows of an [N, K] weight in format `fmt`,
+    """(BLOCK_N, SPLIT_K, num_warps, num_stages[, BITS[, KSTEP]]) for `rows` rows of an [N, K] weight in format `fmt`,
     with `columns` independent copies of the grid (expert pairs in grouped mode). The linear mode takes
     scripts/bench_quant.py --sweep's measured best for this GPU when gemv_configs.json has it; otherwise (and
     for experts) enough programs that short K walks keep many loads in flight: BLOCK_N 64 (128 for int4, whose
     rows are half as wide), K split in up to 8 parts of at least 4 steps of 128. BITS (default 0) decodes the
-    weight by bit moves instead of conversion instructions (see _fp8_bits); the sweep tries both."""
+    weight by bit moves instead of conversion instructions (see _fp8_bits); KSTEP (default 1) widens each step
+    to KSTEP × 128 columns (FP8_ROW and BF16 without BITS only); the sweep tries both."""
     if columns == 1:
         tuned = tuned_config(gpu_table(), fmt, N, K, rows)
         if tuned:
@@ -281,6 +285,12 @@ def gemv_config(fmt: int, N: int, K: int, rows: int, columns: int = 1) -> tuple[
     while split < 8 and K // STEP // (2 * split) >= 4 and -(-N // bn) * columns * split < 8 * 132:
         split *= 2
     return bn, split, 4, 2 if fmt == INT4 else 4
+
+
+def full_config(config) -> tuple[int, ...]:
+    """A launch config with its optional elements filled in: (BLOCK_N, SPLIT_K, num_warps, num_stages, BITS = 0,
+    KSTEP = 1)."""
+    return (*config, *(0, 1)[len(config) - 4:])
 
 
 def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, config=None):
@@ -293,11 +303,15 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
     N = out_features
     grouped = pairs is not None
     M = 1 if grouped else rows
-    bn, split, warps, stages, *bits = config or gemv_config(fmt, N, K, M, rows if grouped else 1)
-    bits = bool(bits and bits[0]) and fmt != BF16
+    bn, split, warps, stages, bits, kstep = full_config(config or gemv_config(fmt, N, K, M, rows if grouped else 1))
+    bits = bool(bits) and fmt != BF16
+    if kstep != 1 and (fmt not in (FP8_ROW, BF16) or bits or act_fp8):
+        raise ValueError(f"KSTEP {kstep} needs a format with no scale inside a step (FP8_ROW or BF16), no BITS and "
+                         "no fp8 activations")
     if bits:
         w = w.view(torch.int32)  # 4 fp8 codes or 8 int4 codes a word, in column order
-    k_per_split = triton.cdiv(K // STEP, split) * STEP
+    block_k = STEP * kstep
+    k_per_split = triton.cdiv(triton.cdiv(K, block_k), split) * block_k
     split = triton.cdiv(K, k_per_split)
     y = torch.empty(split, rows, N, dtype=torch.float32, device=x.device)
     one = scale[0] if grouped and scale is not None else scale  # one expert's scales
@@ -308,15 +322,15 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
     scale = w if scale is None else scale  # BF16 reads no scale; any pointer does
     zero = scale if zero is None else zero  # only INT4 reads a zero
     if M == 1:
-        acc_k = STEP // (8 if fmt == INT4 else 4) if bits else STEP // 2 if fmt == INT4 else STEP
+        acc_k = STEP // (8 if fmt == INT4 else 4) if bits else STEP // 2 if fmt == INT4 else block_k
         _row_kernel[(triton.cdiv(N, bn), rows, split)](
             x, w, scale, zero, y, tok, exp, N, K, s_stride, w_estride, s_estride,
-            k_per_split, FMT=fmt, ACT_FP8=act_fp8, GROUPED=grouped, FP8_LIMIT=FP8_MAX, BLOCK_N=bn, BLOCK_K=STEP,
+            k_per_split, FMT=fmt, ACT_FP8=act_fp8, GROUPED=grouped, FP8_LIMIT=FP8_MAX, BLOCK_N=bn, BLOCK_K=block_k,
             ACC_K=acc_k, STAGES=stages, BITS=bits, num_warps=warps)
     else:
         _gemv_kernel[(triton.cdiv(N, bn), 1, split)](
             x, w, scale, zero, y, M, N, K, s_stride, k_per_split, FMT=fmt,
-            ACT_FP8=act_fp8, FP8_LIMIT=FP8_MAX, BLOCK_M=MAX_ROWS, BLOCK_N=bn, BLOCK_K=STEP, STAGES=stages,
+            ACT_FP8=act_fp8, FP8_LIMIT=FP8_MAX, BLOCK_M=MAX_ROWS, BLOCK_N=bn, BLOCK_K=block_k, STAGES=stages,
             BITS=bits, num_warps=warps)
     return y[0] if split == 1 else y.sum(0)
 

@@ -18,14 +18,16 @@ FORMATS = [("fp8-weight", FP8_ROW, False), ("fp8", FP8_BLOCK, True), ("int4", IN
 
 @pytest.mark.parametrize("N,K", SHAPES)
 @pytest.mark.parametrize("name,fmt,act", FORMATS)
-@pytest.mark.parametrize("bits", [None, 0, 1])  # the shipped config; then forced conversion / bit-move decoding
-def test_kernel_matches_fp32_reference(N, K, name, fmt, act, bits):
+@pytest.mark.parametrize("bits", [None, 0, 1, "wide"])  # the shipped config; forced conversion / bit-move decoding;
+def test_kernel_matches_fp32_reference(N, K, name, fmt, act, bits):  # steps of 256 columns (KSTEP 2)
+    if bits == "wide" and fmt not in (FP8_ROW, BF16):
+        pytest.skip("KSTEP > 1 is for formats with no scale inside a step")
     w = torch.randn(N, K, device="cuda") * 0.02
     q, s, z = stored_operands(fmt, w)
     for M in (1, 2, 4, 8, 16):
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         poison_allocator((M, N), dtype=torch.float32)
-        config = None if bits is None else (*gemv_config(fmt, N, K, M)[:4], bits)
+        config = None if bits is None else (*gemv_config(fmt, N, K, M)[:4], *((0, 2) if bits == "wide" else (bits,)))
         y = wq_matmul(x, fmt, q, s, z, act, N) if config is None else _launch(x, fmt, q, s, z, act, N, M, config=config)
         assert not y.isnan().any(), f"{name} M={M}: unwritten outputs"
         err = rel_err(y, reference(x.float(), fmt, q, s, z, act, N))
