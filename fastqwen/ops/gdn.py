@@ -98,12 +98,15 @@ if triton is not None:
 
     @triton.jit
     def _unrolled_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, h0_ptr, ht_ptr, o_ptr, scale,
-                         T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                         BV: tl.constexpr, GATE_IN: tl.constexpr, WRITE_O: tl.constexpr, WRITE_STATE: tl.constexpr):
+                         T: tl.constexpr, TP: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                         V: tl.constexpr, BV: tl.constexpr, GATE_IN: tl.constexpr, WRITE_O: tl.constexpr,
+                         WRITE_STATE: tl.constexpr):
         """The recurrence over T positions with the time loop unrolled (T is a compile-time constant), so the
         loads of every position, which do not depend on the state, can be issued ahead of the serial state
-        updates. A program owns a [K, BV] tile of one (row, value head)'s state. GATE_IN: a, b are the raw
-        projections (g = -exp(A_log)·softplus(a + dt_bias), beta = sigmoid(b)); else they are g and beta."""
+        updates. Nothing is stored inside the loop (a store there could alias the next position's loads and pin
+        them behind it): the outputs gather in a [TP, BV] tile (TP = T rounded up to a power of 2) stored once.
+        A program owns a [K, BV] tile of one (row, value head)'s state. GATE_IN: a, b are the raw projections
+        (g = -exp(A_log)·softplus(a + dt_bias), beta = sigmoid(b)); else they are g and beta."""
         i_v, i_bh = tl.program_id(0), tl.program_id(1)
         row, hv = i_bh // HV, i_bh % HV
         h = hv // (HV // H)
@@ -114,6 +117,8 @@ if triton is not None:
         if GATE_IN:
             A = -tl.exp(tl.load(A_log_ptr + hv).to(tl.float32))
             dt_bias = tl.load(dt_bias_ptr + hv).to(tl.float32)
+        ot = tl.arange(0, TP)
+        O = tl.zeros((TP, BV), tl.float32)
         for t in tl.static_range(T):
             qk = ((row * T + t) * H + h) * K + ok
             gb = (row * T + t) * HV + hv
@@ -132,7 +137,10 @@ if triton is not None:
             if WRITE_O:
                 qt = tl.load(q_ptr + qk).to(tl.float32)
                 qt = qt / tl.sqrt(tl.sum(qt * qt) + 1e-6) * scale
-                tl.store(o_ptr + gb * V + ov, tl.sum(S * qt[:, None], 0).to(o_ptr.dtype.element_ty))
+                O = tl.where(ot[:, None] == t, tl.sum(S * qt[:, None], 0)[None, :], O)
+        if WRITE_O:
+            out = (((row * T + ot) * HV + hv) * V)[:, None] + ov[None, :]
+            tl.store(o_ptr + out, O.to(o_ptr.dtype.element_ty), mask=(ot < T)[:, None])
         if WRITE_STATE:
             tl.store(ht_ptr + tile, S)
 
@@ -151,7 +159,8 @@ def _unrolled(q, k, v, a, b, state, final_state, gate_in, A_log=None, dt_bias=No
     _unrolled_kernel[(triton.cdiv(dv, block_v), batch * vheads)](
         q, k, v, a, b, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias, state,
         dummy if final_state is None else final_state, dummy if out is None else out, dk**-0.5,
-        T=seq, H=heads, HV=vheads, K=dk, V=dv, BV=block_v, GATE_IN=gate_in, WRITE_O=write_o,
+        T=seq, TP=triton.next_power_of_2(seq), H=heads, HV=vheads, K=dk, V=dv, BV=block_v, GATE_IN=gate_in,
+        WRITE_O=write_o,
         WRITE_STATE=final_state is not None, num_warps=4 if block_v >= 32 else 2)
     return out
 
