@@ -5,7 +5,8 @@
 #   candidate-tests  tests/gpu/test_candidates_gpu.py: every kernel candidate at once against the default, 9B
 #   bench    scripts/bench.py for the models in $MODELS (default: all three real shapes)
 #   spec     scripts/bench_spec.py: MTP k=3 tau=3 and DFlash k=15 tau=6.5 in one process on $SPEC_MODEL
-#            (default 27B, default inductor + CUDA graphs; SPEC_ARGS adds options, e.g. --batch 2)
+#            (default 27B, default inductor + CUDA graphs; SPEC_ARGS adds options, e.g. --batch 2; SPEC_TAG names
+#            the output files, so two runs can share a call: one per GPU with CUDA_VISIBLE_DEVICES on nvidia-h200-x2)
 #   sweep    scripts/bench.py fastqwen at batch 1 2 4 8 (ragged rows: prompts of 512 down to ~256 tokens) on
 #            $SWEEP_MODEL (default 27B), then the plot
 #   startup  scripts/bench_startup.py on $STARTUP_MODEL (default 9B): cold vs warm start to first token
@@ -53,9 +54,9 @@ case "$stage" in
   candidate-tests) python -m pytest -q -s -p no:warnings tests/gpu/test_candidates_gpu.py 2>&1 | tail -6 ;;
   bench) python scripts/bench.py --models ${MODELS:-qwen3.5-9b qwen3.5-27b qwen3.5-35b-a3b} ${BENCH_ARGS:-} \
            --out-dir "$out" 2>&1 | grep -v "^\[transformers\]" | tail -20 ;;
-  spec)  m=${SPEC_MODEL:-qwen3.5-27b}
-         python scripts/bench_spec.py --model "$m" --no-autotune ${SPEC_ARGS:-} --json "$out/spec_$m.json" 2>&1 \
-           | grep --line-buffered -v "^\[transformers\]" | tee "$out/spec_$m.log" | grep -vE '^ *"|^[{}]'; cat "$out/spec_$m.json" ;;
+  spec)  m=${SPEC_MODEL:-qwen3.5-27b}; f="$out/spec_$m${SPEC_TAG:+_$SPEC_TAG}"
+         python scripts/bench_spec.py --model "$m" --no-autotune ${SPEC_ARGS:-} --json "$f.json" 2>&1 \
+           | grep --line-buffered -v "^\[transformers\]" | tee "$f.log" | grep -vE '^ *"|^[{}]'; cat "$f.json" ;;
   sweep) m=${SWEEP_MODEL:-qwen3.5-27b}
          python scripts/bench.py --models "$m" --systems fastqwen --batch-size 1 2 4 8 --ragged --no-autotune \
            ${SWEEP_ARGS:-} --json "$out/sweep_$m.json" 2>&1 | grep -v "^\[transformers\]" | tail -8
