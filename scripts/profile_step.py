@@ -7,7 +7,9 @@ Builds the preset (random weights), optimizes and warms it up, fills the cache w
 device time per step (name, launches per step, µs per step, share), the number of kernel launches per step,
 and the step's device time against the roofline of its bytes (fastqwen.bench.step_bytes ÷ copy bandwidth).
 A step far above its roofline with many short kernels is launch-bound; a few long kernels far below the
-bandwidth are the ones to rewrite. With --json the table is also written as JSON.
+bandwidth are the ones to rewrite. A second table sums the kernels by category (cuBLAS GEMMs, our weight
+streaming, gated delta rule, attention, sampling, inductor's fused norms and gates, eager copies). With --json
+both tables are also written as JSON.
 
     python scripts/profile_step.py --model qwen3.5-27b --no-autotune --speculate dflash:15
 
@@ -66,6 +68,30 @@ def main():
         args.json.write_text(json.dumps(report, indent=1))
 
 
+CATEGORIES = (  # (category, regex on the kernel name); the first match wins
+    ("GEMM: cuBLAS", r"nvjet|gemm|cutlass|xmma|splitKreduce"),
+    ("GEMM: fastqwen weight streaming", r"_row_kernel|_gemv_kernel"),
+    ("gated delta rule", r"gated_delta|_unrolled_kernel|chunk_|recurrent"),
+    ("attention", r"sdpa|flash|attention|cudnn|_split_kv|_combine"),
+    ("argmax / sampling", r"argmax|topk|sort|multinomial|exponential"),
+    ("memset / memcpy", r"Memset|Memcpy"),
+    ("eager copies", r"direct_copy|elementwise_kernel"),
+    ("inductor fused (norms, gates, residuals)", r"^triton_"),
+)
+
+
+def categorize(rows) -> dict:
+    """{category: [launches, µs]} of profile rows (name, launches, µs), in CATEGORIES order, then "other"."""
+    import re
+
+    out = {name: [0.0, 0.0] for name, _ in CATEGORIES + (("other", ""),)}
+    for kernel, n, us in rows:
+        cat = next((name for name, rx in CATEGORIES if re.search(rx, kernel)), "other")
+        out[cat][0] += n
+        out[cat][1] += us
+    return {k: v for k, v in out.items() if v[0]}
+
+
 def profile_one(step, what: str, model, args) -> dict:
     """Profile `steps` calls of `step` (a compiled graph) with every cache row marked done, so each call
     computes and advances nothing; print the table and return it as a dict. `wall_us` is the device time per
@@ -109,8 +135,13 @@ def profile_one(step, what: str, model, args) -> dict:
     print(f"| kernel | launches / {what} | µs / {what} | share |\n|---|---|---|---|")
     for name, n, us in rows[: args.top]:
         print(f"| {name[:90]} | {n:.0f} | {us:.1f} | {us / step_us:.1%} |")
+    categories = categorize(rows)
+    print(f"| category | launches / {what} | µs / {what} | share |\n|---|---|---|---|")
+    for name, (n, us) in categories.items():
+        print(f"| {name} | {n:.0f} | {us:.1f} | {us / step_us:.1%} |")
     return {"model": args.model, "batch_size": args.batch_size, "what": what, "prompt_len": args.prompt_len,
-            "step_us": step_us, "wall_us": wall_us, "launches": launches, "roofline_us": roof_us, "kernels": rows}
+            "step_us": step_us, "wall_us": wall_us, "launches": launches, "roofline_us": roof_us, "kernels": rows,
+            "categories": categories}
 
 if __name__ == "__main__":
     main()
