@@ -113,15 +113,17 @@ SWEPT = {"fp8-weight": "FP8_ROW", "int4": "INT4", "bf16": "BF16"}  # formats the
 
 def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT)) -> list[dict]:
     """Time the weight-streaming kernel over its launch configs (BLOCK_N, SPLIT_K, num_warps, num_stages, BITS:
-    conversion instructions or bit moves to decode the weight, KSTEP: 128-column blocks a loop step) per layer,
-    format and M; print the default config's time beside the best one. With `table`, merge the best configs into
-    that gemv_configs.json under this GPU's name (fastqwen.ops.gemv reads it at import)."""
+    conversion instructions or bit moves to decode the weight, KSTEP: 128-column blocks a loop step, LOWP: 16-bit
+    dot operands at M > 1) per layer, format and M; print the default config's time beside the best one. With
+    `table`, merge the best configs into that gemv_configs.json under this GPU's name (fastqwen.ops.gemv reads it
+    at import). 8 warps never won."""
     import itertools
 
     from fastqwen.ops import gemv
 
-    configs = list(itertools.product((32, 64, 128), (1, 2, 4, 8, 16), (4,), (2, 4), (0, 1), (1,)))  # 8 warps never won
-    wide = list(itertools.product((32, 64, 128), (1, 2, 4, 8), (4,), (2, 4), (0,), (2, 4)))  # KSTEP: fp8-weight, bf16
+    configs = list(itertools.product((32, 64, 128), (1, 2, 4, 8, 16), (4,), (2, 4), (0, 1), (1,), (0,)))
+    wide = list(itertools.product((32, 64, 128), (1, 2, 4, 8), (4,), (2, 4), (0,), (2, 4), (0,)))  # KSTEP
+    lowp = list(itertools.product((32, 64, 128), (1, 2, 4, 8), (4,), (2, 4), (0,), (1, 2), (1,)))  # M > 1 only
     rows, best_of = [], {}
     for model in shapes:
         for layer, N, K in SHAPES[model]:
@@ -136,7 +138,7 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT)) -> l
                     x = torch.randn(m, K, device=DEV, dtype=torch.bfloat16)
                     default = gemv.full_config(gemv.gemv_config(fmt, N, K, m))
                     times = {}
-                    tried = configs + (wide if fmt in (gemv.FP8_ROW, gemv.BF16) else [])
+                    tried = configs + (wide + (lowp if m > 1 else []) if fmt in (gemv.FP8_ROW, gemv.BF16) else [])
                     for cfg in [default] + [c for c in tried if K // (128 * c[5]) >= c[1] and c != default
                                             and not (fmt == gemv.BF16 and c[4])]:  # bf16 has no bit decoding
                         try:

@@ -63,15 +63,21 @@ worst = 0.0
 CONFIGS = (None, (32, 2, 4, 2), (16, 3, 4, 1), (64, 1, 4, 2, 1), (32, 2, 4, 2, 1), (16, 3, 4, 1, 1))
 # steps of 256 columns split in 2 (the second step half masked), one step of 512 (a quarter masked)
 WIDE = ((32, 2, 4, 2, 0, 2), (16, 1, 4, 1, 0, 4))
-for fmt, act, configs in [(FP8_ROW, False, CONFIGS + WIDE), (FP8_BLOCK, False, CONFIGS), (INT4, False, CONFIGS),
-                          (BF16, False, (None,) + WIDE)]:
+LOWP = ((32, 2, 4, 2, 0, 1, 1), (16, 1, 4, 1, 0, 2, 1))  # 16-bit dot operands (M > 1), alone and with KSTEP 2
+for fmt, act, configs in [(FP8_ROW, False, CONFIGS + WIDE + LOWP), (FP8_BLOCK, False, CONFIGS + LOWP[:1]),
+                          (INT4, False, CONFIGS), (BF16, False, (None,) + WIDE + LOWP)]:
     for M in (1, 3, 16):
         N, K = 200, 384  # N not a multiple of the program width; K three steps
         w, s, z = operands(fmt, N, K, seed=M)
         x = torch.randn(M, K, dtype=torch.bfloat16)
-        ref = reference(x.float(), fmt, w, s, z, act, N)
         for config in configs:
-            y = wq_matmul(x, fmt, w, s, z, act, N) if config is None else _launch(x, fmt, w, s, z, act, N, M, config=config)
+            # LOWP in fp16: the interpreter's bf16 dot multiplies raw bits (tests/gpu covers bf16 on hardware)
+            x16 = x.half() if config and len(config) > 6 else x
+            if fmt == BF16:  # the model's dtype, as LOWP needs
+                w = w.to(x16.dtype)
+            ref = reference(x16.float(), fmt, w, s, z, act, N)
+            y = (wq_matmul(x16, fmt, w, s, z, act, N) if config is None
+                 else _launch(x16, fmt, w, s, z, act, N, M, config=config))
             err = ((y - ref).norm() / ref.norm()).item()
             assert y.shape == (M, N) and not y.isnan().any(), (fmt, M, config)
             assert err < 1e-5, f"format {fmt}, act_fp8 {act}, M={M}, config {config}: relative error {err:.2e}"
@@ -101,6 +107,22 @@ for M in (1, 2):  # one-hot x: y is each code's value, exactly, whichever way th
     for config in ((64, 1, 4, 2, 0), (64, 1, 4, 2, 1)):
         y = _launch(x, FP8_ROW, q, torch.ones(len(codes)), None, False, len(codes), M, config=config)
         assert torch.equal(y[0], q[:, 5].float()), (M, config)
+x3 = torch.randn(3, 256, dtype=torch.bfloat16)
+for fmt, wdtype, xdtype in ((INT4, None, torch.bfloat16), (BF16, torch.float32, torch.bfloat16),
+                            (FP8_ROW, None, torch.float32)):  # LOWP would round: refused
+    w, s, z = operands(fmt, 64, 256)
+    try:
+        _launch(x3.to(xdtype), fmt, w if wdtype is None else w.to(wdtype), s, z, False, 64, 3,
+                config=(32, 1, 4, 2, 0, 1, 1))
+        raise AssertionError(f"format {fmt} with x {xdtype} took LOWP")
+    except ValueError as e:
+        assert "LOWP needs" in str(e)
+import fastqwen.ops.gemv as gemv
+w, s, z = operands(FP8_ROW, 64, 256)
+gemv.gpu_table = lambda: {gemv.tuned_key(FP8_ROW, 64, 256, 3): [32, 1, 4, 2, 0, 1, 1]}  # measured with bf16 x
+assert gemv.gemv_config(FP8_ROW, 64, 256, 3) == (32, 1, 4, 2, 0, 1, 1)
+y = wq_matmul(x3.float(), FP8_ROW, w, s, None, False, 64)  # fp32 x: the table's LOWP is dropped, not refused
+assert ((y - reference(x3.float(), FP8_ROW, w, s, None, False, 64)).norm() / y.norm()) < 1e-5
 for fmt, act in ((INT4, False), (FP8_BLOCK, True)):  # a scale inside the step: wide steps are refused
     w, s, z = operands(fmt, 64, 256)
     try:

@@ -165,9 +165,13 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, s_stride, k_per_split, FMT: tl.constexpr,
                      ACT_FP8: tl.constexpr, FP8_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, STAGES: tl.constexpr, BITS: tl.constexpr):
+                     BLOCK_K: tl.constexpr, STAGES: tl.constexpr, BITS: tl.constexpr, LOWP: tl.constexpr):
         """2 … 16 rows of x: a tensor-core dot (fp32 operands, tf32) per 128-column step (BITS: as in
-        _row_kernel, one dot per word position; int4's dots take q − zero, exact in tf32, and scale after)."""
+        _row_kernel, one dot per word position; int4's dots take q − zero, exact in tf32, and scale after).
+        LOWP (fp8 and bf16 weights without BITS, x bf16 or fp16): the dot takes x's own 16-bit dtype instead,
+        the weight converted to it exactly (every e4m3 value is a bf16 and an fp16 value); with ACT_FP8 the
+        dot takes the e4m3 codes of x and its per-row scale multiplies the product. The same products, half
+        the tile's registers and the tensor cores' full rate."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
         split = tl.program_id(2)
@@ -178,11 +182,14 @@ if triton is not None:
         for k0 in tl.range(split * k_per_split, k_end, BLOCK_K, num_stages=STAGES):
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = k < k_end
-            x = tl.load(x_ptr + m[:, None] * K + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            x = x.to(tl.float32)
+            x16 = tl.load(x_ptr + m[:, None] * K + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            x = x16.to(tl.float32)
             if ACT_FP8:
                 xs = tl.maximum(tl.max(tl.abs(x), axis=1) / FP8_LIMIT, 1e-12)
-                x = (x / xs[:, None]).to(tl.float8e4nv).to(tl.float32) * xs[:, None]
+                xq = (x / xs[:, None]).to(tl.float8e4nv)
+                x = xq.to(tl.float32) * xs[:, None]
+                if LOWP:
+                    x16 = xq.to(x_ptr.dtype.element_ty)
             if BITS and FMT == 2:
                 wd = k0 // 8 + tl.arange(0, BLOCK_K // 8)
                 wd_ok = wd < k_end // 8
@@ -221,7 +228,12 @@ if triton is not None:
                 acc += tl.dot(x, tl.trans((q - zero[:, None]) * scale[:, None]))
             else:
                 w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                part = tl.dot(x, tl.trans(w.to(tl.float32)))
+                if LOWP:
+                    part = tl.dot(x16, tl.trans(w.to(x_ptr.dtype.element_ty)))
+                    if ACT_FP8:
+                        part = part * xs[:, None]
+                else:
+                    part = tl.dot(x, tl.trans(w.to(tl.float32)))
                 if FMT == 1:
                     part = part * tl.load(s_ptr + (n // BLOCK_K) * s_stride + k0 // BLOCK_K, mask=n_ok, other=0.0)[None, :]
                 acc += part
@@ -269,13 +281,14 @@ def gpu_table() -> dict:
 
 
 def gemv_config(fmt: int, N: int, K: int, rows: int, columns: int = 1) -> tuple[int, ...]:
-    """(BLOCK_N, SPLIT_K, num_warps, num_stages[, BITS[, KSTEP]]) for `rows` rows of an [N, K] weight in format `fmt`,
-    with `columns` independent copies of the grid (expert pairs in grouped mode). The linear mode takes
+    """(BLOCK_N, SPLIT_K, num_warps, num_stages[, BITS[, KSTEP[, LOWP]]]) for `rows` rows of an [N, K] weight in
+    format `fmt`, with `columns` independent copies of the grid (expert pairs in grouped mode). The linear mode takes
     scripts/bench_quant.py --sweep's measured best for this GPU when gemv_configs.json has it; otherwise (and
     for experts) enough programs that short K walks keep many loads in flight: BLOCK_N 64 (128 for int4, whose
     rows are half as wide), K split in up to 8 parts of at least 4 steps of 128. BITS (default 0) decodes the
     weight by bit moves instead of conversion instructions (see _fp8_bits); KSTEP (default 1) widens each step
-    to KSTEP × 128 columns (FP8_ROW and BF16 without BITS only); the sweep tries both."""
+    to KSTEP × 128 columns (FP8_ROW and BF16 without BITS only); LOWP (default 0) has the M > 1 kernel's dot
+    take 16-bit operands (lowp_exact); the sweep tries them all."""
     if columns == 1:
         tuned = tuned_config(gpu_table(), fmt, N, K, rows)
         if tuned:
@@ -289,8 +302,15 @@ def gemv_config(fmt: int, N: int, K: int, rows: int, columns: int = 1) -> tuple[
 
 def full_config(config) -> tuple[int, ...]:
     """A launch config with its optional elements filled in: (BLOCK_N, SPLIT_K, num_warps, num_stages, BITS = 0,
-    KSTEP = 1)."""
-    return (*config, *(0, 1)[len(config) - 4:])
+    KSTEP = 1, LOWP = 0)."""
+    return (*config, *(0, 1, 0)[len(config) - 4:])
+
+
+def lowp_exact(fmt: int, x_dtype, w_dtype, bits: bool) -> bool:
+    """Whether the M > 1 kernel's dot can take x's 16-bit dtype with no rounding (launch option LOWP): fp8
+    weights (exact in bf16 and fp16) or weights already in x's dtype, decoded by conversion (not BITS)."""
+    sixteen = x_dtype in (torch.bfloat16, torch.float16)
+    return sixteen and not bits and (fmt in (FP8_ROW, FP8_BLOCK) or (fmt == BF16 and w_dtype == x_dtype))
 
 
 def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, config=None):
@@ -303,11 +323,18 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
     N = out_features
     grouped = pairs is not None
     M = 1 if grouped else rows
-    bn, split, warps, stages, bits, kstep = full_config(config or gemv_config(fmt, N, K, M, rows if grouped else 1))
+    explicit = config is not None
+    config = config or gemv_config(fmt, N, K, M, rows if grouped else 1)
+    bn, split, warps, stages, bits, kstep, lowp = full_config(config)
     bits = bool(bits) and fmt != BF16
     if kstep != 1 and (fmt not in (FP8_ROW, BF16) or bits or act_fp8):
         raise ValueError(f"KSTEP {kstep} needs a format with no scale inside a step (FP8_ROW or BF16), no BITS and "
                          "no fp8 activations")
+    if lowp and not lowp_exact(fmt, x.dtype, w.dtype, bits):
+        if explicit:
+            raise ValueError(f"LOWP needs 16-bit activations and fp8 (or same-dtype 16-bit) weights without BITS; "
+                             f"got format {fmt}, x {x.dtype}, w {w.dtype}, BITS {int(bits)}")
+        lowp = 0  # a measured config for bf16 activations, here given others: the fp32 dot, exact for any
     if bits:
         w = w.view(torch.int32)  # 4 fp8 codes or 8 int4 codes a word, in column order
     block_k = STEP * kstep
@@ -331,7 +358,7 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
         _gemv_kernel[(triton.cdiv(N, bn), 1, split)](
             x, w, scale, zero, y, M, N, K, s_stride, k_per_split, FMT=fmt,
             ACT_FP8=act_fp8, FP8_LIMIT=FP8_MAX, BLOCK_M=MAX_ROWS, BLOCK_N=bn, BLOCK_K=block_k, STAGES=stages,
-            BITS=bits, num_warps=warps)
+            BITS=bits, LOWP=bool(lowp), num_warps=warps)
     return y[0] if split == 1 else y.sum(0)
 
 

@@ -18,16 +18,20 @@ FORMATS = [("fp8-weight", FP8_ROW, False), ("fp8", FP8_BLOCK, True), ("int4", IN
 
 @pytest.mark.parametrize("N,K", SHAPES)
 @pytest.mark.parametrize("name,fmt,act", FORMATS)
-@pytest.mark.parametrize("bits", [None, 0, 1, "wide"])  # the shipped config; forced conversion / bit-move decoding;
-def test_kernel_matches_fp32_reference(N, K, name, fmt, act, bits):  # steps of 256 columns (KSTEP 2)
+# the shipped config; forced conversion / bit-move decoding; steps of 256 columns (KSTEP 2); bf16 dot operands
+@pytest.mark.parametrize("bits", [None, 0, 1, "wide", "lowp"])
+def test_kernel_matches_fp32_reference(N, K, name, fmt, act, bits):
     if bits == "wide" and fmt not in (FP8_ROW, BF16):
         pytest.skip("KSTEP > 1 is for formats with no scale inside a step")
+    if bits == "lowp" and fmt == INT4:
+        pytest.skip("LOWP is for fp8 and 16-bit weights")
     w = torch.randn(N, K, device="cuda") * 0.02
-    q, s, z = stored_operands(fmt, w)
+    q, s, z = stored_operands(fmt, w.bfloat16() if fmt == BF16 and bits == "lowp" else w)
     for M in (1, 2, 4, 8, 16):
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         poison_allocator((M, N), dtype=torch.float32)
-        config = None if bits is None else (*gemv_config(fmt, N, K, M)[:4], *((0, 2) if bits == "wide" else (bits,)))
+        extra = {"wide": (0, 2), "lowp": (0, 1, 1)}.get(bits, (bits,))
+        config = None if bits is None else (*gemv_config(fmt, N, K, M)[:4], *extra)
         y = wq_matmul(x, fmt, q, s, z, act, N) if config is None else _launch(x, fmt, q, s, z, act, N, M, config=config)
         assert not y.isnan().any(), f"{name} M={M}: unwritten outputs"
         err = rel_err(y, reference(x.float(), fmt, q, s, z, act, N))
