@@ -14,11 +14,12 @@ Two Triton kernels, four formats (constexpr FMT):
 `_row_kernel` takes one row of x (batch-1 decode; each (token, expert) pair of the grouped mode): products
 accumulate elementwise in registers, summed over K once at the end. `_gemv_kernel` takes 2 … 16 rows with a
 tensor-core dot per step (fp32 operands, tf32: exact for e4m3 weights and bf16 activations, int4's
-dequantized weights round to 2⁻¹¹ relative; the kernel is bound by weight bytes, not math). Either decodes
+dequantized weights round to 2⁻¹¹ relative; the kernel is bound by weight bytes, not math; with the launch
+config's LOWP the operands are x's own 16-bit dtype, where that is exact: lowp_exact). Either decodes
 the weight with conversion instructions or, with the launch config's BITS, by moving bits (fp8: sign,
 exponent and mantissa into fp32's places, a 2⁻¹²⁰-scaled value; int4: the code OR-ed into 2²³'s bits):
-conversions run at a fraction of the FMA rate, and fp8 at ~65% and int4 at 25% of bandwidth look
-conversion-bound. The sweep decides per shape. A program owns BLOCK_N output columns and walks its share of K in
+conversions run at a fraction of the FMA rate (the M = 1 sweep found bit moves no faster for fp8: 62–76%
+of bandwidth either way). The sweep decides per shape. A program owns BLOCK_N output columns and walks its share of K in
 steps of 128 columns, or KSTEP × 128 (launch option; fp8-weight and bf16 without BITS, whose scales do not change
 inside a step): an fp8 step of 128 columns moves half the bytes of a bf16 one, and the M = 1 sweep found bf16 at
 88–97% of bandwidth where fp8 reached 62–76%. Split-K programs write partial sums that one add combines
