@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call of the GPU plan: `bash scripts/gpu_check.sh STAGE` on the H200 (logs and JSON go to $OUT).
-#   tests    tests/gpu but the quant tests and the candidates' (default inductor + CUDA graphs), as four pytest
-#            processes: all at once on nvidia-h200-x2 (the way to run it), two at a time on one GPU
+#   tests    tests/gpu but the quant tests (default inductor + CUDA graphs) as parallel pytest processes: on
+#            nvidia-h200-x2 (the way to run it) five at once, the candidates' test included; on one GPU four, two
+#            at a time, without the candidates'
 #   candidate-tests  tests/gpu/test_candidates_gpu.py: every kernel candidate at once against the default, 9B
 #   bench    scripts/bench.py for the models in $MODELS (default: all three real shapes)
 #   spec     scripts/bench_spec.py: MTP k=3 tau=3 and DFlash k=15 tau=6.5 in one process on $SPEC_MODEL
@@ -37,18 +38,18 @@ out=${OUT:-/tmp/out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 case "$stage" in
-  tests) # four pytest processes at once (the 9B ones compile ~2 min each, CPU-bound): two a GPU; one GPU
-         # takes them two at a time (each 9B process with its fp32 near-tie copy holds ~60 GB)
-         t=(python -m pytest -q -s -p no:warnings --durations=6 -m "not candidates" ${TESTS_ARGS:-})
-         groups=("tests/gpu/test_generate_gpu.py" "tests/gpu/test_speculative_gpu.py -k mtp"
-                 "tests/gpu/test_speculative_gpu.py -k dflash or oracle"
-                 "tests/gpu/test_ops_gpu.py tests/gpu/test_attention_gpu.py")
+  tests) # pytest processes at once (the 9B ones compile ~2 min each, CPU-bound; each holds up to ~60 GB with its
+         # fp32 near-tie copy): on two GPUs all five, the candidates' test too; on one, four, two at a time
          ngpu=$(nvidia-smi -L | wc -l)
-         for i in 0 1 2 3; do
-           g=${groups[$i]}; sel=(${g%% -k *}); k=(); [[ $g == *" -k "* ]] && k=(-k "${g#* -k }")
-           CUDA_VISIBLE_DEVICES=$((i % ngpu)) "${t[@]}" "${sel[@]}" "${k[@]}" >"$out/gpu_tests_$i.log" 2>&1 &
-           if [ "$ngpu" -lt 2 ] && [ $i -eq 1 ]; then wait; fi
-         done
+         group() { local i=$1 gpu=$(($2 < ngpu ? $2 : 0)); shift 2  # log index, GPU (0 on one GPU), pytest args
+                   CUDA_VISIBLE_DEVICES=$gpu python -m pytest -q -s -p no:warnings --durations=6 ${TESTS_ARGS:-} "$@" \
+                     >"$out/gpu_tests_$i.log" 2>&1; }
+         group 0 0 tests/gpu/test_generate_gpu.py &
+         group 1 1 tests/gpu/test_speculative_gpu.py -k mtp &
+         if [ "$ngpu" -lt 2 ]; then wait; fi
+         group 2 1 tests/gpu/test_speculative_gpu.py -k "dflash or oracle" &
+         group 3 0 tests/gpu/test_ops_gpu.py tests/gpu/test_attention_gpu.py &  # (no 9B model: a few GB)
+         if [ "$ngpu" -ge 2 ]; then group 4 0 tests/gpu/test_candidates_gpu.py & fi
          wait
          grep -hE 'passed|failed|FAILED|ERROR|divergence|agreed|identical|tau|^[0-9.]+s (call|setup)' "$out"/gpu_tests_*.log ;;
   candidate-tests) python -m pytest -q -s -p no:warnings tests/gpu/test_candidates_gpu.py 2>&1 | tail -6 ;;
