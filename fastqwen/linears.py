@@ -8,9 +8,11 @@ weight-streaming kernel (ops/gemv.py) for bf16 linears at decode and verify.
 
 import torch
 
-from .ops.gemv import BF16, MAX_ROWS, STEP, gemv_beats_cublas, gpu_table, wq_linear
+from .ops.gemv import BF16, STEP, gemv_beats_cublas, gpu_table, wq_linear
 
 MLP_IN = ("gate_proj", "up_proj")  # a gated MLP's input projections
+
+GEMV_ROWS = 16  # bf16 at more rows stays with cuBLAS (the kernel's bf16 configs are swept at ≤ 16 rows)
 
 
 def fuse_linears(module, names) -> None:
@@ -94,7 +96,7 @@ def _views_of(fused, linears) -> bool:
 class Linears:
     """How the compiled steps run the model's linears. `fused`: a module's input projections as one matmul by
     the fused linear fuse_linears gave it (else one call each). `gemv` True: a bias-free floating-point
-    nn.Linear on at most MAX_ROWS rows (decode, verify) through the weight-streaming kernel (ops/gemv.py,
+    nn.Linear on at most GEMV_ROWS rows (decode, verify) through the weight-streaming kernel (ops/gemv.py,
     launch configs per shape from gemv_configs.json) instead of F.linear (cuBLAS on a GPU); "auto": only
     where this GPU's sweep measured the kernel faster than cuBLAS at that shape; more rows, quantized and
     other modules run as they are."""
@@ -105,7 +107,7 @@ class Linears:
 
     def __call__(self, module, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if not (self.gemv and type(module) is torch.nn.Linear and module.bias is None and rows <= MAX_ROWS
+        if not (self.gemv and type(module) is torch.nn.Linear and module.bias is None and rows <= GEMV_ROWS
                 and (module.in_features % STEP == 0 or not x.is_cuda)  # (off CUDA: wq_linear's reference)
                 and (self.gemv is True or gemv_beats_cublas(self.table, module.out_features,
                                                              module.in_features, rows))):

@@ -64,9 +64,10 @@ CONFIGS = (None, (32, 2, 4, 2), (16, 3, 4, 1), (64, 1, 4, 2, 1), (32, 2, 4, 2, 1
 # steps of 256 columns split in 2 (the second step half masked), one step of 512 (a quarter masked)
 WIDE = ((32, 2, 4, 2, 0, 2), (16, 1, 4, 1, 0, 4))
 LOWP = ((32, 2, 4, 2, 0, 1, 1), (16, 1, 4, 1, 0, 2, 1))  # 16-bit dot operands (M > 1), alone and with KSTEP 2
-for fmt, act, configs in [(FP8_ROW, False, CONFIGS + WIDE + LOWP), (FP8_BLOCK, False, CONFIGS + LOWP[:1]),
-                          (INT4, False, CONFIGS), (BF16, False, (None,) + WIDE + LOWP)]:
-    for M in (1, 3, 16):
+for fmt, act, configs, ms in [(FP8_ROW, False, CONFIGS + WIDE + LOWP, (1, 3, 16, 20, 40)),
+                              (FP8_BLOCK, False, CONFIGS + LOWP[:1], (1, 3, 16)), (INT4, False, CONFIGS, (1, 3, 16, 33)),
+                              (BF16, False, (None,) + WIDE + LOWP, (1, 3, 16))]:
+    for M in ms:  # (20, 33, 40: programs of 32 and 64 rows)
         N, K = 200, 384  # N not a multiple of the program width; K three steps
         w, s, z = operands(fmt, N, K, seed=M)
         x = torch.randn(M, K, dtype=torch.bfloat16)

@@ -1,5 +1,6 @@
 """Weight-streaming matmul for few rows: y = x · Wᵀ with W read once, in its stored format, dequantized in
-registers. Two uses: quantized linears at M ≤ 16 rows (decode, speculative verify), and the routed experts
+registers. Two uses: quantized linears at M ≤ 64 rows (decode, speculative verify: up to 4 rows of a 16-token
+block, 16 rows of 4 MTP positions), and the routed experts
 of a MoE layer (each (token, expert) pair multiplies one row by one expert's weight, read in place: no
 gathered copy of the selected experts). Quantized experts (quant/experts.py) use the second; bf16 experts
 keep `model.routed_moe`'s gather-then-einsum until scripts/bench_quant.py --experts shows the kernel faster.
@@ -12,7 +13,8 @@ Two Triton kernels, four formats (constexpr FMT):
              w = (q − zero) · scale (quant/formats.py).
   BF16       w [N, K] in the model dtype.
 `_row_kernel` takes one row of x (batch-1 decode; each (token, expert) pair of the grouped mode): products
-accumulate elementwise in registers, summed over K once at the end. `_gemv_kernel` takes 2 … 16 rows with a
+accumulate elementwise in registers, summed over K once at the end. `_gemv_kernel` takes 2 … 64 rows (a
+program's BLOCK_M: 16, 32 or 64, the fewest that hold them; the weight is still read once) with a
 tensor-core dot per step (fp32 operands, tf32: exact for e4m3 weights and bf16 activations, int4's
 dequantized weights round to 2⁻¹¹ relative; the kernel is bound by weight bytes, not math; with the launch
 config's LOWP the operands are x's own 16-bit dtype, where that is exact: lowp_exact). Either decodes
@@ -58,7 +60,8 @@ except ImportError:  # CPU-only installs: the ops fall back to the reference
 
 FP8_ROW, FP8_BLOCK, INT4, BF16 = 0, 1, 2, 3
 FORMATS = {"fp8-weight": FP8_ROW, "fp8": FP8_BLOCK, "int4": INT4}
-MAX_ROWS = 16  # BLOCK_M of the linear mode; more rows take the reference path (prefill: dequantize, then GEMM)
+MAX_ROWS = 64  # the linear mode's largest BLOCK_M; more rows take the reference path (prefill: dequantize, GEMM)
+ROW_BUCKETS = (1, 4, 16, 64)  # launch configs are measured per bucket: the fewest rows of these that hold M
 STEP = 128  # BLOCK_K: one fp8 scale block or one int4 group per step
 
 if triton is not None:
@@ -167,7 +170,7 @@ if triton is not None:
     def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, s_stride, k_per_split, FMT: tl.constexpr,
                      ACT_FP8: tl.constexpr, FP8_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, STAGES: tl.constexpr, BITS: tl.constexpr, LOWP: tl.constexpr):
-        """2 … 16 rows of x: a tensor-core dot (fp32 operands, tf32) per 128-column step (BITS: as in
+        """2 … 64 rows of x: a tensor-core dot (fp32 operands, tf32) per 128-column step (BITS: as in
         _row_kernel, one dot per word position; int4's dots take q − zero, exact in tf32, and scale after).
         LOWP (fp8 and bf16 weights without BITS, x bf16 or fp16): the dot takes x's own 16-bit dtype instead,
         the weight converted to it exactly (every e4m3 value is a bf16 and an fp16 value); with ACT_FP8 the
@@ -247,8 +250,8 @@ _TUNED = json.loads((pathlib.Path(__file__).with_name("gemv_configs.json")).read
 
 
 def tuned_key(fmt: int, N: int, K: int, rows: int) -> str:
-    """Key of a launch config in gemv_configs.json: format, shape and row bucket (1, 4 or 16)."""
-    return f"{fmt}:{N}x{K}:M{1 if rows <= 1 else 4 if rows <= 4 else MAX_ROWS}"
+    """Key of a launch config in gemv_configs.json: format, shape and row bucket (ROW_BUCKETS)."""
+    return f"{fmt}:{N}x{K}:M{next(b for b in ROW_BUCKETS if rows <= b)}"
 
 
 def tuned_config(table: dict, fmt: int, N: int, K: int, rows: int):
@@ -286,7 +289,8 @@ def gemv_config(fmt: int, N: int, K: int, rows: int, columns: int = 1) -> tuple[
     format `fmt`, with `columns` independent copies of the grid (expert pairs in grouped mode). The linear mode takes
     scripts/bench_quant.py --sweep's measured best for this GPU when gemv_configs.json has it; otherwise (and
     for experts) enough programs that short K walks keep many loads in flight: BLOCK_N 64 (128 for int4, whose
-    rows are half as wide), K split in up to 8 parts of at least 4 steps of 128. BITS (default 0) decodes the
+    rows are half as wide; half that and 8 warps above 16 rows), K split in up to 8 parts of at least 4 steps
+    of 128. BITS (default 0) decodes the
     weight by bit moves instead of conversion instructions (see _fp8_bits); KSTEP (default 1) widens each step
     to KSTEP × 128 columns (FP8_ROW and BF16 without BITS only); LOWP (default 0) has the M > 1 kernel's dot
     take 16-bit operands (lowp_exact); the sweep tries them all."""
@@ -294,11 +298,12 @@ def gemv_config(fmt: int, N: int, K: int, rows: int, columns: int = 1) -> tuple[
         tuned = tuned_config(gpu_table(), fmt, N, K, rows)
         if tuned:
             return tuple(tuned)
-    bn = 128 if fmt == INT4 else 64
+    wide = rows > 16  # a 32- or 64-row x tile: narrower programs of 8 warps keep the registers in bounds
+    bn = (128 if fmt == INT4 else 64) // (2 if wide else 1)
     split = 1
     while split < 8 and K // STEP // (2 * split) >= 4 and -(-N // bn) * columns * split < 8 * 132:
         split *= 2
-    return bn, split, 4, 2 if fmt == INT4 else 4
+    return bn, split, 8 if wide else 4, 2 if fmt == INT4 else 4
 
 
 def full_config(config) -> tuple[int, ...]:
@@ -358,13 +363,14 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
     else:
         _gemv_kernel[(triton.cdiv(N, bn), 1, split)](
             x, w, scale, zero, y, M, N, K, s_stride, k_per_split, FMT=fmt,
-            ACT_FP8=act_fp8, FP8_LIMIT=FP8_MAX, BLOCK_M=MAX_ROWS, BLOCK_N=bn, BLOCK_K=block_k, STAGES=stages,
+            ACT_FP8=act_fp8, FP8_LIMIT=FP8_MAX, BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=bn,
+            BLOCK_K=block_k, STAGES=stages,
             BITS=bits, LOWP=bool(lowp), num_warps=warps)
     return y[0] if split == 1 else y.sum(0)
 
 
 def wq_matmul(x: torch.Tensor, fmt: int, w, scale, zero, act_fp8: bool, out_features: int) -> torch.Tensor:
-    """The kernel in linear mode: x [M ≤ 16, K] (contiguous, any float dtype) → fp32 y [M, out_features]."""
+    """The kernel in linear mode: x [M ≤ 64, K] (contiguous, any float dtype) → fp32 y [M, out_features]."""
     if x.shape[0] > MAX_ROWS:
         raise ValueError(f"wq_matmul takes at most {MAX_ROWS} rows; got {x.shape[0]}")
     return _launch(x, fmt, w, scale, zero, act_fp8, out_features, x.shape[0])

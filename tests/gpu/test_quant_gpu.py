@@ -27,7 +27,7 @@ def test_kernel_matches_fp32_reference(N, K, name, fmt, act, bits):
         pytest.skip("LOWP is for fp8 and 16-bit weights")
     w = torch.randn(N, K, device="cuda") * 0.02
     q, s, z = stored_operands(fmt, w.bfloat16() if fmt == BF16 and bits == "lowp" else w)
-    for M in (1, 2, 4, 8, 16):
+    for M in (1, 2, 4, 8, 16, 32, 64):  # 32 and 64: verify of 2 or 4 rows x 16 positions
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         poison_allocator((M, N), dtype=torch.float32)
         extra = {"wide": (0, 2), "lowp": (0, 1, 1)}.get(bits, (bits,))
@@ -47,7 +47,7 @@ def test_compiled_quant_linear_matches_eager(scheme):
     for _ in range(3):  # warm-up, record, replay
         out = step(x)
     assert rel_err(out, layer(x)) < 1e-2
-    big = torch.randn(40, 5120, device="cuda", dtype=torch.bfloat16)  # prefill rows: the reference path
+    big = torch.randn(80, 5120, device="cuda", dtype=torch.bfloat16)  # prefill rows (> 64): the reference path
     if scheme == "fp8":  # the scheme rounds activations to fp8 too, on every path
         big = fake_quantize_fp8_activations(big, 128)
     assert rel_err(layer(big), big.float() @ layer.dequantized().t()) < 2e-2
