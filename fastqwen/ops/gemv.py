@@ -289,7 +289,7 @@ def gemv_config(fmt: int, N: int, K: int, rows: int, columns: int = 1) -> tuple[
     format `fmt`, with `columns` independent copies of the grid (expert pairs in grouped mode). The linear mode takes
     scripts/bench_quant.py --sweep's measured best for this GPU when gemv_configs.json has it; otherwise (and
     for experts) enough programs that short K walks keep many loads in flight: BLOCK_N 64 (128 for int4, whose
-    rows are half as wide; half that and 8 warps above 16 rows), K split in up to 8 parts of at least 4 steps
+    rows are half as wide; above 16 rows half that, 8 warps and 2 stages), K split in up to 8 parts of at least 4 steps
     of 128. BITS (default 0) decodes the
     weight by bit moves instead of conversion instructions (see _fp8_bits); KSTEP (default 1) widens each step
     to KSTEP × 128 columns (FP8_ROW and BF16 without BITS only); LOWP (default 0) has the M > 1 kernel's dot
@@ -303,7 +303,7 @@ def gemv_config(fmt: int, N: int, K: int, rows: int, columns: int = 1) -> tuple[
     split = 1
     while split < 8 and K // STEP // (2 * split) >= 4 and -(-N // bn) * columns * split < 8 * 132:
         split *= 2
-    return bn, split, 8 if wide else 4, 2 if fmt == INT4 else 4
+    return bn, split, 8 if wide else 4, 2 if fmt == INT4 or wide else 4
 
 
 def full_config(config) -> tuple[int, ...]:
