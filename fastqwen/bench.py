@@ -367,6 +367,7 @@ def run(
     compile_options: dict | None = None,
     progress: Callable[[str], None] | None = print,
     ragged: bool = False,
+    quant_lm_head: bool = False,
 ) -> dict:
     """Benchmark preset ``name`` (random weights, seed 0) on one model object in this process.
 
@@ -380,6 +381,7 @@ def run(
     run before ``fastqwen.optimize`` (which replaces ``model.generate``); hf-eager uses ``EAGER_N`` lengths on CUDA.
     ``compile`` and ``compile_options`` are passed to ``fastqwen.optimize``. ``ragged``: the rows are prompts of
     different lengths, left-padded (`ragged_mask`), as concurrent requests are; ``prompt_len`` is the longest.
+    ``quant_lm_head``: a quantized system quantizes lm_head too (optimize's quant_lm_head).
     """
     import fastqwen
 
@@ -392,7 +394,8 @@ def run(
         raise ValueError(f"{quant}: a quantized system quantizes the model in place, so a run takes at most one, "
                          "on a model it builds itself (run one process per scheme)")
     res = {"model": name, "batch_size": batch_size, "prompt_len": prompt_len, "n_short": n_short,
-           "n_long": n_long, "dtype": str(dtype).removeprefix("torch."), "device": str(device), "systems": {}}
+           "n_long": n_long, "dtype": str(dtype).removeprefix("torch."), "device": str(device), "systems": {},
+           "quant_lm_head": quant_lm_head}
     mask = ragged_mask(batch_size, prompt_len, device) if ragged and batch_size > 1 else None
     if mask is not None:
         res["row_lengths"] = mask.sum(1).tolist()
@@ -418,7 +421,7 @@ def run(
         """Optimize in place (quantizing first if asked) and compile the graphs; returns ``model.generate``."""
         optimized = fastqwen.optimize(model, max_batch_size=batch_size, max_seq_len=prompt_len + n_long + 64,
                                       compile=compile, compile_options=compile_options, quant=quant,
-                                      kernels=kernels)
+                                      quant_lm_head=quant_lm_head and quant is not None, kernels=kernels)
         optimized._fastqwen.warmup(progress=progress)
         return optimized.generate
 

@@ -77,6 +77,9 @@ def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile
     for name, value in (("draft_lm_head", draft_lm_head), ("draft_quant", draft_quant)):
         if value is not None and value not in SCHEMES:
             raise ValueError(f"unknown {name}={value!r}; supported: {', '.join(SCHEMES)}")
+    if quant_lm_head and quant is None:
+        raise ValueError("quant_lm_head=True quantizes lm_head in quant's scheme; pass quant='fp8-weight', 'fp8' "
+                         "or 'int4' too")
     draft_quant = draft_quant or quant
     if quant is not None:
         from .quant import quantize

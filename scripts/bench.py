@@ -47,6 +47,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, nargs="+", default=[1], help="rows per generate (a sweep if several)")
     p.add_argument("--ragged", action="store_true", help="rows of different prompt lengths (left-padded, the "
                    "longest --prompt-len, the shortest about half), as concurrent requests")
+    p.add_argument("--quant-lm-head", action="store_true", help="a quantized system (fastqwen-…) quantizes "
+                   "lm_head too (optimize's quant_lm_head; 27B: 2.5 GB of its 51 GB a step in bf16)")
     p.add_argument("--prompt-len", type=int, nargs="+", default=[DEFAULTS["prompt_len"]],
                    help="prompt tokens per row, i.e. the context decoding starts from (a sweep if several)")
     p.add_argument("--n-short", type=int, default=DEFAULTS["n_short"], help="new tokens in the short run")
@@ -102,7 +104,7 @@ def main() -> None:
                         prompt_len=prompt_len, n_short=args.n_short, n_long=args.n_long,
                         dtype=getattr(torch, args.dtype), device=args.device, compile=args.compile, progress=say,
                         compile_options={"triton.cudagraphs": True} if args.no_autotune else None,
-                        ragged=args.ragged,
+                        ragged=args.ragged, quant_lm_head=args.quant_lm_head,
                     ))
                 except Exception as e:  # e.g. out of memory: keep going with the next row
                     error = f"{type(e).__name__}: {e}"[:500]

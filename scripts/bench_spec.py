@@ -80,6 +80,8 @@ def main():
     p.add_argument("--n-long", type=int, default=160 if cuda else 200)
     p.add_argument("--verify-block", type=int, default=16, help="also time verify + commit of this block (0: no)")
     p.add_argument("--quant", choices=["fp8-weight", "fp8", "int4"], help="quantize the target (optimize's quant)")
+    p.add_argument("--quant-lm-head", action="store_true",
+                   help="with --quant: lm_head too (optimize's quant_lm_head; the draft then reads it as well)")
     p.add_argument("--draft-lm-head", choices=["fp8-weight", "fp8", "int4"],
                    help="draft through a quantized copy of lm_head (optimize's draft_lm_head)")
     p.add_argument("--draft-vocab", type=int, help="draft over token ids 0 … N−1 only (optimize's draft_vocab)")
@@ -113,8 +115,8 @@ def main():
     max_seq = args.prompt_len + args.n_long + 2 * block + 8  # room for the timed blocks after a generate
     kernels = dict(kv.split("=", 1) for kv in args.kernels)
     fastqwen.optimize(model, max_batch_size=args.batch, max_seq_len=max_seq, compile=True, compile_options=opts,
-                      quant=args.quant, kernels=kernels)
-    res["quant"], res["kernels"] = args.quant, kernels
+                      quant=args.quant, quant_lm_head=args.quant_lm_head, kernels=kernels)
+    res["quant"], res["quant_lm_head"], res["kernels"] = args.quant, args.quant_lm_head, kernels
     e = model._fastqwen
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(model.config.vocab_size, (1, args.prompt_len), generator=gen).repeat(args.batch, 1).to(device)

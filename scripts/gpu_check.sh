@@ -14,7 +14,7 @@
 #   profile  scripts/profile_step.py on $PROFILE_MODEL (default 35B-A3B): the decode step's kernels, µs each; PROFILE_ARGS="--speculate dflash:15" profiles a round
 #   attention scripts/bench_attention.py (SDPA over the whole cache vs the split-KV kernel) and its GPU test
 #   qbench   scripts/bench.py on $QMODEL (default 27B): fastqwen bf16 vs quantized ($SCHEME, default fp8-weight;
-#            one scheme a process: quantizing is in place)
+#            one scheme a process: quantizing is in place; QBENCH_ARGS, e.g. --quant-lm-head)
 #   quality  scripts/quant_quality.py on 27B: per-linear and logit error, top-1 agreement per scheme
 #   candidates scripts/bench.py: fastqwen vs fastqwen with an alternative kernel in one process, on $CAND_MODEL
 #            (default 35B-A3B) with $CAND_SYSTEMS (default fastqwen+grouped-experts; also fastqwen+split-attention,
@@ -68,7 +68,7 @@ case "$stage" in
   attention) python -m pytest -q -p no:warnings tests/gpu/test_attention_gpu.py 2>&1 | tail -3
          python scripts/bench_attention.py --json "$out/bench_attention.json" 2>&1 | grep "^|" ;;
   qbench) python scripts/bench.py --models "${QMODEL:-qwen3.5-27b}" --systems fastqwen "fastqwen-${SCHEME:-fp8-weight}" \
-           --no-autotune --json "$out/qbench.json" 2>&1 | grep -v "^\[transformers\]" | tail -6 ;;
+           --no-autotune ${QBENCH_ARGS:-} --json "$out/qbench.json" 2>&1 | grep -v "^\[transformers\]" | tail -6 ;;
   candidates) python scripts/bench.py --models "${CAND_MODEL:-qwen3.5-35b-a3b}" --systems fastqwen \
            ${CAND_SYSTEMS:-fastqwen+grouped-experts} --no-autotune ${CAND_ARGS:-} --json "$out/candidates.json" 2>&1 \
            | grep -v "^\[transformers\]" | tail -4 ;;

@@ -113,6 +113,8 @@ def test_quantization_errors(tmp_path):
         quantize(model, "nf4")
     with pytest.raises(ValueError, match="unknown quantization scheme 'nf4'"):
         fastqwen.optimize(model, compile=False, quant="nf4")
+    with pytest.raises(ValueError, match="quant_lm_head=True quantizes lm_head in quant's scheme"):
+        fastqwen.optimize(model, compile=False, quant_lm_head=True)
     with pytest.warns(UserWarning, match=r"kept .*in_features 64 not divisible by 48"):
         quantize(fresh("tiny"), "int4", group_size=48)
     bad = [({"quant_method": "fp8", "weight_block_size": [64, 64]}, "only \\[128, 128\\]"),
