@@ -13,10 +13,10 @@ from fastqwen.ops.attention import attend_cache
 from fastqwen.ops.decode_attention import attend_cache_split
 torch.manual_seed(0)
 B, Hkv, G, S, D = 3, 2, 3, 300, 64
-for T in (1, 4):
+for T in (1, 4, 16):  # 3, 12 and 48 query rows a KV head: 16-row, 16-row and two 32-row programs
     q = torch.randn(B, Hkv * G, T, D)
     k, v = torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
-    ends = torch.tensor([5, 140, 290])  # one short row, two long ones
+    ends = torch.tensor([5, 140, 280])  # one short row, two long ones (the last query at most 295 < S)
     pos = ends[:, None] + torch.arange(T)
     ref = attend_cache(q, k, v, pos, D ** -0.5)
     for b in range(B):  # keys past a row's last query must never be read

@@ -4,12 +4,14 @@
 positions per row, whatever the rows' lengths: at max_seq_len 128K that is ~8.6 GB a step on the 27B model,
 16% of its weights, per row. This kernel reads keys 0 … max(position) of each row only.
 
-Grid (B, Hkv, SPLITS). A program takes the G = Hq / Hkv query heads of its KV head and the T queries of its
-row (G·T rows of the dot), splits the row's used keys into SPLITS equal chunks (the chunk size is computed in
-the kernel from the positions, so one CUDA graph serves every length) and runs an online softmax over its
-chunk in BLOCK_S steps, masking keys after each query's position. Each split writes its partial output and
-log-sum-exp; `attend_cache_split` merges them. The dot takes fp32 operands (memory-bound; exact to the
-reference; runs in Triton's CPU interpreter, tests/test_decode_attention.py).
+Grid (B, Hkv · row blocks, SPLITS). The G = Hq / Hkv query heads of a KV head and the T queries of its row
+make G·T rows of the dot; a program takes a block of at most 32 of them (a verify's 6 · 16 = 96 rows on the
+27B would otherwise hold a [128, 256] fp32 accumulator: registers spill), splits the row's used keys into
+SPLITS equal chunks (the chunk size is computed in the kernel from the positions, so one CUDA graph serves
+every length) and runs an online softmax over its chunk in BLOCK_S steps, masking keys after each query's
+position. The row blocks of one KV head read the same keys (from L2 when they fit). Each split writes its
+partial output and log-sum-exp; `attend_cache_split` merges them. The dot takes fp32 operands (memory-bound;
+exact to the reference; runs in Triton's CPU interpreter, tests/test_decode_attention.py).
 Not yet the default: scripts/bench_attention.py measures it against attend_cache first.
 """
 
@@ -24,6 +26,7 @@ except ImportError:
     triton = None
 
 BLOCK_S = 32
+MAX_ROWS = 32  # query rows (heads x positions) a program takes
 
 if triton is not None:
 
@@ -31,9 +34,9 @@ if triton is not None:
     def _split_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, lse_ptr, scale,
                          sq_b, sq_h, sq_t, sk_b, sk_h, sk_s, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s,
                          T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
-                         SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
-        b, hk, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        r = tl.arange(0, ROWS)
+                         BLOCKS: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+        b, hk, sp = tl.program_id(0), tl.program_id(1) // BLOCKS, tl.program_id(2)
+        r = (tl.program_id(1) % BLOCKS) * ROWS + tl.arange(0, ROWS)  # this program's rows of the G·T
         r_ok = r < G * T
         g, t = r // T, r % T
         d = tl.arange(0, D)
@@ -69,7 +72,8 @@ if triton is not None:
 
 
 def splits_for(batch: int, kv_heads: int) -> int:
-    """Splits per (row, KV head): about two waves of programs on an H200 (132 SMs), at most 64."""
+    """Splits per (row, KV head or KV head's row block): about two waves of programs on an H200 (132 SMs),
+    at most 64."""
     return max(1, min(64, 264 // (batch * kv_heads)))
 
 
@@ -79,16 +83,17 @@ def attend_cache_split(q, k_cache, v_cache, positions, scale: float, splits: int
     B, Hq, T, D = q.shape
     Hkv = k_cache.shape[1]
     G = Hq // Hkv
-    splits = splits or splits_for(B, Hkv)
-    rows = max(16, triton.next_power_of_2(G * T))
-    o = torch.empty(B, Hkv, splits, rows, D, dtype=torch.float32, device=q.device)
-    lse = torch.empty(B, Hkv, splits, rows, dtype=torch.float32, device=q.device)
+    rows = min(MAX_ROWS, max(16, triton.next_power_of_2(G * T)))  # a program's rows
+    blocks = triton.cdiv(G * T, rows)
+    splits = splits or splits_for(B, Hkv * blocks)
+    o = torch.empty(B, Hkv, splits, blocks * rows, D, dtype=torch.float32, device=q.device)
+    lse = torch.empty(B, Hkv, splits, blocks * rows, dtype=torch.float32, device=q.device)
     k, v = k_cache, v_cache
     pos = positions.to(torch.int32).contiguous()
-    _split_kv_kernel[(B, Hkv, splits)](
+    _split_kv_kernel[(B, Hkv * blocks, splits)](
         q, k, v, pos, o, lse, scale, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         o.stride(0), o.stride(1), o.stride(2), o.stride(3), lse.stride(0), lse.stride(1), lse.stride(2),
-        T=T, G=G, D=D, ROWS=rows, SPLITS=splits, BLOCK_S=BLOCK_S)
+        T=T, G=G, D=D, ROWS=rows, BLOCKS=blocks, SPLITS=splits, BLOCK_S=BLOCK_S, num_warps=8 if D * rows > 4096 else 4)
     o, lse = o[:, :, :, : G * T], lse[:, :, :, : G * T]
     weight = torch.softmax(lse, dim=2)  # splits past a row's keys have lse = -inf: weight 0
     merged = (o * weight[..., None]).sum(2)  # [B, Hkv, G·T, D], rows ordered (g, t)
