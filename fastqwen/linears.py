@@ -112,7 +112,7 @@ class Linears:
                 and (self.gemv is True or gemv_beats_cublas(self.table, module.out_features,
                                                              module.in_features, rows))):
             return module(x)
-        y = wq_linear(x.reshape(rows, -1), BF16, module.weight, None, None, False, module.out_features)
+        y = wq_linear(x.reshape(rows, -1), BF16, module.weight, None, None, False, module.out_features).sum(0)
         return y.to(x.dtype).view(*x.shape[:-1], module.out_features)
 
     def project(self, module, h, names):

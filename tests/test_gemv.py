@@ -33,7 +33,7 @@ def test_registered_op_passes_opcheck_on_cpu(fmt, act):
     # test_schema is left out: torch's SchemaCheckMode cannot compare fp8 tensors (mul not implemented)
     torch.library.opcheck(wq_linear, (x, fmt, w, s, z, act, 64),
                           test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))
-    assert torch.equal(wq_linear(x, fmt, w, s, z, act, 64), reference(x, fmt, w, s, z, act, 64))
+    assert torch.equal(wq_linear(x, fmt, w, s, z, act, 64), reference(x, fmt, w, s, z, act, 64)[None])  # 1 split
 
 
 def expert_operands(fmt, E, N, K, seed=0):
@@ -119,6 +119,15 @@ for fmt, wdtype, xdtype in ((INT4, None, torch.bfloat16), (BF16, torch.float32, 
     except ValueError as e:
         assert "LOWP needs" in str(e)
 import fastqwen.ops.gemv as gemv
+for fmt, M, N, K in ((FP8_ROW, 1, 200, 1024), (INT4, 5, 64, 2048), (BF16, 16, 96, 384)):  # wq_linear's partials
+    w, s, z = operands(fmt, N, K)
+    xp = torch.randn(M, K, dtype=torch.bfloat16)
+    parts = gemv.wq_matmul(xp, fmt, w, s, z, False, N, partials=True)
+    assert parts.shape == (gemv.linear_splits(fmt, N, K, M), M, N), (fmt, parts.shape)
+    ref = reference(xp.float(), fmt, w, s, z, False, N)
+    assert ((parts.sum(0) - ref).norm() / ref.norm()) < 1e-5
+for config, splits in (((32, 3, 4, 1), 3), ((32, 2, 4, 2, 0, 2), 2), ((16, 1, 4, 1, 0, 4), 1), ((16, 8, 4, 1), 3)):
+    assert gemv.split_plan(384, config)[1] == splits, config  # (8 asked of 3 steps: 3)
 w, s, z = operands(FP8_ROW, 64, 256)
 gemv.gpu_table = lambda: {gemv.tuned_key(FP8_ROW, 64, 256, 3): [32, 1, 4, 2, 0, 1, 1]}  # measured with bf16 x
 assert gemv.gemv_config(FP8_ROW, 64, 256, 3) == (32, 1, 4, 2, 0, 1, 1)

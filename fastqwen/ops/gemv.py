@@ -30,8 +30,8 @@ configs come from gemv_configs.json, measured per GPU by scripts/bench_quant.py 
 takes the nearest measured N with the same K), else from a
 heuristic. Grouped mode (experts): w, scale, zero carry a leading expert dimension; pair p multiplies row
 tok[p] of x by expert exp[p] into row p of y. Both kernels also run in Triton's CPU interpreter, where
-tests/test_gemv.py checks them. `wq_linear` and `expert_gemv` are the registered ops: the kernels on CUDA, the
-torch reference elsewhere.
+tests/test_gemv.py checks them. `wq_linear` (split-K partials, summed by the caller) and `expert_gemv` are the
+registered ops: the kernels on CUDA, the torch reference elsewhere.
 """
 
 import json
@@ -319,10 +319,24 @@ def lowp_exact(fmt: int, x_dtype, w_dtype, bits: bool) -> bool:
     return sixteen and not bits and (fmt in (FP8_ROW, FP8_BLOCK) or (fmt == BF16 and w_dtype == x_dtype))
 
 
-def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, config=None):
+def split_plan(K: int, config) -> tuple[int, int]:
+    """(columns per split, number of splits) of K under launch config `config`: whole steps per split."""
+    _, split, _, _, _, kstep, _ = full_config(config)
+    block_k = STEP * kstep
+    steps = -(-K // block_k)
+    k_per_split = -(-steps // split) * block_k
+    return k_per_split, -(-K // k_per_split)
+
+
+def linear_splits(fmt: int, N: int, K: int, rows: int) -> int:
+    """How many partial sums the linear mode's default launch writes for this shape (wq_linear's dim 0)."""
+    return split_plan(K, gemv_config(fmt, N, K, rows))[1]
+
+
+def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, config=None, partials=False):
     """fp32 y [rows, out_features]; `pairs` = (tok, exp) int32 [P] switches to grouped mode (rows = P, one x
     row each); `config` overrides gemv_config. Split-K writes per-split partials and sums them (deterministic:
-    no atomics)."""
+    no atomics); with `partials` they come back unsummed, [splits, rows, out_features] (split_plan)."""
     K = x.shape[1]
     if K % STEP:
         raise ValueError(f"the weight-streaming kernel needs K divisible by {STEP}; got K={K}")
@@ -344,8 +358,7 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
     if bits:
         w = w.view(torch.int32)  # 4 fp8 codes or 8 int4 codes a word, in column order
     block_k = STEP * kstep
-    k_per_split = triton.cdiv(triton.cdiv(K, block_k), split) * block_k
-    split = triton.cdiv(K, k_per_split)
+    k_per_split, split = split_plan(K, config)
     y = torch.empty(split, rows, N, dtype=torch.float32, device=x.device)
     one = scale[0] if grouped and scale is not None else scale  # one expert's scales
     s_stride = one.shape[1] if one is not None and one.dim() == 2 else 1
@@ -366,14 +379,16 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
             ACT_FP8=act_fp8, FP8_LIMIT=FP8_MAX, BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=bn,
             BLOCK_K=block_k, STAGES=stages,
             BITS=bits, LOWP=bool(lowp), num_warps=warps)
-    return y[0] if split == 1 else y.sum(0)
+    return y if partials else y[0] if split == 1 else y.sum(0)
 
 
-def wq_matmul(x: torch.Tensor, fmt: int, w, scale, zero, act_fp8: bool, out_features: int) -> torch.Tensor:
-    """The kernel in linear mode: x [M ≤ 64, K] (contiguous, any float dtype) → fp32 y [M, out_features]."""
+def wq_matmul(x: torch.Tensor, fmt: int, w, scale, zero, act_fp8: bool, out_features: int,
+              partials: bool = False) -> torch.Tensor:
+    """The kernel in linear mode: x [M ≤ 64, K] (contiguous, any float dtype) → fp32 y [M, out_features], or
+    with `partials` its split-K partial sums [linear_splits(…), M, out_features]."""
     if x.shape[0] > MAX_ROWS:
         raise ValueError(f"wq_matmul takes at most {MAX_ROWS} rows; got {x.shape[0]}")
-    return _launch(x, fmt, w, scale, zero, act_fp8, out_features, x.shape[0])
+    return _launch(x, fmt, w, scale, zero, act_fp8, out_features, x.shape[0], partials=partials)
 
 
 def stored_operands(fmt: int, w: torch.Tensor):
@@ -418,18 +433,27 @@ def expert_reference(x, tok, exp, fmt: int, w, scale, zero, out_features: int, a
     return torch.stack(rows) if rows else x.new_empty(0, out_features, dtype=torch.float32)
 
 
+def _on_kernel(x: torch.Tensor) -> bool:
+    return x.is_cuda and triton is not None
+
+
 @torch.library.custom_op("fastqwen::wq_linear", mutates_args=())
 def wq_linear(x: torch.Tensor, fmt: int, w: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None,
               act_fp8: bool, out_features: int) -> torch.Tensor:
-    """x [M, K] · Wᵀ → [M, out_features] fp32: the kernel on CUDA, the reference elsewhere."""
-    if x.is_cuda and triton is not None:
-        return wq_matmul(x.contiguous(), fmt, w, scale, zero, act_fp8, out_features)
-    return reference(x, fmt, w, scale, zero, act_fp8, out_features)
+    """x [M, K] · Wᵀ as split-K partial sums [S, M, out_features] fp32, whose sum over dim 0 is the product:
+    the kernel on CUDA (S = linear_splits(…)), the reference elsewhere (S = 1). The caller sums, so that inside a
+    compiled step inductor can fold the S ≤ 8 adds into the consumer's kernel (it unrolls reductions that
+    small) instead of a launch of their own after every split-K matmul (~200 launches a 27B fp8 decode step)."""
+    if _on_kernel(x):
+        return wq_matmul(x.contiguous(), fmt, w, scale, zero, act_fp8, out_features, partials=True)
+    return reference(x, fmt, w, scale, zero, act_fp8, out_features)[None]
 
 
 @wq_linear.register_fake
 def _(x, fmt, w, scale, zero, act_fp8, out_features):
-    return x.new_empty(x.shape[0], out_features, dtype=torch.float32)
+    splits = linear_splits(fmt, out_features, x.shape[1], x.shape[0]) if _on_kernel(x) else 1
+    return x.new_empty(splits, x.shape[0], out_features, dtype=torch.float32)
+
 
 
 @torch.library.custom_op("fastqwen::expert_gemv", mutates_args=())
@@ -438,7 +462,7 @@ def expert_gemv(x: torch.Tensor, tok: torch.Tensor, exp: torch.Tensor, fmt: int,
                 act_fp8: bool = False) -> torch.Tensor:
     """Routed experts: x [T, K], pairs tok / exp [P] int32, expert weights w [E, N, K] (stored format, with
     scale / zero [E, …]) → [P, out_features] fp32, row p = x[tok[p]] · W[exp[p]]ᵀ. Kernel on CUDA."""
-    if x.is_cuda and triton is not None:
+    if _on_kernel(x):
         return _launch(x.contiguous(), fmt, w, scale, zero, act_fp8, out_features, tok.shape[0], (tok, exp))
     return expert_reference(x, tok, exp, fmt, w, scale, zero, out_features, act_fp8)
 

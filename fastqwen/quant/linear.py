@@ -52,7 +52,7 @@ class QuantLinear(nn.Module):
                 x2 = x2.index_select(1, self.perm)  # the stored column order
             scale = self.scale_inv if self.scheme == "fp8" else self.scale
             y = wq_linear(x2, FORMATS[self.scheme], self.qweight, scale, getattr(self, "zero", None),
-                          self.scheme == "fp8", self.out_features).to(x.dtype)
+                          self.scheme == "fp8", self.out_features).sum(0).to(x.dtype)  # (split-K partials)
             y = y.view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
         if self.scheme == "fp8":
