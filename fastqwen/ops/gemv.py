@@ -1,9 +1,9 @@
 """Weight-streaming matmul for few rows: y = x · Wᵀ with W read once, in its stored format, dequantized in
-registers. Two uses: quantized linears at M ≤ 64 rows (decode, speculative verify: up to 4 rows of a 16-token
-block, 16 rows of 4 MTP positions), and the routed experts
-of a MoE layer (each (token, expert) pair multiplies one row by one expert's weight, read in place: no
-gathered copy of the selected experts). Quantized experts (quant/experts.py) use the second; bf16 experts
-keep `model.routed_moe`'s gather-then-einsum until scripts/bench_quant.py --experts shows the kernel faster.
+registers. Two uses: quantized linears at M ≤ 64 rows (decode, speculative verify: up to 4 rows of a
+16-token block, 16 rows of 4 MTP positions), and the routed experts of a MoE layer (each (token, expert)
+pair multiplies one row by one expert's weight, read in place: no gathered copy of the selected experts).
+Quantized experts (quant/experts.py) use the second; bf16 experts keep `moe.routed_moe`'s gather-then-einsum
+unless kernels={"experts": "grouped"} (a candidate until measured faster).
 
 Two Triton kernels, four formats (constexpr FMT):
   FP8_ROW    w e4m3 [N, K], scale [N]: acc · scale[n] at the end.

@@ -3,8 +3,9 @@
 Schemes: "fp8" (e4m3 weights in 128×128 blocks, activations rounded as dynamic per-token 1×128 fp8),
 "fp8-weight" (e4m3 weights with one scale per output row, activations unchanged), "int4" (asymmetric
 group-wise codes packed two a byte, group 128 by default). On CUDA, inputs of at most 64 rows (decode and
-verify steps, up to 4 rows of a 16-token block) go through the small-M kernel (ops/gemv.py: the weight streamed in its stored format); larger
-inputs (prefill) and CPU use the torch reference: dequantize, then matmul in the input dtype.
+verify steps, up to 4 rows of a 16-token block) go through the small-M kernel (ops/gemv.py: the weight
+streamed in its stored format); larger inputs (prefill) and CPU use the torch reference: dequantize, then
+matmul in the input dtype.
 """
 
 import warnings
