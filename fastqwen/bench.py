@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 from . import presets
+from .generate import CUDA_COMPILE_OPTIONS
 from .sampling import argmax_last
 
 QUANT_SYSTEMS = ("fastqwen-fp8-weight", "fastqwen-fp8", "fastqwen-int4")  # optimize(quant=...) after bf16
@@ -27,8 +28,23 @@ CANDIDATE_SYSTEMS = {"fastqwen+split-attention": {"attention": "split"},
                      "fastqwen+gemv-linears": {"linears": "gemv"},
                      "fastqwen+auto-linears": {"linears": "auto"},
                      "fastqwen+unrolled-gdn": {"gdn": "unrolled"}}
+# fastqwen with inductor options merged over the run's (launch count: combo kernels launch independent
+# small kernels, e.g. a GDN layer's q, k and v, as one)
+OPTION_SYSTEMS = {"fastqwen+combo-kernels": {"combo_kernels": True}}
 DEFAULT_SYSTEMS = ("hf-eager", "hf-static-compile", "fastqwen")  # the others are asked for by name
-SYSTEMS = DEFAULT_SYSTEMS + tuple(CANDIDATE_SYSTEMS) + QUANT_SYSTEMS
+
+
+def compile_options(no_autotune: bool, cuda: bool, extra=()) -> dict | None:
+    """The scripts' inductor options: None (the engine's default: max-autotune on CUDA), or with --no-autotune
+    the default inductor choice in CUDA graphs; `extra` "key=value" strings (Python literals) merged over."""
+    import ast
+
+    opts = {"triton.cudagraphs": True} if no_autotune and cuda else None
+    if extra:
+        pairs = [kv.split("=", 1) for kv in extra]
+        opts = {**(opts or (CUDA_COMPILE_OPTIONS if cuda else {})), **{k: ast.literal_eval(v) for k, v in pairs}}
+    return opts
+SYSTEMS = DEFAULT_SYSTEMS + tuple(CANDIDATE_SYSTEMS) + tuple(OPTION_SYSTEMS) + QUANT_SYSTEMS
 
 
 class OracleProposer:
@@ -417,10 +433,14 @@ def run(
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(vocab, (batch_size, prompt_len), generator=gen).to(device)
 
-    def fastqwen_setup(quant=None, kernels=None) -> Callable:
-        """Optimize in place (quantizing first if asked) and compile the graphs; returns ``model.generate``."""
+    def fastqwen_setup(quant=None, kernels=None, options=None) -> Callable:
+        """Optimize in place (quantizing first if asked) and compile the graphs; returns ``model.generate``.
+        ``options``: inductor options merged over the run's compile options (or the engine's default)."""
+        opts = compile_options
+        if options:
+            opts = {**(compile_options or CUDA_COMPILE_OPTIONS), **options}
         optimized = fastqwen.optimize(model, max_batch_size=batch_size, max_seq_len=prompt_len + n_long + 64,
-                                      compile=compile, compile_options=compile_options, quant=quant,
+                                      compile=compile, compile_options=opts, quant=quant,
                                       quant_lm_head=quant_lm_head and quant is not None, kernels=kernels)
         optimized._fastqwen.warmup(progress=progress)
         return optimized.generate
@@ -436,10 +456,12 @@ def run(
     if "fastqwen" in systems:
         res["systems"]["fastqwen"] = _measure(f"{label} fastqwen", fastqwen_setup, ids, (n_short, n_long), say,
                                               mask)
-    for system, kernels in CANDIDATE_SYSTEMS.items():
+    alternatives = {**{s: {"kernels": k} for s, k in CANDIDATE_SYSTEMS.items()},
+                    **{s: {"options": o} for s, o in OPTION_SYSTEMS.items()}}
+    for system, how in alternatives.items():
         if system in systems:
             torch._dynamo.reset()
-            res["systems"][system] = _measure(f"{label} {system}", lambda k=kernels: fastqwen_setup(kernels=k), ids,
+            res["systems"][system] = _measure(f"{label} {system}", lambda h=how: fastqwen_setup(**h), ids,
                                               (n_short, n_long), say, mask)
             base, tok_s = res["systems"].get("fastqwen", {}).get("tok_s"), res["systems"][system].get("tok_s")
             res[f"{system}_vs_fastqwen"] = tok_s / base if tok_s and base else None
@@ -486,7 +508,7 @@ def _quant_cell(r: dict) -> str:
 def _candidate_cell(r: dict) -> str:
     """"name tok/s (ratio×)" of each alternative-kernel system a run measured, or an em dash."""
     cells = []
-    for system in CANDIDATE_SYSTEMS:
+    for system in (*CANDIDATE_SYSTEMS, *OPTION_SYSTEMS):
         out = r.get("systems", {}).get(system)
         if out is not None:
             name = system.removeprefix("fastqwen+")

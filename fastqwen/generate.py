@@ -22,6 +22,8 @@ from .model import Forward
 from .sampling import greedy, sample
 
 MAX_SPECULATIVE_TOKENS = 32
+# the compiled steps' inductor options on CUDA unless optimize(compile_options=...) replaces them
+CUDA_COMPILE_OPTIONS = {"max_autotune": True, "triton.cudagraphs": True, "coordinate_descent_tuning": True}
 
 
 class DoneWatch:
@@ -121,7 +123,7 @@ class Engine:
             torch._dynamo.mark_static_address(buf)
         self.compiled = compile
         if compile and compile_options is None and self.device.type == "cuda":
-            compile_options = {"max_autotune": True, "triton.cudagraphs": True, "coordinate_descent_tuning": True}
+            compile_options = dict(CUDA_COMPILE_OPTIONS)
         self.compile_options = compile_options
         self.compile_cache = compile_cache
         if compile and compile_cache is not None and os.path.exists(compile_cache):

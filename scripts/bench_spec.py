@@ -89,6 +89,8 @@ def main():
                    help="the draft's own quantization (optimize's draft_quant; default: --quant's)")
     p.add_argument("--phases", nargs="*", metavar="PROPOSER", help="time draft / verify / commit for these runs "
                    "only (default: every run; none given: no run)")
+    p.add_argument("--options", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="inductor options merged over the run's, e.g. combo_kernels=True")
     p.add_argument("--no-autotune", action="store_true")
     p.add_argument("--kernels", nargs="*", default=[], metavar="OP=CHOICE",
                    help="optimize's kernels option, e.g. attention=split linears=gemv")
@@ -110,7 +112,7 @@ def main():
             args.json.write_text(json.dumps(res, indent=1))
 
     model = presets.build(args.model, dtype=dtype, device=device)
-    opts = {"triton.cudagraphs": True} if args.no_autotune and cuda else None
+    opts = bench.compile_options(args.no_autotune, cuda, args.options)
     block = max([k + 1 for _, k, _ in runs] + [args.verify_block])
     max_seq = args.prompt_len + args.n_long + 2 * block + 8  # room for the timed blocks after a generate
     kernels = dict(kv.split("=", 1) for kv in args.kernels)

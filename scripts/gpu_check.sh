@@ -18,7 +18,8 @@
 #   quality  scripts/quant_quality.py on 27B: per-linear and logit error, top-1 agreement per scheme
 #   candidates scripts/bench.py: fastqwen vs fastqwen with an alternative kernel in one process, on $CAND_MODEL
 #            (default 35B-A3B) with $CAND_SYSTEMS (default fastqwen+grouped-experts; also fastqwen+split-attention,
-#            fastqwen+gemv-linears, fastqwen+unrolled-gdn, fastqwen+separate-projections) and $CAND_ARGS (e.g.
+#            fastqwen+gemv-linears, fastqwen+unrolled-gdn, fastqwen+separate-projections, fastqwen+combo-kernels:
+#            inductor's combo kernels) and $CAND_ARGS (e.g.
 #            CAND_MODEL=qwen3.5-27b CAND_SYSTEMS=fastqwen+split-attention CAND_ARGS="--prompt-len 32768")
 #   commit   scripts/bench_commit.py: the speculative commit, all GDN layers in one launch vs one per layer
 #   sweep-gemv scripts/bench_quant.py --sweep: the weight-streaming kernel's launch configs (BITS decoding too) per

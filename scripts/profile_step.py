@@ -39,6 +39,8 @@ def main():
     p.add_argument("--prompt-len", type=int, default=512 if cuda else 32)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--options", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="inductor options merged over the run's, e.g. combo_kernels=True")
     p.add_argument("--no-autotune", action="store_true")
     p.add_argument("--kernels", nargs="*", default=[], metavar="OP=CHOICE",
                    help="optimize's kernels option, e.g. attention=split linears=gemv")
@@ -48,7 +50,7 @@ def main():
     device = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda else torch.float32
     model = presets.build(args.model, dtype=dtype, device=device)
-    opts = {"triton.cudagraphs": True} if args.no_autotune and cuda else None
+    opts = bench.compile_options(args.no_autotune, cuda, args.options)
     fastqwen.optimize(model, max_batch_size=args.batch_size, max_seq_len=args.prompt_len + 64, compile_options=opts,
                       kernels=dict(kv.split("=", 1) for kv in args.kernels))
     e = model._fastqwen

@@ -1,4 +1,5 @@
-"""The roofline's byte counts (fastqwen.bench) and the benchmark plot, on the tiny presets."""
+"""The roofline's byte counts (fastqwen.bench), the benchmark plot, and bench.run's candidates, on the tiny
+presets."""
 
 import json
 import pathlib
@@ -55,3 +56,15 @@ def test_ragged_rows_step_down_from_the_prompt_length_to_about_half():
     mask = ragged_mask(4, 512, "cpu")
     assert mask.shape == (4, 512) and mask.sum(1).tolist() == [512, 448, 384, 320]
     assert bool((mask[:, -1] == 1).all()) and bool((mask.diff(dim=1) >= 0).all())  # left padding only
+
+
+def test_run_times_alternatives_against_the_default_on_one_model():
+    """bench.run with a kernel candidate and an inductor-option candidate beside fastqwen (tiny, CPU, eager):
+    each gets a speed and its ratio to the default, and the table lists them."""
+    systems = ("fastqwen", "fastqwen+unrolled-gdn", "fastqwen+combo-kernels")
+    r = bench.run("tiny", systems=systems, prompt_len=16, n_short=2, n_long=6, dtype=torch.float32, device="cpu",
+                  compile=False, progress=None)
+    for system in systems:
+        assert r["systems"][system]["tok_s"] > 0, r["systems"][system]
+    assert r["fastqwen+combo-kernels_vs_fastqwen"] > 0 and r["fastqwen+unrolled-gdn_vs_fastqwen"] > 0
+    assert "combo-kernels" in bench.format_table([r])
