@@ -93,10 +93,11 @@ def routed_moe(mlp, h: torch.Tensor, grouped: bool = False, lin: Linears | None 
         N, k = experts.shape
         pair_expert = experts.flatten().int()
         tok = torch.arange(N, device=x.device, dtype=torch.int32).repeat_interleave(k)
-        gate, up = expert_gemv(x, tok, pair_expert, BF16, gate_up, None, None, gate_up.shape[1]).chunk(2, dim=-1)
+        gate, up = expert_gemv(x, tok, pair_expert, BF16, gate_up, None, None, gate_up.shape[1]).sum(0).chunk(2, -1)
         act = (mlp.experts.act_fn(gate) * up).to(x.dtype)  # [N·k, I]
         pairs = torch.arange(N * k, device=x.device, dtype=torch.int32)
-        out = expert_gemv(act, pairs, pair_expert, BF16, down, None, None, down.shape[1]).view(N, k, -1).to(x.dtype)
+        out = expert_gemv(act, pairs, pair_expert, BF16, down, None, None, down.shape[1]).sum(0)
+        out = out.view(N, k, -1).to(x.dtype)
     else:
         gate_up = mlp.experts.gate_up_proj[experts]  # [N, k, 2I, H]
         gate, up = torch.einsum("nh,nkoh->nko", x, gate_up).chunk(2, dim=-1)

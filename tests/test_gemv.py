@@ -50,6 +50,7 @@ def test_expert_reference_is_a_per_pair_matmul():
     assert torch.allclose(y[2], w[3] @ x[2], atol=1e-5) and torch.allclose(y[1], w[1] @ x[0], atol=1e-5)
     torch.library.opcheck(expert_gemv, (x, tok, exp, BF16, w, None, None, 24),
                           test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))
+    assert torch.equal(expert_gemv(x, tok, exp, BF16, w, None, None, 24), y[None])  # one split-K partial on CPU
 
 
 _INTERPRETED = """
@@ -126,6 +127,14 @@ for fmt, M, N, K in ((FP8_ROW, 1, 200, 1024), (INT4, 5, 64, 2048), (BF16, 16, 96
     assert parts.shape == (gemv.linear_splits(fmt, N, K, M), M, N), (fmt, parts.shape)
     ref = reference(xp.float(), fmt, w, s, z, False, N)
     assert ((parts.sum(0) - ref).norm() / ref.norm()) < 1e-5
+E, N, K = 5, 136, 2048  # grouped mode: the partials the fake announces (heuristic config: K split)
+w, s, z = expert_operands(FP8_ROW, E, N, K)
+tok, exp = torch.tensor([0, 0, 1], dtype=torch.int32), torch.tensor([4, 0, 2], dtype=torch.int32)
+xg = torch.randn(2, K, dtype=torch.bfloat16)
+parts = gemv._launch(xg, FP8_ROW, w, s, z, False, N, 3, (tok, exp), partials=True)
+assert parts.shape[0] == gemv.split_plan(K, gemv.gemv_config(FP8_ROW, N, K, 1, 3))[1] > 1, parts.shape
+ref = expert_reference(xg.float(), tok, exp, FP8_ROW, w, s, z, N)
+assert ((parts.sum(0) - ref).norm() / ref.norm()) < 1e-5
 for config, splits in (((32, 3, 4, 1), 3), ((32, 2, 4, 2, 0, 2), 2), ((16, 1, 4, 1, 0, 4), 1), ((16, 8, 4, 1), 3)):
     assert gemv.split_plan(384, config)[1] == splits, config  # (8 asked of 3 steps: 3)
 w, s, z = operands(FP8_ROW, 64, 256)

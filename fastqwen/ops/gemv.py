@@ -30,7 +30,7 @@ configs come from gemv_configs.json, measured per GPU by scripts/bench_quant.py 
 takes the nearest measured N with the same K), else from a
 heuristic. Grouped mode (experts): w, scale, zero carry a leading expert dimension; pair p multiplies row
 tok[p] of x by expert exp[p] into row p of y. Both kernels also run in Triton's CPU interpreter, where
-tests/test_gemv.py checks them. `wq_linear` (split-K partials, summed by the caller) and `expert_gemv` are the
+tests/test_gemv.py checks them. `wq_linear` and `expert_gemv` (split-K partials, summed by the caller) are the
 registered ops: the kernels on CUDA, the torch reference elsewhere.
 """
 
@@ -461,12 +461,17 @@ def expert_gemv(x: torch.Tensor, tok: torch.Tensor, exp: torch.Tensor, fmt: int,
                 scale: torch.Tensor | None, zero: torch.Tensor | None, out_features: int,
                 act_fp8: bool = False) -> torch.Tensor:
     """Routed experts: x [T, K], pairs tok / exp [P] int32, expert weights w [E, N, K] (stored format, with
-    scale / zero [E, …]) → [P, out_features] fp32, row p = x[tok[p]] · W[exp[p]]ᵀ. Kernel on CUDA."""
+    scale / zero [E, …]) → split-K partial sums [S, P, out_features] fp32 whose sum over dim 0 has row
+    p = x[tok[p]] · W[exp[p]]ᵀ (the caller sums, as for wq_linear). Kernel on CUDA, the reference (S = 1)
+    elsewhere."""
     if _on_kernel(x):
-        return _launch(x.contiguous(), fmt, w, scale, zero, act_fp8, out_features, tok.shape[0], (tok, exp))
-    return expert_reference(x, tok, exp, fmt, w, scale, zero, out_features, act_fp8)
+        return _launch(x.contiguous(), fmt, w, scale, zero, act_fp8, out_features, tok.shape[0], (tok, exp),
+                       partials=True)
+    return expert_reference(x, tok, exp, fmt, w, scale, zero, out_features, act_fp8)[None]
 
 
 @expert_gemv.register_fake
 def _(x, tok, exp, fmt, w, scale, zero, out_features, act_fp8=False):
-    return x.new_empty(tok.shape[0], out_features, dtype=torch.float32)
+    P = tok.shape[0]
+    splits = split_plan(x.shape[1], gemv_config(fmt, out_features, x.shape[1], 1, P))[1] if _on_kernel(x) else 1
+    return x.new_empty(splits, P, out_features, dtype=torch.float32)

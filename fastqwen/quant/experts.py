@@ -76,12 +76,12 @@ class QuantExperts(nn.Module):
             pe = pair_expert.int()
             gu = self.stored("gate_up")
             gate, up = expert_gemv(x, tok, pe, fmt, gu["qweight"], gu.get("scale_inv", gu.get("scale")),
-                                   gu.get("zero"), 2 * self.inter, act).chunk(2, dim=-1)
+                                   gu.get("zero"), 2 * self.inter, act).sum(0).chunk(2, dim=-1)
             h = (self.act_fn(gate) * up).to(x.dtype)
             dn = self.stored("down")
             pairs = torch.arange(N * k, device=x.device, dtype=torch.int32)
             y = expert_gemv(h, pairs, pe, fmt, dn["qweight"], dn.get("scale_inv", dn.get("scale")), dn.get("zero"),
-                            self.hidden, act)
+                            self.hidden, act).sum(0)
             return y.view(N, k, self.hidden).to(x.dtype)
         rows = []
         for p in range(N * k):  # the reference: one pair at a time (CPU, small N·k)
