@@ -116,7 +116,8 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT)) -> l
     conversion instructions or bit moves to decode the weight, KSTEP: 128-column blocks a loop step, LOWP: 16-bit
     dot operands at M > 1) per layer, format and M; print the default config's time beside the best one. With
     `table`, merge the best configs into that gemv_configs.json under this GPU's name (fastqwen.ops.gemv reads it
-    at import). 8 warps never won."""
+    at import). The kernel is timed without the split-K sum, which the compiled steps fold into the consumer's
+    kernel. 8 warps never won."""
     import itertools
 
     from fastqwen.ops import gemv
@@ -143,7 +144,8 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT)) -> l
                                             and not (fmt == gemv.BF16 and c[4])]:  # bf16 has no bit decoding
                         try:
                             times[cfg] = bench.graph_seconds(
-                                lambda x, cfg=cfg: gemv._launch(x, fmt, q, sc, z, False, N, m, config=cfg), x)
+                                lambda x, cfg=cfg: gemv._launch(x, fmt, q, sc, z, False, N, m, config=cfg,
+                                                                partials=True), x)  # (summed in the consumer)
                         except Exception as e:  # out of resources (shared memory) for the largest tiles
                             print(f"  {cfg}: {type(e).__name__}", flush=True)
                     best = min(times, key=times.get)
