@@ -1,9 +1,9 @@
 """The sparse MoE block at decode and verify: route, run only the selected experts, add the shared expert.
 
-`routed_moe` routes as transformers does (softmax over all experts in fp32, top-k, renormalise; with `grouped`
-in one launch, ops/router.py). bf16 experts
-are gathered then multiplied, or with `grouped` read in place by ops/gemv.py's grouped kernel; quantized
-experts (quant/experts.py) read only the selected ones their own way. For the grouped kernel,
+`routed_moe` routes as transformers does (softmax over all experts in fp32, top-k, renormalise: ops/router.py,
+in one launch with `grouped`). bf16 experts are gathered then multiplied, or with `grouped` read in place by
+ops/gemv.py's grouped kernel; quantized experts (quant/experts.py) read only the selected ones their own way.
+For the grouped kernel,
 `stack_shared_expert` appends the shared expert to the routed experts' weights as expert E, and the
 shared-expert gate to the router as row E (when the intermediate sizes match, as in Qwen3.5-35B-A3B): one
 matmul then gives the router logits and the shared gate, and one grouped launch per matrix runs the k routed
@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from .linears import Linears
 from .ops.gemv import BF16, expert_gemv
+from .ops.router import reference as route_reference
 from .ops.router import route
 
 
@@ -77,15 +78,10 @@ def routed_moe(mlp, h: torch.Tensor, grouped: bool = False, lin: Linears | None 
     shape = h.shape
     x = h.reshape(-1, shape[-1])
     stacked = mlp.__dict__.get("fastqwen_stacked") if grouped else None
-    E = mlp.gate.weight.shape[0]
     logits = F.linear(x, mlp.gate.weight if stacked is None else stacked[2])  # [N, E] (+ the shared gate)
-    if grouped:  # one launch (ops/router.py); stacked: the shared expert as expert E, weighted by its sigmoid gate
-        weights, experts = route(logits, mlp.gate.top_k, stacked is not None)
-        weights = weights.to(x.dtype)
-    else:
-        probs = torch.softmax(logits[:, :E], dim=-1, dtype=torch.float)
-        weights, experts = torch.topk(probs, mlp.gate.top_k, dim=-1)  # [N, k]
-        weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
+    # [N, k (+1)]; stacked: the shared expert as expert E, weighted by its sigmoid gate. grouped: one launch
+    weights, experts = (route if grouped else route_reference)(logits, mlp.gate.top_k, stacked is not None)
+    weights = weights.to(x.dtype)
     if hasattr(mlp.experts, "routed"):  # quantized experts
         out = mlp.experts.routed(x, experts)
     elif grouped:
