@@ -123,8 +123,11 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT)) -> l
     from fastqwen.ops import gemv
 
     configs = list(itertools.product((32, 64, 128), (1, 2, 4, 8, 16), (4,), (2, 4), (0, 1), (1,), (0,)))
-    wide = list(itertools.product((32, 64, 128), (1, 2, 4, 8), (4,), (2, 4), (0,), (2, 4), (0,)))  # KSTEP
-    lowp = list(itertools.product((32, 64, 128), (1, 2, 4, 8), (4,), (2, 4), (0,), (1, 2), (1,)))  # M > 1 only
+    # KSTEP (tiles up to 32K weights: a [128, 512] fp32 accumulator would spill) and LOWP (M > 1 only)
+    wide = [c for c in itertools.product((32, 64, 128), (1, 2, 4, 8), (4,), (2, 4), (0,), (2, 4), (0,))
+            if c[0] * 128 * c[5] <= 32768]
+    lowp = [c for c in itertools.product((32, 64, 128), (1, 2, 4, 8), (4,), (2, 4), (0,), (1, 2), (1,))
+            if c[0] * 128 * c[5] <= 32768]
     rows, best_of = [], {}
     for model in shapes:
         for layer, N, K in SHAPES[model]:
