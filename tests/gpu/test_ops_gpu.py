@@ -88,6 +88,19 @@ def test_compiled_sampling_filters_match_eager(rows):
     assert (ref.gather(-1, tokens[:, None]) > 0).all(), "a sampled token lies outside the filtered support"
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_router_kernel_picks_the_reference_experts_at_the_35b_shape(shared):
+    """256 experts, top 8, bf16 logits of 64 tokens (+ the stacked shared gate): the same experts in the same
+    order, weights within fp32 rounding."""
+    from fastqwen.ops.router import reference, route
+
+    torch.manual_seed(0)
+    logits = (torch.randn(64, 256 + shared, device="cuda") * 2).bfloat16()
+    w, e = route(logits, 8, shared)
+    rw, re = reference(logits, 8, shared)
+    assert torch.equal(e, re) and torch.allclose(w, rw, atol=1e-6)
+
+
 @pytest.mark.parametrize("grouped,stacked", [(False, False), (True, False), (True, True)],
                          ids=["gather", "grouped-kernel", "grouped-with-the-shared-expert-stacked"])
 def test_routed_moe_matches_transformers_block_real_shape(grouped, stacked):
