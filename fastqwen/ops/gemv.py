@@ -289,8 +289,9 @@ def gemv_config(fmt: int, N: int, K: int, rows: int, columns: int = 1) -> tuple[
     format `fmt`, with `columns` independent copies of the grid (expert pairs in grouped mode). The linear mode takes
     scripts/bench_quant.py --sweep's measured best for this GPU when gemv_configs.json has it; otherwise (and
     for experts) enough programs that short K walks keep many loads in flight: BLOCK_N 64 (128 for int4, whose
-    rows are half as wide; above 16 rows half that, 8 warps and 2 stages), K split in up to 8 parts of at least 4 steps
-    of 128. BITS (default 0) decodes the
+    rows are half as wide; above 16 rows half that, 8 warps and 2 stages), K split in up to 8 parts of at least 4
+    steps. One row of fp8 per-row weights (linear mode) takes what the H200 sweep found best on every 27B shape:
+    BLOCK_N 32, 4 stages, steps of 256 columns (KSTEP 2). BITS (default 0) decodes the
     weight by bit moves instead of conversion instructions (see _fp8_bits); KSTEP (default 1) widens each step
     to KSTEP × 128 columns (FP8_ROW and BF16 without BITS only); LOWP (default 0) has the M > 1 kernel's dot
     take 16-bit operands (lowp_exact); the sweep tries them all."""
@@ -299,11 +300,13 @@ def gemv_config(fmt: int, N: int, K: int, rows: int, columns: int = 1) -> tuple[
         if tuned:
             return tuple(tuned)
     wide = rows > 16  # a 32- or 64-row x tile: narrower programs of 8 warps keep the registers in bounds
-    bn = (128 if fmt == INT4 else 64) // (2 if wide else 1)
+    wide_steps = fmt == FP8_ROW and rows == 1 and columns == 1  # 256-column steps: as many bytes as a bf16 step
+    bn = 32 if wide_steps else (128 if fmt == INT4 else 64) // (2 if wide else 1)
+    kstep = 2 if wide_steps else 1
     split = 1
-    while split < 8 and K // STEP // (2 * split) >= 4 and -(-N // bn) * columns * split < 8 * 132:
+    while split < 8 and K // (STEP * kstep) // (2 * split) >= 4 and -(-N // bn) * columns * split < 8 * 132:
         split *= 2
-    return bn, split, 8 if wide else 4, 2 if fmt == INT4 or wide else 4
+    return bn, split, 8 if wide else 4, 2 if fmt == INT4 or wide else 4, 0, kstep
 
 
 def full_config(config) -> tuple[int, ...]:
