@@ -114,10 +114,10 @@ SWEPT = {"fp8-weight": "FP8_ROW", "int4": "INT4", "bf16": "BF16"}  # formats the
 def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT)) -> list[dict]:
     """Time the weight-streaming kernel over its launch configs (BLOCK_N, SPLIT_K, num_warps, num_stages, BITS:
     conversion instructions or bit moves to decode the weight, KSTEP: 128-column blocks a loop step, LOWP: 16-bit
-    dot operands at M > 1) per layer, format and M; print the default config's time beside the best one. With
-    `table`, merge the best configs into that gemv_configs.json under this GPU's name (fastqwen.ops.gemv reads it
-    at import). The kernel is timed without the split-K sum, which the compiled steps fold into the consumer's
-    kernel. 8 warps never won."""
+    dot operands at M > 1, SWAP: the weight as the dot's first operand at M > 1) per layer, format and M; print
+    the default config's time beside the best one. With `table`, merge the best configs into that
+    gemv_configs.json under this GPU's name (fastqwen.ops.gemv reads it at import). The kernel is timed without the
+    split-K sum, which the compiled steps fold into the consumer's kernel. 8 warps never won."""
     import itertools
 
     from fastqwen.ops import gemv
@@ -127,6 +127,9 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT)) -> l
     wide = [c for c in itertools.product((32, 64, 128), (1, 2, 4, 8), (4,), (2, 4), (0,), (2, 4), (0,))
             if c[0] * 128 * c[5] <= 32768]
     lowp = [c for c in itertools.product((32, 64, 128), (1, 2, 4, 8), (4,), (2, 4), (0,), (1, 2), (1,))
+            if c[0] * 128 * c[5] <= 32768]
+    # SWAP (M > 1, every format, no BITS): 64 or 128 weight rows fill one warpgroup's wgmma as the first operand
+    swap = [c for c in itertools.product((64, 128), (1, 2, 4, 8), (4,), (2, 4), (0,), (1, 2), (0, 1), (1,))
             if c[0] * 128 * c[5] <= 32768]
     rows, best_of = [], {}
     for model in shapes:
@@ -143,7 +146,9 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT)) -> l
                     default = gemv.full_config(gemv.gemv_config(fmt, N, K, m))
                     times = {}
                     tried = configs + (wide + (lowp if m > 1 else []) if fmt in (gemv.FP8_ROW, gemv.BF16) else [])
-                    for cfg in [default] + [c for c in tried if K // (128 * c[5]) >= c[1] and c != default
+                    tried += [c for c in swap if m > 1 and (fmt in (gemv.FP8_ROW, gemv.BF16) or c[5:7] == (1, 0))]
+                    for cfg in [default] + [c for c in tried if K // (128 * c[5]) >= c[1]
+                                            and gemv.full_config(c) != default
                                             and not (fmt == gemv.BF16 and c[4])]:  # bf16 has no bit decoding
                         try:
                             times[cfg] = bench.graph_seconds(

@@ -65,9 +65,12 @@ CONFIGS = (None, (32, 2, 4, 2), (16, 3, 4, 1), (64, 1, 4, 2, 1), (32, 2, 4, 2, 1
 # steps of 256 columns split in 2 (the second step half masked), one step of 512 (a quarter masked)
 WIDE = ((32, 2, 4, 2, 0, 2), (16, 1, 4, 1, 0, 4))
 LOWP = ((32, 2, 4, 2, 0, 1, 1), (16, 1, 4, 1, 0, 2, 1))  # 16-bit dot operands (M > 1), alone and with KSTEP 2
-for fmt, act, configs, ms in [(FP8_ROW, False, CONFIGS + WIDE + LOWP, (1, 3, 16, 20, 40)),
-                              (FP8_BLOCK, False, CONFIGS + LOWP[:1], (1, 3, 16)), (INT4, False, CONFIGS, (1, 3, 16, 33)),
-                              (BF16, False, (None,) + WIDE + LOWP, (1, 3, 16))]:
+SWAP = ((32, 2, 4, 2, 0, 1, 0, 1), (16, 1, 4, 1, 0, 1, 1, 1))  # the weight as the dot's first operand (M > 1)
+SWAP_WIDE = ((16, 1, 4, 1, 0, 2, 1, 1),)  # with 16-bit operands and steps of 256 columns
+for fmt, act, configs, ms in [(FP8_ROW, False, CONFIGS + WIDE + LOWP + SWAP + SWAP_WIDE, (1, 3, 16, 20, 40)),
+                              (FP8_BLOCK, False, CONFIGS + LOWP[:1] + SWAP, (1, 3, 16)),
+                              (INT4, False, CONFIGS + SWAP[:1], (1, 3, 16, 33)),
+                              (BF16, False, (None,) + WIDE + LOWP + SWAP + SWAP_WIDE, (1, 3, 16))]:
     for M in ms:  # (20, 33, 40: programs of 32 and 64 rows)
         N, K = 200, 384  # N not a multiple of the program width; K three steps
         w, s, z = operands(fmt, N, K, seed=M)
@@ -119,6 +122,12 @@ for fmt, wdtype, xdtype in ((INT4, None, torch.bfloat16), (BF16, torch.float32, 
         raise AssertionError(f"format {fmt} with x {xdtype} took LOWP")
     except ValueError as e:
         assert "LOWP needs" in str(e)
+w, s, z = operands(FP8_ROW, 64, 256)
+try:  # SWAP takes the weight decoded by conversion
+    _launch(x3, FP8_ROW, w, s, z, False, 64, 3, config=(32, 1, 4, 2, 1, 1, 0, 1))
+    raise AssertionError("SWAP with BITS was taken")
+except ValueError as e:
+    assert "SWAP" in str(e)
 import fastqwen.ops.gemv as gemv
 for fmt, M, N, K in ((FP8_ROW, 1, 200, 1024), (INT4, 5, 64, 2048), (BF16, 16, 96, 384)):  # wq_linear's partials
     w, s, z = operands(fmt, N, K)

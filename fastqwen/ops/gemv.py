@@ -17,7 +17,8 @@ accumulate elementwise in registers, summed over K once at the end. `_gemv_kerne
 program's BLOCK_M: 16, 32 or 64, the fewest that hold them; the weight is still read once) with a
 tensor-core dot per step (fp32 operands, tf32: exact for e4m3 weights and bf16 activations, int4's
 dequantized weights round to 2⁻¹¹ relative; the kernel is bound by weight bytes, not math; with the launch
-config's LOWP the operands are x's own 16-bit dtype, where that is exact: lowp_exact). Either decodes
+config's LOWP the operands are x's own 16-bit dtype, where that is exact: lowp_exact; with SWAP the decoded
+weight is the dot's first operand, accumulating yᵀ, so that Hopper's wgmma can take it from registers). Either decodes
 the weight with conversion instructions or, with the launch config's BITS, by moving bits (fp8: sign,
 exponent and mantissa into fp32's places, a 2⁻¹²⁰-scaled value; int4: the code OR-ed into 2²³'s bits):
 conversions run at a fraction of the FMA rate (the M = 1 sweep found bit moves no faster for fp8: 62–76%
@@ -167,21 +168,56 @@ if triton is not None:
         tl.store(y_ptr + n, y, mask=n_ok)
 
     @triton.jit
+    def _dot(x, w, SWAP: tl.constexpr):
+        """x [BLOCK_M, BLOCK_K] · w [BLOCK_N, BLOCK_K]ᵀ: [BLOCK_M, BLOCK_N], or with SWAP its transpose
+        [BLOCK_N, BLOCK_M] = w · xᵀ, the decoded weight as the dot's first operand (see _gemv_kernel)."""
+        if SWAP:
+            y = tl.dot(w, tl.trans(x))
+        else:
+            y = tl.dot(x, tl.trans(w))
+        return y
+
+    @triton.jit
+    def _along_n(v, SWAP: tl.constexpr):
+        """A per-column vector [BLOCK_N] shaped to scale an accumulator of either orientation."""
+        if SWAP:
+            r = v[:, None]
+        else:
+            r = v[None, :]
+        return r
+
+    @triton.jit
+    def _along_m(v, SWAP: tl.constexpr):
+        """A per-row vector [BLOCK_M] shaped to scale an accumulator of either orientation."""
+        if SWAP:
+            r = v[None, :]
+        else:
+            r = v[:, None]
+        return r
+
+    @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, s_stride, k_per_split, FMT: tl.constexpr,
                      ACT_FP8: tl.constexpr, FP8_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, STAGES: tl.constexpr, BITS: tl.constexpr, LOWP: tl.constexpr):
+                     BLOCK_K: tl.constexpr, STAGES: tl.constexpr, BITS: tl.constexpr, LOWP: tl.constexpr,
+                     SWAP: tl.constexpr):
         """2 … 64 rows of x: a tensor-core dot (fp32 operands, tf32) per 128-column step (BITS: as in
         _row_kernel, one dot per word position; int4's dots take q − zero, exact in tf32, and scale after).
         LOWP (fp8 and bf16 weights without BITS, x bf16 or fp16): the dot takes x's own 16-bit dtype instead,
         the weight converted to it exactly (every e4m3 value is a bf16 and an fp16 value); with ACT_FP8 the
         dot takes the e4m3 codes of x and its per-row scale multiplies the product. The same products, half
-        the tile's registers and the tensor cores' full rate."""
+        the tile's registers and the tensor cores' full rate. SWAP (without BITS) accumulates yᵀ [BLOCK_N,
+        BLOCK_M] = W · xᵀ: the weight, decoded in registers, becomes the dot's first operand, which Hopper's
+        wgmma reads from registers, where the second must be staged in shared memory; x, the small one, is
+        then the staged operand."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
         split = tl.program_id(2)
         y_ptr += split.to(tl.int64) * M * N
         n_ok, m_ok = n < N, m < M
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        if SWAP:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         k_end = tl.minimum(K, (split + 1) * k_per_split)
         for k0 in tl.range(split * k_per_split, k_end, BLOCK_K, num_stages=STAGES):
             k = k0 + tl.arange(0, BLOCK_K)
@@ -229,21 +265,25 @@ if triton is not None:
                 g = k0 // BLOCK_K
                 scale = tl.load(s_ptr + n * s_stride + g, mask=n_ok, other=0.0)
                 zero = tl.load(z_ptr + n * s_stride + g, mask=n_ok, other=0.0)
-                acc += tl.dot(x, tl.trans((q - zero[:, None]) * scale[:, None]))
+                acc += _dot(x, (q - zero[:, None]) * scale[:, None], SWAP)
             else:
                 w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 if LOWP:
-                    part = tl.dot(x16, tl.trans(w.to(x_ptr.dtype.element_ty)))
+                    part = _dot(x16, w.to(x_ptr.dtype.element_ty), SWAP)
                     if ACT_FP8:
-                        part = part * xs[:, None]
+                        part = part * _along_m(xs, SWAP)
                 else:
-                    part = tl.dot(x, tl.trans(w.to(tl.float32)))
+                    part = _dot(x, w.to(tl.float32), SWAP)
                 if FMT == 1:
-                    part = part * tl.load(s_ptr + (n // BLOCK_K) * s_stride + k0 // BLOCK_K, mask=n_ok, other=0.0)[None, :]
+                    part = part * _along_n(tl.load(s_ptr + (n // BLOCK_K) * s_stride + k0 // BLOCK_K, mask=n_ok,
+                                                   other=0.0), SWAP)
                 acc += part
         if FMT == 0:
-            acc = acc * tl.load(s_ptr + n, mask=n_ok, other=0.0)[None, :]
-        tl.store(y_ptr + m[:, None] * N + n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+            acc = acc * _along_n(tl.load(s_ptr + n, mask=n_ok, other=0.0), SWAP)
+        if SWAP:
+            tl.store(y_ptr + m[None, :] * N + n[:, None], acc, mask=m_ok[None, :] & n_ok[:, None])
+        else:
+            tl.store(y_ptr + m[:, None] * N + n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
 
 
 _TUNED = json.loads((pathlib.Path(__file__).with_name("gemv_configs.json")).read_text())
@@ -285,7 +325,7 @@ def gpu_table() -> dict:
 
 
 def gemv_config(fmt: int, N: int, K: int, rows: int, columns: int = 1) -> tuple[int, ...]:
-    """(BLOCK_N, SPLIT_K, num_warps, num_stages[, BITS[, KSTEP[, LOWP]]]) for `rows` rows of an [N, K] weight in
+    """(BLOCK_N, SPLIT_K, num_warps, num_stages[, BITS[, KSTEP[, LOWP[, SWAP]]]]) for `rows` rows of an [N, K] weight in
     format `fmt`, with `columns` independent copies of the grid (expert pairs in grouped mode). The linear mode takes
     scripts/bench_quant.py --sweep's measured best for this GPU when gemv_configs.json has it; otherwise (and
     for experts) enough programs that short K walks keep many loads in flight: BLOCK_N 64 (128 for int4, whose
@@ -294,7 +334,8 @@ def gemv_config(fmt: int, N: int, K: int, rows: int, columns: int = 1) -> tuple[
     BLOCK_N 32, 4 stages, steps of 256 columns (KSTEP 2). BITS (default 0) decodes the
     weight by bit moves instead of conversion instructions (see _fp8_bits); KSTEP (default 1) widens each step
     to KSTEP × 128 columns (FP8_ROW and BF16 without BITS only); LOWP (default 0) has the M > 1 kernel's dot
-    take 16-bit operands (lowp_exact); the sweep tries them all."""
+    take 16-bit operands (lowp_exact); SWAP (default 0) has it take the weight as its first operand (without
+    BITS); the sweep tries them all."""
     if columns == 1:
         tuned = tuned_config(gpu_table(), fmt, N, K, rows)
         if tuned:
@@ -311,8 +352,8 @@ def gemv_config(fmt: int, N: int, K: int, rows: int, columns: int = 1) -> tuple[
 
 def full_config(config) -> tuple[int, ...]:
     """A launch config with its optional elements filled in: (BLOCK_N, SPLIT_K, num_warps, num_stages, BITS = 0,
-    KSTEP = 1, LOWP = 0)."""
-    return (*config, *(0, 1, 0)[len(config) - 4:])
+    KSTEP = 1, LOWP = 0, SWAP = 0)."""
+    return (*config, *(0, 1, 0, 0)[len(config) - 4:])
 
 
 def lowp_exact(fmt: int, x_dtype, w_dtype, bits: bool) -> bool:
@@ -324,7 +365,7 @@ def lowp_exact(fmt: int, x_dtype, w_dtype, bits: bool) -> bool:
 
 def split_plan(K: int, config) -> tuple[int, int]:
     """(columns per split, number of splits) of K under launch config `config`: whole steps per split."""
-    _, split, _, _, _, kstep, _ = full_config(config)
+    split, kstep = full_config(config)[1], full_config(config)[5]
     block_k = STEP * kstep
     steps = -(-K // block_k)
     k_per_split = -(-steps // split) * block_k
@@ -348,8 +389,10 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
     M = 1 if grouped else rows
     explicit = config is not None
     config = config or gemv_config(fmt, N, K, M, rows if grouped else 1)
-    bn, split, warps, stages, bits, kstep, lowp = full_config(config)
+    bn, split, warps, stages, bits, kstep, lowp, swap = full_config(config)
     bits = bool(bits) and fmt != BF16
+    if swap and bits:
+        raise ValueError("SWAP takes the weight decoded by conversion: a config cannot set both SWAP and BITS")
     if kstep != 1 and (fmt not in (FP8_ROW, BF16) or bits or act_fp8):
         raise ValueError(f"KSTEP {kstep} needs a format with no scale inside a step (FP8_ROW or BF16), no BITS and "
                          "no fp8 activations")
@@ -381,7 +424,7 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
             x, w, scale, zero, y, M, N, K, s_stride, k_per_split, FMT=fmt,
             ACT_FP8=act_fp8, FP8_LIMIT=FP8_MAX, BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=bn,
             BLOCK_K=block_k, STAGES=stages,
-            BITS=bits, LOWP=bool(lowp), num_warps=warps)
+            BITS=bits, LOWP=bool(lowp), SWAP=bool(swap), num_warps=warps)
     return y if partials else y[0] if split == 1 else y.sum(0)
 
 

@@ -18,19 +18,20 @@ FORMATS = [("fp8-weight", FP8_ROW, False), ("fp8", FP8_BLOCK, True), ("int4", IN
 
 @pytest.mark.parametrize("N,K", SHAPES)
 @pytest.mark.parametrize("name,fmt,act", FORMATS)
-# the shipped config; forced conversion / bit-move decoding; steps of 256 columns (KSTEP 2); bf16 dot operands
-@pytest.mark.parametrize("bits", [None, 0, 1, "wide", "lowp"])
+# the shipped config; forced conversion / bit-move decoding; steps of 256 columns (KSTEP 2); bf16 dot operands;
+# the weight as the dot's first operand (SWAP), with fp32 and with bf16 operands
+@pytest.mark.parametrize("bits", [None, 0, 1, "wide", "lowp", "swap", "swap-lowp"])
 def test_kernel_matches_fp32_reference(N, K, name, fmt, act, bits):
     if bits == "wide" and fmt not in (FP8_ROW, BF16):
         pytest.skip("KSTEP > 1 is for formats with no scale inside a step")
-    if bits == "lowp" and fmt == INT4:
+    if bits in ("lowp", "swap-lowp") and fmt == INT4:
         pytest.skip("LOWP is for fp8 and 16-bit weights")
     w = torch.randn(N, K, device="cuda") * 0.02
-    q, s, z = stored_operands(fmt, w.bfloat16() if fmt == BF16 and bits == "lowp" else w)
+    q, s, z = stored_operands(fmt, w.bfloat16() if fmt == BF16 and bits in ("lowp", "swap-lowp") else w)
     for M in (1, 2, 4, 8, 16, 32, 64):  # 32 and 64: verify of 2 or 4 rows x 16 positions
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         poison_allocator((M, N), dtype=torch.float32)
-        extra = {"wide": (0, 2), "lowp": (0, 1, 1)}.get(bits, (bits,))
+        extra = {"wide": (0, 2), "lowp": (0, 1, 1), "swap": (0, 1, 0, 1), "swap-lowp": (0, 1, 1, 1)}.get(bits, (bits,))
         config = None if bits is None else (*gemv_config(fmt, N, K, M)[:4], *extra)
         y = wq_matmul(x, fmt, q, s, z, act, N) if config is None else _launch(x, fmt, q, s, z, act, N, M, config=config)
         assert not y.isnan().any(), f"{name} M={M}: unwritten outputs"
