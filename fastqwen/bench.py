@@ -230,19 +230,26 @@ def weight_bytes(model: torch.nn.Module, tokens: int = 1) -> int:
         (``mlp.experts.gate_up_proj`` / ``mlp.experts.down_proj``) counts the expected share of experts that
         `tokens` tokens select under uniform routing, ``1 - (1 - k/E)^tokens`` (k/E for one token).
     Everything else (attention, linear attention, norms, router, shared experts, lm_head) counts in full.
-    Buffers (e.g. rotary tables) and KV / recurrent state are not counted: see `state_bytes`.
+    Quantized layers (quant/: QuantLinear, QuantExperts) hold their weights as buffers in their stored format
+    (codes, scales, zeros); those count the same way. Other buffers (e.g. rotary tables) and KV / recurrent
+    state are not counted: see `state_bytes`.
     """
+    from .quant.experts import QuantExperts
+    from .quant.linear import QuantLinear
+
     cfg = model.config.get_text_config()
     n_experts = getattr(cfg, "num_experts", None)
     embed = model.get_input_embeddings().weight
     lm_head = model.get_output_embeddings()
-    tied = lm_head is not None and lm_head.weight is embed
+    tied = lm_head is not None and getattr(lm_head, "weight", None) is embed
+    stored = [(f"{m}.{n}", b) for m, module in model.named_modules() if isinstance(module, (QuantLinear, QuantExperts))
+              for n, b in module.named_buffers(recurse=False)]
     total = 0
-    for name, p in model.named_parameters():  # shared (tied) parameters are yielded once
+    for name, p in [*model.named_parameters(), *stored]:  # shared (tied) parameters are yielded once
         size = p.numel() * p.element_size()
         if p is embed and not tied:
             size = tokens * p.shape[-1] * p.element_size()
-        elif n_experts and p.dim() == 3 and ".experts." in name and p.shape[0] == n_experts:
+        elif n_experts and p.dim() >= 2 and ".experts." in name and p.shape[0] == n_experts:
             size = round(size * (1 - (1 - cfg.num_experts_per_tok / n_experts) ** tokens))
         total += size
     return total
@@ -397,7 +404,8 @@ def run(
     run before ``fastqwen.optimize`` (which replaces ``model.generate``); hf-eager uses ``EAGER_N`` lengths on CUDA.
     ``compile`` and ``compile_options`` are passed to ``fastqwen.optimize``. ``ragged``: the rows are prompts of
     different lengths, left-padded (`ragged_mask`), as concurrent requests are; ``prompt_len`` is the longest.
-    ``quant_lm_head``: a quantized system quantizes lm_head too (optimize's quant_lm_head).
+    ``quant_lm_head``: a quantized system quantizes lm_head too (optimize's quant_lm_head); its roofline, from
+    the quantized model's bytes, is ``<system>_roofline_tok_s``.
     """
     import fastqwen
 
@@ -424,7 +432,8 @@ def run(
         model = presets.build(name, dtype=dtype, device=device, seed=0).eval()
     res["weight_bytes"] = weight_bytes(model, batch_size)
     mean_prompt = prompt_len if mask is None else float(mask.float().sum(1).mean())
-    res["step_bytes"] = step_bytes(model, batch_size, int(mean_prompt) + (n_short + n_long) // 2)
+    context = int(mean_prompt) + (n_short + n_long) // 2
+    res["step_bytes"] = step_bytes(model, batch_size, context)
     res["roofline_tok_s"] = res["copy_bandwidth_Bps"] / res["step_bytes"]
     say(f"[{name}] bytes per step {res['step_bytes'] / 1e9:.3g} GB (weights {res['weight_bytes'] / 1e9:.3g})"
         f" -> roofline {res['roofline_tok_s']:.1f} tok/s per sequence")
@@ -473,6 +482,7 @@ def run(
         bf16 = res["systems"].get("fastqwen", {}).get("tok_s")
         tok_s = res["systems"][system].get("tok_s")
         res[f"{system}_vs_bf16"] = tok_s / bf16 if tok_s and bf16 else None
+        res[f"{system}_roofline_tok_s"] = res["copy_bandwidth_Bps"] / step_bytes(model, batch_size, context)
 
     fq = res["systems"].get("fastqwen", {}).get("tok_s")
     hf = res["systems"].get("hf-static-compile", {}).get("tok_s")
@@ -500,8 +510,9 @@ def _quant_cell(r: dict) -> str:
         if out is not None:
             if "error" in out:
                 return f"{system.removeprefix('fastqwen-')}: error"
-            ratio = r.get(f"{system}_vs_bf16")
-            return f"{system.removeprefix('fastqwen-')} {out['tok_s']:.1f}" + (f" ({ratio:.2f}×)" if ratio else "")
+            ratio, roof = r.get(f"{system}_vs_bf16"), r.get(f"{system}_roofline_tok_s")
+            notes = ([f"{ratio:.2f}×"] if ratio else []) + ([f"{out['tok_s'] / roof:.0%} of its roofline"] if roof else [])
+            return f"{system.removeprefix('fastqwen-')} {out['tok_s']:.1f}" + (f" ({', '.join(notes)})" if notes else "")
     return "—"
 
 

@@ -12,6 +12,7 @@ streaming, gated delta rule, attention, sampling, inductor's fused norms and gat
 both tables are also written as JSON.
 
     python scripts/profile_step.py --model qwen3.5-27b --no-autotune --speculate dflash:15
+    python scripts/profile_step.py --model qwen3.5-27b --no-autotune --speculate dflash:15 --quant fp8-weight --quant-lm-head
 
 also profiles one speculative round after the decode step (proposer:k, mtp or dflash, with a random draft of the real shape as
 scripts/bench_spec.py builds it): draft, verify, acceptance and commit, kernel by kernel.
@@ -45,6 +46,8 @@ def main():
     p.add_argument("--kernels", nargs="*", default=[], metavar="OP=CHOICE",
                    help="optimize's kernels option, e.g. attention=split linears=gemv")
     p.add_argument("--speculate", metavar="PROPOSER:K", help="profile a speculative round: mtp:3, dflash:15, …")
+    p.add_argument("--quant", choices=["fp8-weight", "fp8", "int4"], help="quantize the target and draft (optimize's quant)")
+    p.add_argument("--quant-lm-head", action="store_true", help="with --quant: lm_head too (optimize's quant_lm_head)")
     p.add_argument("--json", type=pathlib.Path)
     args = p.parse_args()
     device = "cuda" if cuda else "cpu"
@@ -52,7 +55,8 @@ def main():
     model = presets.build(args.model, dtype=dtype, device=device)
     opts = bench.compile_options(args.no_autotune, cuda, args.options)
     fastqwen.optimize(model, max_batch_size=args.batch_size, max_seq_len=args.prompt_len + 64, compile_options=opts,
-                      kernels=dict(kv.split("=", 1) for kv in args.kernels))
+                      kernels=dict(kv.split("=", 1) for kv in args.kernels), quant=args.quant,
+                      quant_lm_head=args.quant_lm_head)
     e = model._fastqwen
     ids = torch.randint(model.config.vocab_size, (args.batch_size, args.prompt_len), device=device)
     e.warmup()
@@ -63,7 +67,7 @@ def main():
         oracle = bench.OracleProposer(torch.zeros(args.batch_size, 64, dtype=torch.long, device=device), 0.5,
                                       model.config.vocab_size, impose=True)
         e.enable_speculation(oracle, int(k))
-        oracle.inner = bench.random_proposer(name, model, e, args.model)
+        oracle.inner = bench.random_proposer(name, model, e, args.model, quant=args.quant)
         model.generate(ids, max_new_tokens=8)
         report.append(profile_one(e.spec.greedy_round, f"{args.speculate} round", model, args))
     if args.json:

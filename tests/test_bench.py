@@ -28,6 +28,28 @@ def test_weight_bytes_counts_the_expected_share_of_routed_experts():
     assert bench.weight_bytes(model, 2) == pytest.approx(base + 64 * 4 + experts * 7 / 16, abs=8)
 
 
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
+def test_weight_bytes_counts_quantized_weights_in_their_stored_format(preset):
+    """fp8-weight: each replaced bf16 weight (2 bytes an element) becomes 1-byte codes plus fp32 row scales."""
+    from fastqwen.quant import quantize
+    from fastqwen.quant.linear import QuantLinear
+
+    from fastqwen.quant.experts import QuantExperts
+
+    model = presets.build(preset, dtype=torch.bfloat16, device="cpu")
+    before = bench.weight_bytes(model)
+    bf16_experts = sum(p.numel() * 2 for n, p in model.named_parameters() if ".experts." in n)
+    quantize(model, "fp8-weight")
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert linears
+    saved = sum(m.in_features * m.out_features - 4 * m.out_features for m in linears)  # (2 - 1) B a weight, 4 B a row
+    stored_experts = sum(b.numel() * b.element_size() for m in model.modules() if isinstance(m, QuantExperts)
+                         for b in m.buffers())
+    assert (stored_experts > 0) == (preset == "tiny-moe")
+    # one token reads 2 of the 8 routed experts, in whichever format they are stored
+    assert before - bench.weight_bytes(model) - saved == pytest.approx((bf16_experts - stored_experts) / 4, abs=8)
+
+
 def test_state_bytes_of_the_tiny_shape():
     # 3 Gated DeltaNet layers: fp32 state 4 heads x 16 x 16 read + written (8192 B) and a bf16 conv window of
     # (2*2*16 + 4*16) channels x 3 read + written (1536 B); 1 attention layer: bf16 K and V, 2 heads x 32 dims
@@ -68,3 +90,13 @@ def test_run_times_alternatives_against_the_default_on_one_model():
         assert r["systems"][system]["tok_s"] > 0, r["systems"][system]
     assert r["fastqwen+combo-kernels_vs_fastqwen"] > 0 and r["fastqwen+unrolled-gdn_vs_fastqwen"] > 0
     assert "combo-kernels" in bench.format_table([r])
+
+
+def test_run_gives_a_quantized_system_the_roofline_of_its_own_bytes():
+    """bench.run with fastqwen-fp8-weight (tiny, CPU, eager): its roofline counts fp8 codes, so it sits above
+    the bf16 model's, and the table reports the speed against it."""
+    r = bench.run("tiny", systems=("fastqwen", "fastqwen-fp8-weight"), prompt_len=16, n_short=2, n_long=6,
+                  dtype=torch.bfloat16, device="cpu", compile=False, progress=None, quant_lm_head=True)
+    assert r["systems"]["fastqwen-fp8-weight"]["tok_s"] > 0, r["systems"]
+    assert r["fastqwen-fp8-weight_roofline_tok_s"] > 1.3 * r["roofline_tok_s"]
+    assert "of its roofline" in bench.format_table([r])
