@@ -128,7 +128,8 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT)) -> l
             if c[0] * 128 * c[5] <= 32768]
     lowp = [c for c in itertools.product((32, 64, 128), (1, 2, 4, 8), (4,), (2, 4), (0,), (1, 2), (1,))
             if c[0] * 128 * c[5] <= 32768]
-    # SWAP (M > 1, every format, no BITS): 64 or 128 weight rows fill one warpgroup's wgmma as the first operand
+    # SWAP (M > 1, no BITS): 64 or 128 weight rows fill one warpgroup's wgmma as the first operand. LOWP and SWAP
+    # for every format, KSTEP > 1 for fp8-weight and bf16
     swap = [c for c in itertools.product((64, 128), (1, 2, 4, 8), (4,), (2, 4), (0,), (1, 2), (0, 1), (1,))
             if c[0] * 128 * c[5] <= 32768]
     rows, best_of = [], {}
@@ -145,8 +146,9 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT)) -> l
                     x = torch.randn(m, K, device=DEV, dtype=torch.bfloat16)
                     default = gemv.full_config(gemv.gemv_config(fmt, N, K, m))
                     times = {}
-                    tried = configs + (wide + (lowp if m > 1 else []) if fmt in (gemv.FP8_ROW, gemv.BF16) else [])
-                    tried += [c for c in swap if m > 1 and (fmt in (gemv.FP8_ROW, gemv.BF16) or c[5:7] == (1, 0))]
+                    kstep_ok = lambda c: c[5] == 1 or fmt in (gemv.FP8_ROW, gemv.BF16)  # noqa: E731
+                    tried = configs + [c for c in wide if kstep_ok(c)]
+                    tried += [c for c in lowp + swap if m > 1 and kstep_ok(c)]
                     for cfg in [default] + [c for c in tried if K // (128 * c[5]) >= c[1]
                                             and gemv.full_config(c) != default
                                             and not (fmt == gemv.BF16 and c[4])]:  # bf16 has no bit decoding

@@ -75,9 +75,12 @@ def main():
                "hardware": torch.cuda.get_device_name() if cuda else "cpu"}
         for name, cache_dir in (("cold", tmp / "inductor"), ("warm", tmp / "inductor"),
                                 ("portable", tmp / "inductor-empty")):
+            print(f"{name}: starting", flush=True)
             res[name] = start(args, cache_dir, artifacts)
             print(f"{name:9s} build {res[name]['build_s']:7.1f} s   optimize → first token "
                   f"{res[name]['first_token_s']:7.1f} s", flush=True)
+            if args.json:  # what a run cut short has measured so far
+                args.json.write_text(json.dumps(res, indent=1))
     res["cold_over_warm"] = res["cold"]["first_token_s"] / res["warm"]["first_token_s"]
     res["cold_over_portable"] = res["cold"]["first_token_s"] / res["portable"]["first_token_s"]
     print(f"cold / warm {res['cold_over_warm']:.1f}x, cold / portable {res['cold_over_portable']:.1f}x")

@@ -69,7 +69,7 @@ SWAP = ((32, 2, 4, 2, 0, 1, 0, 1), (16, 1, 4, 1, 0, 1, 1, 1))  # the weight as t
 SWAP_WIDE = ((16, 1, 4, 1, 0, 2, 1, 1),)  # with 16-bit operands and steps of 256 columns
 for fmt, act, configs, ms in [(FP8_ROW, False, CONFIGS + WIDE + LOWP + SWAP + SWAP_WIDE, (1, 3, 16, 20, 40)),
                               (FP8_BLOCK, False, CONFIGS + LOWP[:1] + SWAP, (1, 3, 16)),
-                              (INT4, False, CONFIGS + SWAP[:1], (1, 3, 16, 33)),
+                              (INT4, False, CONFIGS + LOWP[:1] + SWAP, (1, 3, 16, 33)),
                               (BF16, False, (None,) + WIDE + LOWP + SWAP + SWAP_WIDE, (1, 3, 16))]:
     for M in ms:  # (20, 33, 40: programs of 32 and 64 rows)
         N, K = 200, 384  # N not a multiple of the program width; K three steps
@@ -113,7 +113,7 @@ for M in (1, 2):  # one-hot x: y is each code's value, exactly, whichever way th
         y = _launch(x, FP8_ROW, q, torch.ones(len(codes)), None, False, len(codes), M, config=config)
         assert torch.equal(y[0], q[:, 5].float()), (M, config)
 x3 = torch.randn(3, 256, dtype=torch.bfloat16)
-for fmt, wdtype, xdtype in ((INT4, None, torch.bfloat16), (BF16, torch.float32, torch.bfloat16),
+for fmt, wdtype, xdtype in ((INT4, None, torch.float32), (BF16, torch.float32, torch.bfloat16),
                             (FP8_ROW, None, torch.float32)):  # LOWP would round: refused
     w, s, z = operands(fmt, 64, 256)
     try:

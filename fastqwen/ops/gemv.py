@@ -202,8 +202,9 @@ if triton is not None:
                      SWAP: tl.constexpr):
         """2 … 64 rows of x: a tensor-core dot (fp32 operands, tf32) per 128-column step (BITS: as in
         _row_kernel, one dot per word position; int4's dots take q − zero, exact in tf32, and scale after).
-        LOWP (fp8 and bf16 weights without BITS, x bf16 or fp16): the dot takes x's own 16-bit dtype instead,
-        the weight converted to it exactly (every e4m3 value is a bf16 and an fp16 value); with ACT_FP8 the
+        LOWP (fp8, int4 and bf16 weights without BITS, x bf16 or fp16): the dot takes x's own 16-bit dtype
+        instead, the weight converted to it exactly (every e4m3 value is a bf16 and an fp16 value; int4 takes
+        q − zero, a small integer, and scales the group's product after the dot); with ACT_FP8 the
         dot takes the e4m3 codes of x and its per-row scale multiplies the product. The same products, half
         the tile's registers and the tensor cores' full rate. SWAP (without BITS) accumulates yᵀ [BLOCK_N,
         BLOCK_M] = W · xᵀ: the weight, decoded in registers, becomes the dot's first operand, which Hopper's
@@ -265,7 +266,11 @@ if triton is not None:
                 g = k0 // BLOCK_K
                 scale = tl.load(s_ptr + n * s_stride + g, mask=n_ok, other=0.0)
                 zero = tl.load(z_ptr + n * s_stride + g, mask=n_ok, other=0.0)
-                acc += _dot(x, (q - zero[:, None]) * scale[:, None], SWAP)
+                if LOWP:  # q − zero: integers in −16 … 15, exact in 16 bits; the group's scale after the dot
+                    part = _dot(x16, (q - zero[:, None]).to(x_ptr.dtype.element_ty), SWAP)
+                    acc += part * _along_n(scale, SWAP)
+                else:
+                    acc += _dot(x, (q - zero[:, None]) * scale[:, None], SWAP)
             else:
                 w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 if LOWP:
@@ -358,9 +363,11 @@ def full_config(config) -> tuple[int, ...]:
 
 def lowp_exact(fmt: int, x_dtype, w_dtype, bits: bool) -> bool:
     """Whether the M > 1 kernel's dot can take x's 16-bit dtype with no rounding (launch option LOWP): fp8
-    weights (exact in bf16 and fp16) or weights already in x's dtype, decoded by conversion (not BITS)."""
+    weights (exact in bf16 and fp16), int4 codes less their zero (integers in −16 … 15: every producer of int4
+    zeros, quantize_int4 and the GPTQ / AWQ loaders, stores integers) or weights already in x's dtype, decoded
+    by conversion (not BITS)."""
     sixteen = x_dtype in (torch.bfloat16, torch.float16)
-    return sixteen and not bits and (fmt in (FP8_ROW, FP8_BLOCK) or (fmt == BF16 and w_dtype == x_dtype))
+    return sixteen and not bits and (fmt in (FP8_ROW, FP8_BLOCK, INT4) or (fmt == BF16 and w_dtype == x_dtype))
 
 
 def split_plan(K: int, config) -> tuple[int, int]:
@@ -398,8 +405,8 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
                          "no fp8 activations")
     if lowp and not lowp_exact(fmt, x.dtype, w.dtype, bits):
         if explicit:
-            raise ValueError(f"LOWP needs 16-bit activations and fp8 (or same-dtype 16-bit) weights without BITS; "
-                             f"got format {fmt}, x {x.dtype}, w {w.dtype}, BITS {int(bits)}")
+            raise ValueError(f"LOWP needs 16-bit activations and fp8, int4 (or same-dtype 16-bit) weights without "
+                             f"BITS; got format {fmt}, x {x.dtype}, w {w.dtype}, BITS {int(bits)}")
         lowp = 0  # a measured config for bf16 activations, here given others: the fp32 dot, exact for any
     if bits:
         w = w.view(torch.int32)  # 4 fp8 codes or 8 int4 codes a word, in column order
