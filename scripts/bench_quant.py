@@ -37,6 +37,11 @@ SHAPES = {
                 ("lm_head", 248320, 2048)],
     "27b-separate": [("mlp.gate/up", 17408, 5120), ("attn.q+gate", 12288, 5120), ("gdn.in_qkv", 10240, 5120),
                      ("attn.k", 1024, 5120)],
+    "9b": [("mlp.gate+up", 24576, 4096), ("mlp.down", 4096, 12288), ("attn.q+gate+k+v", 10240, 4096),
+           ("gdn.qkv+z+b+a", 12352, 4096), ("gdn.out, attn.o", 4096, 4096), ("lm_head", 248320, 4096)],
+    # the z-lab 27B DFlash draft (Qwen3 layers, separate projections; run at 16 positions a round)
+    "27b-draft": [("q", 4096, 5120), ("k, v", 1024, 5120), ("o", 5120, 4096), ("gate, up", 17408, 5120),
+                  ("down", 5120, 17408), ("fc", 5120, 25600)],
 }
 
 
@@ -187,7 +192,7 @@ def merge_table(table: pathlib.Path | None, best_of: dict) -> None:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--shapes", nargs="+", default=["27b", "35b-a3b", "27b-separate"], choices=list(SHAPES))
     p.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--experts", action="store_true", help="also the 35B-A3B routed experts")
     p.add_argument("--only", help="time only candidates whose name contains this (e.g. 'expert_gemv', 'fastqwen')")
