@@ -35,16 +35,21 @@ def left_padded(rows, pad_id=0):
     return ids, mask
 
 
-def run_in_triton_interpreter(code: str) -> str:
+def run_in_triton_interpreter(code: str, interpret: bool = True) -> str:
     """Run `code` in a subprocess with TRITON_INTERPRET=1 (it must be set before any kernel is defined) and
     return its stdout; skip when Triton with numpy < 2.4 (its interpreter needs that) is not available, from
     $FASTQWEN_TRITON_SITE (a pip --target directory, .ci/run fills one: Triton installed beside CPU torch
-    breaks torch.compile) or from this environment."""
+    breaks torch.compile) or from this environment. `interpret=False`: the same Triton without the
+    interpreter, for code that only compiles kernels (Triton ships its own ptxas, so no GPU is needed)."""
     import subprocess
 
     tests = os.path.dirname(os.path.abspath(__file__))
     paths = [os.environ.get("FASTQWEN_TRITON_SITE", ""), tests, os.path.dirname(tests), os.environ.get("PYTHONPATH", "")]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(p for p in paths if p))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    else:
+        env.pop("TRITON_INTERPRET", None)
     probe = "import numpy, triton; assert tuple(map(int, numpy.__version__.split('.')[:2])) < (2, 4)"
     if subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True).returncode:
         pytest.skip("needs triton and numpy < 2.4 (set FASTQWEN_TRITON_SITE to a pip --target dir with both)")

@@ -185,3 +185,41 @@ def test_auto_linears_take_the_kernel_only_where_the_sweep_measured_it_faster():
     assert not gemv_beats_cublas(table, 5120, 6144, 9)  # M16 bucket: cuBLAS was faster
     assert not gemv_beats_cublas(table, 5120, 17408, 1)  # never measured: cuBLAS
     assert tuned_config(table, BF16, 5120, 6144, 1) == [64, 4, 4, 4] and tuned_config(table, BF16, 12288, 6144, 1) is None
+
+
+_SM90 = """
+import re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fastqwen.ops import gemv
+
+def ptx(fmt, lowp, swap):
+    sig = dict(x_ptr="*bf16", w_ptr="*u8" if fmt == gemv.INT4 else "*fp8e4nv", s_ptr="*fp32", z_ptr="*fp32",
+               y_ptr="*fp32", M="i32", N="i32", K="i32", s_stride="i32", k_per_split="i32")
+    consts = dict(FMT=fmt, ACT_FP8=False, FP8_LIMIT=448.0, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, STAGES=4, BITS=False,
+                  LOWP=lowp, SWAP=swap)
+    names = list(sig) + list(consts)
+    sig.update({k: "constexpr" for k in consts})
+    # what a launch specializes on: 16-byte aligned pointers, N, K and the split's width multiples of 16
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in
+             ("x_ptr", "w_ptr", "s_ptr", "z_ptr", "y_ptr", "N", "K", "k_per_split")}
+    src = ASTSource(fn=gemv._gemv_kernel, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4}).asm["ptx"]
+
+for fmt in (gemv.FP8_ROW, gemv.INT4):
+    for lowp in (False, True):
+        plain, swapped = ptx(fmt, lowp, False), ptx(fmt, lowp, True)
+        assert "cp.async" in plain and "cp.async" in swapped, "the weight is not staged asynchronously"
+        assert "wgmma" not in plain and "mma.sync" in plain
+        first = re.search(r"wgmma\\.mma_async\\S* \\{[^}]*\\}, (\\S)", swapped)  # the operand after the accumulators
+        assert first and first.group(1) == "{", "with SWAP the weight should reach wgmma from registers"
+print("ok")
+"""
+
+
+def test_swap_feeds_hopper_wgmma_from_registers():
+    """Compiled for sm90 here (no GPU: Triton's own ptxas): the 16-row kernel stages the weight with cp.async;
+    without SWAP its dot is an mma.sync, with SWAP a wgmma whose first operand, the decoded weight, comes from
+    registers (fp8 and int4, fp32 and 16-bit operands)."""
+    assert run_in_triton_interpreter(_SM90, interpret=False).strip().endswith("ok")
