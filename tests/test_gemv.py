@@ -188,7 +188,10 @@ def test_auto_linears_take_the_kernel_only_where_the_sweep_measured_it_faster():
 
 
 _SM90 = """
+import pathlib
 import re
+import subprocess
+import tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -207,6 +210,36 @@ def ptx(fmt, lowp, swap):
     src = ASTSource(fn=gemv._gemv_kernel, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4}).asm["ptx"]
 
+def sass(fmt, bits, BN=128):  # the one-row kernel's SASS (cuobjdump ships with Triton), 128-column steps
+    sig = dict(x_ptr="*bf16", w_ptr="*i32" if bits else "*u8" if fmt == gemv.INT4 else "*fp8e4nv", s_ptr="*fp32",
+               z_ptr="*fp32", y_ptr="*fp32", tok_ptr="*i32", exp_ptr="*i32", N="i32", K="i32", s_stride="i32",
+               w_estride="i32", s_estride="i32", k_per_split="i32", ONE="i32")
+    acc_k = 128 // (8 if fmt == gemv.INT4 else 4) if bits else 64 if fmt == gemv.INT4 else 128
+    consts = dict(FMT=fmt, ACT_FP8=False, GROUPED=False, FP8_LIMIT=448.0, BLOCK_N=BN, BLOCK_K=128, ACC_K=acc_k,
+                  STAGES=2, BITS=bits)
+    names = list(sig) + list(consts)
+    sig.update({k: "constexpr" for k in consts})
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in
+             ("x_ptr", "w_ptr", "s_ptr", "z_ptr", "y_ptr", "N", "K", "k_per_split")}
+    src = ASTSource(fn=gemv._row_kernel, signature=sig, constexprs=consts, attrs=attrs)
+    cubin = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2}).asm["cubin"]
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        return subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+
+def count(code, op):
+    return len(re.findall(r"\\b" + op + r"\\b", code))
+
+# bit-move decoding: no conversion instruction touches the weights (x's bf16 -> fp32 is a shift, an IMAD.U32);
+# int4: one and-or LOP3 per weight (128 rows x 128 columns / 128 threads = 128 weights a thread a step)
+for fmt in (gemv.FP8_ROW, gemv.INT4):
+    code = sass(fmt, True)
+    assert count(code, "I2F") == 0 and count(code, "F2F") == 0, (fmt, "conversions in the bit-move decode")
+assert count(sass(gemv.INT4, False), "I2F") >= 128  # (the conversion decode, for contrast)
+assert count(sass(gemv.INT4, True), "LOP3") <= 1.25 * 128
+
 for fmt in (gemv.FP8_ROW, gemv.INT4):
     for lowp in (False, True):
         plain, swapped = ptx(fmt, lowp, False), ptx(fmt, lowp, True)
@@ -218,8 +251,9 @@ print("ok")
 """
 
 
-def test_swap_feeds_hopper_wgmma_from_registers():
-    """Compiled for sm90 here (no GPU: Triton's own ptxas): the 16-row kernel stages the weight with cp.async;
-    without SWAP its dot is an mma.sync, with SWAP a wgmma whose first operand, the decoded weight, comes from
-    registers (fp8 and int4, fp32 and 16-bit operands)."""
+def test_kernels_compile_for_sm90_as_designed():
+    """Compiled for sm90 here (no GPU: Triton ships ptxas and cuobjdump). The one-row kernel's bit-move
+    decoding issues no conversion instruction, and int4's takes one LOP3 a weight. The 16-row kernel stages the
+    weight with cp.async; without SWAP its dot is an mma.sync, with SWAP a wgmma whose first operand, the
+    decoded weight, comes from registers (fp8 and int4, fp32 and 16-bit operands)."""
     assert run_in_triton_interpreter(_SM90, interpret=False).strip().endswith("ok")

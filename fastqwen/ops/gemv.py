@@ -20,7 +20,8 @@ dequantized weights round to 2⁻¹¹ relative; the kernel is bound by weight by
 config's LOWP the operands are x's own 16-bit dtype, where that is exact: lowp_exact; with SWAP the decoded
 weight is the dot's first operand, accumulating yᵀ, so that Hopper's wgmma can take it from registers). Either decodes
 the weight with conversion instructions or, with the launch config's BITS, by moving bits (fp8: sign,
-exponent and mantissa into fp32's places, a 2⁻¹²⁰-scaled value; int4: the code OR-ed into 2²³'s bits):
+exponent and mantissa into fp32's places, a 2⁻¹²⁰-scaled value; int4: in the one-row kernel the code in
+1.0's top mantissa bits, 1 + q/16, one LOP3 and one FFMA a weight; in the dot kernel OR-ed into 2²³'s bits):
 conversions run at a fraction of the FMA rate (the M = 1 sweep found bit moves no faster for fp8: 62–76%
 of bandwidth either way). The sweep decides per shape. A program owns BLOCK_N output columns and walks its share of K in
 steps of 128 columns, or KSTEP × 128 (launch option; fp8-weight and bf16 without BITS, whose scales do not change
@@ -64,6 +65,9 @@ FORMATS = {"fp8-weight": FP8_ROW, "fp8": FP8_BLOCK, "int4": INT4}
 MAX_ROWS = 64  # the linear mode's largest BLOCK_M; more rows take the reference path (prefill: dequantize, GEMM)
 ROW_BUCKETS = (1, 4, 16, 64)  # launch configs are measured per bucket: the fewest rows of these that hold M
 STEP = 128  # BLOCK_K: one fp8 scale block or one int4 group per step
+# 1.0f's bits, passed to the row kernel as a run-time value: held in a register, int4's mask-and-or decode
+# (_int4_unit) compiles to one LOP3 instead of two (a LOP3 takes one immediate)
+ONE_BITS = 0x3F800000
 
 if triton is not None:
 
@@ -88,14 +92,30 @@ if triton is not None:
         return (((u >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _int4_unit(u, i: tl.constexpr, one):
+        """Nibble i of each int32 word u, an int4 code q, as the fp32 1 + q/16, exactly: the code moved into the
+        top mantissa bits of 1.0 by one shift and one and-or (a LOP3; `one` is 1.0's bits, ONE_BITS, in a
+        register), with no conversion instruction. Its
+        product with x is exact in fp32 (5 significant bits times bf16's 8), and (1 + q/16) · x keeps q's part
+        at full precision, unlike 2²³ + q, whose product would round q · x away."""
+        if 4 * i <= 19:
+            m = (u << (19 - 4 * i)) & 0x00780000
+        else:
+            m = (u >> (4 * i - 19)) & 0x00780000
+        return (m | one).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _row_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, tok_ptr, exp_ptr, N, K, s_stride, w_estride, s_estride,
-                    k_per_split, FMT: tl.constexpr, ACT_FP8: tl.constexpr, GROUPED: tl.constexpr,
+                    k_per_split, ONE, FMT: tl.constexpr, ACT_FP8: tl.constexpr, GROUPED: tl.constexpr,
                     FP8_LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACC_K: tl.constexpr,
                     STAGES: tl.constexpr, BITS: tl.constexpr):
         """One row of x (decode at batch 1, or one (token, expert) pair): products accumulate elementwise in
         registers and are summed over K once, at the end (no per-step reduction, no tensor-core layout).
-        BITS: the weight is read as int32 words and decoded by bit moves (_fp8_bits, _int4_bits) instead of
-        conversion instructions; word column j of a step holds columns 4j … 4j+3 (fp8) or 8j … 8j+7 (int4)."""
+        BITS: the weight is read as int32 words and decoded by bit moves (_fp8_bits, _int4_unit) instead of
+        conversion instructions; word column j of a step holds columns 4j … 4j+3 (fp8) or 8j … 8j+7 (int4).
+        int4 with BITS: a step accumulates (1 + q/16) · x, one FFMA a weight after a shift and a LOP3; since
+        Σ (q − zero) · x = 16 · Σ (1 + q/16) · x − (16 + zero) · Σ x, the group's 16 · scale multiplies the
+        step's partial products and scale · (16 + zero) · Σ x is subtracted per output."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         split = tl.program_id(2)  # split-K: this program sums K columns [split·k_per_split, +k_per_split)
         y_ptr += split.to(tl.int64) * tl.num_programs(1) * N
@@ -105,6 +125,7 @@ if triton is not None:
         n_ok = n < N
         acc = tl.zeros((BLOCK_N, ACC_K), tl.float32)
         acc_odd = tl.zeros((BLOCK_N, ACC_K), tl.float32)  # int4's odd columns
+        offset = tl.zeros((BLOCK_N,), tl.float32)  # int4 with BITS: Σ over groups of scale · (16 + zero) · Σ x
         k_end = tl.minimum(K, (split + 1) * k_per_split)
         for k0 in tl.range(split * k_per_split, k_end, BLOCK_K, num_stages=STAGES):
             if BITS and FMT == 2:
@@ -112,12 +133,16 @@ if triton is not None:
                 wd_ok = wd < k_end // 8
                 u = tl.load(w_ptr + n[:, None] * (K // 8) + wd[None, :], mask=n_ok[:, None] & wd_ok[None, :], other=0)
                 g = k0 // BLOCK_K
-                off = tl.load(z_ptr + n * s_stride + g, mask=n_ok, other=0.0)[:, None] + 8388608.0  # 2²³ + zero
                 part = tl.zeros((BLOCK_N, BLOCK_K // 8), tl.float32)
+                xsum = tl.zeros((BLOCK_K // 8,), tl.float32)
                 for i in tl.static_range(8):
                     xi = tl.load(x_ptr + 8 * wd + i, mask=wd_ok, other=0.0).to(tl.float32)
-                    part += (_int4_bits(u, i) - off) * xi[None, :]  # (q − zero) · x, exact subtraction
-                acc += part * tl.load(s_ptr + n * s_stride + g, mask=n_ok, other=0.0)[:, None]
+                    part += _int4_unit(u, i, ONE) * xi[None, :]  # (1 + q/16) · x
+                    xsum += xi
+                scale = tl.load(s_ptr + n * s_stride + g, mask=n_ok, other=0.0)
+                zero = tl.load(z_ptr + n * s_stride + g, mask=n_ok, other=0.0)
+                acc += part * (16.0 * scale)[:, None]
+                offset += scale * (16.0 + zero) * tl.sum(xsum, axis=0)
             elif BITS:  # fp8
                 wd = k0 // 4 + tl.arange(0, BLOCK_K // 4)
                 wd_ok = wd < k_end // 4
@@ -161,6 +186,8 @@ if triton is not None:
         y = tl.sum(acc, axis=1)
         if FMT == 2 and not BITS:
             y += tl.sum(acc_odd, axis=1)
+        if FMT == 2 and BITS:
+            y -= offset
         if BITS and FMT < 2:
             y = y * 1.329227995784916e36  # 2¹²⁰: _fp8_bits' codes were 2⁻¹²⁰ of their values
         if FMT == 0:
@@ -424,7 +451,7 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
         acc_k = STEP // (8 if fmt == INT4 else 4) if bits else STEP // 2 if fmt == INT4 else block_k
         _row_kernel[(triton.cdiv(N, bn), rows, split)](
             x, w, scale, zero, y, tok, exp, N, K, s_stride, w_estride, s_estride,
-            k_per_split, FMT=fmt, ACT_FP8=act_fp8, GROUPED=grouped, FP8_LIMIT=FP8_MAX, BLOCK_N=bn, BLOCK_K=block_k,
+            k_per_split, ONE_BITS, FMT=fmt, ACT_FP8=act_fp8, GROUPED=grouped, FP8_LIMIT=FP8_MAX, BLOCK_N=bn, BLOCK_K=block_k,
             ACC_K=acc_k, STAGES=stages, BITS=bits, num_warps=warps)
     else:
         _gemv_kernel[(triton.cdiv(N, bn), 1, split)](
