@@ -426,7 +426,9 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
     bn, split, warps, stages, bits, kstep, lowp, swap = full_config(config)
     bits = bool(bits) and fmt != BF16
     if swap and bits:
-        raise ValueError("SWAP takes the weight decoded by conversion: a config cannot set both SWAP and BITS")
+        if explicit:
+            raise ValueError("SWAP takes the weight decoded by conversion: a config cannot set both SWAP and BITS")
+        swap = 0  # (a table entry the sweep cannot write; the default operand order is exact for any)
     if kstep != 1 and (fmt not in (FP8_ROW, BF16) or bits or act_fp8):
         raise ValueError(f"KSTEP {kstep} needs a format with no scale inside a step (FP8_ROW or BF16), no BITS and "
                          "no fp8 activations")
