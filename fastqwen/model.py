@@ -69,7 +69,7 @@ def check_kernels(kernels: dict | None, cfg, device) -> dict:
 
 
 _GDN_IN = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
-_ATTN_IN = ("q_proj", "k_proj", "v_proj")
+ATTN_IN = ("q_proj", "k_proj", "v_proj")
 
 
 class Forward:
@@ -92,7 +92,7 @@ class Forward:
             if hasattr(layer, "linear_attn"):
                 fuse_linears(layer.linear_attn, _GDN_IN)
             if hasattr(layer, "self_attn"):
-                fuse_linears(layer.self_attn, _ATTN_IN)
+                fuse_linears(layer.self_attn, ATTN_IN)
             if not stacked:  # (a stacked shared expert runs inside the grouped expert launch)
                 fuse_linears(getattr(layer.mlp, "shared_expert", layer.mlp), MLP_IN)
 
@@ -202,7 +202,7 @@ class Forward:
         """Gated full attention: q/k norms, partial rope, cache write, attention, sigmoid output gate."""
         B, T, _ = h.shape
         D = m.head_dim
-        q, k, v = self.lin.project(m, h, _ATTN_IN)
+        q, k, v = self.lin.project(m, h, ATTN_IN)
         q, gate = q.reshape(B, T, -1, 2 * D).chunk(2, dim=-1)
         q = rms_norm(q, m.q_norm.weight, m.q_norm.eps).transpose(1, 2)
         k = rms_norm(k.reshape(B, T, -1, D), m.k_norm.weight, m.k_norm.eps).transpose(1, 2)

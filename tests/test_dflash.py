@@ -84,6 +84,8 @@ def test_block_forward_matches_a_plain_implementation(draft_dir, name):
         ours = engine.forward.lm_head(proposer.block_hidden(engine, 7)[:, 1:]).float()
     ref = plain_block_logits(model, proposer.draft, prompt, int(first[0]), 7)
     torch.testing.assert_close(ours[:1], ref, atol=1e-4, rtol=1e-4)
+    layer = proposer.draft.layers[0]  # ours ran q+k+v and gate+up as one matmul each (fused projections)
+    assert "fastqwen_fused" in layer.self_attn.__dict__ and "fastqwen_fused" in layer.mlp.__dict__
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
@@ -161,6 +163,7 @@ def test_a_quantized_target_drafts_through_a_quantized_draft(draft_dir):
     spec = fastqwen.optimize(fresh("tiny"), **opts, speculate="dflash", draft=draft_dir, block_size=4)
     draft = spec._fastqwen.spec.proposer.draft
     assert isinstance(draft.fc, QuantLinear) and isinstance(draft.layers[0].mlp.down_proj, QuantLinear)
+    assert isinstance(draft.layers[0].mlp.__dict__.get("fastqwen_fused"), QuantLinear)  # gate+up, fused quantized
     ids = torch.randint(1, 500, (2, 19))
     assert torch.equal(spec.generate(ids, do_sample=False, max_new_tokens=20),
                        plain.generate(ids, do_sample=False, max_new_tokens=20))

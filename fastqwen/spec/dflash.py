@@ -10,7 +10,8 @@ context = hidden_norm(fc(cat(features))), and drafts a whole block in one forwar
     (bidirectional within the block), sliding-window layers are causal within their window
     draft j (1 … bs−1) = argmax lm_head(norm(out_j)): row j predicts position s+j, no shift.
 
-Norms are plain w·x̂ (not the target's 1 + w). Context K/V live in the draft's own KV cache, written for
+Norms are plain w·x̂ (not the target's 1 + w). The layers' linears run through the engine's policy
+(linears.Linears): with fused projections (the default) q+k+v and gate+up are one matmul each. Context K/V live in the draft's own KV cache, written for
 the prompt after prefill and for each verified block's committed positions after each round (`observe`);
 the block's K/V go to the positions after the context and are overwritten as those positions commit.
 """
@@ -25,7 +26,8 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
 from ..cache import HybridCache
-from ..model import text_model
+from ..linears import MLP_IN, fuse_linears
+from ..model import ATTN_IN, text_model
 from ..ops.attention import apply_rope, rope_cos_sin, write_kv
 from ..ops.decode_attention import attend_cache_split_op
 from ..ops.norm import plain_rms_norm
@@ -117,6 +119,11 @@ class DFlashProposer:
         kv_cfg = Qwen3Config(**{**cfg.to_dict(), "layer_types": ["full_attention"] * cfg.num_hidden_layers})
         self.cache = HybridCache(kv_cfg, engine.max_batch_size, engine.max_seq_len, engine.dtype, engine.device)
         self.head_dim = cfg.head_dim
+        self.lin = engine.forward.lin
+        if self.lin.fused:
+            for layer in draft.layers:
+                fuse_linears(layer.self_attn, ATTN_IN)
+                fuse_linears(layer.mlp, MLP_IN)
 
     def _rope(self, positions, dtype):
         r = self.draft.rotary
@@ -129,8 +136,9 @@ class DFlashProposer:
         n, T, _ = ctx.shape
         for i, layer in enumerate(self.draft.layers):
             a = layer.self_attn
-            k = plain_rms_norm(a.k_proj(ctx).view(n, T, -1, self.head_dim), a.k_norm.weight, self.eps).transpose(1, 2)
-            v = a.v_proj(ctx).view(n, T, -1, self.head_dim).transpose(1, 2)
+            k = plain_rms_norm(self.lin(a.k_proj, ctx).view(n, T, -1, self.head_dim), a.k_norm.weight,
+                               self.eps).transpose(1, 2)
+            v = self.lin(a.v_proj, ctx).view(n, T, -1, self.head_dim).transpose(1, 2)
             k_cache, v_cache = self.cache.attention(i)
             write_kv(k_cache[rows], v_cache[rows], apply_rope(k, cos, sin), v, positions)
 
@@ -165,9 +173,10 @@ class DFlashProposer:
         for i, layer in enumerate(d.layers):
             a = layer.self_attn
             h = plain_rms_norm(x, layer.input_layernorm.weight, self.eps)
-            q = plain_rms_norm(a.q_proj(h).view(B, T, -1, self.head_dim), a.q_norm.weight, self.eps).transpose(1, 2)
-            kb = plain_rms_norm(a.k_proj(h).view(B, T, -1, self.head_dim), a.k_norm.weight, self.eps).transpose(1, 2)
-            vb = a.v_proj(h).view(B, T, -1, self.head_dim).transpose(1, 2)
+            q, kb, vb = (t.view(B, T, -1, self.head_dim) for t in self.lin.project(a, h, ATTN_IN))
+            q = plain_rms_norm(q, a.q_norm.weight, self.eps).transpose(1, 2)
+            kb = plain_rms_norm(kb, a.k_norm.weight, self.eps).transpose(1, 2)
+            vb = vb.transpose(1, 2)
             k_cache, v_cache = self.cache.attention(i)
             write_kv(k_cache, v_cache, apply_rope(kb, cos, sin), vb, positions)
             sliding = d.layer_types[i] == "sliding_attention" and d.sliding_window
@@ -177,8 +186,8 @@ class DFlashProposer:
                 mask = causal & (keys[None, None, :] > positions[:, :, None] - d.sliding_window) if sliding else full
                 o = F.scaled_dot_product_attention(apply_rope(q, cos, sin), k_cache, v_cache,
                                                    attn_mask=mask[:, None], scale=a.scaling, enable_gqa=True)
-            x = x + a.o_proj(o.transpose(1, 2).reshape(B, T, -1))
-            x = x + layer.mlp(plain_rms_norm(x, layer.post_attention_layernorm.weight, self.eps))
+            x = x + self.lin(a.o_proj, o.transpose(1, 2).reshape(B, T, -1))
+            x = x + self.lin.mlp(layer.mlp, plain_rms_norm(x, layer.post_attention_layernorm.weight, self.eps))
         return plain_rms_norm(x, d.norm.weight, self.eps)
 
     def propose(self, engine, k: int, do_sample: bool):
