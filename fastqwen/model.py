@@ -84,17 +84,22 @@ class Forward:
         self.kernels = check_kernels(kernels, self.cfg, cache.lengths.device)
         self.unrolled = self.kernels["gdn"] == "unrolled"  # (a Triton compile per T: not for prefill)
         self.lin = Linears(fused=self.kernels["projections"] == "fused", gemv={"torch": False, "gemv": True, "auto": "auto"}[self.kernels["linears"]])
-        grouped = self.kernels["experts"] == "grouped"
         for layer in self.layers:
-            stacked = grouped and hasattr(layer.mlp, "experts") and stack_shared_expert(layer.mlp)
-            if not self.lin.fused:
-                continue
-            if hasattr(layer, "linear_attn"):
-                fuse_linears(layer.linear_attn, _GDN_IN)
-            if hasattr(layer, "self_attn"):
-                fuse_linears(layer.self_attn, ATTN_IN)
-            if not stacked:  # (a stacked shared expert runs inside the grouped expert launch)
-                fuse_linears(getattr(layer.mlp, "shared_expert", layer.mlp), MLP_IN)
+            self.prepare_layer(layer)
+
+    def prepare_layer(self, layer) -> None:
+        """Give a decoder layer (the model's, or an MTP head's) this forward's kernel layout: the shared expert
+        stacked onto the routed ones (grouped experts), input projections fused (fused projections)."""
+        grouped = self.kernels["experts"] == "grouped"
+        stacked = grouped and hasattr(layer.mlp, "experts") and stack_shared_expert(layer.mlp)
+        if not self.lin.fused:
+            return
+        if hasattr(layer, "linear_attn"):
+            fuse_linears(layer.linear_attn, _GDN_IN)
+        if hasattr(layer, "self_attn"):
+            fuse_linears(layer.self_attn, ATTN_IN)
+        if not stacked:  # (a stacked shared expert runs inside the grouped expert launch)
+            fuse_linears(getattr(layer.mlp, "shared_expert", layer.mlp), MLP_IN)
 
     # ----- entry points -------------------------------------------------------------------------------
     def prefill(self, first_row: int, tokens: torch.Tensor, features=None):

@@ -67,6 +67,7 @@ def test_mtp_loads_and_drafts_like_a_plain_implementation(checkpoint):
         drafts, q = engine.spec.proposer.propose(engine, 3, False)
     assert q is None and drafts.shape == (1, 3)
     assert torch.equal(drafts, plain_drafts(model, engine.spec.proposer.head, prompt, first[:1], 3))
+    assert "fastqwen_fused" in engine.spec.proposer.head.layers[0].self_attn.__dict__  # q+k+v as one matmul
 
 
 def test_mtp_speculative_greedy_is_token_identical(checkpoint):

@@ -104,6 +104,8 @@ class MTPProposer:
         copy reads fewer bytes per draft step, and the target's verify keeps the output exact)."""
         self.head = head
         self.lm_head = lm_head if lm_head is not None else engine.forward.lm_head
+        for layer in head.layers:  # fused projections (and a stacked shared expert) like the target's layers
+            engine.forward.prepare_layer(layer)
         cfg = copy.deepcopy(engine.model.config.get_text_config())
         cfg.layer_types = ["full_attention"]
         B, dev = engine.max_batch_size, engine.device
