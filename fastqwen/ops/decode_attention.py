@@ -45,8 +45,10 @@ if triton is not None:
         chunk = tl.cdiv(tl.cdiv(n_keys, SPLITS), BLOCK_S) * BLOCK_S
         start = sp * chunk
         end = tl.minimum(start + chunk, n_keys)
+        # the dots take the cache's dtype (bf16: tensor cores at full rate, products exact, fp32 accumulation;
+        # p rounded to it for p·v, as flash attention does), softmax statistics and the output stay fp32
         q = tl.load(q_ptr + b * sq_b + (hk * G + g)[:, None] * sq_h + t[:, None] * sq_t + d[None, :],
-                    mask=r_ok[:, None], other=0.0).to(tl.float32)
+                    mask=r_ok[:, None], other=0.0).to(k_ptr.dtype.element_ty)
         m_i = tl.full((ROWS,), float("-inf"), tl.float32)
         l_i = tl.zeros((ROWS,), tl.float32)
         acc = tl.zeros((ROWS, D), tl.float32)
@@ -54,15 +56,15 @@ if triton is not None:
         for s0 in tl.range(start, end, BLOCK_S):
             s = s0 + tl.arange(0, BLOCK_S)
             s_ok = s < end
-            k = tl.load(k_ptr + kv + s[:, None] * sk_s + d[None, :], mask=s_ok[:, None], other=0.0).to(tl.float32)
+            k = tl.load(k_ptr + kv + s[:, None] * sk_s + d[None, :], mask=s_ok[:, None], other=0.0)
             qk = tl.dot(q, tl.trans(k)) * scale
             qk = tl.where((s[None, :] <= pos[:, None]) & s_ok[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp(qk - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
-            v = tl.load(v_ptr + kv + s[:, None] * sk_s + d[None, :], mask=s_ok[:, None], other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, v)
+            v = tl.load(v_ptr + kv + s[:, None] * sk_s + d[None, :], mask=s_ok[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
         out = acc / tl.maximum(l_i, 1e-30)[:, None]
