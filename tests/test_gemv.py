@@ -188,49 +188,27 @@ def test_auto_linears_take_the_kernel_only_where_the_sweep_measured_it_faster():
 
 
 _SM90 = """
-import pathlib
 import re
-import subprocess
-import tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from sm90 import compile_sm90, count, cuobjdump
 from fastqwen.ops import gemv
 
-def ptx(fmt, lowp, swap):
+ALIGNED = ("x_ptr", "w_ptr", "s_ptr", "z_ptr", "y_ptr", "N", "K", "k_per_split")
+
+def ptx(fmt, lowp, swap):  # the 16-row kernel
     sig = dict(x_ptr="*bf16", w_ptr="*u8" if fmt == gemv.INT4 else "*fp8e4nv", s_ptr="*fp32", z_ptr="*fp32",
                y_ptr="*fp32", M="i32", N="i32", K="i32", s_stride="i32", k_per_split="i32")
     consts = dict(FMT=fmt, ACT_FP8=False, FP8_LIMIT=448.0, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, STAGES=4, BITS=False,
                   LOWP=lowp, SWAP=swap)
-    names = list(sig) + list(consts)
-    sig.update({k: "constexpr" for k in consts})
-    # what a launch specializes on: 16-byte aligned pointers, N, K and the split's width multiples of 16
-    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in
-             ("x_ptr", "w_ptr", "s_ptr", "z_ptr", "y_ptr", "N", "K", "k_per_split")}
-    src = ASTSource(fn=gemv._gemv_kernel, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4}).asm["ptx"]
+    return compile_sm90(gemv._gemv_kernel, sig, consts, ALIGNED, num_stages=4).asm["ptx"]
 
-def sass(fmt, bits, BN=128):  # the one-row kernel's SASS (cuobjdump ships with Triton), 128-column steps
+def sass(fmt, bits, BN=128):  # the one-row kernel, 128-column steps
     sig = dict(x_ptr="*bf16", w_ptr="*i32" if bits else "*u8" if fmt == gemv.INT4 else "*fp8e4nv", s_ptr="*fp32",
                z_ptr="*fp32", y_ptr="*fp32", tok_ptr="*i32", exp_ptr="*i32", N="i32", K="i32", s_stride="i32",
                w_estride="i32", s_estride="i32", k_per_split="i32", ONE="i32")
     acc_k = 128 // (8 if fmt == gemv.INT4 else 4) if bits else 64 if fmt == gemv.INT4 else 128
     consts = dict(FMT=fmt, ACT_FP8=False, GROUPED=False, FP8_LIMIT=448.0, BLOCK_N=BN, BLOCK_K=128, ACC_K=acc_k,
                   STAGES=2, BITS=bits)
-    names = list(sig) + list(consts)
-    sig.update({k: "constexpr" for k in consts})
-    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in
-             ("x_ptr", "w_ptr", "s_ptr", "z_ptr", "y_ptr", "N", "K", "k_per_split")}
-    src = ASTSource(fn=gemv._row_kernel, signature=sig, constexprs=consts, attrs=attrs)
-    cubin = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2}).asm["cubin"]
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-        return subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
-
-def count(code, op):
-    return len(re.findall(r"\\b" + op + r"\\b", code))
+    return cuobjdump(compile_sm90(gemv._row_kernel, sig, consts, ALIGNED, num_stages=2), "-sass")
 
 # bit-move decoding: no conversion instruction touches the weights (x's bf16 -> fp32 is a shift, an IMAD.U32);
 # int4: one and-or LOP3 per weight (128 rows x 128 columns / 128 threads = 128 weights a thread a step)

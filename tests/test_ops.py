@@ -151,6 +151,61 @@ print("worst relative error", worst)
 """
 
 
+_BLOCK = """
+import torch
+from fastqwen.ops.gdn import _block_verify, gdn_reference
+torch.manual_seed(0)
+worst = 0.0
+cases = ((2, 5, 2, 4, 32, 32, False), (1, 16, 1, 2, 32, 64, False), (1, 20, 2, 2, 16, 32, False),  # TP 16, 16, 32
+         (1, 16, 1, 1, 32, 32, True), (1, 20, 1, 1, 16, 32, True))
+for B, T, H, HV, K, V, hard in cases:
+    q, k = torch.randn(B, T, H, K), torch.randn(B, T, H, K)
+    v, a, b = torch.randn(B, T, HV, V), torch.randn(B, T, HV), torch.randn(B, T, HV)
+    if hard:  # near-parallel keys, beta ~ 1, no decay: every power of the strictly lower A matters
+        k = torch.randn(1, 1, H, K) + 0.05 * k
+        a, b = a - 30, b + 8
+    A_log, dt_bias = torch.rand(HV).log(), torch.randn(HV)
+    h0 = torch.randn(B, HV, K, V) * 0.1
+    ref = gdn_reference(q, k, v, a, b, A_log, dt_bias, h0.clone())
+    state = h0.clone()
+    out = _block_verify(q, k, v, a, b, A_log, dt_bias, state, block_v=16)
+    assert torch.equal(state, h0)  # read, never written
+    e = ((out - ref).norm() / ref.norm()).item()
+    assert e < (1e-3 if hard else 1e-5), (B, T, hard, e)  # (hard: fp32 rounding, amplified by the conditioning)
+    worst = max(worst, e)
+print("worst relative error", worst)
+"""
+
+
+def test_block_gdn_verify_matches_the_reference_in_the_triton_interpreter():
+    """kernels={"gdn": "block"}: a verify block's outputs solved as one block (no walk over positions), from a
+    state it leaves as it is; 5, 16 and 20 positions (padded to 16, 16 and 32), grouped heads, two rows."""
+    from conftest import run_in_triton_interpreter
+
+    assert "worst relative error" in run_in_triton_interpreter(_BLOCK)
+
+
+_BLOCK_SM90 = """
+from sm90 import compile_sm90, stack_bytes
+from fastqwen.ops import gdn
+
+ptrs = ("q_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr", "A_log_ptr", "dt_bias_ptr", "h0_ptr", "o_ptr")
+sig = {**{p: "*bf16" for p in ptrs}, "A_log_ptr": "*fp32", "dt_bias_ptr": "*fp32", "h0_ptr": "*fp32", "scale": "fp32"}
+for T in (4, 16):  # an MTP and a DFlash verify at the 27B shape, with the launch's 8 warps
+    consts = dict(T=T, TP=16, LOG_TP=4, H=16, HV=48, K=128, V=128, BV=32)
+    kernel = compile_sm90(gdn._block_kernel, sig, consts, ptrs, num_warps=8)
+    assert stack_bytes(kernel) < 512, stack_bytes(kernel)  # (4 warps spill 744 bytes a thread)
+print("ok")
+"""
+
+
+def test_block_gdn_kernel_compiles_for_sm90():
+    """The block kernel compiled for Hopper (no GPU needed) at the 27B verify shape, spilling little."""
+    from conftest import run_in_triton_interpreter
+
+    assert run_in_triton_interpreter(_BLOCK_SM90, interpret=False).strip().endswith("ok")
+
+
 def test_unrolled_gdn_kernel_matches_the_reference_in_the_triton_interpreter():
     """kernels={"gdn": "unrolled"}: decode (state in place), verify (state untouched) and masked replay."""
     from conftest import run_in_triton_interpreter

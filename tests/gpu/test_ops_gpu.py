@@ -124,11 +124,11 @@ def test_routed_moe_matches_transformers_block_real_shape(grouped, stacked):
         assert rel_err(f(block, h, grouped), ref) < 2e-2
 
 
-@pytest.mark.parametrize("unrolled", [False, True])
+@pytest.mark.parametrize("unrolled,block", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("B,T", [(1, 4), (3, 16)])
-def test_gdn_verify_reads_and_replay_commits_like_the_reference(B, T, unrolled):
-    """verify: outputs of the block from the checkpoint state, which stays untouched; replay with a per-row
-    accepted prefix: the state of running only that prefix."""
+def test_gdn_verify_reads_and_replay_commits_like_the_reference(B, T, unrolled, block):
+    """verify (fla's, unrolled, or solved as one block): outputs of the block from the checkpoint state, which
+    stays untouched; replay with a per-row accepted prefix: the state of running only that prefix."""
     from fastqwen.ops.gdn import gates, gdn_replay, gdn_verify, recurrence
 
     H, HV = SHAPES["27b"]
@@ -136,7 +136,7 @@ def test_gdn_verify_reads_and_replay_commits_like_the_reference(B, T, unrolled):
     h0 = torch.randn(B, HV, 128, 128, device="cuda") * 0.1
     state = h0.clone()
     poison_allocator((B, T, HV, 128))
-    out = gdn_verify(**x, state=state, unrolled=unrolled)
+    out = gdn_verify(**x, state=state, unrolled=unrolled, block=block)
     assert torch.equal(state, h0), "verify must not write the checkpoint state"
     assert rel_err(out, gdn_reference(**{n: t.float() for n, t in x.items()}, state=h0.clone())) < 1e-2
     keep = torch.randint(0, T + 1, (B,), device="cuda")
