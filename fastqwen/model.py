@@ -49,8 +49,8 @@ def check_kernels(kernels: dict | None, cfg, device) -> dict:
     linears.Linears); "gdn": the gated delta rule of decode, verify and commit by
     flash-linear-attention's fused recurrent kernel ("fla") or by ours with the time loop unrolled
     ("unrolled", ops/gdn.py; prefill keeps fla's either way), or fla's for decode and commit with the verify
-    solved as one block, no walk over positions ("block", ops/gdn.py _block_kernel). The defaults are the ones measured fastest so far
-    (docs/BENCHMARKS.md)."""
+    solved as one block, no walk over positions ("block", ops/gdn.py _block_kernel). The defaults are the ones
+    measured fastest so far (docs/BENCHMARKS.md)."""
     kernels = dict(kernels or {})
     unknown = set(kernels) - set(KERNELS)
     if unknown:

@@ -10,10 +10,11 @@ context = hidden_norm(fc(cat(features))), and drafts a whole block in one forwar
     (bidirectional within the block), sliding-window layers are causal within their window
     draft j (1 … bs−1) = argmax lm_head(norm(out_j)): row j predicts position s+j, no shift.
 
-Norms are plain w·x̂ (not the target's 1 + w). The layers' linears run through the engine's policy
-(linears.Linears): with fused projections (the default) q+k+v and gate+up are one matmul each. Context K/V live in the draft's own KV cache, written for
+Norms are plain w·x̂ (not the target's 1 + w). Context K/V live in the draft's own KV cache, written for
 the prompt after prefill and for each verified block's committed positions after each round (`observe`);
-the block's K/V go to the positions after the context and are overwritten as those positions commit.
+the block's K/V go to the positions after the context and are overwritten as those positions commit. The
+layers' linears run through the engine's policy (linears.Linears): with fused projections (the default)
+q+k+v and gate+up are one matmul each.
 """
 
 import json
