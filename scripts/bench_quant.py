@@ -120,7 +120,8 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT)) -> l
     """Time the weight-streaming kernel over its launch configs (BLOCK_N, SPLIT_K, num_warps, num_stages, BITS:
     conversion instructions or bit moves to decode the weight, KSTEP: 128-column blocks a loop step, LOWP: 16-bit
     dot operands at M > 1, SWAP: the weight as the dot's first operand at M > 1) per layer, format and M; print
-    the default config's time beside the best one. With `table`, merge the best configs into that
+    the default config's time beside the best one. The best is the one cheapest for the step: kernel time plus
+    the consumer's read of its fp32 split-K partials. With `table`, merge the best configs into that
     gemv_configs.json under this GPU's name (fastqwen.ops.gemv reads it at import). The kernel is timed without the
     split-K sum, which the compiled steps fold into the consumer's kernel. 8 warps never won."""
     import itertools
@@ -163,20 +164,25 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT)) -> l
                                                                 partials=True), x)  # (summed in the consumer)
                         except Exception as e:  # out of resources (shared memory) for the largest tiles
                             print(f"  {cfg}: {type(e).__name__}", flush=True)
-                    best = min(times, key=times.get)
+                    # what the step pays: the kernel, and the consumer's read of its fp32 partial sums (at M = 16 and
+                    # 8 splits, 8% of a 27B MLP's time: a split that wins the kernel by less loses the step)
+                    cost = {c: t + gemv.split_plan(K, c)[1] * m * N * 4 / bw for c, t in times.items()}
+                    best = min(cost, key=cost.get)
                     best_of[gemv.tuned_key(fmt, N, K, m)] = best
                     if fmt == gemv.BF16:  # for kernels={"linears": "auto"}: is the kernel worth it over cuBLAS here?
-                        cublas = bench.graph_seconds(lambda x: F.linear(x, w), x)
+                        cublas = bench.graph_seconds(lambda x: F.linear(x, w), x) + m * N * 2 / bw  # (its bf16 out)
                         best_of["cublas:" + gemv.tuned_key(fmt, N, K, m).split(":", 1)[1]] = [
-                            round(cublas * 1e6, 2), round(times[best] * 1e6, 2)]
+                            round(cublas * 1e6, 2), round(cost[best] * 1e6, 2)]
                         print(f"  cuBLAS {cublas * 1e6:.1f} µs", flush=True)
                     row = {"model": model, "layer": layer, "N": N, "K": K, "format": name, "M": m,
                            "default": default, "default_us": times[default] * 1e6, "best": best,
-                           "best_us": times[best] * 1e6, "best_bw": nbytes / bw / times[best]}
+                           "best_us": times[best] * 1e6, "best_bw": nbytes / bw / times[best],
+                           "default_cost_us": cost[default] * 1e6, "best_cost_us": cost[best] * 1e6}
                     rows.append(row)
                     print(f"| sweep | {layer} {N}x{K} | {name} M={m} | default {default} {row['default_us']:.1f} µs "
                           f"({nbytes / bw / times[default]:.0%}) | best {best} {row['best_us']:.1f} µs "
-                          f"({row['best_bw']:.0%}) |", flush=True)
+                          f"({row['best_bw']:.0%}) | with the partials' read {row['default_cost_us']:.1f} → "
+                          f"{row['best_cost_us']:.1f} µs |", flush=True)
                 merge_table(table, best_of)
     return rows
 
