@@ -18,7 +18,8 @@ program's BLOCK_M: 16, 32 or 64, the fewest that hold them; the weight is still 
 tensor-core dot per step (fp32 operands, tf32: exact for e4m3 weights and bf16 activations, int4's
 dequantized weights round to 2⁻¹¹ relative; the kernel is bound by weight bytes, not math; with the launch
 config's LOWP the operands are x's own 16-bit dtype, where that is exact: lowp_exact; with SWAP the decoded
-weight is the dot's first operand, accumulating yᵀ, so that Hopper's wgmma can take it from registers). Either decodes
+weight is the dot's first operand, accumulating yᵀ, so that Hopper's wgmma can take it from registers).
+Either decodes
 the weight with conversion instructions or, with the launch config's BITS, by moving bits (fp8: sign,
 exponent and mantissa into fp32's places, a 2⁻¹²⁰-scaled value; int4: in the one-row kernel the code in
 1.0's top mantissa bits, 1 + q/16, one LOP3 and one FFMA a weight; in the dot kernel OR-ed into 2²³'s bits):
@@ -95,9 +96,9 @@ if triton is not None:
     def _int4_unit(u, i: tl.constexpr, one):
         """Nibble i of each int32 word u, an int4 code q, as the fp32 1 + q/16, exactly: the code moved into the
         top mantissa bits of 1.0 by one shift and one and-or (a LOP3; `one` is 1.0's bits, ONE_BITS, in a
-        register), with no conversion instruction. Its
-        product with x is exact in fp32 (5 significant bits times bf16's 8), and (1 + q/16) · x keeps q's part
-        at full precision, unlike 2²³ + q, whose product would round q · x away."""
+        register), with no conversion instruction. Its product with x is exact in fp32 (5 significant bits
+        times bf16's 8), and (1 + q/16) · x keeps q's part at full precision, unlike 2²³ + q, whose product
+        would round q · x away."""
         if 4 * i <= 19:
             m = (u << (19 - 4 * i)) & 0x00780000
         else:
