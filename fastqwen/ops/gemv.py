@@ -19,8 +19,7 @@ tensor-core dot per step (fp32 operands, tf32: exact for e4m3 weights and bf16 a
 dequantized weights round to 2⁻¹¹ relative; the kernel is bound by weight bytes, not math; with the launch
 config's LOWP the operands are x's own 16-bit dtype, where that is exact: lowp_exact; with SWAP the decoded
 weight is the dot's first operand, accumulating yᵀ, so that Hopper's wgmma can take it from registers).
-Either decodes
-the weight with conversion instructions or, with the launch config's BITS, by moving bits (fp8: sign,
+Either decodes the weight with conversion instructions or, with the launch config's BITS, by moving bits (fp8: sign,
 exponent and mantissa into fp32's places, a 2⁻¹²⁰-scaled value; int4: in the one-row kernel the code in
 1.0's top mantissa bits, 1 + q/16, one LOP3 and one FFMA a weight; in the dot kernel OR-ed into 2²³'s bits):
 conversions run at a fraction of the FMA rate (the M = 1 sweep found bit moves no faster for fp8: 62–76%
