@@ -146,20 +146,26 @@ if triton is not None:
 
 
     @triton.jit
-    def _block_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, h0_ptr, o_ptr, scale,
-                      T: tl.constexpr, TP: tl.constexpr, LOG_TP: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
-                      K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
-        """A verify block's outputs from the checkpoint state S0 (read, not written) with no serial walk over
-        positions: the recurrence solved as one block (the WY form of chunked delta-rule kernels, for a single
-        chunk). With G_t = Σ_{i≤t} g_i, γ_t = exp(G_t) and D_ti = exp(G_t − G_i) for i ≤ t:
+    def _block_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, h0_ptr, ht_ptr, o_ptr, scale,
+                      T: tl.constexpr, TP: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
+                      K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, GATE_IN: tl.constexpr,
+                      WRITE_O: tl.constexpr, WRITE_STATE: tl.constexpr):
+        """A block of T positions from the state S0 with no serial walk over them: the recurrence solved as one
+        block (the WY form of chunked delta-rule kernels, for a single chunk). With G_t = Σ_{i≤t} g_i,
+        γ_t = exp(G_t) and D_ti = exp(G_t − G_i) for i ≤ t:
 
             u_t = β_t (v_t − γ_t S0ᵀk_t − Σ_{i<t} D_ti (k_i·k_t) u_i),  i.e. (I + A) U = R
-            o_t = γ_t S0ᵀq_t + Σ_{i≤t} D_ti (k_i·q_t) u_i
+            o_t = γ_t S0ᵀq_t + Σ_{i≤t} D_ti (k_i·q_t) u_i                  (WRITE_O: a verify's outputs)
+            S_T = γ_T S0 + Σ_i exp(G_T − G_i) k_i u_iᵀ                      (WRITE_STATE: a commit's replay)
 
-        A (strictly lower, A_ti = β_t D_ti k_i·k_t) is nilpotent, so (I + A)⁻¹ = (I − A)(I + A²)(I + A⁴)…
-        (LOG_TP − 1 squarings for TP positions): a handful of [TP, TP] dots instead of TP dependent steps. All
-        dots in fp32 ("ieee": no tf32 rounding). A program owns one (row, value head) and BV columns of V;
-        positions past T (TP = T rounded up to a power of 2, at least 16) carry g = β = 0 and zero q, k."""
+        The products with S0 and the [TP, TP] Gram matrices are dots; the unit lower-triangular system (A_ti =
+        β_t D_ti k_i·k_t for i < t) is solved by forward substitution over rows of [BV] vectors, with no reduction
+        over K and no exponential in the serial part. (The nilpotent series (I − A)(I + A²)(I + A⁴)… would be all
+        dots, but it cancels catastrophically when β ≈ 1 and keys repeat: 10⁻³ off at 20 positions.) All dots
+        in fp32 ("ieee": no tf32 rounding). A program owns one (row, value head) and BV columns of V;
+        positions past T (TP = T rounded up to a power of 2, at least 16) carry g = β = 0 and zero q, k. GATE_IN:
+        a, b are the raw projections (as in _unrolled_kernel), else g and β. ht may be h0 (each program reads
+        its tile before it writes it)."""
         i_v, i_bh = tl.program_id(0), tl.program_id(1)
         row, hv = i_bh // HV, i_bh % HV
         h = hv // (HV // H)
@@ -170,48 +176,61 @@ if triton is not None:
         qk = ((row * T + t) * H + h)[:, None] * K + kk[None, :]
         kt = tl.load(k_ptr + qk, mask=t_ok[:, None], other=0.0).to(tl.float32)
         kt = kt / tl.sqrt(tl.sum(kt * kt, 1) + 1e-6)[:, None]
-        qt = tl.load(q_ptr + qk, mask=t_ok[:, None], other=0.0).to(tl.float32)
-        qt = qt / tl.sqrt(tl.sum(qt * qt, 1) + 1e-6)[:, None] * scale
         gb = (row * T + t) * HV + hv
-        x = tl.load(a_ptr + gb, mask=t_ok, other=0.0).to(tl.float32) + tl.load(dt_bias_ptr + hv).to(tl.float32)
-        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-        g = tl.where(t_ok, -tl.exp(tl.load(A_log_ptr + hv).to(tl.float32)) * softplus, 0.0)
-        beta = tl.where(t_ok, 1.0 / (1.0 + tl.exp(-tl.load(b_ptr + gb, mask=t_ok, other=0.0).to(tl.float32))), 0.0)
+        a = tl.load(a_ptr + gb, mask=t_ok, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + gb, mask=t_ok, other=0.0).to(tl.float32)
+        if GATE_IN:
+            x = a + tl.load(dt_bias_ptr + hv).to(tl.float32)
+            softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+            g = tl.where(t_ok, -tl.exp(tl.load(A_log_ptr + hv).to(tl.float32)) * softplus, 0.0)
+            beta = tl.where(t_ok, 1.0 / (1.0 + tl.exp(-b)), 0.0)
+        else:
+            g, beta = a, b
         G = tl.cumsum(g, 0)
         vt = tl.load(v_ptr + (gb * V)[:, None] + ov[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
-        S0 = tl.load(h0_ptr + (i_bh * K + kk[:, None]) * V + ov[None, :])
+        tile = (i_bh * K + kk[:, None]) * V + ov[None, :]
+        S0 = tl.load(h0_ptr + tile)
         on_or_below = t[:, None] >= t[None, :]
         D = tl.where(on_or_below, tl.exp(tl.where(on_or_below, G[:, None] - G[None, :], 0.0)), 0.0)
         kk_t = tl.dot(kt, tl.trans(kt), input_precision="ieee")  # k_t · k_i
         A = tl.where(t[:, None] > t[None, :], beta[:, None] * D * kk_t, 0.0)
         R = beta[:, None] * (vt - tl.exp(G)[:, None] * tl.dot(kt, S0, input_precision="ieee"))
-        eye = tl.where(t[:, None] == t[None, :], 1.0, 0.0)
-        inv = eye - A
-        power = A
-        for _ in tl.static_range(LOG_TP - 1):
-            power = tl.dot(power, power, input_precision="ieee")
-            inv = tl.dot(inv, eye + power, input_precision="ieee")
-        U = tl.dot(inv, R, input_precision="ieee")
-        O = tl.exp(G)[:, None] * tl.dot(qt, S0, input_precision="ieee")
-        O += tl.dot(D * tl.dot(qt, tl.trans(kt), input_precision="ieee"), U, input_precision="ieee")
-        tl.store(o_ptr + (gb * V)[:, None] + ov[None, :], O.to(o_ptr.dtype.element_ty), mask=t_ok[:, None])
+        U = R  # forward substitution, row s once rows < s are final (rows ≥ s still hold R: A's zeros there)
+        for s in tl.static_range(1, T):
+            a_s = tl.sum(tl.where(t[:, None] == s, A, 0.0), 0)  # row s of A
+            u_s = tl.sum(tl.where(t[:, None] == s, R, 0.0), 0) - tl.sum(a_s[:, None] * U, 0)
+            U = tl.where(t[:, None] == s, u_s[None, :], U)
+        if WRITE_O:
+            qt = tl.load(q_ptr + qk, mask=t_ok[:, None], other=0.0).to(tl.float32)
+            qt = qt / tl.sqrt(tl.sum(qt * qt, 1) + 1e-6)[:, None] * scale
+            O = tl.exp(G)[:, None] * tl.dot(qt, S0, input_precision="ieee")
+            O += tl.dot(D * tl.dot(qt, tl.trans(kt), input_precision="ieee"), U, input_precision="ieee")
+            tl.store(o_ptr + (gb * V)[:, None] + ov[None, :], O.to(o_ptr.dtype.element_ty), mask=t_ok[:, None])
+        if WRITE_STATE:
+            total = tl.sum(g, 0)  # G_T (padded positions add 0)
+            kw = kt * tl.exp(total - G)[:, None]  # k_i · exp(G_T − G_i)
+            tl.store(ht_ptr + tile, tl.exp(total) * S0 + tl.dot(tl.trans(kw), U, input_precision="ieee"))
 
 
 UNROLLED_MAX_T = 64  # longer blocks (prefill) keep fla's kernels
-BLOCK_MAX_T = 64  # the block kernel's [TP, TP] matrices; longer verify blocks keep fla's
+BLOCK_MAX_T = 64  # the block kernel's [TP, TP] matrices; longer blocks keep fla's
 
 
-def _block_verify(q, k, v, a, b, A_log, dt_bias, state, block_v=32):
-    """_block_kernel on contiguous inputs: a verify block's outputs o [B, T, HV, V] in v.dtype; `state` is read."""
+def _block(q, k, v, a, b, state, final_state, gate_in, A_log=None, dt_bias=None, write_o=True, block_v=32):
+    """_block_kernel on contiguous inputs (the contract of _unrolled: the final state to `final_state`, None
+    for not written, `state` itself for in place); returns o [B, T, HV, V] in v.dtype (or None)."""
     batch, seq, heads, dk = k.shape
     vheads, dv = v.shape[2], v.shape[3]
     q, k, v, a, b = (t.contiguous() for t in (q, k, v, a, b))
-    out = _output_like(v)
+    out = _output_like(v) if write_o else None
     tp = max(16, triton.next_power_of_2(seq))
     block_v = min(block_v, dv)
+    dummy = state  # pointers the kernel does not read under its flags
     _block_kernel[(triton.cdiv(dv, block_v), batch * vheads)](
-        q, k, v, a, b, A_log, dt_bias, state, out, dk**-0.5, T=seq, TP=tp, LOG_TP=tp.bit_length() - 1, H=heads,
-        HV=vheads, K=dk, V=dv, BV=block_v, num_warps=8)  # (4 warps spill: sm90 SASS, 27B shapes)
+        q, k, v, a, b, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias, state,
+        dummy if final_state is None else final_state, dummy if out is None else out, dk**-0.5, T=seq, TP=tp,
+        H=heads, HV=vheads, K=dk, V=dv, BV=block_v, GATE_IN=gate_in, WRITE_O=write_o,
+        WRITE_STATE=final_state is not None, num_warps=8)  # (4 warps spill: sm90 SASS, 27B shapes)
     return out
 
 
@@ -294,7 +313,7 @@ def gdn_verify(
 @gdn_verify.register_kernel("cuda")
 def _gdn_verify_cuda(q, k, v, a, b, A_log, dt_bias, state, unrolled=False, block=False):
     if block and k.shape[1] <= BLOCK_MAX_T:
-        return _block_verify(q, k, v, a, b, A_log, dt_bias, state)
+        return _block(q, k, v, a, b, state, None, gate_in=True, A_log=A_log, dt_bias=dt_bias)
     if unrolled and k.shape[1] <= UNROLLED_MAX_T:
         return _unrolled(q, k, v, a, b, state, None, gate_in=True, A_log=A_log, dt_bias=dt_bias)
     return _fla_recurrent(q, k, v, a, b, state, None, gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
@@ -307,7 +326,7 @@ def _(q, k, v, a, b, A_log, dt_bias, state, unrolled=False, block=False):
 
 @torch.library.custom_op("fastqwen::gdn_replay", mutates_args=("state",))
 def gdn_replay(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
-               unrolled: bool = False) -> None:
+               unrolled: bool = False, block: bool = False) -> None:
     """Advance `state` in place over a block with explicit g, beta [B, T, HV] (zeros where not accepted)."""
     recurrence(k, k, v, g, beta, state)
 
@@ -316,7 +335,10 @@ REPLAY_TILE = (8, 1)  # (block_v, num_warps) of the replay launch; scripts/bench
 
 
 @gdn_replay.register_kernel("cuda")
-def _gdn_replay_cuda(k, v, g, beta, state, unrolled=False):
+def _gdn_replay_cuda(k, v, g, beta, state, unrolled=False, block=False):
+    if block and k.shape[1] <= BLOCK_MAX_T:
+        _block(k, k, v, g, beta, state, state, gate_in=False, write_o=False)
+        return
     if unrolled and k.shape[1] <= UNROLLED_MAX_T:
         _unrolled(k, k, v, g, beta, state, state, gate_in=False, write_o=False)
         return
@@ -324,5 +346,5 @@ def _gdn_replay_cuda(k, v, g, beta, state, unrolled=False):
 
 
 @gdn_replay.register_fake
-def _(k, v, g, beta, state, unrolled=False):
+def _(k, v, g, beta, state, unrolled=False, block=False):
     return None

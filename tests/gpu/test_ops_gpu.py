@@ -127,8 +127,8 @@ def test_routed_moe_matches_transformers_block_real_shape(grouped, stacked):
 @pytest.mark.parametrize("unrolled,block", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("B,T", [(1, 4), (3, 16)])
 def test_gdn_verify_reads_and_replay_commits_like_the_reference(B, T, unrolled, block):
-    """verify (fla's, unrolled, or solved as one block): outputs of the block from the checkpoint state, which
-    stays untouched; replay with a per-row accepted prefix: the state of running only that prefix."""
+    """verify and replay (fla's, unrolled, or solved as one block): outputs of the block from the checkpoint
+    state, which stays untouched; replay with a per-row accepted prefix: the state of running only that prefix."""
     from fastqwen.ops.gdn import gates, gdn_replay, gdn_verify, recurrence
 
     H, HV = SHAPES["27b"]
@@ -142,7 +142,7 @@ def test_gdn_verify_reads_and_replay_commits_like_the_reference(B, T, unrolled, 
     keep = torch.randint(0, T + 1, (B,), device="cuda")
     g, beta = gates(x["a"], x["b"], x["A_log"], x["dt_bias"])
     accepted = (torch.arange(T, device="cuda")[None] < keep[:, None]).float()[..., None]
-    gdn_replay(x["k"], x["v"], g * accepted, beta * accepted, state, unrolled)
+    gdn_replay(x["k"], x["v"], g * accepted, beta * accepted, state, unrolled, block)
     for b in range(B):
         n = int(keep[b])
         ref = h0[b:b + 1].clone()
