@@ -10,6 +10,11 @@ compiled graphs: the plain decode step (T = 1), and per run the draft, the verif
 positions, the commit (GDN replay + conv window) of that block and the whole round's graph; `accept_and_rest`
 is the round less those three, and `tok_s_at_tau` = τ ÷ the round (its work does not depend on acceptance).
 Results are written to --json after every phase, so a run cut short keeps what it measured.
+
+    python scripts/bench_spec.py --model qwen3.5-27b --runs dflash:15:6.5 --also-kernels gdn=block attention=split
+
+then re-optimizes the same model once per kernel set (comma-separated op=choice) and times its verify and commit
+of the --verify-block block against the default's, in the same process: the candidates that act on the verify.
 """
 
 import argparse
@@ -94,8 +99,12 @@ def main():
     p.add_argument("--no-autotune", action="store_true")
     p.add_argument("--kernels", nargs="*", default=[], metavar="OP=CHOICE",
                    help="optimize's kernels option, e.g. attention=split linears=gemv")
+    p.add_argument("--also-kernels", nargs="*", default=[], metavar="OP=CHOICE[,OP=CHOICE]",
+                   help="after the runs: verify + commit under each of these kernel sets, against the default's")
     p.add_argument("--json", type=pathlib.Path)
     args = p.parse_args()
+    if args.also_kernels and not args.verify_block:
+        p.error("--also-kernels times the --verify-block block: give it a size")
     runs = []
     for r in args.runs:
         name, k, tau = r.split(":")
@@ -159,6 +168,19 @@ def main():
             r[f"{phase}_over_decode"] = r[f"{phase}_s"] / res["decode_s"]
             r[f"{phase}_share_of_round"] = r[f"{phase}_s"] / r["round_graph_s"]
         say(json.dumps({name: r}, indent=1))
+    base = res.get(f"verify{args.verify_block}")
+    for alt in args.also_kernels:
+        alt_kernels = {**kernels, **dict(kv.split("=", 1) for kv in alt.split(","))}
+        say(f"verify + commit of a {args.verify_block}-token block with kernels {alt_kernels}: compiling and timing")
+        fastqwen.optimize(model, max_batch_size=args.batch, max_seq_len=max_seq, compile=True, compile_options=opts,
+                          kernels=alt_kernels)  # (a quantized model stays quantized: quant was applied in place)
+        e = model._fastqwen
+        e.enable_speculation(OracleProposer(reference, 1.0, model.config.vocab_size), args.verify_block - 1)
+        e.cache.lengths.fill_(args.prompt_len + args.n_long)
+        costs = phase_costs(e, args.verify_block - 1)
+        res.setdefault("also_kernels", {})[alt] = {**costs, "verify_vs_default": costs["verify_s"] / base["verify_s"],
+                                                   "commit_vs_default": costs["commit_s"] / base["commit_s"]}
+        say(json.dumps({alt: res["also_kernels"][alt]}, indent=1))
     say("done")
 
 

@@ -100,3 +100,17 @@ def test_run_gives_a_quantized_system_the_roofline_of_its_own_bytes():
     assert r["systems"]["fastqwen-fp8-weight"]["tok_s"] > 0, r["systems"]
     assert r["fastqwen-fp8-weight_roofline_tok_s"] > 1.3 * r["roofline_tok_s"]
     assert "of its roofline" in bench.format_table([r])
+
+
+def test_bench_spec_times_candidate_kernels_against_the_default(tmp_path):
+    """scripts/bench_spec.py on the tiny CPU model: a DFlash run, then verify + commit re-timed under another
+    GDN kernel in the same process, each with its ratio to the default's."""
+    out = tmp_path / "spec.json"
+    script = pathlib.Path(__file__).parents[1] / "scripts" / "bench_spec.py"
+    subprocess.run([sys.executable, str(script), "--runs", "dflash:3:2.0", "--n-short", "4", "--n-long", "12",
+                    "--verify-block", "4", "--phases", "--also-kernels", "gdn=block", "--json", str(out)],
+                   check=True, capture_output=True)
+    res = json.loads(out.read_text())
+    assert res["dflash"]["tok_s"] > 0 and res["verify4"]["verify_s"] > 0
+    alt = res["also_kernels"]["gdn=block"]
+    assert alt["verify_s"] > 0 and alt["verify_vs_default"] == alt["verify_s"] / res["verify4"]["verify_s"]
