@@ -118,9 +118,9 @@ SWEPT = {"fp8-weight": "FP8_ROW", "int4": "INT4", "bf16": "BF16"}  # formats the
 
 def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT)) -> list[dict]:
     """Time the weight-streaming kernel over its launch configs (BLOCK_N, SPLIT_K, num_warps, num_stages, BITS:
-    conversion instructions or bit moves to decode the weight, KSTEP: 128-column blocks a loop step, LOWP: 16-bit
-    dot operands at M > 1, SWAP: the weight as the dot's first operand at M > 1) per layer, format and M; print
-    the default config's time beside the best one. The best is the one cheapest for the step: kernel time plus
+    conversion instructions or bit moves to decode the weight, KSTEP: 128-column blocks a loop step, LOWP: 1 for
+    16-bit dot operands at M > 1, 2 for e4m3 ones (fp8 weights, any M), SWAP: the weight as the dot's first
+    operand) per layer, format and M; print the default config's time beside the best one. The best is the one cheapest for the step: kernel time plus
     the consumer's read of its fp32 split-K partials. With `table`, merge the best configs into that
     gemv_configs.json under this GPU's name (fastqwen.ops.gemv reads it at import). The kernel is timed without the
     split-K sum, which the compiled steps fold into the consumer's kernel. 8 warps never won."""
@@ -137,6 +137,9 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT)) -> l
     # SWAP (M > 1, no BITS): 64 or 128 weight rows fill one warpgroup's wgmma as the first operand. LOWP and SWAP
     # for every format, KSTEP > 1 for fp8-weight and bf16
     swap = [c for c in itertools.product((64, 128), (1, 2, 4, 8), (4,), (2, 4), (0,), (1, 2), (0, 1), (1,))
+            if c[0] * 128 * c[5] <= 32768]
+    # LOWP 2 (e4m3 weights: the e4m3 dot, any M; with SWAP, so that 64 or 128 weight rows fill a wgmma)
+    e4m3 = [c for c in itertools.product((64, 128), (1, 2, 4, 8), (4,), (2, 3, 4), (0,), (1, 2), (2,), (1,))
             if c[0] * 128 * c[5] <= 32768]
     rows, best_of = [], {}
     for model in shapes:
@@ -155,6 +158,7 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT)) -> l
                     kstep_ok = lambda c: c[5] == 1 or fmt in (gemv.FP8_ROW, gemv.BF16)  # noqa: E731
                     tried = configs + [c for c in wide if kstep_ok(c)]
                     tried += [c for c in lowp + swap if m > 1 and kstep_ok(c)]
+                    tried += [c for c in e4m3 if fmt in (gemv.FP8_ROW, gemv.FP8_BLOCK) and kstep_ok(c)]
                     for cfg in [default] + [c for c in tried if K // (128 * c[5]) >= c[1]
                                             and gemv.full_config(c) != default
                                             and not (fmt == gemv.BF16 and c[4])]:  # bf16 has no bit decoding

@@ -194,10 +194,10 @@ from fastqwen.ops import gemv
 
 ALIGNED = ("x_ptr", "w_ptr", "s_ptr", "z_ptr", "y_ptr", "N", "K", "k_per_split")
 
-def ptx(fmt, lowp, swap):  # the 16-row kernel
+def ptx(fmt, lowp, swap, act=False):  # the 16-row kernel
     sig = dict(x_ptr="*bf16", w_ptr="*u8" if fmt == gemv.INT4 else "*fp8e4nv", s_ptr="*fp32", z_ptr="*fp32",
                y_ptr="*fp32", M="i32", N="i32", K="i32", s_stride="i32", k_per_split="i32")
-    consts = dict(FMT=fmt, ACT_FP8=False, FP8_LIMIT=448.0, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, STAGES=4, BITS=False,
+    consts = dict(FMT=fmt, ACT_FP8=act, FP8_LIMIT=448.0, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, STAGES=4, BITS=False,
                   LOWP=lowp, SWAP=swap)
     return compile_sm90(gemv._gemv_kernel, sig, consts, ALIGNED, num_stages=4).asm["ptx"]
 
@@ -225,6 +225,15 @@ for fmt in (gemv.FP8_ROW, gemv.INT4):
         assert "wgmma" not in plain and "mma.sync" in plain
         first = re.search(r"wgmma\\.mma_async\\S* \\{[^}]*\\}, (\\S)", swapped)  # the operand after the accumulators
         assert first and first.group(1) == "{", "with SWAP the weight should reach wgmma from registers"
+
+# LOWP 2: an e4m3 wgmma whose operands both come from shared memory (descriptors), the weight never converted
+for fmt, act in ((gemv.FP8_ROW, False), (gemv.FP8_BLOCK, True), (gemv.FP8_BLOCK, False)):
+    code = ptx(fmt, 2, True, act)
+    assert "cp.async" in code
+    mma = re.findall(r"wgmma\.mma_async\S*e4m3\.e4m3 \{[^}]*\}, (\S)", code)
+    assert mma and all(op != "{" for op in mma), (fmt, act, "the e4m3 weight should reach wgmma from shared memory")
+    # decodes: x's first part for its residual (16 x 128 / 128 threads, 2 a cvt: 8); the weight tile would be 32
+    assert code.count("cvt.rn.f16x2.e4m3x2") <= (0 if act else 8), (fmt, act, "the weight is decoded")
 print("ok")
 """
 
@@ -233,5 +242,6 @@ def test_kernels_compile_for_sm90_as_designed():
     """Compiled for sm90 here (no GPU: Triton ships ptxas and cuobjdump). The one-row kernel's bit-move
     decoding issues no conversion instruction, and int4's takes one LOP3 a weight. The 16-row kernel stages the
     weight with cp.async; without SWAP its dot is an mma.sync, with SWAP a wgmma whose first operand, the
-    decoded weight, comes from registers (fp8 and int4, fp32 and 16-bit operands)."""
+    decoded weight, comes from registers (fp8 and int4, fp32 and 16-bit operands); with LOWP 2 an e4m3 wgmma
+    takes the weight from shared memory as stored, never decoded."""
     assert run_in_triton_interpreter(_SM90, interpret=False).strip().endswith("ok")

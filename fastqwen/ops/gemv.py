@@ -17,8 +17,10 @@ accumulate elementwise in registers, summed over K once at the end. `_gemv_kerne
 program's BLOCK_M: 16, 32 or 64, the fewest that hold them; the weight is still read once) with a
 tensor-core dot per step (fp32 operands, tf32: exact for e4m3 weights and bf16 activations, int4's
 dequantized weights round to 2⁻¹¹ relative; the kernel is bound by weight bytes, not math; with the launch
-config's LOWP the operands are x's own 16-bit dtype, where that is exact: lowp_exact; with SWAP the decoded
-weight is the dot's first operand, accumulating yᵀ, so that Hopper's wgmma can take it from registers).
+config's LOWP 1 the operands are x's own 16-bit dtype, where that is exact: lowp_exact; with LOWP 2 they are
+e4m3, the fp8 weight as stored and x in two e4m3 parts, at any M, one row included: fp8_dot_ok; with SWAP
+the weight is the dot's first operand, accumulating yᵀ, so that Hopper's wgmma takes it from registers, or
+with LOWP 2 straight from shared memory).
 Either decodes the weight with conversion instructions or, with the launch config's BITS, by moving bits (fp8: sign,
 exponent and mantissa into fp32's places, a 2⁻¹²⁰-scaled value; int4: in the one-row kernel the code in
 1.0's top mantissa bits, 1 + q/16, one LOP3 and one FFMA a weight; in the dot kernel OR-ed into 2²³'s bits):
@@ -195,6 +197,11 @@ if triton is not None:
         tl.store(y_ptr + n, y, mask=n_ok)
 
     @triton.jit
+    def _pow2_at_least(t):
+        """The least power of 2 ≥ t (positive normal fp32), by bits: round the mantissa up into the exponent."""
+        return ((t.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _dot(x, w, SWAP: tl.constexpr):
         """x [BLOCK_M, BLOCK_K] · w [BLOCK_N, BLOCK_K]ᵀ: [BLOCK_M, BLOCK_N], or with SWAP its transpose
         [BLOCK_N, BLOCK_M] = w · xᵀ, the decoded weight as the dot's first operand (see _gemv_kernel)."""
@@ -229,14 +236,21 @@ if triton is not None:
                      SWAP: tl.constexpr):
         """2 … 64 rows of x: a tensor-core dot (fp32 operands, tf32) per 128-column step (BITS: as in
         _row_kernel, one dot per word position; int4's dots take q − zero, exact in tf32, and scale after).
-        LOWP (fp8, int4 and bf16 weights without BITS, x bf16 or fp16): the dot takes x's own 16-bit dtype
+        LOWP 1 (fp8, int4 and bf16 weights without BITS, x bf16 or fp16): the dot takes x's own 16-bit dtype
         instead, the weight converted to it exactly (every e4m3 value is a bf16 and an fp16 value; int4 takes
         q − zero, a small integer, and scales the group's product after the dot); with ACT_FP8 the
         dot takes the e4m3 codes of x and its per-row scale multiplies the product. The same products, half
-        the tile's registers and the tensor cores' full rate. SWAP (without BITS) accumulates yᵀ [BLOCK_N,
-        BLOCK_M] = W · xᵀ: the weight, decoded in registers, becomes the dot's first operand, which Hopper's
-        wgmma reads from registers, where the second must be staged in shared memory; x, the small one, is
-        then the staged operand."""
+        the tile's registers and the tensor cores' full rate. LOWP 2 (e4m3 weights without BITS: fp8_dot_ok):
+        the dot takes the weight as stored, so with SWAP it goes from global to shared memory to wgmma and
+        never through registers; x goes in as e4m3 too, with ACT_FP8 its codes, else as two e4m3 parts a row
+        and step: x = s·(x₁ + x₂/16) with s the least power of 2 ≥ max|x|/448 (so x/s is exact), x₁ = e4m3(x/s)
+        its top 4 significant bits and x₂ = e4m3(16·(x/s − x₁)) the next 4. A bf16 x is then exact wherever
+        |x| ≥ 2⁻¹³·⁸ of its row's step maximum, and within 2⁻²¹·⁸ of that maximum elsewhere. The products are
+        exact; the tensor cores sum e4m3 products inside a step with fewer bits than fp32 (~14 per
+        DeepSeek-V3's measurement), ~10⁻⁴ relative: well below bf16's rounding of y, not the tf32 dot's
+        exactness. SWAP (without BITS) accumulates yᵀ [BLOCK_N, BLOCK_M] = W · xᵀ: the weight becomes the
+        dot's first operand, which Hopper's wgmma takes from registers (decoded) or shared memory (LOWP 2);
+        x, the small one, is the staged second operand."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
         split = tl.program_id(2)
@@ -256,7 +270,7 @@ if triton is not None:
                 xs = tl.maximum(tl.max(tl.abs(x), axis=1) / FP8_LIMIT, 1e-12)
                 xq = (x / xs[:, None]).to(tl.float8e4nv)
                 x = xq.to(tl.float32) * xs[:, None]
-                if LOWP:
+                if LOWP == 1:
                     x16 = xq.to(x_ptr.dtype.element_ty)
             if BITS and FMT == 2:
                 wd = k0 // 8 + tl.arange(0, BLOCK_K // 8)
@@ -300,7 +314,16 @@ if triton is not None:
                     acc += _dot(x, (q - zero[:, None]) * scale[:, None], SWAP)
             else:
                 w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                if LOWP:
+                if LOWP == 2:  # e4m3 weights as stored: x in e4m3 (ACT_FP8) or as two e4m3 parts (fp8_parts)
+                    if ACT_FP8:
+                        part = _dot(xq, w, SWAP) * _along_m(xs, SWAP)
+                    else:
+                        s8 = _pow2_at_least(tl.maximum(tl.max(tl.abs(x), axis=1) / FP8_LIMIT, 1e-30))
+                        r = x * (1.0 / s8)[:, None]  # exact: a power of 2
+                        x1 = r.to(tl.float8e4nv)
+                        x2 = ((r - x1.to(tl.float32)) * 16.0).to(tl.float8e4nv)
+                        part = (_dot(x1, w, SWAP) + _dot(x2, w, SWAP) * 0.0625) * _along_m(s8, SWAP)
+                elif LOWP:
                     part = _dot(x16, w.to(x_ptr.dtype.element_ty), SWAP)
                     if ACT_FP8:
                         part = part * _along_m(xs, SWAP)
@@ -366,8 +389,8 @@ def gemv_config(fmt: int, N: int, K: int, rows: int, columns: int = 1) -> tuple[
     BLOCK_N 32, 4 stages, steps of 256 columns (KSTEP 2). BITS (default 0) decodes the
     weight by bit moves instead of conversion instructions (see _fp8_bits); KSTEP (default 1) widens each step
     to KSTEP × 128 columns (FP8_ROW and BF16 without BITS only); LOWP (default 0) has the M > 1 kernel's dot
-    take 16-bit operands (lowp_exact); SWAP (default 0) has it take the weight as its first operand (without
-    BITS); the sweep tries them all."""
+    take 16-bit operands (1: lowp_exact) or e4m3 ones (2: fp8_dot_ok; at M = 1 too, in the dot kernel); SWAP
+    (default 0) has it take the weight as its first operand (without BITS); the sweep tries them all."""
     if columns == 1:
         tuned = tuned_config(gpu_table(), fmt, N, K, rows)
         if tuned:
@@ -395,6 +418,13 @@ def lowp_exact(fmt: int, x_dtype, w_dtype, bits: bool) -> bool:
     by conversion (not BITS)."""
     sixteen = x_dtype in (torch.bfloat16, torch.float16)
     return sixteen and not bits and (fmt in (FP8_ROW, FP8_BLOCK, INT4) or (fmt == BF16 and w_dtype == x_dtype))
+
+
+def fp8_dot_ok(fmt: int, x_dtype, bits: bool, act_fp8: bool, grouped: bool = False) -> bool:
+    """Whether the dot kernel can take e4m3 operands (launch option LOWP 2): e4m3 weights decoded by
+    conversion (not BITS) in linear mode, with x in bf16 (as two e4m3 parts: see _gemv_kernel) or rounded to
+    e4m3 by the fp8 scheme itself (ACT_FP8)."""
+    return fmt in (FP8_ROW, FP8_BLOCK) and not bits and not grouped and (act_fp8 or x_dtype == torch.bfloat16)
 
 
 def split_plan(K: int, config) -> tuple[int, int]:
@@ -432,7 +462,13 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
     if kstep != 1 and (fmt not in (FP8_ROW, BF16) or bits or act_fp8):
         raise ValueError(f"KSTEP {kstep} needs a format with no scale inside a step (FP8_ROW or BF16), no BITS and "
                          "no fp8 activations")
-    if lowp and not lowp_exact(fmt, x.dtype, w.dtype, bits):
+    if lowp == 2 and not fp8_dot_ok(fmt, x.dtype, bits, act_fp8, grouped):
+        if explicit:
+            raise ValueError(f"LOWP 2 (the e4m3 dot) needs e4m3 weights (fp8-weight or fp8) decoded by conversion (no "
+                             f"BITS), bf16 or e4m3 activations and the linear mode; got format {fmt}, x {x.dtype}, "
+                             f"BITS {int(bits)}, fp8 activations {act_fp8}, grouped {grouped}")
+        lowp = 0
+    if lowp == 1 and not lowp_exact(fmt, x.dtype, w.dtype, bits):
         if explicit:
             raise ValueError(f"LOWP needs 16-bit activations and fp8, int4 (or same-dtype 16-bit) weights without "
                              f"BITS; got format {fmt}, x {x.dtype}, w {w.dtype}, BITS {int(bits)}")
@@ -449,7 +485,7 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
     tok, exp = pairs if grouped else (x, x)  # unused pointers outside grouped mode
     scale = w if scale is None else scale  # BF16 reads no scale; any pointer does
     zero = scale if zero is None else zero  # only INT4 reads a zero
-    if M == 1:
+    if M == 1 and lowp != 2:
         acc_k = STEP // (8 if fmt == INT4 else 4) if bits else STEP // 2 if fmt == INT4 else block_k
         _row_kernel[(triton.cdiv(N, bn), rows, split)](
             x, w, scale, zero, y, tok, exp, N, K, s_stride, w_estride, s_estride,
@@ -460,7 +496,7 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
             x, w, scale, zero, y, M, N, K, s_stride, k_per_split, FMT=fmt,
             ACT_FP8=act_fp8, FP8_LIMIT=FP8_MAX, BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=bn,
             BLOCK_K=block_k, STAGES=stages,
-            BITS=bits, LOWP=bool(lowp), SWAP=bool(swap), num_warps=warps)
+            BITS=bits, LOWP=lowp, SWAP=bool(swap), num_warps=warps)
     return y if partials else y[0] if split == 1 else y.sum(0)
 
 
