@@ -33,7 +33,7 @@ def text_model(model):
 
 KERNELS = {"attention": ("sdpa", "split"), "experts": ("gather", "grouped"),
            "projections": ("fused", "separate"), "linears": ("torch", "gemv", "auto"),
-           "gdn": ("fla", "unrolled", "block")}  # first: the default
+           "gdn": ("fla", "unrolled")}  # first: the default
 
 
 def check_kernels(kernels: dict | None, cfg, device) -> dict:
@@ -48,9 +48,7 @@ def check_kernels(kernels: dict | None, cfg, device) -> dict:
     kernel ("gemv"), or by it only at the shapes where this GPU's sweep measured it faster ("auto";
     linears.Linears); "gdn": the gated delta rule of decode, verify and commit by
     flash-linear-attention's fused recurrent kernel ("fla") or by ours with the time loop unrolled
-    ("unrolled", ops/gdn.py; prefill keeps fla's either way), or fla's for decode with the verify and the
-    commit's replay solved as one block, no walk over positions ("block", ops/gdn.py _block_kernel). The
-    defaults are the ones measured fastest so far (docs/BENCHMARKS.md)."""
+    ("unrolled", ops/gdn.py; prefill keeps fla's either way). The defaults are the ones measured fastest so far (docs/BENCHMARKS.md)."""
     kernels = dict(kernels or {})
     unknown = set(kernels) - set(KERNELS)
     if unknown:
@@ -84,7 +82,6 @@ class Forward:
         self.cache = cache
         self.kernels = check_kernels(kernels, self.cfg, cache.lengths.device)
         self.unrolled = self.kernels["gdn"] == "unrolled"  # (a Triton compile per T: not for prefill)
-        self.block = self.kernels["gdn"] == "block"  # (verify and commit; decode keeps fla's)
         self.lin = Linears(fused=self.kernels["projections"] == "fused", gemv={"torch": False, "gemv": True, "auto": "auto"}[self.kernels["linears"]])
         for layer in self.layers:
             self.prepare_layer(layer)
@@ -150,8 +147,7 @@ class Forward:
             accepted = (block[None, :] < keep[:, None]).float()[None, ..., None]  # [1, B, T, 1]
             r = self.cache.replay()
             gdn_replay(r["k"].flatten(0, 1), r["v"].flatten(0, 1), (r["g"] * accepted).flatten(0, 1),
-                       (r["beta"] * accepted).flatten(0, 1), self.cache.state.flatten(0, 1), self.unrolled,
-                       self.block)
+                       (r["beta"] * accepted).flatten(0, 1), self.cache.state.flatten(0, 1), self.unrolled)
             commit_window(self.cache.conv, r["x"], keep)
         self.cache.lengths.add_(keep)
 
@@ -194,7 +190,7 @@ class Forward:
         # would be three eager copies per layer once T > 1)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         if mode == "verify":
-            o = gdn_verify(q, k, v, a, b, m.A_log, m.dt_bias, state, self.unrolled, self.block)
+            o = gdn_verify(q, k, v, a, b, m.A_log, m.dt_bias, state, self.unrolled)
             g, beta = gates(a, b, m.A_log, m.dt_bias)
             for name, value in zip(("x", "k", "v", "g", "beta"), (x, k, v, g, beta)):
                 self.cache.replay(i)[name][:, :T].copy_(value)  # commit masks the positions past T

@@ -8,7 +8,7 @@
 #   spec     scripts/bench_spec.py: MTP k=3 tau=3 and DFlash k=15 tau=6.5 in one process on $SPEC_MODEL
 #            (default 27B, default inductor + CUDA graphs; SPEC_ARGS adds options, e.g. --batch 2; SPEC_TAG names
 #            the output files, so two runs can share a call: one per GPU with CUDA_VISIBLE_DEVICES on nvidia-h200-x2;
-#            SPEC_ARGS="... --also-kernels gdn=block attention=split" re-times verify + commit under those kernels)
+#            SPEC_ARGS="... --also-kernels gdn=unrolled attention=split" re-times verify + commit under those kernels)
 #   sweep    scripts/bench.py fastqwen at batch 1 2 4 8 (ragged rows: prompts of 512 down to ~256 tokens) on
 #            $SWEEP_MODEL (default 27B), then the plot
 #   startup  scripts/bench_startup.py on $STARTUP_MODEL (default 9B): cold vs warm start to first token

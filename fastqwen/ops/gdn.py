@@ -145,97 +145,13 @@ if triton is not None:
             tl.store(ht_ptr + tile, S)
 
 
-    @triton.jit
-    def _block_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, h0_ptr, ht_ptr, o_ptr, scale,
-                      T: tl.constexpr, TP: tl.constexpr, H: tl.constexpr, HV: tl.constexpr,
-                      K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, GATE_IN: tl.constexpr,
-                      WRITE_O: tl.constexpr, WRITE_STATE: tl.constexpr):
-        """A block of T positions from the state S0 with no serial walk over them: the recurrence solved as one
-        block (the WY form of chunked delta-rule kernels, for a single chunk). With G_t = Σ_{i≤t} g_i,
-        γ_t = exp(G_t) and D_ti = exp(G_t − G_i) for i ≤ t:
-
-            u_t = β_t (v_t − γ_t S0ᵀk_t − Σ_{i<t} D_ti (k_i·k_t) u_i),  i.e. (I + A) U = R
-            o_t = γ_t S0ᵀq_t + Σ_{i≤t} D_ti (k_i·q_t) u_i                  (WRITE_O: a verify's outputs)
-            S_T = γ_T S0 + Σ_i exp(G_T − G_i) k_i u_iᵀ                      (WRITE_STATE: a commit's replay)
-
-        The products with S0 and the [TP, TP] Gram matrices are dots; the unit lower-triangular system (A_ti =
-        β_t D_ti k_i·k_t for i < t) is solved by forward substitution over rows of [BV] vectors, with no reduction
-        over K and no exponential in the serial part. (The nilpotent series (I − A)(I + A²)(I + A⁴)… would be all
-        dots, but it cancels catastrophically when β ≈ 1 and keys repeat: 10⁻³ off at 20 positions.) All dots
-        in fp32 ("ieee": no tf32 rounding). A program owns one (row, value head) and BV columns of V;
-        positions past T (TP = T rounded up to a power of 2, at least 16) carry g = β = 0 and zero q, k. GATE_IN:
-        a, b are the raw projections (as in _unrolled_kernel), else g and β. ht may be h0 (each program reads
-        its tile before it writes it)."""
-        i_v, i_bh = tl.program_id(0), tl.program_id(1)
-        row, hv = i_bh // HV, i_bh % HV
-        h = hv // (HV // H)
-        t = tl.arange(0, TP)
-        t_ok = t < T
-        kk = tl.arange(0, K)
-        ov = i_v * BV + tl.arange(0, BV)
-        qk = ((row * T + t) * H + h)[:, None] * K + kk[None, :]
-        kt = tl.load(k_ptr + qk, mask=t_ok[:, None], other=0.0).to(tl.float32)
-        kt = kt / tl.sqrt(tl.sum(kt * kt, 1) + 1e-6)[:, None]
-        gb = (row * T + t) * HV + hv
-        a = tl.load(a_ptr + gb, mask=t_ok, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + gb, mask=t_ok, other=0.0).to(tl.float32)
-        if GATE_IN:
-            x = a + tl.load(dt_bias_ptr + hv).to(tl.float32)
-            softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-            g = tl.where(t_ok, -tl.exp(tl.load(A_log_ptr + hv).to(tl.float32)) * softplus, 0.0)
-            beta = tl.where(t_ok, 1.0 / (1.0 + tl.exp(-b)), 0.0)
-        else:
-            g, beta = a, b
-        G = tl.cumsum(g, 0)
-        vt = tl.load(v_ptr + (gb * V)[:, None] + ov[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
-        tile = (i_bh * K + kk[:, None]) * V + ov[None, :]
-        S0 = tl.load(h0_ptr + tile)
-        on_or_below = t[:, None] >= t[None, :]
-        D = tl.where(on_or_below, tl.exp(tl.where(on_or_below, G[:, None] - G[None, :], 0.0)), 0.0)
-        kk_t = tl.dot(kt, tl.trans(kt), input_precision="ieee")  # k_t · k_i
-        A = tl.where(t[:, None] > t[None, :], beta[:, None] * D * kk_t, 0.0)
-        R = beta[:, None] * (vt - tl.exp(G)[:, None] * tl.dot(kt, S0, input_precision="ieee"))
-        U = R  # forward substitution, row s once rows < s are final (rows ≥ s still hold R: A's zeros there)
-        for s in tl.static_range(1, T):
-            a_s = tl.sum(tl.where(t[:, None] == s, A, 0.0), 0)  # row s of A
-            u_s = tl.sum(tl.where(t[:, None] == s, R, 0.0), 0) - tl.sum(a_s[:, None] * U, 0)
-            U = tl.where(t[:, None] == s, u_s[None, :], U)
-        if WRITE_O:
-            qt = tl.load(q_ptr + qk, mask=t_ok[:, None], other=0.0).to(tl.float32)
-            qt = qt / tl.sqrt(tl.sum(qt * qt, 1) + 1e-6)[:, None] * scale
-            O = tl.exp(G)[:, None] * tl.dot(qt, S0, input_precision="ieee")
-            O += tl.dot(D * tl.dot(qt, tl.trans(kt), input_precision="ieee"), U, input_precision="ieee")
-            tl.store(o_ptr + (gb * V)[:, None] + ov[None, :], O.to(o_ptr.dtype.element_ty), mask=t_ok[:, None])
-        if WRITE_STATE:
-            total = tl.sum(g, 0)  # G_T (padded positions add 0)
-            kw = kt * tl.exp(total - G)[:, None]  # k_i · exp(G_T − G_i)
-            tl.store(ht_ptr + tile, tl.exp(total) * S0 + tl.dot(tl.trans(kw), U, input_precision="ieee"))
-
-
 UNROLLED_MAX_T = 64  # longer blocks (prefill) keep fla's kernels
-BLOCK_MAX_T = 64  # the block kernel's [TP, TP] matrices; longer blocks keep fla's
 
 
-def _block(q, k, v, a, b, state, final_state, gate_in, A_log=None, dt_bias=None, write_o=True, block_v=32):
-    """_block_kernel on contiguous inputs (the contract of _unrolled: the final state to `final_state`, None
-    for not written, `state` itself for in place); returns o [B, T, HV, V] in v.dtype (or None)."""
-    batch, seq, heads, dk = k.shape
-    vheads, dv = v.shape[2], v.shape[3]
-    q, k, v, a, b = (t.contiguous() for t in (q, k, v, a, b))
-    out = _output_like(v) if write_o else None
-    tp = max(16, triton.next_power_of_2(seq))
-    block_v = min(block_v, dv)
-    dummy = state  # pointers the kernel does not read under its flags
-    _block_kernel[(triton.cdiv(dv, block_v), batch * vheads)](
-        q, k, v, a, b, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias, state,
-        dummy if final_state is None else final_state, dummy if out is None else out, dk**-0.5, T=seq, TP=tp,
-        H=heads, HV=vheads, K=dk, V=dv, BV=block_v, GATE_IN=gate_in, WRITE_O=write_o,
-        WRITE_STATE=final_state is not None, num_warps=8)  # (4 warps spill: sm90 SASS, 27B shapes)
-    return out
-
-
-def _unrolled(q, k, v, a, b, state, final_state, gate_in, A_log=None, dt_bias=None, write_o=True, block_v=16):
-    """_unrolled_kernel on contiguous inputs (same contract as _fla_recurrent); returns o (or None)."""
+def _unrolled(q, k, v, a, b, state, final_state, gate_in, A_log=None, dt_bias=None, write_o=True, block_v=8):
+    """_unrolled_kernel on contiguous inputs (same contract as _fla_recurrent); returns o (or None). A [K, 8]
+    state tile takes one warp, so the walk's reductions over K are warp shuffles with no barrier (16 columns
+    took 2 warps and ~140 barriers at T = 16, sm90 SASS); fla's replay found (8, 1) its best tile too."""
     batch, seq, heads, dk = k.shape
     vheads, dv = v.shape[2], v.shape[3]
     q, k, v, a, b = (t.contiguous() for t in (q, k, v, a, b))
@@ -247,7 +163,7 @@ def _unrolled(q, k, v, a, b, state, final_state, gate_in, A_log=None, dt_bias=No
         dummy if final_state is None else final_state, dummy if out is None else out, dk**-0.5,
         T=seq, TP=triton.next_power_of_2(seq), H=heads, HV=vheads, K=dk, V=dv, BV=block_v, GATE_IN=gate_in,
         WRITE_O=write_o,
-        WRITE_STATE=final_state is not None, num_warps=4 if block_v >= 32 else 2)
+        WRITE_STATE=final_state is not None, num_warps=max(1, block_v // 8))
     return out
 
 
@@ -303,30 +219,28 @@ def _(q, k, v, a, b, A_log, dt_bias, state):
 @torch.library.custom_op("fastqwen::gdn_verify", mutates_args=())
 def gdn_verify(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-    A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, unrolled: bool = False, block: bool = False,
+    A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, unrolled: bool = False,
 ) -> torch.Tensor:
     """Outputs of a speculative block from the checkpoint `state`, which is read and left as it is. On CUDA
-    fla's kernel, ours unrolled, or (block) the block kernel that solves the recurrence as one block."""
+    fla's kernel, or ours unrolled."""
     return gdn_reference(q, k, v, a, b, A_log, dt_bias, state.clone())
 
 
 @gdn_verify.register_kernel("cuda")
-def _gdn_verify_cuda(q, k, v, a, b, A_log, dt_bias, state, unrolled=False, block=False):
-    if block and k.shape[1] <= BLOCK_MAX_T:
-        return _block(q, k, v, a, b, state, None, gate_in=True, A_log=A_log, dt_bias=dt_bias)
+def _gdn_verify_cuda(q, k, v, a, b, A_log, dt_bias, state, unrolled=False):
     if unrolled and k.shape[1] <= UNROLLED_MAX_T:
         return _unrolled(q, k, v, a, b, state, None, gate_in=True, A_log=A_log, dt_bias=dt_bias)
     return _fla_recurrent(q, k, v, a, b, state, None, gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
 
 
 @gdn_verify.register_fake
-def _(q, k, v, a, b, A_log, dt_bias, state, unrolled=False, block=False):
+def _(q, k, v, a, b, A_log, dt_bias, state, unrolled=False):
     return _output_like(v)
 
 
 @torch.library.custom_op("fastqwen::gdn_replay", mutates_args=("state",))
 def gdn_replay(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
-               unrolled: bool = False, block: bool = False) -> None:
+               unrolled: bool = False) -> None:
     """Advance `state` in place over a block with explicit g, beta [B, T, HV] (zeros where not accepted)."""
     recurrence(k, k, v, g, beta, state)
 
@@ -335,10 +249,7 @@ REPLAY_TILE = (8, 1)  # (block_v, num_warps) of the replay launch; scripts/bench
 
 
 @gdn_replay.register_kernel("cuda")
-def _gdn_replay_cuda(k, v, g, beta, state, unrolled=False, block=False):
-    if block and k.shape[1] <= BLOCK_MAX_T:
-        _block(k, k, v, g, beta, state, state, gate_in=False, write_o=False)
-        return
+def _gdn_replay_cuda(k, v, g, beta, state, unrolled=False):
     if unrolled and k.shape[1] <= UNROLLED_MAX_T:
         _unrolled(k, k, v, g, beta, state, state, gate_in=False, write_o=False)
         return
@@ -346,5 +257,5 @@ def _gdn_replay_cuda(k, v, g, beta, state, unrolled=False, block=False):
 
 
 @gdn_replay.register_fake
-def _(k, v, g, beta, state, unrolled=False, block=False):
+def _(k, v, g, beta, state, unrolled=False):
     return None
