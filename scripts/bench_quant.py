@@ -26,6 +26,7 @@ from fastqwen.linears import Linears  # noqa: E402
 from fastqwen.quant.linear import QuantLinear  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TABLE = pathlib.Path(__file__).parents[1] / "fastqwen" / "ops" / "gemv_configs.json"  # the one the library reads
 SMALL = 1 if DEV == "cuda" else 4  # CPU smoke runs shrink every shape
 
 # name: [(layer, N, K)]: the decode step's matmuls with fused input projections (the default; model.fuse_linears),
@@ -39,9 +40,9 @@ SHAPES = {
                      ("attn.k", 1024, 5120)],
     "9b": [("mlp.gate+up", 24576, 4096), ("mlp.down", 4096, 12288), ("attn.q+gate+k+v", 10240, 4096),
            ("gdn.qkv+z+b+a", 12352, 4096), ("gdn.out, attn.o", 4096, 4096), ("lm_head", 248320, 4096)],
-    # the z-lab 27B DFlash draft (Qwen3 layers, separate projections; run at 16 positions a round)
-    "27b-draft": [("q", 4096, 5120), ("k, v", 1024, 5120), ("o", 5120, 4096), ("gate, up", 17408, 5120),
-                  ("down", 5120, 17408), ("fc", 5120, 25600)],
+    # the z-lab 27B DFlash draft (Qwen3 layers, fused projections as the engine runs them; 16 positions a round)
+    "27b-draft": [("q+k+v", 6144, 5120), ("o", 5120, 4096), ("gate+up", 34816, 5120), ("down", 5120, 17408),
+                  ("fc", 5120, 25600)],
 }
 
 
@@ -200,6 +201,16 @@ def merge_table(table: pathlib.Path | None, best_of: dict) -> None:
         table.write_text(json.dumps(tuned, indent=1, sort_keys=True) + "\n")
 
 
+def merge_tables(parts: list[pathlib.Path], table: pathlib.Path) -> None:
+    """Merge sweep tables (each {GPU name: {key: config}}, as --write-table leaves them) into `table`, later
+    parts winning where they overlap."""
+    tuned = json.loads(table.read_text()) if table.exists() else {}
+    for part in parts:
+        for gpu, configs in json.loads(part.read_text()).items():
+            tuned.setdefault(gpu, {}).update(configs)
+    table.write_text(json.dumps(tuned, indent=1, sort_keys=True) + "\n")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=["27b", "35b-a3b", "27b-separate"], choices=list(SHAPES))
@@ -210,8 +221,14 @@ def main():
     p.add_argument("--formats", nargs="+", default=list(SWEPT), choices=list(SWEPT), help="with --sweep: these only")
     p.add_argument("--write-table", type=pathlib.Path, help="with --sweep: merge the best configs into this file "
                    "(fastqwen/ops/gemv_configs.json is the one the library reads)")
+    p.add_argument("--merge-tables", nargs="+", type=pathlib.Path, metavar="TABLE",
+                   help="merge these sweep tables (gemv_configs_<tag>.json) into --write-table (default: the "
+                   "library's) and exit")
     p.add_argument("--json", type=pathlib.Path)
     args = p.parse_args()
+    if args.merge_tables:
+        merge_tables(args.merge_tables, args.write_table or TABLE)
+        return
     bw = bench.copy_bandwidth(DEV)
     res = {"hardware": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (smoke)", "torch": torch.__version__, "copy_bandwidth_Bps": bw,
            "rows": []}

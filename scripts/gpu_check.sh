@@ -26,7 +26,9 @@
 #   sweep-gemv scripts/bench_quant.py --sweep: the weight-streaming kernel's launch configs (BITS decoding too) per
 #            layer of $SWEEP_SHAPES (default 27b; 35b-a3b) and row bucket ($SWEEP_M, default 1 4 16), formats
 #            $SWEEP_FORMATS (default fp8-weight int4 bf16), written into fastqwen/ops/gemv_configs.json (copied to
-#            $OUT: commit it). All three formats on 27B is ~7 min: split it over calls by format.
+#            $OUT: commit it). All three formats on 27B is ~7 min: split it over calls by format, or over both GPUs
+#            with SWEEP_TAG=a / b (each writes only its results to gemv_configs_<tag>.json; merge them into the
+#            committed table with python scripts/bench_quant.py --merge-tables A B).
 #   suite    the pytest-benchmark suite (tests/benchmarks, 9B plain and MTP) saved as a baseline under
 #            tests/benchmarks/baselines (copied to $OUT: commit it); later runs compare against it
 #   quant    tests/gpu/test_quant_gpu.py, then scripts/bench_quant.py (per-GEMM table, M = 1..16; QUANT_ARGS, e.g.
@@ -75,10 +77,12 @@ case "$stage" in
            ${CAND_SYSTEMS:-fastqwen+grouped-experts} --no-autotune ${CAND_ARGS:-} --json "$out/candidates.json" 2>&1 \
            | grep -v "^\[transformers\]" | tail -4 ;;
   commit) python scripts/bench_commit.py --json "$out/bench_commit.json" 2>&1 | grep "^|" ;;
-  sweep-gemv) python scripts/bench_quant.py --sweep --shapes ${SWEEP_SHAPES:-27b} --m ${SWEEP_M:-1 4 16} \
+  sweep-gemv) t=${SWEEP_TAG:+_$SWEEP_TAG}; table=fastqwen/ops/gemv_configs$t.json
+         [ -z "$t" ] || rm -f "$table"  # a tagged table holds only this sweep's results
+         python scripts/bench_quant.py --sweep --shapes ${SWEEP_SHAPES:-27b} --m ${SWEEP_M:-1 4 16} \
            --formats ${SWEEP_FORMATS:-fp8-weight int4 bf16} \
-           --write-table fastqwen/ops/gemv_configs.json --json "$out/gemv_sweep.json" 2>&1 | grep "^|"
-         cp fastqwen/ops/gemv_configs.json "$out/" ;;
+           --write-table "$table" --json "$out/gemv_sweep$t.json" 2>&1 | grep "^|"
+         cp "$table" "$out/" ;;
   suite) python -m pytest -q -p no:warnings tests/benchmarks --benchmark-only \
            --benchmark-storage=file://tests/benchmarks/baselines --benchmark-save=h200 2>&1 | tail -12
          cp -r tests/benchmarks/baselines "$out/" ;;

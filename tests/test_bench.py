@@ -114,3 +114,18 @@ def test_bench_spec_times_candidate_kernels_against_the_default(tmp_path):
     assert res["dflash"]["tok_s"] > 0 and res["verify4"]["verify_s"] > 0
     alt = res["also_kernels"]["gdn=unrolled"]
     assert alt["verify_s"] > 0 and alt["verify_vs_default"] == alt["verify_s"] / res["verify4"]["verify_s"]
+
+
+def test_bench_quant_merges_sweep_tables(tmp_path):
+    """Sweeps split over GPUs write partial tables; --merge-tables folds them into one, later parts winning."""
+    parts = [tmp_path / "a.json", tmp_path / "b.json"]
+    parts[0].write_text(json.dumps({"H200": {"0:1x128:M1": [32, 1, 4, 4], "0:2x128:M1": [64, 1, 4, 4]}}))
+    parts[1].write_text(json.dumps({"H200": {"0:2x128:M1": [128, 2, 4, 2]}, "B200": {"0:1x128:M1": [32, 2, 4, 4]}}))
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"H200": {"3:5x128:M1": [32, 1, 4, 4]}}))
+    script = pathlib.Path(__file__).parents[1] / "scripts" / "bench_quant.py"
+    subprocess.run([sys.executable, str(script), "--merge-tables", *map(str, parts), "--write-table", str(table)],
+                   check=True, capture_output=True)
+    assert json.loads(table.read_text()) == {
+        "H200": {"3:5x128:M1": [32, 1, 4, 4], "0:1x128:M1": [32, 1, 4, 4], "0:2x128:M1": [128, 2, 4, 2]},
+        "B200": {"0:1x128:M1": [32, 2, 4, 4]}}
