@@ -29,8 +29,9 @@ CANDIDATE_SYSTEMS = {"fastqwen+split-attention": {"attention": "split"},
                      "fastqwen+auto-linears": {"linears": "auto"},
                      "fastqwen+unrolled-gdn": {"gdn": "unrolled"}}
 # fastqwen with inductor options merged over the run's (launch count: combo kernels launch independent
-# small kernels, e.g. a GDN layer's q, k and v, as one)
-OPTION_SYSTEMS = {"fastqwen+combo-kernels": {"combo_kernels": True}}
+# small kernels, e.g. a GDN layer's q, k and v, as one; pdl: inductor's kernels launched with programmatic
+# dependent launch on Hopper, each one's start overlapping its predecessor's end)
+OPTION_SYSTEMS = {"fastqwen+combo-kernels": {"combo_kernels": True}, "fastqwen+pdl": {"triton.enable_pdl": True}}
 DEFAULT_SYSTEMS = ("hf-eager", "hf-static-compile", "fastqwen")  # the others are asked for by name
 
 

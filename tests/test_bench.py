@@ -92,6 +92,19 @@ def test_run_times_alternatives_against_the_default_on_one_model():
     assert "combo-kernels" in bench.format_table([r])
 
 
+def test_option_systems_name_real_inductor_options():
+    """Each inductor-option system's keys exist in this torch's inductor config (a typo would only fail on
+    the GPU, where those systems compile)."""
+    import torch._inductor.config as config
+
+    for options in bench.OPTION_SYSTEMS.values():
+        for key in options:
+            node = config
+            for part in key.split("."):
+                assert hasattr(node, part), key
+                node = getattr(node, part)
+
+
 def test_run_gives_a_quantized_system_the_roofline_of_its_own_bytes():
     """bench.run with fastqwen-fp8-weight (tiny, CPU, eager): its roofline counts fp8 codes, so it sits above
     the bf16 model's, and the table reports the speed against it."""
