@@ -27,11 +27,11 @@ CANDIDATE_SYSTEMS = {"fastqwen+split-attention": {"attention": "split"},
                      "fastqwen+separate-projections": {"projections": "separate"},
                      "fastqwen+gemv-linears": {"linears": "gemv"},
                      "fastqwen+auto-linears": {"linears": "auto"},
-                     "fastqwen+unrolled-gdn": {"gdn": "unrolled"}}
+                     "fastqwen+unrolled-gdn": {"gdn": "unrolled"},
+                     "fastqwen+pdl": {"launch": "pdl"}}
 # fastqwen with inductor options merged over the run's (launch count: combo kernels launch independent
-# small kernels, e.g. a GDN layer's q, k and v, as one; pdl: inductor's kernels launched with programmatic
-# dependent launch on Hopper, each one's start overlapping its predecessor's end)
-OPTION_SYSTEMS = {"fastqwen+combo-kernels": {"combo_kernels": True}, "fastqwen+pdl": {"triton.enable_pdl": True}}
+# small kernels, e.g. a GDN layer's q, k and v, as one)
+OPTION_SYSTEMS = {"fastqwen+combo-kernels": {"combo_kernels": True}}
 DEFAULT_SYSTEMS = ("hf-eager", "hf-static-compile", "fastqwen")  # the others are asked for by name
 
 

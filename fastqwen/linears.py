@@ -99,10 +99,13 @@ class Linears:
     nn.Linear on at most GEMV_ROWS rows (decode, verify) through the weight-streaming kernel (ops/gemv.py,
     launch configs per shape from gemv_configs.json) instead of F.linear (cuBLAS on a GPU); "auto": only
     where this GPU's sweep measured the kernel faster than cuBLAS at that shape; more rows, quantized and
-    other modules run as they are."""
+    other modules run as they are. `pdl`: the weight-streaming kernel (bf16 here, quantized in QuantLinear)
+    launches with programmatic dependent launch."""
 
-    def __init__(self, fused: bool = False, gemv: bool | str = False):
-        self.fused, self.gemv = fused, gemv
+    def __init__(self, fused: bool = False, gemv: bool | str = False, pdl: bool = False):
+        from .quant.linear import QuantLinear  # (here: quant.linear imports model, which imports this module)
+
+        self.fused, self.gemv, self.pdl, self.quant_linear = fused, gemv, pdl, QuantLinear
         self.table = gpu_table() if gemv == "auto" else {}  # read here: not inside a traced step
 
     def __call__(self, module, x: torch.Tensor) -> torch.Tensor:
@@ -111,8 +114,9 @@ class Linears:
                 and (module.in_features % STEP == 0 or not x.is_cuda)  # (off CUDA: wq_linear's reference)
                 and (self.gemv is True or gemv_beats_cublas(self.table, module.out_features,
                                                              module.in_features, rows))):
-            return module(x)
-        y = wq_linear(x.reshape(rows, -1), BF16, module.weight, None, None, False, module.out_features).sum(0)
+            return module(x, pdl=True) if self.pdl and isinstance(module, self.quant_linear) else module(x)
+        y = wq_linear(x.reshape(rows, -1), BF16, module.weight, None, None, False, module.out_features,
+                      self.pdl).sum(0)
         return y.to(x.dtype).view(*x.shape[:-1], module.out_features)
 
     def project(self, module, h, names):

@@ -33,7 +33,7 @@ def text_model(model):
 
 KERNELS = {"attention": ("sdpa", "split"), "experts": ("gather", "grouped"),
            "projections": ("fused", "separate"), "linears": ("torch", "gemv", "auto"),
-           "gdn": ("fla", "unrolled")}  # first: the default
+           "gdn": ("fla", "unrolled"), "launch": ("serial", "pdl")}  # first: the default
 
 
 def check_kernels(kernels: dict | None, cfg, device) -> dict:
@@ -48,7 +48,11 @@ def check_kernels(kernels: dict | None, cfg, device) -> dict:
     kernel ("gemv"), or by it only at the shapes where this GPU's sweep measured it faster ("auto";
     linears.Linears); "gdn": the gated delta rule of decode, verify and commit by
     flash-linear-attention's fused recurrent kernel ("fla") or by ours with the time loop unrolled
-    ("unrolled", ops/gdn.py; prefill keeps fla's either way). The defaults are the ones measured fastest so far (docs/BENCHMARKS.md)."""
+    ("unrolled", ops/gdn.py; prefill keeps fla's either way); "launch": each kernel of a compiled step after
+    the previous one has finished ("serial") or, on Hopper and later, with programmatic dependent launch
+    ("pdl": inductor's kernels (its triton.enable_pdl) and the weight-streaming ones start while their
+    predecessor finishes, the latter pulling their first weight tiles into L2 before they wait for it;
+    ops/gemv.py _dependent_start). The defaults are the ones measured fastest so far (docs/BENCHMARKS.md)."""
     kernels = dict(kernels or {})
     unknown = set(kernels) - set(KERNELS)
     if unknown:
@@ -82,7 +86,9 @@ class Forward:
         self.cache = cache
         self.kernels = check_kernels(kernels, self.cfg, cache.lengths.device)
         self.unrolled = self.kernels["gdn"] == "unrolled"  # (a Triton compile per T: not for prefill)
-        self.lin = Linears(fused=self.kernels["projections"] == "fused", gemv={"torch": False, "gemv": True, "auto": "auto"}[self.kernels["linears"]])
+        self.lin = Linears(fused=self.kernels["projections"] == "fused",
+                           gemv={"torch": False, "gemv": True, "auto": "auto"}[self.kernels["linears"]],
+                           pdl=self.kernels["launch"] == "pdl")
         for layer in self.layers:
             self.prepare_layer(layer)
 

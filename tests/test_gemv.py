@@ -194,21 +194,27 @@ from fastqwen.ops import gemv
 
 ALIGNED = ("x_ptr", "w_ptr", "s_ptr", "z_ptr", "y_ptr", "N", "K", "k_per_split")
 
-def ptx(fmt, lowp, swap, act=False):  # the 16-row kernel
-    sig = dict(x_ptr="*bf16", w_ptr="*u8" if fmt == gemv.INT4 else "*fp8e4nv", s_ptr="*fp32", z_ptr="*fp32",
+def w_type(fmt, bits):
+    return "*i32" if bits else "*u8" if fmt == gemv.INT4 else "*bf16" if fmt == gemv.BF16 else "*fp8e4nv"
+
+def ptx(fmt, lowp, swap, act=False, bits=False, pdl=False):  # the 16-row kernel
+    sig = dict(x_ptr="*bf16", w_ptr=w_type(fmt, bits), s_ptr="*fp32", z_ptr="*fp32",
                y_ptr="*fp32", M="i32", N="i32", K="i32", s_stride="i32", k_per_split="i32")
-    consts = dict(FMT=fmt, ACT_FP8=act, FP8_LIMIT=448.0, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, STAGES=4, BITS=False,
-                  LOWP=lowp, SWAP=swap)
+    consts = dict(FMT=fmt, ACT_FP8=act, FP8_LIMIT=448.0, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, STAGES=4, BITS=bits,
+                  LOWP=lowp, SWAP=swap, PDL=pdl)
     return compile_sm90(gemv._gemv_kernel, sig, consts, ALIGNED, num_stages=4).asm["ptx"]
 
-def sass(fmt, bits, BN=128):  # the one-row kernel, 128-column steps
-    sig = dict(x_ptr="*bf16", w_ptr="*i32" if bits else "*u8" if fmt == gemv.INT4 else "*fp8e4nv", s_ptr="*fp32",
+def row_kernel(fmt, bits, BN=128, pdl=False):  # the one-row kernel, 128-column steps
+    sig = dict(x_ptr="*bf16", w_ptr=w_type(fmt, bits), s_ptr="*fp32",
                z_ptr="*fp32", y_ptr="*fp32", tok_ptr="*i32", exp_ptr="*i32", N="i32", K="i32", s_stride="i32",
                w_estride="i32", s_estride="i32", k_per_split="i32", ONE="i32")
     acc_k = 128 // (8 if fmt == gemv.INT4 else 4) if bits else 64 if fmt == gemv.INT4 else 128
     consts = dict(FMT=fmt, ACT_FP8=False, GROUPED=False, FP8_LIMIT=448.0, BLOCK_N=BN, BLOCK_K=128, ACC_K=acc_k,
-                  STAGES=2, BITS=bits)
-    return cuobjdump(compile_sm90(gemv._row_kernel, sig, consts, ALIGNED, num_stages=2), "-sass")
+                  STAGES=2, BITS=bits, PDL=pdl)
+    return compile_sm90(gemv._row_kernel, sig, consts, ALIGNED, num_stages=2)
+
+def sass(fmt, bits, BN=128):
+    return cuobjdump(row_kernel(fmt, bits, BN), "-sass")
 
 # bit-move decoding: no conversion instruction touches the weights (x's bf16 -> fp32 is a shift, an IMAD.U32);
 # int4: one and-or LOP3 per weight (128 rows x 128 columns / 128 threads = 128 weights a thread a step)
@@ -234,6 +240,16 @@ for fmt, act in ((gemv.FP8_ROW, False), (gemv.FP8_BLOCK, True), (gemv.FP8_BLOCK,
     assert mma and all(op != "{" for op in mma), (fmt, act, "the e4m3 weight should reach wgmma from shared memory")
     # decodes: x's first part for its residual (16 x 128 / 128 threads, 2 a cvt: 8); the weight tile would be 32
     assert code.count("cvt.rn.f16x2.e4m3x2") <= (0 if act else 8), (fmt, act, "the weight is decoded")
+
+# programmatic dependent launch: every global read of the previous kernel's output comes after griddepcontrol.wait,
+# the weight's L2 prefetches before it; each format's weight layout, both kernels
+for fmt, bits in ((gemv.FP8_ROW, False), (gemv.FP8_ROW, True), (gemv.INT4, False), (gemv.INT4, True), (gemv.BF16, False)):
+    for code in (row_kernel(fmt, bits, 32, pdl=True).asm["ptx"], ptx(fmt, 0, False, bits=bits, pdl=True)):
+        wait = code.index("griddepcontrol.wait")
+        reads = [m.start() for m in re.finditer(r"ld\\.global|cp\\.async\\.c", code)]
+        assert reads and min(reads) > wait, (fmt, bits, "a global read before the wait")
+        assert 0 < code.index("prefetch.global.L2") < wait and "griddepcontrol.launch_dependents" in code, (fmt, bits)
+    assert "griddepcontrol" not in row_kernel(fmt, bits, 32).asm["ptx"]  # (without PDL: none)
 print("ok")
 """
 

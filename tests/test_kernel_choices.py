@@ -22,7 +22,8 @@ def test_grouped_experts_match_the_gathered_ones():
         torch.testing.assert_close(routed_moe(mlp, h, grouped=True), routed_moe(mlp, h), rtol=1e-5, atol=1e-5)
 
 
-ALL = {"attention": "split", "experts": "grouped", "projections": "separate", "linears": "gemv", "gdn": "unrolled"}
+ALL = {"attention": "split", "experts": "grouped", "projections": "separate", "linears": "gemv", "gdn": "unrolled",
+       "launch": "pdl"}
 
 
 @pytest.mark.parametrize("name,kernels,compile", [("tiny", {"attention": "split"}, False),
@@ -35,10 +36,40 @@ def test_alternative_kernels_give_the_default_tokens(name, kernels, compile):
     default = fastqwen.optimize(fresh(name), max_batch_size=2, max_seq_len=96, compile=False)
     other = fastqwen.optimize(fresh(name), max_batch_size=2, max_seq_len=96, compile=compile, kernels=kernels)
     assert other._fastqwen.forward.kernels == {"attention": "sdpa", "experts": "gather", "projections": "fused",
-                                               "linears": "torch", "gdn": "fla", **kernels}
+                                               "linears": "torch", "gdn": "fla", "launch": "serial", **kernels}
     ids, mask = left_padded([torch.randint(1, 500, (n,)) for n in (17, 5)])
     assert torch.equal(other.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16),
                        default.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16))
+
+
+def test_programmatic_dependent_launch_reaches_inductor_and_the_weight_streaming_linears(monkeypatch):
+    """kernels={"launch": "pdl"}: the compiled steps get inductor's triton.enable_pdl and give serial launch's
+    tokens; eagerly, every weight-streaming call (QuantLinear's and the bf16 linears') gets pdl=True. Off CUDA
+    the ops run their references, so this checks the plumbing and the ops' schemas; tests/test_gemv.py checks
+    the kernels' wait and prefetches on sm90."""
+    import fastqwen.linears as linears_module
+    import fastqwen.quant.linear as quant_linear_module
+
+    ids, mask = left_padded([torch.randint(1, 500, (n,)) for n in (17, 5)])
+    out = {}
+    for launch in ("serial", "pdl"):
+        m = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=96, compile=True, quant="fp8-weight",
+                              kernels={"launch": launch})
+        assert (m._fastqwen.compile_options or {}).get("triton.enable_pdl", False) is (launch == "pdl")
+        out[launch] = m.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8)
+    assert torch.equal(out["pdl"], out["serial"])
+
+    flags = []
+    real_linear, real_forward = linears_module.wq_linear, quant_linear_module.QuantLinear.forward
+    monkeypatch.setattr(linears_module, "wq_linear", lambda *a: flags.append(a[7]) or real_linear(*a))
+    monkeypatch.setattr(quant_linear_module.QuantLinear, "forward",
+                        lambda self, x, pdl=False: flags.append(pdl) or real_forward(self, x, pdl))
+    for quant in (None, "fp8-weight"):  # the bf16 linears through the kernel; the quantized ones
+        m = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=96, compile=False, quant=quant,
+                              kernels={"launch": "pdl", "linears": "gemv"})
+        n = len(flags)
+        m.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4)
+        assert len(flags) > n and all(flags), (quant, flags)
 
 
 def test_bad_kernel_choices():

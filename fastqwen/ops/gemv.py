@@ -35,7 +35,9 @@ takes the nearest measured N with the same K), else from a
 heuristic. Grouped mode (experts): w, scale, zero carry a leading expert dimension; pair p multiplies row
 tok[p] of x by expert exp[p] into row p of y. Both kernels also run in Triton's CPU interpreter, where
 tests/test_gemv.py checks them. `wq_linear` and `expert_gemv` (split-K partials, summed by the caller) are the
-registered ops: the kernels on CUDA, the torch reference elsewhere.
+registered ops: the kernels on CUDA, the torch reference elsewhere. In linear mode either kernel can launch
+with programmatic dependent launch (pdl, Hopper+): it starts while the previous kernel finishes, prefetches its
+first weight steps into L2, and waits for that kernel before it reads x (_dependent_start).
 """
 
 import json
@@ -107,10 +109,40 @@ if triton is not None:
         return (m | one).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _prefetch_l2(ptrs, ok):
+        """prefetch.global.L2 of each address in `ptrs` where `ok` (one a 128-byte line is enough)."""
+        tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                                  "=r,l,r", [ptrs, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def _dependent_start(w_ptr, n, n_ok, k_start, k_end, K, FMT: tl.constexpr, BITS: tl.constexpr,
+                         BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+        """Programmatic dependent launch (launch_pdl): while the previous kernel in the stream finishes, pull
+        this program's first STAGES steps of weight rows into L2 (the weight is no kernel's output), then wait
+        for that kernel (x is its output) and let the next one launch. Columns [k_start, k_end) of K."""
+        if BITS:
+            per_word: tl.constexpr = 8 if FMT == 2 else 4  # columns an int32 word holds
+            row, first, last, line = K // per_word, k_start // per_word, k_end // per_word, 32
+            lines: tl.constexpr = STAGES * BLOCK_K // per_word // 32
+        elif FMT == 2:  # two int4 codes a byte
+            row, first, last, line = K // 2, k_start // 2, k_end // 2, 128
+            lines: tl.constexpr = STAGES * BLOCK_K // 2 // 128
+        elif FMT == 3:  # bf16
+            row, first, last, line = K, k_start, k_end, 64
+            lines: tl.constexpr = STAGES * BLOCK_K // 64
+        else:  # e4m3
+            row, first, last, line = K, k_start, k_end, 128
+            lines: tl.constexpr = STAGES * BLOCK_K // 128
+        col = first + tl.arange(0, lines) * line
+        _prefetch_l2(w_ptr + n[:, None].to(tl.int64) * row + col[None, :], n_ok[:, None] & (col < last)[None, :])
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+    @triton.jit
     def _row_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, tok_ptr, exp_ptr, N, K, s_stride, w_estride, s_estride,
                     k_per_split, ONE, FMT: tl.constexpr, ACT_FP8: tl.constexpr, GROUPED: tl.constexpr,
                     FP8_LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACC_K: tl.constexpr,
-                    STAGES: tl.constexpr, BITS: tl.constexpr):
+                    STAGES: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr):
         """One row of x (decode at batch 1, or one (token, expert) pair): products accumulate elementwise in
         registers and are summed over K once, at the end (no per-step reduction, no tensor-core layout).
         BITS: the weight is read as int32 words and decoded by bit moves (_fp8_bits, _int4_unit) instead of
@@ -129,6 +161,8 @@ if triton is not None:
         acc_odd = tl.zeros((BLOCK_N, ACC_K), tl.float32)  # int4's odd columns
         offset = tl.zeros((BLOCK_N,), tl.float32)  # int4 with BITS: Σ over groups of scale · (16 + zero) · Σ x
         k_end = tl.minimum(K, (split + 1) * k_per_split)
+        if PDL:
+            _dependent_start(w_ptr, n, n_ok, split * k_per_split, k_end, K, FMT, BITS, BLOCK_K, STAGES)
         for k0 in tl.range(split * k_per_split, k_end, BLOCK_K, num_stages=STAGES):
             if BITS and FMT == 2:
                 wd = k0 // 8 + tl.arange(0, BLOCK_K // 8)
@@ -233,7 +267,7 @@ if triton is not None:
     def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, s_stride, k_per_split, FMT: tl.constexpr,
                      ACT_FP8: tl.constexpr, FP8_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, STAGES: tl.constexpr, BITS: tl.constexpr, LOWP: tl.constexpr,
-                     SWAP: tl.constexpr):
+                     SWAP: tl.constexpr, PDL: tl.constexpr):
         """2 … 64 rows of x: a tensor-core dot (fp32 operands, tf32) per 128-column step (BITS: as in
         _row_kernel, one dot per word position; int4's dots take q − zero, exact in tf32, and scale after).
         LOWP 1 (fp8, int4 and bf16 weights without BITS, x bf16 or fp16): the dot takes x's own 16-bit dtype
@@ -261,6 +295,8 @@ if triton is not None:
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         k_end = tl.minimum(K, (split + 1) * k_per_split)
+        if PDL:
+            _dependent_start(w_ptr, n, n_ok, split * k_per_split, k_end, K, FMT, BITS, BLOCK_K, STAGES)
         for k0 in tl.range(split * k_per_split, k_end, BLOCK_K, num_stages=STAGES):
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = k < k_end
@@ -441,10 +477,12 @@ def linear_splits(fmt: int, N: int, K: int, rows: int) -> int:
     return split_plan(K, gemv_config(fmt, N, K, rows))[1]
 
 
-def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, config=None, partials=False):
+def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, config=None, partials=False,
+            pdl=False):
     """fp32 y [rows, out_features]; `pairs` = (tok, exp) int32 [P] switches to grouped mode (rows = P, one x
     row each); `config` overrides gemv_config. Split-K writes per-split partials and sums them (deterministic:
-    no atomics); with `partials` they come back unsummed, [splits, rows, out_features] (split_plan)."""
+    no atomics); with `partials` they come back unsummed, [splits, rows, out_features] (split_plan). `pdl`:
+    launch with programmatic dependent launch (Hopper+; _dependent_start)."""
     K = x.shape[1]
     if K % STEP:
         raise ValueError(f"the weight-streaming kernel needs K divisible by {STEP}; got K={K}")
@@ -490,23 +528,24 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
         _row_kernel[(triton.cdiv(N, bn), rows, split)](
             x, w, scale, zero, y, tok, exp, N, K, s_stride, w_estride, s_estride,
             k_per_split, ONE_BITS, FMT=fmt, ACT_FP8=act_fp8, GROUPED=grouped, FP8_LIMIT=FP8_MAX, BLOCK_N=bn, BLOCK_K=block_k,
-            ACC_K=acc_k, STAGES=stages, BITS=bits, num_warps=warps)
+            ACC_K=acc_k, STAGES=stages, BITS=bits, PDL=pdl, num_warps=warps, launch_pdl=pdl)
     else:
         _gemv_kernel[(triton.cdiv(N, bn), 1, split)](
             x, w, scale, zero, y, M, N, K, s_stride, k_per_split, FMT=fmt,
             ACT_FP8=act_fp8, FP8_LIMIT=FP8_MAX, BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=bn,
             BLOCK_K=block_k, STAGES=stages,
-            BITS=bits, LOWP=lowp, SWAP=bool(swap), num_warps=warps)
+            BITS=bits, LOWP=lowp, SWAP=bool(swap), PDL=pdl, num_warps=warps, launch_pdl=pdl)
     return y if partials else y[0] if split == 1 else y.sum(0)
 
 
 def wq_matmul(x: torch.Tensor, fmt: int, w, scale, zero, act_fp8: bool, out_features: int,
-              partials: bool = False) -> torch.Tensor:
+              partials: bool = False, pdl: bool = False) -> torch.Tensor:
     """The kernel in linear mode: x [M ≤ 64, K] (contiguous, any float dtype) → fp32 y [M, out_features], or
-    with `partials` its split-K partial sums [linear_splits(…), M, out_features]."""
+    with `partials` its split-K partial sums [linear_splits(…), M, out_features]; `pdl`: programmatic dependent
+    launch."""
     if x.shape[0] > MAX_ROWS:
         raise ValueError(f"wq_matmul takes at most {MAX_ROWS} rows; got {x.shape[0]}")
-    return _launch(x, fmt, w, scale, zero, act_fp8, out_features, x.shape[0], partials=partials)
+    return _launch(x, fmt, w, scale, zero, act_fp8, out_features, x.shape[0], partials=partials, pdl=pdl)
 
 
 def stored_operands(fmt: int, w: torch.Tensor):
@@ -557,18 +596,19 @@ def _on_kernel(x: torch.Tensor) -> bool:
 
 @torch.library.custom_op("fastqwen::wq_linear", mutates_args=())
 def wq_linear(x: torch.Tensor, fmt: int, w: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None,
-              act_fp8: bool, out_features: int) -> torch.Tensor:
+              act_fp8: bool, out_features: int, pdl: bool = False) -> torch.Tensor:
     """x [M, K] · Wᵀ as split-K partial sums [S, M, out_features] fp32, whose sum over dim 0 is the product:
     the kernel on CUDA (S = linear_splits(…)), the reference elsewhere (S = 1). The caller sums, so that inside a
     compiled step inductor can fold the S ≤ 8 adds into the consumer's kernel (it unrolls reductions that
-    small) instead of a launch of their own after every split-K matmul (~200 launches a 27B fp8 decode step)."""
+    small) instead of a launch of their own after every split-K matmul (~200 launches a 27B fp8 decode step).
+    pdl: launch with programmatic dependent launch (kernels={"launch": "pdl"}; Hopper and later)."""
     if _on_kernel(x):
-        return wq_matmul(x.contiguous(), fmt, w, scale, zero, act_fp8, out_features, partials=True)
+        return wq_matmul(x.contiguous(), fmt, w, scale, zero, act_fp8, out_features, partials=True, pdl=pdl)
     return reference(x, fmt, w, scale, zero, act_fp8, out_features)[None]
 
 
 @wq_linear.register_fake
-def _(x, fmt, w, scale, zero, act_fp8, out_features):
+def _(x, fmt, w, scale, zero, act_fp8, out_features, pdl=False):
     splits = linear_splits(fmt, out_features, x.shape[1], x.shape[0]) if _on_kernel(x) else 1
     return x.new_empty(splits, x.shape[0], out_features, dtype=torch.float32)
 

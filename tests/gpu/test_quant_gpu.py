@@ -19,8 +19,9 @@ FORMATS = [("fp8-weight", FP8_ROW, False), ("fp8", FP8_BLOCK, True), ("int4", IN
 @pytest.mark.parametrize("N,K", SHAPES)
 @pytest.mark.parametrize("name,fmt,act", FORMATS)
 # the shipped config; forced conversion / bit-move decoding; steps of 256 columns (KSTEP 2); bf16 dot operands;
-# the weight as the dot's first operand (SWAP), with fp32 and with bf16 operands; the e4m3 dot (LOWP 2, fp8 only)
-@pytest.mark.parametrize("bits", [None, 0, 1, "wide", "lowp", "swap", "swap-lowp", "e4m3", "e4m3-wide"])
+# the weight as the dot's first operand (SWAP), with fp32 and with bf16 operands; the e4m3 dot (LOWP 2, fp8 only);
+# the shipped config with programmatic dependent launch
+@pytest.mark.parametrize("bits", [None, 0, 1, "wide", "lowp", "swap", "swap-lowp", "e4m3", "e4m3-wide", "pdl"])
 def test_kernel_matches_fp32_reference(N, K, name, fmt, act, bits):
     if bits in ("wide", "e4m3-wide") and fmt not in (FP8_ROW, BF16):
         pytest.skip("KSTEP > 1 is for formats with no scale inside a step")
@@ -33,10 +34,11 @@ def test_kernel_matches_fp32_reference(N, K, name, fmt, act, bits):
         poison_allocator((M, N), dtype=torch.float32)
         extra = {"wide": (0, 2), "lowp": (0, 1, 1), "swap": (0, 1, 0, 1), "swap-lowp": (0, 1, 1, 1), "e4m3": (0, 1, 2, 1),
                  "e4m3-wide": (0, 2, 2, 1)}.get(bits, (bits,))
-        config = None if bits is None else (*gemv_config(fmt, N, K, M)[:4], *extra)
+        config = None if bits in (None, "pdl") else (*gemv_config(fmt, N, K, M)[:4], *extra)
         if bits in ("e4m3", "e4m3-wide"):  # (M = 1 too: LOWP 2 takes the dot kernel) 64 weight rows fill a wgmma
             config = (max(64, config[0]), *config[1:])
-        y = wq_matmul(x, fmt, q, s, z, act, N) if config is None else _launch(x, fmt, q, s, z, act, N, M, config=config)
+        y = (wq_matmul(x, fmt, q, s, z, act, N, pdl=bits == "pdl") if config is None
+             else _launch(x, fmt, q, s, z, act, N, M, config=config))
         assert not y.isnan().any(), f"{name} M={M}: unwritten outputs"
         err = rel_err(y, reference(x.float(), fmt, q, s, z, act, N))
         assert err < 2e-3, f"{name} {N}x{K} M={M} config {config}: relative error {err:.2e}"
@@ -54,14 +56,19 @@ def test_e4m3_dot_refuses_what_it_cannot_take():
 
 
 @pytest.mark.parametrize("scheme", ["fp8-weight", "fp8", "int4"])
-def test_compiled_quant_linear_matches_eager(scheme):
+@pytest.mark.parametrize("pdl", [False, True])
+def test_compiled_quant_linear_matches_eager(scheme, pdl):
+    """A QuantLinear between two inductor kernels in one CUDA graph (with pdl: all three launched with
+    programmatic dependent launch, so the kernel must wait for its input), against eager."""
     linear = torch.nn.Linear(5120, 17408, bias=False, device="cuda", dtype=torch.bfloat16)
     layer = QuantLinear.from_linear(linear, scheme)
     x = torch.randn(1, 1, 5120, device="cuda", dtype=torch.bfloat16)
-    step = torch.compile(layer, fullgraph=True, options={"triton.cudagraphs": True})
+    options = {"triton.cudagraphs": True, "triton.enable_pdl": pdl}
+    step = torch.compile(lambda x: layer(torch.nn.functional.silu(x) * 3, pdl=pdl).relu(), fullgraph=True,
+                         options=options)
     for _ in range(3):  # warm-up, record, replay
         out = step(x)
-    assert rel_err(out, layer(x)) < 1e-2
+    assert rel_err(out, layer(torch.nn.functional.silu(x) * 3).relu()) < 1e-2
     big = torch.randn(80, 5120, device="cuda", dtype=torch.bfloat16)  # prefill rows (> 64): the reference path
     if scheme == "fp8":  # the scheme rounds activations to fp8 too, on every path
         big = fake_quantize_fp8_activations(big, 128)
