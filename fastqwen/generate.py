@@ -11,6 +11,8 @@ speculative rounds instead (spec/loop.py), each also one compiled graph, watched
 """
 
 import collections
+import hashlib
+import json
 import os
 import types
 
@@ -24,6 +26,23 @@ from .sampling import greedy, sample
 MAX_SPECULATIVE_TOKENS = 32
 # the compiled steps' inductor options on CUDA unless optimize(compile_options=...) replaces them
 CUDA_COMPILE_OPTIONS = {"max_autotune": True, "triton.cudagraphs": True, "coordinate_descent_tuning": True}
+
+
+def compile_cache_tag(schemas: list[str] | None = None, table: dict | None = None) -> str:
+    """A tag for inductor's on-disk cache keys (torch.compiler.config.cache_key_tag) naming what a compiled step
+    depends on beyond its traced code: the schemas of fastqwen's registered ops and the weight-streaming
+    kernel's launch table (a quantized linear's output holds one partial sum per split, so the table shapes the
+    graph). torch's own key misses both: after an op's arguments change, a step compiled by the older
+    fastqwen is served from the cache and calls the op with the old arguments (reproduced with torch 2.13).
+    Defaults: the ops registered now and ops/gemv_configs.json as loaded."""
+    if schemas is None:
+        ns = torch.ops.fastqwen
+        schemas = [str(getattr(ns, name).default._schema) for name in dir(ns)
+                   if isinstance(getattr(ns, name, None), torch._ops.OpOverloadPacket)]
+    if table is None:
+        from .ops.gemv import _TUNED as table
+    text = json.dumps([sorted(schemas), table], sort_keys=True)
+    return "fastqwen-" + hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 class DoneWatch:
@@ -128,6 +147,7 @@ class Engine:
             compile_options = {**(compile_options or {}), "triton.enable_pdl": True}
         self.compile_options = compile_options
         self.compile_cache = compile_cache
+        self.cache_tag = compile_cache_tag()
         if compile and compile_cache is not None and os.path.exists(compile_cache):
             with open(compile_cache, "rb") as f:
                 torch.compiler.load_cache_artifacts(f.read())
@@ -220,7 +240,8 @@ class Engine:
         self._set_params(gen, eos, pad, min_new)
         if streamer is not None:
             streamer.put(input_ids.cpu())
-        sequences = self._decode(rows, max_new, gen.do_sample, streamer, stopping_criteria, input_ids, eos, k)
+        with torch.compiler.config.patch(cache_key_tag=self.cache_tag):  # (compiles happen in here, if any)
+            sequences = self._decode(rows, max_new, gen.do_sample, streamer, stopping_criteria, input_ids, eos, k)
         sequences = torch.cat([input_ids, sequences], dim=1)
         if streamer is not None:
             streamer.end()

@@ -81,3 +81,25 @@ def test_compiled_speculative_round_matches_eager_decoding():
             got = spec.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, num_speculative_tokens=k)
         assert torch.equal(got, expected)
         assert 1.0 < spec._fastqwen.spec.acceptance_length(2) < k + 1
+
+
+def test_compiled_steps_are_cached_under_a_tag_of_the_ops_and_the_launch_table(monkeypatch):
+    """torch's cache key misses a custom op's schema, so generate runs (and compiles) under a cache_key_tag that
+    changes with fastqwen's op schemas and the gemv launch table, and puts the user's tag back afterwards."""
+    from fastqwen.generate import compile_cache_tag
+
+    schemas = ["fastqwen::f(Tensor x, bool a=False) -> Tensor"]
+    assert compile_cache_tag(schemas, {}) == compile_cache_tag(list(schemas), {})
+    assert compile_cache_tag(schemas, {}) != compile_cache_tag(["fastqwen::f(Tensor x) -> Tensor"], {})
+    assert compile_cache_tag(schemas, {}) != compile_cache_tag(schemas, {"H200": {"0:1x128:M1": [32, 1, 4, 4]}})
+    assert "wq_linear" in str(torch.ops.fastqwen.wq_linear.default._schema)  # (the default gathers these)
+
+    model = fastqwen.optimize(fresh("tiny"), max_batch_size=1, max_seq_len=64, compile=False)
+    engine = model._fastqwen
+    seen = []
+    decode = engine._decode
+    monkeypatch.setattr(engine, "_decode", lambda *a: seen.append(torch.compiler.config.cache_key_tag) or decode(*a))
+    with torch.compiler.config.patch(cache_key_tag="users-own"):
+        model.generate(torch.randint(1, 500, (1, 5)), max_new_tokens=3)
+        assert torch.compiler.config.cache_key_tag == "users-own"
+    assert seen == [compile_cache_tag()] and seen[0].startswith("fastqwen-")
