@@ -116,23 +116,23 @@ if triton is not None:
 
     @triton.jit
     def _dependent_start(w_ptr, n, n_ok, k_start, k_end, K, FMT: tl.constexpr, BITS: tl.constexpr,
-                         BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+                         BLOCK_K: tl.constexpr):
         """Programmatic dependent launch (launch_pdl): while the previous kernel in the stream finishes, pull
-        this program's first STAGES steps of weight rows into L2 (the weight is no kernel's output), then wait
+        this program's first two steps of weight rows into L2 (the weight is no kernel's output), then wait
         for that kernel (x is its output) and let the next one launch. Columns [k_start, k_end) of K."""
         if BITS:
             per_word: tl.constexpr = 8 if FMT == 2 else 4  # columns an int32 word holds
             row, first, last, line = K // per_word, k_start // per_word, k_end // per_word, 32
-            lines: tl.constexpr = STAGES * BLOCK_K // per_word // 32
+            lines: tl.constexpr = 2 * BLOCK_K // per_word // 32
         elif FMT == 2:  # two int4 codes a byte
             row, first, last, line = K // 2, k_start // 2, k_end // 2, 128
-            lines: tl.constexpr = STAGES * BLOCK_K // 2 // 128
+            lines: tl.constexpr = 2 * BLOCK_K // 2 // 128
         elif FMT == 3:  # bf16
             row, first, last, line = K, k_start, k_end, 64
-            lines: tl.constexpr = STAGES * BLOCK_K // 64
+            lines: tl.constexpr = 2 * BLOCK_K // 64
         else:  # e4m3
             row, first, last, line = K, k_start, k_end, 128
-            lines: tl.constexpr = STAGES * BLOCK_K // 128
+            lines: tl.constexpr = 2 * BLOCK_K // 128
         col = first + tl.arange(0, lines) * line
         _prefetch_l2(w_ptr + n[:, None].to(tl.int64) * row + col[None, :], n_ok[:, None] & (col < last)[None, :])
         tl.extra.cuda.gdc_wait()
@@ -162,7 +162,7 @@ if triton is not None:
         offset = tl.zeros((BLOCK_N,), tl.float32)  # int4 with BITS: Σ over groups of scale · (16 + zero) · Σ x
         k_end = tl.minimum(K, (split + 1) * k_per_split)
         if PDL:
-            _dependent_start(w_ptr, n, n_ok, split * k_per_split, k_end, K, FMT, BITS, BLOCK_K, STAGES)
+            _dependent_start(w_ptr, n, n_ok, split * k_per_split, k_end, K, FMT, BITS, BLOCK_K)
         for k0 in tl.range(split * k_per_split, k_end, BLOCK_K, num_stages=STAGES):
             if BITS and FMT == 2:
                 wd = k0 // 8 + tl.arange(0, BLOCK_K // 8)
@@ -296,7 +296,7 @@ if triton is not None:
             acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         k_end = tl.minimum(K, (split + 1) * k_per_split)
         if PDL:
-            _dependent_start(w_ptr, n, n_ok, split * k_per_split, k_end, K, FMT, BITS, BLOCK_K, STAGES)
+            _dependent_start(w_ptr, n, n_ok, split * k_per_split, k_end, K, FMT, BITS, BLOCK_K)
         for k0 in tl.range(split * k_per_split, k_end, BLOCK_K, num_stages=STAGES):
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = k < k_end
