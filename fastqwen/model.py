@@ -86,9 +86,10 @@ class Forward:
         self.cache = cache
         self.kernels = check_kernels(kernels, self.cfg, cache.lengths.device)
         self.unrolled = self.kernels["gdn"] == "unrolled"  # (a Triton compile per T: not for prefill)
+        self.pdl = self.kernels["launch"] == "pdl"
         self.lin = Linears(fused=self.kernels["projections"] == "fused",
                            gemv={"torch": False, "gemv": True, "auto": "auto"}[self.kernels["linears"]],
-                           pdl=self.kernels["launch"] == "pdl")
+                           pdl=self.pdl)
         for layer in self.layers:
             self.prepare_layer(layer)
 
@@ -153,7 +154,8 @@ class Forward:
             accepted = (block[None, :] < keep[:, None]).float()[None, ..., None]  # [1, B, T, 1]
             r = self.cache.replay()
             gdn_replay(r["k"].flatten(0, 1), r["v"].flatten(0, 1), (r["g"] * accepted).flatten(0, 1),
-                       (r["beta"] * accepted).flatten(0, 1), self.cache.state.flatten(0, 1), self.unrolled)
+                       (r["beta"] * accepted).flatten(0, 1), self.cache.state.flatten(0, 1), self.unrolled,
+                       self.pdl)
             commit_window(self.cache.conv, r["x"], keep)
         self.cache.lengths.add_(keep)
 
@@ -196,14 +198,15 @@ class Forward:
         # would be three eager copies per layer once T > 1)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         if mode == "verify":
-            o = gdn_verify(q, k, v, a, b, m.A_log, m.dt_bias, state, self.unrolled)
+            o = gdn_verify(q, k, v, a, b, m.A_log, m.dt_bias, state, self.unrolled, self.pdl)
             g, beta = gates(a, b, m.A_log, m.dt_bias)
             for name, value in zip(("x", "k", "v", "g", "beta"), (x, k, v, g, beta)):
                 self.cache.replay(i)[name][:, :T].copy_(value)  # commit masks the positions past T
         elif mode == "prefill" and T >= _CHUNK_MIN_TOKENS:
             o = gdn_chunk(q, k, v, a, b, m.A_log, m.dt_bias, state)
         else:
-            o = gdn_recurrent(q, k, v, a, b, m.A_log, m.dt_bias, state, self.unrolled and mode != "prefill")
+            unrolled = self.unrolled and mode != "prefill"
+            o = gdn_recurrent(q, k, v, a, b, m.A_log, m.dt_bias, state, unrolled, self.pdl and unrolled)
         z = z.reshape(o.shape)
         o = gated_rms_norm(o, z, m.norm.weight, m.norm.variance_epsilon)
         return self.lin(m.out_proj, o.reshape(B, T, -1))

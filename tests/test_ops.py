@@ -153,6 +153,7 @@ print("worst relative error", worst)
 
 _UNROLLED_SM90 = """
 import inspect
+import re
 from sm90 import compile_sm90, count, cuobjdump, stack_bytes
 from fastqwen.ops import gdn
 
@@ -160,13 +161,21 @@ ptrs = ("q_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr", "A_log_ptr", "dt_bias_ptr",
 sig = {**{p: "*bf16" for p in ptrs}, "A_log_ptr": "*fp32", "dt_bias_ptr": "*fp32", "h0_ptr": "*fp32",
        "ht_ptr": "*fp32", "scale": "fp32"}
 bv = inspect.signature(gdn._unrolled).parameters["block_v"].default  # the launch's tile, one warp per 8 columns
-for T, verify in ((16, True), (16, False)):  # a DFlash verify and a commit's replay, 27B shape
+def compiled(T, verify, pdl=False):  # a DFlash verify or a commit's replay, 27B shape
     consts = dict(T=T, TP=16, H=16, HV=48, K=128, V=128, BV=bv, GATE_IN=verify, WRITE_O=verify,
-                  WRITE_STATE=not verify)
-    kernel = compile_sm90(gdn._unrolled_kernel, {**sig, **({} if verify else {"a_ptr": "*fp32", "b_ptr": "*fp32"})},
-                          consts, ptrs, num_warps=max(1, bv // 8))
+                  WRITE_STATE=not verify, PDL=pdl)
+    return compile_sm90(gdn._unrolled_kernel, {**sig, **({} if verify else {"a_ptr": "*fp32", "b_ptr": "*fp32"})},
+                        consts, ptrs, num_warps=max(1, bv // 8))
+
+for T, verify in ((16, True), (16, False)):
+    kernel = compiled(T, verify)
     sass = cuobjdump(kernel, "-sass")
     assert stack_bytes(kernel) == 0 and count(sass, "LDS") == 0, (T, verify, "the walk spills or goes through shared memory")
+    # programmatic dependent launch: only the state tile (and the gate parameters) load before the wait
+    code = compiled(T, verify, pdl=True).asm["ptx"]
+    wait = code.index("griddepcontrol.wait")
+    before = len(re.findall(r"ld\\.global", code[:wait]))
+    assert 0 < before <= 32 + 2, (verify, before, "inputs read before the wait")  # [128, 8] fp32 tile: 32 a thread
 print("ok")
 """
 

@@ -100,13 +100,15 @@ if triton is not None:
     def _unrolled_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, h0_ptr, ht_ptr, o_ptr, scale,
                          T: tl.constexpr, TP: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                          V: tl.constexpr, BV: tl.constexpr, GATE_IN: tl.constexpr, WRITE_O: tl.constexpr,
-                         WRITE_STATE: tl.constexpr):
+                         WRITE_STATE: tl.constexpr, PDL: tl.constexpr):
         """The recurrence over T positions with the time loop unrolled (T is a compile-time constant), so the
         loads of every position, which do not depend on the state, can be issued ahead of the serial state
         updates. Nothing is stored inside the loop (a store there could alias the next position's loads and pin
         them behind it): the outputs gather in a [TP, BV] tile (TP = T rounded up to a power of 2) stored once.
         A program owns a [K, BV] tile of one (row, value head)'s state. GATE_IN: a, b are the raw projections
-        (g = -exp(A_log)·softplus(a + dt_bias), beta = sigmoid(b)); else they are g and beta."""
+        (g = -exp(A_log)·softplus(a + dt_bias), beta = sigmoid(b)); else they are g and beta. PDL (launched with
+        programmatic dependent launch): the state tile and the gate parameters, which the previous kernel in the
+        stream does not write, load before waiting for it; q, k, v, a, b after."""
         i_v, i_bh = tl.program_id(0), tl.program_id(1)
         row, hv = i_bh // HV, i_bh % HV
         h = hv // (HV // H)
@@ -117,6 +119,9 @@ if triton is not None:
         if GATE_IN:
             A = -tl.exp(tl.load(A_log_ptr + hv).to(tl.float32))
             dt_bias = tl.load(dt_bias_ptr + hv).to(tl.float32)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         ot = tl.arange(0, TP)
         O = tl.zeros((TP, BV), tl.float32)
         for t in tl.static_range(T):
@@ -148,7 +153,8 @@ if triton is not None:
 UNROLLED_MAX_T = 64  # longer blocks (prefill) keep fla's kernels
 
 
-def _unrolled(q, k, v, a, b, state, final_state, gate_in, A_log=None, dt_bias=None, write_o=True, block_v=8):
+def _unrolled(q, k, v, a, b, state, final_state, gate_in, A_log=None, dt_bias=None, write_o=True, block_v=8,
+              pdl=False):
     """_unrolled_kernel on contiguous inputs (same contract as _fla_recurrent); returns o (or None). A [K, 8]
     state tile takes one warp, so the walk's reductions over K are warp shuffles with no barrier (16 columns
     took 2 warps and ~140 barriers at T = 16, sm90 SASS); fla's replay found (8, 1) its best tile too."""
@@ -163,29 +169,30 @@ def _unrolled(q, k, v, a, b, state, final_state, gate_in, A_log=None, dt_bias=No
         dummy if final_state is None else final_state, dummy if out is None else out, dk**-0.5,
         T=seq, TP=triton.next_power_of_2(seq), H=heads, HV=vheads, K=dk, V=dv, BV=block_v, GATE_IN=gate_in,
         WRITE_O=write_o,
-        WRITE_STATE=final_state is not None, num_warps=max(1, block_v // 8))
+        WRITE_STATE=final_state is not None, PDL=pdl, num_warps=max(1, block_v // 8), launch_pdl=pdl)
     return out
 
 
 @torch.library.custom_op("fastqwen::gdn_recurrent", mutates_args=("state",))
 def gdn_recurrent(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-    A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, unrolled: bool = False,
+    A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, unrolled: bool = False, pdl: bool = False,
 ) -> torch.Tensor:
     """Recurrent gated delta rule for small T (decode, verify); updates `state` in place. unrolled: on CUDA,
-    our unrolled kernel instead of fla's (kernels={"gdn": "unrolled"})."""
+    our unrolled kernel instead of fla's (kernels={"gdn": "unrolled"}); pdl: it with programmatic dependent
+    launch (kernels={"launch": "pdl"}; fla's kernel has no wait for it, so it launches as before)."""
     return gdn_reference(q, k, v, a, b, A_log, dt_bias, state)
 
 
 @gdn_recurrent.register_kernel("cuda")
-def _gdn_recurrent_cuda(q, k, v, a, b, A_log, dt_bias, state, unrolled=False):
+def _gdn_recurrent_cuda(q, k, v, a, b, A_log, dt_bias, state, unrolled=False, pdl=False):
     if unrolled and k.shape[1] <= UNROLLED_MAX_T:
-        return _unrolled(q, k, v, a, b, state, state, gate_in=True, A_log=A_log, dt_bias=dt_bias)
+        return _unrolled(q, k, v, a, b, state, state, gate_in=True, A_log=A_log, dt_bias=dt_bias, pdl=pdl)
     return _fla_recurrent(q, k, v, a, b, state, state, gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
 
 
 @gdn_recurrent.register_fake
-def _(q, k, v, a, b, A_log, dt_bias, state, unrolled=False):
+def _(q, k, v, a, b, A_log, dt_bias, state, unrolled=False, pdl=False):
     return _output_like(v)
 
 
@@ -219,28 +226,28 @@ def _(q, k, v, a, b, A_log, dt_bias, state):
 @torch.library.custom_op("fastqwen::gdn_verify", mutates_args=())
 def gdn_verify(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-    A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, unrolled: bool = False,
+    A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, unrolled: bool = False, pdl: bool = False,
 ) -> torch.Tensor:
     """Outputs of a speculative block from the checkpoint `state`, which is read and left as it is. On CUDA
-    fla's kernel, or ours unrolled."""
+    fla's kernel, or ours unrolled (with pdl: as in gdn_recurrent)."""
     return gdn_reference(q, k, v, a, b, A_log, dt_bias, state.clone())
 
 
 @gdn_verify.register_kernel("cuda")
-def _gdn_verify_cuda(q, k, v, a, b, A_log, dt_bias, state, unrolled=False):
+def _gdn_verify_cuda(q, k, v, a, b, A_log, dt_bias, state, unrolled=False, pdl=False):
     if unrolled and k.shape[1] <= UNROLLED_MAX_T:
-        return _unrolled(q, k, v, a, b, state, None, gate_in=True, A_log=A_log, dt_bias=dt_bias)
+        return _unrolled(q, k, v, a, b, state, None, gate_in=True, A_log=A_log, dt_bias=dt_bias, pdl=pdl)
     return _fla_recurrent(q, k, v, a, b, state, None, gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
 
 
 @gdn_verify.register_fake
-def _(q, k, v, a, b, A_log, dt_bias, state, unrolled=False):
+def _(q, k, v, a, b, A_log, dt_bias, state, unrolled=False, pdl=False):
     return _output_like(v)
 
 
 @torch.library.custom_op("fastqwen::gdn_replay", mutates_args=("state",))
 def gdn_replay(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
-               unrolled: bool = False) -> None:
+               unrolled: bool = False, pdl: bool = False) -> None:
     """Advance `state` in place over a block with explicit g, beta [B, T, HV] (zeros where not accepted)."""
     recurrence(k, k, v, g, beta, state)
 
@@ -249,13 +256,13 @@ REPLAY_TILE = (8, 1)  # (block_v, num_warps) of the replay launch; scripts/bench
 
 
 @gdn_replay.register_kernel("cuda")
-def _gdn_replay_cuda(k, v, g, beta, state, unrolled=False):
+def _gdn_replay_cuda(k, v, g, beta, state, unrolled=False, pdl=False):
     if unrolled and k.shape[1] <= UNROLLED_MAX_T:
-        _unrolled(k, k, v, g, beta, state, state, gate_in=False, write_o=False)
+        _unrolled(k, k, v, g, beta, state, state, gate_in=False, write_o=False, pdl=pdl)
         return
     _fla_recurrent(k, k, v, g, beta, state, state, gate_in_kernel=False, block_v=REPLAY_TILE[0], warps=REPLAY_TILE[1])
 
 
 @gdn_replay.register_fake
-def _(k, v, g, beta, state, unrolled=False):
+def _(k, v, g, beta, state, unrolled=False, pdl=False):
     return None

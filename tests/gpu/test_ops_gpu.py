@@ -124,10 +124,10 @@ def test_routed_moe_matches_transformers_block_real_shape(grouped, stacked):
         assert rel_err(f(block, h, grouped), ref) < 2e-2
 
 
-@pytest.mark.parametrize("unrolled", [False, True])
+@pytest.mark.parametrize("unrolled,pdl", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("B,T", [(1, 4), (3, 16)])
-def test_gdn_verify_reads_and_replay_commits_like_the_reference(B, T, unrolled):
-    """verify and replay (fla's or unrolled): outputs of the block from the checkpoint
+def test_gdn_verify_reads_and_replay_commits_like_the_reference(B, T, unrolled, pdl):
+    """verify and replay (fla's or unrolled, the latter also with programmatic dependent launch): outputs of the block from the checkpoint
     state, which stays untouched; replay with a per-row accepted prefix: the state of running only that prefix."""
     from fastqwen.ops.gdn import gates, gdn_replay, gdn_verify, recurrence
 
@@ -136,13 +136,13 @@ def test_gdn_verify_reads_and_replay_commits_like_the_reference(B, T, unrolled):
     h0 = torch.randn(B, HV, 128, 128, device="cuda") * 0.1
     state = h0.clone()
     poison_allocator((B, T, HV, 128))
-    out = gdn_verify(**x, state=state, unrolled=unrolled)
+    out = gdn_verify(**x, state=state, unrolled=unrolled, pdl=pdl)
     assert torch.equal(state, h0), "verify must not write the checkpoint state"
     assert rel_err(out, gdn_reference(**{n: t.float() for n, t in x.items()}, state=h0.clone())) < 1e-2
     keep = torch.randint(0, T + 1, (B,), device="cuda")
     g, beta = gates(x["a"], x["b"], x["A_log"], x["dt_bias"])
     accepted = (torch.arange(T, device="cuda")[None] < keep[:, None]).float()[..., None]
-    gdn_replay(x["k"], x["v"], g * accepted, beta * accepted, state, unrolled)
+    gdn_replay(x["k"], x["v"], g * accepted, beta * accepted, state, unrolled, pdl)
     for b in range(B):
         n = int(keep[b])
         ref = h0[b:b + 1].clone()
