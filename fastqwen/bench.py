@@ -28,7 +28,8 @@ CANDIDATE_SYSTEMS = {"fastqwen+split-attention": {"attention": "split"},
                      "fastqwen+gemv-linears": {"linears": "gemv"},
                      "fastqwen+auto-linears": {"linears": "auto"},
                      "fastqwen+unrolled-gdn": {"gdn": "unrolled"},
-                     "fastqwen+pdl": {"launch": "pdl"}}
+                     "fastqwen+pdl": {"launch": "pdl"},
+                     "fastqwen+auto-linears+pdl": {"linears": "auto", "launch": "pdl"}}
 # fastqwen with inductor options merged over the run's (launch count: combo kernels launch independent
 # small kernels, e.g. a GDN layer's q, k and v, as one)
 OPTION_SYSTEMS = {"fastqwen+combo-kernels": {"combo_kernels": True}}
@@ -392,6 +393,7 @@ def run(
     progress: Callable[[str], None] | None = print,
     ragged: bool = False,
     quant_lm_head: bool = False,
+    kernels: dict | None = None,
 ) -> dict:
     """Benchmark preset ``name`` (random weights, seed 0) on one model object in this process.
 
@@ -406,7 +408,8 @@ def run(
     ``compile`` and ``compile_options`` are passed to ``fastqwen.optimize``. ``ragged``: the rows are prompts of
     different lengths, left-padded (`ragged_mask`), as concurrent requests are; ``prompt_len`` is the longest.
     ``quant_lm_head``: a quantized system quantizes lm_head too (optimize's quant_lm_head); its roofline, from
-    the quantized model's bytes, is ``<system>_roofline_tok_s``.
+    the quantized model's bytes, is ``<system>_roofline_tok_s``. ``kernels``: optimize's kernel choices for every
+    fastqwen system (a candidate system's own choices override them).
     """
     import fastqwen
 
@@ -420,7 +423,7 @@ def run(
                          "on a model it builds itself (run one process per scheme)")
     res = {"model": name, "batch_size": batch_size, "prompt_len": prompt_len, "n_short": n_short,
            "n_long": n_long, "dtype": str(dtype).removeprefix("torch."), "device": str(device), "systems": {},
-           "quant_lm_head": quant_lm_head}
+           "quant_lm_head": quant_lm_head, "kernels": dict(kernels or {})}
     mask = ragged_mask(batch_size, prompt_len, device) if ragged and batch_size > 1 else None
     if mask is not None:
         res["row_lengths"] = mask.sum(1).tolist()
@@ -443,7 +446,7 @@ def run(
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(vocab, (batch_size, prompt_len), generator=gen).to(device)
 
-    def fastqwen_setup(quant=None, kernels=None, options=None) -> Callable:
+    def fastqwen_setup(quant=None, own_kernels=None, options=None) -> Callable:
         """Optimize in place (quantizing first if asked) and compile the graphs; returns ``model.generate``.
         ``options``: inductor options merged over the run's compile options (or the engine's default)."""
         opts = compile_options
@@ -451,7 +454,8 @@ def run(
             opts = {**(compile_options or CUDA_COMPILE_OPTIONS), **options}
         optimized = fastqwen.optimize(model, max_batch_size=batch_size, max_seq_len=prompt_len + n_long + 64,
                                       compile=compile, compile_options=opts, quant=quant,
-                                      quant_lm_head=quant_lm_head and quant is not None, kernels=kernels)
+                                      quant_lm_head=quant_lm_head and quant is not None,
+                                      kernels={**(kernels or {}), **(own_kernels or {})})
         optimized._fastqwen.warmup(progress=progress)
         return optimized.generate
 
@@ -466,7 +470,7 @@ def run(
     if "fastqwen" in systems:
         res["systems"]["fastqwen"] = _measure(f"{label} fastqwen", fastqwen_setup, ids, (n_short, n_long), say,
                                               mask)
-    alternatives = {**{s: {"kernels": k} for s, k in CANDIDATE_SYSTEMS.items()},
+    alternatives = {**{s: {"own_kernels": k} for s, k in CANDIDATE_SYSTEMS.items()},
                     **{s: {"options": o} for s, o in OPTION_SYSTEMS.items()}}
     for system, how in alternatives.items():
         if system in systems:

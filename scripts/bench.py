@@ -60,6 +60,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-autotune", action="store_true",
                    help="compile fastqwen's step with default inductor + CUDA graphs instead of max-autotune "
                         "(minutes less compile time)")
+    p.add_argument("--kernels", nargs="*", default=[], metavar="OP=CHOICE",
+                   help="optimize's kernels for every fastqwen system (e.g. launch=pdl linears=auto); a candidate "
+                   "system's own choice overrides them")
     p.add_argument("--json", type=pathlib.Path, default=pathlib.Path("docs/bench.json"), help="results file")
     p.add_argument("--out-dir", type=pathlib.Path, help="also write bench.json and bench.md here")
     return p.parse_args()
@@ -105,6 +108,7 @@ def main() -> None:
                         dtype=getattr(torch, args.dtype), device=args.device, compile=args.compile, progress=say,
                         compile_options={"triton.cudagraphs": True} if args.no_autotune else None,
                         ragged=args.ragged, quant_lm_head=args.quant_lm_head,
+                        kernels=dict(kv.split("=", 1) for kv in args.kernels),
                     ))
                 except Exception as e:  # e.g. out of memory: keep going with the next row
                     error = f"{type(e).__name__}: {e}"[:500]

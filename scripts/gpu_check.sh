@@ -15,12 +15,14 @@
 #   profile  scripts/profile_step.py on $PROFILE_MODEL (default 35B-A3B): the decode step's kernels, µs each; PROFILE_ARGS="--speculate dflash:15" profiles a round
 #   attention scripts/bench_attention.py (SDPA over the whole cache vs the split-KV kernel) and its GPU test
 #   qbench   scripts/bench.py on $QMODEL (default 27B): fastqwen bf16 vs quantized ($SCHEME, default fp8-weight;
-#            one scheme a process: quantizing is in place; QBENCH_ARGS, e.g. --quant-lm-head)
+#            one scheme a process: quantizing is in place; QBENCH_ARGS, e.g. --quant-lm-head, or
+#            --kernels launch=pdl for both systems)
 #   quality  scripts/quant_quality.py on 27B: per-linear and logit error, top-1 agreement per scheme
 #   candidates scripts/bench.py: fastqwen vs fastqwen with an alternative kernel in one process, on $CAND_MODEL
 #            (default 35B-A3B) with $CAND_SYSTEMS (default fastqwen+grouped-experts; also fastqwen+split-attention,
 #            fastqwen+gemv-linears, fastqwen+unrolled-gdn, fastqwen+separate-projections, fastqwen+combo-kernels:
-#            inductor's combo kernels, fastqwen+pdl: programmatic dependent launch) and $CAND_ARGS (e.g.
+#            inductor's combo kernels, fastqwen+pdl: programmatic dependent launch, fastqwen+auto-linears+pdl) and
+#            $CAND_ARGS (e.g.
 #            CAND_MODEL=qwen3.5-27b CAND_SYSTEMS=fastqwen+split-attention CAND_ARGS="--prompt-len 32768")
 #   commit   scripts/bench_commit.py: the speculative commit, all GDN layers in one launch vs one per layer
 #   sweep-gemv scripts/bench_quant.py --sweep: the weight-streaming kernel's launch configs (BITS decoding too) per

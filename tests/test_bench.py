@@ -92,6 +92,21 @@ def test_run_times_alternatives_against_the_default_on_one_model():
     assert "combo-kernels" in bench.format_table([r])
 
 
+def test_run_applies_base_kernels_to_every_fastqwen_system(monkeypatch):
+    """bench.run(kernels=...) reaches optimize for fastqwen and the candidates, a candidate's own choice winning."""
+    import fastqwen
+
+    seen = []
+    real = fastqwen.optimize
+    monkeypatch.setattr(fastqwen, "optimize", lambda *a, **k: seen.append(k["kernels"]) or real(*a, **k))
+    r = bench.run("tiny", systems=("fastqwen", "fastqwen+unrolled-gdn", "fastqwen+pdl"), prompt_len=16, n_short=2,
+                  n_long=4, dtype=torch.float32, device="cpu", compile=False, progress=None,
+                  kernels={"launch": "pdl", "gdn": "fla"})
+    assert r["kernels"] == {"launch": "pdl", "gdn": "fla"}
+    assert seen == [{"launch": "pdl", "gdn": "fla"}, {"launch": "pdl", "gdn": "unrolled"},
+                    {"launch": "pdl", "gdn": "fla"}]
+
+
 def test_option_systems_name_real_inductor_options():
     """Each inductor-option system's keys exist in this torch's inductor config (a typo would only fail on
     the GPU, where those systems compile)."""
