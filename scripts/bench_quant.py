@@ -40,6 +40,8 @@ SHAPES = {
                      ("attn.k", 1024, 5120)],
     "9b": [("mlp.gate+up", 24576, 4096), ("mlp.down", 4096, 12288), ("attn.q+gate+k+v", 10240, 4096),
            ("gdn.qkv+z+b+a", 12352, 4096), ("gdn.out, attn.o", 4096, 4096), ("lm_head", 248320, 4096)],
+    # the 27B lm_head on its own (swept for fp8 only: quant_lm_head; bf16 stays cuBLAS's)
+    "27b-head": [("lm_head", 248320, 5120)],
     # the z-lab 27B DFlash draft (Qwen3 layers, fused projections as the engine runs them; 16 positions a round)
     "27b-draft": [("q+k+v", 6144, 5120), ("o", 5120, 4096), ("gate+up", 34816, 5120), ("down", 5120, 17408),
                   ("fc", 5120, 25600)],
@@ -145,11 +147,12 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT)) -> l
     rows, best_of = [], {}
     for model in shapes:
         for layer, N, K in SHAPES[model]:
-            if N > 65536:  # lm_head: its own row in the main table
+            head = N > 65536  # an lm_head: swept only where it can be quantized (27b-head), with no split
+            if head and not model.endswith("-head"):
                 continue
             w = torch.randn(N // SMALL, K // SMALL, device=DEV, dtype=torch.bfloat16) * 0.02
             N, K = w.shape
-            for name, fmt in ((f, getattr(gemv, SWEPT[f])) for f in formats):
+            for name, fmt in ((f, getattr(gemv, SWEPT[f])) for f in formats if not head or f.startswith("fp8")):
                 q, sc, z = gemv.stored_operands(fmt, w)
                 nbytes = sum(t.numel() * t.element_size() for t in (q, sc, z) if t is not None)
                 for m in ms:
@@ -160,6 +163,8 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT)) -> l
                     tried = configs + [c for c in wide if kstep_ok(c)]
                     tried += [c for c in lowp + swap if m > 1 and kstep_ok(c)]
                     tried += [c for c in e4m3 if fmt in (gemv.FP8_ROW, gemv.FP8_BLOCK) and kstep_ok(c)]
+                    if head:  # 248k rows are programs enough without splitting K
+                        tried = [c for c in tried if c[1] == 1]
                     for cfg in [default] + [c for c in tried if K // (128 * c[5]) >= c[1]
                                             and gemv.full_config(c) != default
                                             and not (fmt == gemv.BF16 and c[4])]:  # bf16 has no bit decoding
