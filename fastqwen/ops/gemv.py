@@ -34,7 +34,8 @@ configs come from gemv_configs.json, measured per GPU by scripts/bench_quant.py 
 takes the nearest measured N with the same K), else from a
 heuristic. Grouped mode (experts): w, scale, zero carry a leading expert dimension; pair p multiplies row
 tok[p] of x by expert exp[p] into row p of y. Both kernels also run in Triton's CPU interpreter, where
-tests/test_gemv.py checks them. `wq_linear` and `expert_gemv` (split-K partials, summed by the caller) are the
+tests/test_gemv.py checks them, all but the e4m3 dot (the interpreter computes e4m3 dots wrongly) and PDL's
+inline PTX: those are pinned by compiling for sm90 on the CPU and checked against the reference on the GPU. `wq_linear` and `expert_gemv` (split-K partials, summed by the caller) are the
 registered ops: the kernels on CUDA, the torch reference elsewhere. In linear mode either kernel can launch
 with programmatic dependent launch (pdl, Hopper+): it starts while the previous kernel finishes, prefetches its
 first weight steps into L2, and waits for that kernel before it reads x (_dependent_start).
