@@ -261,3 +261,14 @@ def test_kernels_compile_for_sm90_as_designed():
     decoded weight, comes from registers (fp8 and int4, fp32 and 16-bit operands); with LOWP 2 an e4m3 wgmma
     takes the weight from shared memory as stored, never decoded."""
     assert run_in_triton_interpreter(_SM90, interpret=False).strip().endswith("ok")
+
+
+def test_grouped_mode_refuses_programmatic_dependent_launch():
+    """A grouped launch reads each pair's expert and row (the router's output) to find its weights, so it
+    cannot prefetch them before the wait: pdl there is an error, not a race."""
+    from fastqwen.ops.gemv import _launch
+
+    x, w = torch.randn(2, 128), torch.randn(4, 64, 128)
+    pairs = (torch.zeros(2, dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32))
+    with pytest.raises(ValueError, match="grouped mode takes pdl=False"):
+        _launch(x, BF16, w, None, None, False, 64, 2, pairs=pairs, pdl=True)

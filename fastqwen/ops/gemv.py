@@ -489,6 +489,8 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
         raise ValueError(f"the weight-streaming kernel needs K divisible by {STEP}; got K={K}")
     N = out_features
     grouped = pairs is not None
+    if grouped and pdl:  # a pair's expert and row are the previous kernel's output: read only after its wait
+        raise ValueError("programmatic dependent launch is for the linear mode; grouped mode takes pdl=False")
     M = 1 if grouped else rows
     explicit = config is not None
     config = config or gemv_config(fmt, N, K, M, rows if grouped else 1)
