@@ -351,7 +351,7 @@ if triton is not None:
                     acc += _dot(x, (q - zero[:, None]) * scale[:, None], SWAP)
             else:
                 w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                if LOWP == 2:  # e4m3 weights as stored: x in e4m3 (ACT_FP8) or as two e4m3 parts (fp8_parts)
+                if LOWP == 2:  # e4m3 weights as stored: x in e4m3 (ACT_FP8) or as two e4m3 parts (docstring)
                     if ACT_FP8:
                         part = _dot(xq, w, SWAP) * _along_m(xs, SWAP)
                     else:
