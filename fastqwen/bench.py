@@ -26,10 +26,9 @@ CANDIDATE_SYSTEMS = {"fastqwen+split-attention": {"attention": "split"},
                      "fastqwen+grouped-experts": {"experts": "grouped"},
                      "fastqwen+separate-projections": {"projections": "separate"},
                      "fastqwen+gemv-linears": {"linears": "gemv"},
-                     "fastqwen+auto-linears": {"linears": "auto"},
+                     "fastqwen+torch-linears": {"linears": "torch"},
                      "fastqwen+unrolled-gdn": {"gdn": "unrolled"},
-                     "fastqwen+pdl": {"launch": "pdl"},
-                     "fastqwen+auto-linears+pdl": {"linears": "auto", "launch": "pdl"}}
+                     "fastqwen+pdl": {"launch": "pdl"}}
 # fastqwen with inductor options merged over the run's (launch count: combo kernels launch independent
 # small kernels, e.g. a GDN layer's q, k and v, as one)
 OPTION_SYSTEMS = {"fastqwen+combo-kernels": {"combo_kernels": True}}

@@ -32,7 +32,7 @@ def text_model(model):
 
 
 KERNELS = {"attention": ("sdpa", "split"), "experts": ("gather", "grouped"),
-           "projections": ("fused", "separate"), "linears": ("torch", "gemv", "auto"),
+           "projections": ("fused", "separate"), "linears": ("auto", "torch", "gemv"),
            "gdn": ("fla", "unrolled"), "launch": ("serial", "pdl")}  # first: the default
 
 
@@ -46,7 +46,7 @@ def check_kernels(kernels: dict | None, cfg, device) -> dict:
     q+k+v, MLP gate+up; fewer launches, same bytes; linears.fuse_linears; 1.08× on 27B decode); "linears":
     the decoder's bf16 linears at decode and verify by F.linear ("torch": cuBLAS) or by the weight-streaming
     kernel ("gemv"), or by it only at the shapes where this GPU's sweep measured it faster ("auto";
-    linears.Linears); "gdn": the gated delta rule of decode, verify and commit by
+    linears.Linears; 1.05× on 27B decode; without a measured shape, as "torch"); "gdn": the gated delta rule of decode, verify and commit by
     flash-linear-attention's fused recurrent kernel ("fla") or by ours with the time loop unrolled
     ("unrolled", ops/gdn.py; prefill keeps fla's either way); "launch": each kernel of a compiled step after
     the previous one has finished ("serial") or, on Hopper and later, with programmatic dependent launch

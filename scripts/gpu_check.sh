@@ -21,7 +21,7 @@
 #   candidates scripts/bench.py: fastqwen vs fastqwen with an alternative kernel in one process, on $CAND_MODEL
 #            (default 35B-A3B) with $CAND_SYSTEMS (default fastqwen+grouped-experts; also fastqwen+split-attention,
 #            fastqwen+gemv-linears, fastqwen+unrolled-gdn, fastqwen+separate-projections, fastqwen+combo-kernels:
-#            inductor's combo kernels, fastqwen+pdl: programmatic dependent launch, fastqwen+auto-linears+pdl) and
+#            inductor's combo kernels, fastqwen+pdl: programmatic dependent launch, fastqwen+torch-linears: cuBLAS for every bf16 linear) and
 #            $CAND_ARGS (e.g.
 #            CAND_MODEL=qwen3.5-27b CAND_SYSTEMS=fastqwen+split-attention CAND_ARGS="--prompt-len 32768")
 #   commit   scripts/bench_commit.py: the speculative commit, all GDN layers in one launch vs one per layer
