@@ -157,3 +157,17 @@ def test_bench_quant_merges_sweep_tables(tmp_path):
     assert json.loads(table.read_text()) == {
         "H200": {"3:5x128:M1": [32, 1, 4, 4], "0:1x128:M1": [32, 1, 4, 4], "0:2x128:M1": [128, 2, 4, 2]},
         "B200": {"0:1x128:M1": [32, 2, 4, 4]}}
+
+
+def test_quant_quality_calibrates_its_logit_error_with_weight_noise(tmp_path):
+    """scripts/quant_quality.py on the tiny model: a scheme's row and a noise row, each with the per-linear error
+    it was built to have (the noise row exactly ε, fp8-weight e4m3's few percent) and a logit error above it."""
+    script = pathlib.Path(__file__).parents[1] / "scripts" / "quant_quality.py"
+    out = tmp_path / "q.json"
+    subprocess.run([sys.executable, str(script), "--model", "tiny", "--positions", "8", "--schemes", "fp8-weight",
+                    "--noise", "0.01", "--json", str(out)], check=True, capture_output=True)
+    rows = json.loads(out.read_text())["schemes"]
+    assert rows["noise 0.01"]["linear_rel_err_median"] == pytest.approx(0.01, rel=0.1)
+    assert 0.01 < rows["fp8-weight"]["linear_rel_err_median"] < 0.05
+    for r in rows.values():
+        assert r["rel_err"] > r["linear_rel_err_median"] and 0 <= r["top1_agreement"] <= 1
