@@ -140,11 +140,16 @@ err(state, ref_state)
 state = h0.clone()  # verify: outputs only, the state untouched
 err(_unrolled(q, k, v, a, b, state, None, True, A_log, dt_bias, block_v=16), ref)
 assert torch.equal(state, h0)
+proj = torch.randn(B, T, 3 * HV + 5)  # verify with a, b read in place from a fused projection's output
+proj[..., 3:3 + HV], proj[..., 3 + 2 * HV:3 + 3 * HV] = b, a
+err(_unrolled(q, k, v, proj[..., 3 + 2 * HV:3 + 3 * HV], proj[..., 3:3 + HV], state, None, True, A_log, dt_bias), ref)
 g, beta = gates(a, b, A_log, dt_bias)  # replay: explicit gates, state only
 keep = torch.tensor([3, 0])
 mask = (torch.arange(T)[None] < keep[:, None]).float()[..., None]
 state, ref_state = h0.clone(), h0.clone()
-assert _unrolled(k, k, v, g * mask, beta * mask, state, state, False, write_o=False) is None
+stash = torch.zeros(2, B, T + 3, HV)  # (gates as the first T positions of a longer stash, rows further apart)
+stash[0, :, :T], stash[1, :, :T] = g * mask, beta * mask
+assert _unrolled(k, k, v, stash[0, :, :T], stash[1, :, :T], state, state, False, write_o=False) is None
 recurrence(k, k, v, g * mask, beta * mask, ref_state)
 err(state, ref_state)
 print("worst relative error", worst)
@@ -159,13 +164,13 @@ from fastqwen.ops import gdn
 
 ptrs = ("q_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr", "A_log_ptr", "dt_bias_ptr", "h0_ptr", "ht_ptr", "o_ptr")
 sig = {**{p: "*bf16" for p in ptrs}, "A_log_ptr": "*fp32", "dt_bias_ptr": "*fp32", "h0_ptr": "*fp32",
-       "ht_ptr": "*fp32", "scale": "fp32"}
+       "ht_ptr": "*fp32", "scale": "fp32", "a_row": "i32", "a_pos": "i32", "b_row": "i32", "b_pos": "i32"}
 bv = inspect.signature(gdn._unrolled).parameters["block_v"].default  # the launch's tile, one warp per 8 columns
 def compiled(T, verify, pdl=False):  # a DFlash verify or a commit's replay, 27B shape
     consts = dict(T=T, TP=16, H=16, HV=48, K=128, V=128, BV=bv, GATE_IN=verify, WRITE_O=verify,
                   WRITE_STATE=not verify, PDL=pdl)
     return compile_sm90(gdn._unrolled_kernel, {**sig, **({} if verify else {"a_ptr": "*fp32", "b_ptr": "*fp32"})},
-                        consts, ptrs, num_warps=max(1, bv // 8))
+                        consts, (*ptrs, "a_row", "a_pos", "b_row", "b_pos"), num_warps=max(1, bv // 8))
 
 for T, verify in ((16, True), (16, False)):
     kernel = compiled(T, verify)

@@ -98,14 +98,16 @@ if triton is not None:
 
     @triton.jit
     def _unrolled_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, h0_ptr, ht_ptr, o_ptr, scale,
-                         T: tl.constexpr, TP: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                         a_row, a_pos, b_row, b_pos, T: tl.constexpr, TP: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                          V: tl.constexpr, BV: tl.constexpr, GATE_IN: tl.constexpr, WRITE_O: tl.constexpr,
                          WRITE_STATE: tl.constexpr, PDL: tl.constexpr):
         """The recurrence over T positions with the time loop unrolled (T is a compile-time constant), so the
         loads of every position, which do not depend on the state, can be issued ahead of the serial state
         updates. Nothing is stored inside the loop (a store there could alias the next position's loads and pin
         them behind it): the outputs gather in a [TP, BV] tile (TP = T rounded up to a power of 2) stored once.
-        A program owns a [K, BV] tile of one (row, value head)'s state. GATE_IN: a, b are the raw projections
+        A program owns a [K, BV] tile of one (row, value head)'s state. a and b are [B, T, HV] with heads
+        contiguous, at any row and position strides (a_row, a_pos, b_row, b_pos: views of a fused projection's
+        output need no copy). GATE_IN: a, b are the raw projections
         (g = -exp(A_log)·softplus(a + dt_bias), beta = sigmoid(b)); else they are g and beta. PDL (launched with
         programmatic dependent launch): the state tile and the gate parameters, which the previous kernel in the
         stream does not write, load before waiting for it; q, k, v, a, b after."""
@@ -130,8 +132,8 @@ if triton is not None:
             kt = tl.load(k_ptr + qk).to(tl.float32)
             kt = kt / tl.sqrt(tl.sum(kt * kt) + 1e-6)
             vt = tl.load(v_ptr + gb * V + ov).to(tl.float32)
-            at = tl.load(a_ptr + gb).to(tl.float32)
-            bt = tl.load(b_ptr + gb).to(tl.float32)
+            at = tl.load(a_ptr + row * a_row + t * a_pos + hv).to(tl.float32)
+            bt = tl.load(b_ptr + row * b_row + t * b_pos + hv).to(tl.float32)
             if GATE_IN:
                 x = at + dt_bias
                 at = A * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
@@ -153,21 +155,33 @@ if triton is not None:
 UNROLLED_MAX_T = 64  # longer blocks (prefill) keep fla's kernels
 
 
+def _gate_strides(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """(t, row stride, position stride) for a gate input t [B, T, HV] with contiguous heads, as the unrolled
+    kernel reads it: a verify block's a and b are views of the fused GDN projection's output (positions 16480
+    apart on 27B), and the copies .contiguous() made of them were two eager launches a layer. Other layouts: a
+    contiguous copy."""
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        t = t.contiguous()
+    return t, t.stride(0), t.stride(1)
+
+
 def _unrolled(q, k, v, a, b, state, final_state, gate_in, A_log=None, dt_bias=None, write_o=True, block_v=8,
               pdl=False):
-    """_unrolled_kernel on contiguous inputs (same contract as _fla_recurrent); returns o (or None). A [K, 8]
+    """_unrolled_kernel (same contract as _fla_recurrent; q, k, v made contiguous, a and b read in place where
+    their heads are contiguous); returns o (or None). A [K, 8]
     state tile takes one warp, so the walk's reductions over K are warp shuffles with no barrier (16 columns
     took 2 warps and ~140 barriers at T = 16, sm90 SASS); fla's replay found (8, 1) its best tile too."""
     batch, seq, heads, dk = k.shape
     vheads, dv = v.shape[2], v.shape[3]
-    q, k, v, a, b = (t.contiguous() for t in (q, k, v, a, b))
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    (a, a_row, a_pos), (b, b_row, b_pos) = _gate_strides(a), _gate_strides(b)
     out = _output_like(v) if write_o else None
     block_v = min(block_v, dv)
     dummy = state  # pointers the kernel does not read under its flags
     _unrolled_kernel[(triton.cdiv(dv, block_v), batch * vheads)](
         q, k, v, a, b, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias, state,
         dummy if final_state is None else final_state, dummy if out is None else out, dk**-0.5,
-        T=seq, TP=triton.next_power_of_2(seq), H=heads, HV=vheads, K=dk, V=dv, BV=block_v, GATE_IN=gate_in,
+        a_row, a_pos, b_row, b_pos, T=seq, TP=triton.next_power_of_2(seq), H=heads, HV=vheads, K=dk, V=dv, BV=block_v, GATE_IN=gate_in,
         WRITE_O=write_o,
         WRITE_STATE=final_state is not None, PDL=pdl, num_warps=max(1, block_v // 8), launch_pdl=pdl)
     return out
