@@ -10,9 +10,10 @@ make G·T rows of the dot; a program takes a block of at most 32 of them (a veri
 SPLITS equal chunks (the chunk size is computed in the kernel from the positions, so one CUDA graph serves
 every length) and runs an online softmax over its chunk in BLOCK_S steps, masking keys after each query's
 position. The row blocks of one KV head read the same keys (from L2 when they fit). Each split writes its
-partial output and log-sum-exp; `attend_cache_split` merges them. The dot takes fp32 operands (memory-bound;
-exact to the reference; runs in Triton's CPU interpreter, tests/test_decode_attention.py).
-Not yet the default: scripts/bench_attention.py measures it against attend_cache first.
+partial output and log-sum-exp; `merge_splits`, plain torch traced into the compiled step, merges them. The
+dots take the cache's dtype with fp32 accumulation, as flash attention does (runs in Triton's CPU interpreter,
+tests/test_decode_attention.py). Not yet the default: scripts/bench_attention.py and the candidates' runs
+measure it against attend_cache.
 """
 
 import torch
@@ -31,7 +32,7 @@ MAX_ROWS = 32  # query rows (heads x positions) a program takes
 if triton is not None:
 
     @triton.jit
-    def _split_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, lse_ptr, scale,
+    def _split_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, lse_ptr, scale, sp_b, sp_t,
                          sq_b, sq_h, sq_t, sk_b, sk_h, sk_s, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s,
                          T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
                          BLOCKS: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
@@ -40,7 +41,7 @@ if triton is not None:
         r_ok = r < G * T
         g, t = r // T, r % T
         d = tl.arange(0, D)
-        pos = tl.load(pos_ptr + b * T + t, mask=r_ok, other=-1)
+        pos = tl.load(pos_ptr + b * sp_b + t * sp_t, mask=r_ok, other=-1)
         n_keys = tl.max(pos, axis=0) + 1
         chunk = tl.cdiv(tl.cdiv(n_keys, SPLITS), BLOCK_S) * BLOCK_S
         start = sp * chunk
@@ -79,38 +80,81 @@ def splits_for(batch: int, kv_heads: int) -> int:
     return max(1, min(64, 264 // (batch * kv_heads)))
 
 
-def attend_cache_split(q, k_cache, v_cache, positions, scale: float, splits: int | None = None) -> torch.Tensor:
-    """attend_cache's result (q [B, Hq, T, D] at positions [B, T] over caches [B, Hkv, S, D]) from the split-KV
-    kernel, reading keys 0 … max(positions[b]) of each row only. Output in q's dtype."""
+def _partials_shape(q, k_cache) -> tuple[int, int, int]:
+    """(splits, row blocks, rows a block) of the kernel's launch for q [B, Hq, T, D] over k_cache [B, Hkv, S, D]."""
+    B, Hq, T, _ = q.shape
+    Hkv = k_cache.shape[1]
+    rows = min(MAX_ROWS, max(16, triton.next_power_of_2(Hq // Hkv * T)))
+    blocks = triton.cdiv(Hq // Hkv * T, rows)
+    return splits_for(B, Hkv * blocks), blocks, rows
+
+
+def split_kv_partials(q, k_cache, v_cache, positions, scale: float, splits: int | None = None):
+    """The kernel's per-split results for q [B, Hq, T, D] at positions [B, T] (any integer dtype and strides)
+    over caches [B, Hkv, S, D]: outputs o [B, Hkv, SPLITS, R, D] and log-sum-exps lse [B, Hkv, SPLITS, R],
+    fp32, with rows r = g·T + t for the G = Hq / Hkv query heads of a KV head (R ≥ G·T: rows past it are
+    unwritten); splits past a row's keys have lse = -inf."""
     B, Hq, T, D = q.shape
     Hkv = k_cache.shape[1]
-    G = Hq // Hkv
-    rows = min(MAX_ROWS, max(16, triton.next_power_of_2(G * T)))  # a program's rows
-    blocks = triton.cdiv(G * T, rows)
-    splits = splits or splits_for(B, Hkv * blocks)
+    default_splits, blocks, rows = _partials_shape(q, k_cache)
+    splits = splits or default_splits
     o = torch.empty(B, Hkv, splits, blocks * rows, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, Hkv, splits, blocks * rows, dtype=torch.float32, device=q.device)
     k, v = k_cache, v_cache
-    pos = positions.to(torch.int32).contiguous()
     _split_kv_kernel[(B, Hkv * blocks, splits)](
-        q, k, v, pos, o, lse, scale, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        q, k, v, positions, o, lse, scale, positions.stride(0), positions.stride(1),
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         o.stride(0), o.stride(1), o.stride(2), o.stride(3), lse.stride(0), lse.stride(1), lse.stride(2),
-        T=T, G=G, D=D, ROWS=rows, BLOCKS=blocks, SPLITS=splits, BLOCK_S=BLOCK_S, num_warps=8 if D * rows > 4096 else 4)
-    o, lse = o[:, :, :, : G * T], lse[:, :, :, : G * T]
+        T=T, G=Hq // Hkv, D=D, ROWS=rows, BLOCKS=blocks, SPLITS=splits, BLOCK_S=BLOCK_S,
+        num_warps=8 if D * rows > 4096 else 4)
+    return o, lse
+
+
+def merge_splits(o, lse, q):
+    """attend_cache's result [B, Hq, T, D] in q's dtype from split_kv_partials' o and lse: a softmax of lse
+    over the splits weighs their outputs. Plain torch, so a compiled step fuses it with the output's consumer."""
+    B, Hq, T, D = q.shape
+    Hkv = o.shape[1]
+    o, lse = o[:, :, :, : Hq // Hkv * T], lse[:, :, :, : Hq // Hkv * T]
     weight = torch.softmax(lse, dim=2)  # splits past a row's keys have lse = -inf: weight 0
     merged = (o * weight[..., None]).sum(2)  # [B, Hkv, G·T, D], rows ordered (g, t)
-    return merged.view(B, Hkv, G, T, D).reshape(B, Hq, T, D).to(q.dtype)
+    return merged.view(B, Hkv, Hq // Hkv, T, D).reshape(B, Hq, T, D).to(q.dtype)
 
 
-@torch.library.custom_op("fastqwen::attend_cache_split", mutates_args=())
-def attend_cache_split_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-                          scale: float) -> torch.Tensor:
-    """The split-KV kernel on CUDA, attend_cache (the reference) elsewhere."""
+def attend_cache_split(q, k_cache, v_cache, positions, scale: float, splits: int | None = None) -> torch.Tensor:
+    """attend_cache's result (q [B, Hq, T, D] at positions [B, T] over caches [B, Hkv, S, D]) from the split-KV
+    kernel, reading keys 0 … max(positions[b]) of each row only. Output in q's dtype."""
+    return merge_splits(*split_kv_partials(q, k_cache, v_cache, positions, scale, splits), q)
+
+
+@torch.library.custom_op("fastqwen::split_kv_partials", mutates_args=())
+def split_kv_partials_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
+                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """split_kv_partials on CUDA. Elsewhere attend_cache (the reference) as one split with lse 0, which
+    merge_splits returns unchanged."""
     if q.is_cuda and triton is not None:
-        return attend_cache_split(q, k_cache, v_cache, positions, scale)
-    return attend_cache(q, k_cache, v_cache, positions, scale)
+        return split_kv_partials(q, k_cache, v_cache, positions, scale)
+    B, Hq, T, D = q.shape
+    Hkv = k_cache.shape[1]
+    o = attend_cache(q, k_cache, v_cache, positions, scale).float().reshape(B, Hkv, 1, Hq // Hkv * T, D)
+    return o, torch.zeros(B, Hkv, 1, Hq // Hkv * T, device=q.device)
 
 
-@attend_cache_split_op.register_fake
+@split_kv_partials_op.register_fake
 def _(q, k_cache, v_cache, positions, scale):
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
+    B, Hq, T, D = q.shape
+    Hkv = k_cache.shape[1]
+    if q.device.type == "cuda" and triton is not None:
+        splits, blocks, rows = _partials_shape(q, k_cache)
+        R = blocks * rows
+    else:
+        splits, R = 1, Hq // Hkv * T
+    return (q.new_empty(B, Hkv, splits, R, D, dtype=torch.float32),
+            q.new_empty(B, Hkv, splits, R, dtype=torch.float32))
+
+
+def attend_cache_split_op(q, k_cache, v_cache, positions, scale: float) -> torch.Tensor:
+    """kernels={"attention": "split"}: the kernel as a registered op (compile and CUDA-graph safe), its splits
+    merged by traced torch ops that inductor fuses into the output's consumer (merged inside the op, they were
+    four eager launches a layer, and the positions' int32 copy a fifth)."""
+    return merge_splits(*split_kv_partials_op(q, k_cache, v_cache, positions, scale), q)
