@@ -194,9 +194,10 @@ class Forward:
         q = q.reshape(B, T, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
         k = k.reshape(B, T, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
         v = v.reshape(B, T, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
-        # contiguous here, so inductor writes them from the conv's fused kernel (the ops' own .contiguous()
-        # would be three eager copies per layer once T > 1)
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        # contiguous here, so inductor writes them from kernels it has anyway (q, k, v from the conv's; a and b,
+        # views of the fused projection, from the verify's gate kernel): the ops' own .contiguous() would be
+        # five eager copies per layer once T > 1 (a no-op at T = 1)
+        q, k, v, a, b = (t.contiguous() for t in (q, k, v, a, b))
         if mode == "verify":
             o = gdn_verify(q, k, v, a, b, m.A_log, m.dt_bias, state, self.unrolled, self.pdl)
             g, beta = gates(a, b, m.A_log, m.dt_bias)

@@ -93,3 +93,25 @@ def test_fp8_block_projections_fuse_only_in_whole_blocks():
             torch.testing.assert_close(got, want, rtol=0, atol=0)
         for got, want in zip([getattr(module, n)(h) for n in names], separate):  # the parts, now views
             torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_gated_delta_rule_ops_get_contiguous_inputs_on_a_verify_block(monkeypatch):
+    """With fused projections a and b are views of one output; the GDN ops' own .contiguous() would then be
+    eager copies inside the compiled step (two a layer on the GPU, once T > 1). The forward hands every op
+    input over contiguous, for prefill and for a speculative verify block."""
+    import fastqwen.model as fm
+    from fastqwen.bench import OracleProposer
+
+    seen = []
+    for name in ("gdn_recurrent", "gdn_verify"):
+        def record(*args, _op=getattr(fm, name), _name=name):
+            seen.append((_name, args[0].shape[1], [t.is_contiguous() for t in args[:5]]))
+            return _op(*args)
+        monkeypatch.setattr(fm, name, record)
+    model = fastqwen.optimize(fresh("tiny"), max_batch_size=1, max_seq_len=96, compile=False)
+    ids = torch.randint(1, 500, (1, 20))
+    ref = model.generate(ids, max_new_tokens=6, do_sample=False)
+    model._fastqwen.enable_speculation(OracleProposer(ref[:, 20:], 0.0, model.config.vocab_size), 4)
+    model.generate(ids, max_new_tokens=6, do_sample=False)
+    assert {(name, T) for name, T, _ in seen} >= {("gdn_recurrent", 20), ("gdn_verify", 5)}
+    assert all(all(c) for _, _, c in seen), [s for s in seen if not all(s[2])]
