@@ -119,11 +119,13 @@ def expert_candidates(N: int, K: int, E: int = 256 if SMALL == 1 else 16, top: i
 SWEPT = {"fp8-weight": "FP8_ROW", "int4": "INT4", "bf16": "BF16"}  # formats the sweep tunes (name: gemv constant)
 
 
-def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT)) -> list[dict]:
+def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT), lowps=None) -> list[dict]:
     """Time the weight-streaming kernel over its launch configs (BLOCK_N, SPLIT_K, num_warps, num_stages, BITS:
     conversion instructions or bit moves to decode the weight, KSTEP: 128-column blocks a loop step, LOWP: 1 for
     16-bit dot operands at M > 1, 2 for e4m3 ones (fp8 weights, any M), SWAP: the weight as the dot's first
-    operand) per layer, format and M; print the default config's time beside the best one. The best is the one cheapest for the step: kernel time plus
+    operand; LOWP 3: fp16 operands for e4m3 weights) per layer, format and M (`lowps`: only configs with these
+    LOWP values, beside the config in use); print the default config's time beside the best one. The best is the
+    one cheapest for the step: kernel time plus
     the consumer's read of its fp32 split-K partials. With `table`, merge the best configs into that
     gemv_configs.json under this GPU's name (fastqwen.ops.gemv reads it at import). The kernel is timed without the
     split-K sum, which the compiled steps fold into the consumer's kernel. 8 warps never won."""
@@ -144,6 +146,9 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT)) -> l
     # LOWP 2 (e4m3 weights: the e4m3 dot, any M; with SWAP, so that 64 or 128 weight rows fill a wgmma)
     e4m3 = [c for c in itertools.product((64, 128), (1, 2, 4, 8), (4,), (2, 3, 4), (0,), (1, 2), (2,), (1,))
             if c[0] * 128 * c[5] <= 32768]
+    # LOWP 3 (e4m3 weights, M > 1: the fp16 dot), without and with SWAP (64 or 128 rows for a wgmma)
+    fp16 = [c for c in itertools.product((32, 64, 128), (1, 2, 4, 8), (4,), (2, 3, 4), (0,), (1, 2), (3,), (0, 1))
+            if c[0] * 128 * c[5] <= 32768 and (c[0] >= 64 or not c[7])]
     rows, best_of = [], {}
     for model in shapes:
         for layer, N, K in SHAPES[model]:
@@ -163,6 +168,9 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT)) -> l
                     tried = configs + [c for c in wide if kstep_ok(c)]
                     tried += [c for c in lowp + swap if m > 1 and kstep_ok(c)]
                     tried += [c for c in e4m3 if fmt in (gemv.FP8_ROW, gemv.FP8_BLOCK) and kstep_ok(c)]
+                    tried += [c for c in fp16 if m > 1 and fmt in (gemv.FP8_ROW, gemv.FP8_BLOCK) and kstep_ok(c)]
+                    if lowps is not None:
+                        tried = [c for c in tried if gemv.full_config(c)[6] in lowps]
                     if head:  # 248k rows are programs enough without splitting K
                         tried = [c for c in tried if c[1] == 1]
                     for cfg in [default] + [c for c in tried if K // (128 * c[5]) >= c[1]
@@ -224,6 +232,8 @@ def main():
     p.add_argument("--only", help="time only candidates whose name contains this (e.g. 'expert_gemv', 'fastqwen')")
     p.add_argument("--sweep", action="store_true", help="only time the kernel's launch configs per layer and M")
     p.add_argument("--formats", nargs="+", default=list(SWEPT), choices=list(SWEPT), help="with --sweep: these only")
+    p.add_argument("--lowp", type=int, nargs="+", help="with --sweep: only configs with these LOWP values (and "
+                   "the config in use), e.g. 3 for the fp16 dot")
     p.add_argument("--write-table", type=pathlib.Path, help="with --sweep: merge the best configs into this file "
                    "(fastqwen/ops/gemv_configs.json is the one the library reads)")
     p.add_argument("--merge-tables", nargs="+", type=pathlib.Path, metavar="TABLE",
@@ -239,7 +249,7 @@ def main():
            "rows": []}
     print(f"{res['hardware']}, copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     if args.sweep:
-        res["sweep"] = sweep(args.shapes, args.m, bw, args.write_table, args.formats)
+        res["sweep"] = sweep(args.shapes, args.m, bw, args.write_table, args.formats, args.lowp)
         if args.json:
             args.json.write_text(json.dumps(res, indent=1))
         return

@@ -18,7 +18,8 @@ program's BLOCK_M: 16, 32 or 64, the fewest that hold them; the weight is still 
 tensor-core dot per step (fp32 operands, tf32: exact for e4m3 weights and bf16 activations, int4's
 dequantized weights round to 2⁻¹¹ relative; the kernel is bound by weight bytes, not math; with the launch
 config's LOWP 1 the operands are x's own 16-bit dtype, where that is exact: lowp_exact; with LOWP 2 they are
-e4m3, the fp8 weight as stored and x in two e4m3 parts, at any M, one row included: fp8_dot_ok; with SWAP
+e4m3, the fp8 weight as stored and x in two e4m3 parts, at any M, one row included: fp8_dot_ok; with LOWP 3
+fp16, the fp8 weight converted by one instruction per two values and x scaled by a power of 2: fp16_dot_ok; with SWAP
 the weight is the dot's first operand, accumulating yᵀ, so that Hopper's wgmma takes it from registers, or
 with LOWP 2 straight from shared memory).
 Either decodes the weight with conversion instructions or, with the launch config's BITS, by moving bits (fp8: sign,
@@ -283,7 +284,12 @@ if triton is not None:
         |x| ≥ 2⁻¹³·⁸ of its row's step maximum, and within 2⁻²¹·⁸ of that maximum elsewhere. The products are
         exact; the tensor cores sum e4m3 products inside a step with fewer bits than fp32 (~14 per
         DeepSeek-V3's measurement), ~10⁻⁴ relative: well below bf16's rounding of y, not the tf32 dot's
-        exactness. SWAP (without BITS) accumulates yᵀ [BLOCK_N, BLOCK_M] = W · xᵀ: the weight becomes the
+        exactness. LOWP 3 (e4m3 weights without BITS: fp16_dot_ok): fp16 operands, the weight converted by
+        one instruction per two values (e4m3 → bf16, LOWP 1's, takes three) and x scaled per row and step by s,
+        the least power of 2 ≥ max|x|/2¹⁵, so that x/s is exact in fp16 down to 2⁻²⁹ of the row's maximum
+        (below, within 2⁻³⁹ of it); with ACT_FP8 x's e4m3 codes, exact in fp16. Half the tf32 dot's
+        tensor-core instructions (at M = 16 the tf32 mma.sync alone needs about as long as the weight bytes).
+        SWAP (without BITS) accumulates yᵀ [BLOCK_N, BLOCK_M] = W · xᵀ: the weight becomes the
         dot's first operand, which Hopper's wgmma takes from registers (decoded) or shared memory (LOWP 2);
         x, the small one, is the staged second operand."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -360,6 +366,13 @@ if triton is not None:
                         x1 = r.to(tl.float8e4nv)
                         x2 = ((r - x1.to(tl.float32)) * 16.0).to(tl.float8e4nv)
                         part = (_dot(x1, w, SWAP) + _dot(x2, w, SWAP) * 0.0625) * _along_m(s8, SWAP)
+                elif LOWP == 3:  # fp16 operands: e4m3 → fp16 is one exact conversion per 2 weights (docstring)
+                    if ACT_FP8:
+                        part = _dot(xq.to(tl.float16), w.to(tl.float16), SWAP) * _along_m(xs, SWAP)
+                    else:
+                        s16 = _pow2_at_least(tl.maximum(tl.max(tl.abs(x), axis=1) / 32768.0, 1e-30))
+                        xh = (x * (1.0 / s16)[:, None]).to(tl.float16)  # exact: a power of 2, |x/s16| ≤ 2¹⁵
+                        part = _dot(xh, w.to(tl.float16), SWAP) * _along_m(s16, SWAP)
                 elif LOWP:
                     part = _dot(x16, w.to(x_ptr.dtype.element_ty), SWAP)
                     if ACT_FP8:
@@ -426,7 +439,8 @@ def gemv_config(fmt: int, N: int, K: int, rows: int, columns: int = 1) -> tuple[
     BLOCK_N 32, 4 stages, steps of 256 columns (KSTEP 2). BITS (default 0) decodes the
     weight by bit moves instead of conversion instructions (see _fp8_bits); KSTEP (default 1) widens each step
     to KSTEP × 128 columns (FP8_ROW and BF16 without BITS only); LOWP (default 0) has the M > 1 kernel's dot
-    take 16-bit operands (1: lowp_exact) or e4m3 ones (2: fp8_dot_ok; at M = 1 too, in the dot kernel); SWAP
+    take 16-bit operands (1: lowp_exact), e4m3 ones (2: fp8_dot_ok; at M = 1 too, in the dot kernel) or fp16
+    ones (3: fp16_dot_ok; fp8 weights, x scaled by a power of 2); SWAP
     (default 0) has it take the weight as its first operand (without BITS); the sweep tries them all."""
     if columns == 1:
         tuned = tuned_config(gpu_table(), fmt, N, K, rows)
@@ -462,6 +476,13 @@ def fp8_dot_ok(fmt: int, x_dtype, bits: bool, act_fp8: bool, grouped: bool = Fal
     conversion (not BITS) in linear mode, with x in bf16 (as two e4m3 parts: see _gemv_kernel) or rounded to
     e4m3 by the fp8 scheme itself (ACT_FP8)."""
     return fmt in (FP8_ROW, FP8_BLOCK) and not bits and not grouped and (act_fp8 or x_dtype == torch.bfloat16)
+
+
+def fp16_dot_ok(fmt: int, x_dtype, bits: bool) -> bool:
+    """Whether the M > 1 kernel's dot can take fp16 operands (launch option LOWP 3): e4m3 weights decoded by
+    conversion (not BITS), x in bf16 or fp16 (scaled by a power of 2 into fp16's range: see _gemv_kernel) or
+    rounded to e4m3 by the fp8 scheme."""
+    return fmt in (FP8_ROW, FP8_BLOCK) and not bits and x_dtype in (torch.bfloat16, torch.float16)
 
 
 def split_plan(K: int, config) -> tuple[int, int]:
@@ -508,6 +529,11 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
             raise ValueError(f"LOWP 2 (the e4m3 dot) needs e4m3 weights (fp8-weight or fp8) decoded by conversion (no "
                              f"BITS), bf16 or e4m3 activations and the linear mode; got format {fmt}, x {x.dtype}, "
                              f"BITS {int(bits)}, fp8 activations {act_fp8}, grouped {grouped}")
+        lowp = 0
+    if lowp == 3 and not fp16_dot_ok(fmt, x.dtype, bits):
+        if explicit:
+            raise ValueError(f"LOWP 3 (the fp16 dot) needs e4m3 weights (fp8-weight or fp8) decoded by conversion (no "
+                             f"BITS) and 16-bit activations; got format {fmt}, x {x.dtype}, BITS {int(bits)}")
         lowp = 0
     if lowp == 1 and not lowp_exact(fmt, x.dtype, w.dtype, bits):
         if explicit:
