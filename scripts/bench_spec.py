@@ -60,7 +60,12 @@ def time_call(fn, device, iters=20, repeats=5) -> float:
 def phase_costs(e, k: int, proposer=None) -> dict:
     """Seconds of the compiled verify (k + 1 positions) and commit of one round, and of `proposer`'s draft if
     given, on the engine's current cache rows; every row is marked finished first, so these steps compute
-    but advance nothing."""
+    but advance nothing. They compile under the engine's cache tag, as generate's steps do."""
+    with torch.compiler.config.patch(cache_key_tag=e.cache_tag):
+        return _phase_costs(e, k, proposer)
+
+
+def _phase_costs(e, k: int, proposer) -> dict:
     e.state["done"].fill_(True)
     tokens = torch.zeros(e.max_batch_size, k + 1, dtype=torch.long, device=e.device)
     keep = torch.zeros(e.max_batch_size, dtype=torch.long, device=e.device)
