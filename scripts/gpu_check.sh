@@ -17,7 +17,8 @@
 #   qbench   scripts/bench.py on $QMODEL (default 27B): fastqwen bf16 vs quantized ($SCHEME, default fp8-weight;
 #            one scheme a process: quantizing is in place; QBENCH_ARGS, e.g. --quant-lm-head, or
 #            --kernels launch=pdl for both systems)
-#   quality  scripts/quant_quality.py on 27B: per-linear and logit error, top-1 agreement per scheme
+#   quality  scripts/quant_quality.py on 27B: per-linear and logit error, top-1 agreement per scheme, and the same
+#            for weight noise of each format's size ($QUALITY_NOISE, default 0.03 0.1: fp8's and int4's)
 #   candidates scripts/bench.py: fastqwen vs fastqwen with an alternative kernel in one process, on $CAND_MODEL
 #            (default 35B-A3B) with $CAND_SYSTEMS (default fastqwen+grouped-experts; also fastqwen+split-attention,
 #            fastqwen+gemv-linears, fastqwen+unrolled-gdn, fastqwen+separate-projections, fastqwen+combo-kernels:
@@ -89,7 +90,8 @@ case "$stage" in
   suite) python -m pytest -q -p no:warnings tests/benchmarks --benchmark-only \
            --benchmark-storage=file://tests/benchmarks/baselines --benchmark-save=h200 2>&1 | tail -12
          cp -r tests/benchmarks/baselines "$out/" ;;
-  quality) python scripts/quant_quality.py --json "$out/quant_quality.json" 2>&1 | grep "error" ;;
+  quality) python scripts/quant_quality.py --noise ${QUALITY_NOISE:-0.03 0.1} --json "$out/quant_quality.json" 2>&1 \
+           | grep "error" ;;
   quant) python -m pytest -q -p no:warnings tests/gpu/test_quant_gpu.py 2>&1 | tee "$out/quant_tests.log" | tail -5
          python scripts/bench_quant.py --experts ${QUANT_ARGS:-} --json "$out/bench_quant.json" 2>&1 | grep -E "^\||bandwidth" ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
