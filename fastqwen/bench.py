@@ -77,9 +77,9 @@ class OracleProposer:
     def features(self):
         return None if self.inner is None else self.inner.features
 
-    def prefill(self, engine, first_row, tokens, hidden) -> None:
+    def prefill(self, engine, first_row, tokens, hidden, start=0) -> None:
         if self.inner is not None:
-            self.inner.prefill(engine, first_row, tokens, hidden)
+            self.inner.prefill(engine, first_row, tokens, hidden, start)
 
     def start(self, engine) -> None:
         if self.inner is not None:

@@ -24,6 +24,9 @@ from .model import Forward
 from .sampling import greedy, sample
 
 MAX_SPECULATIVE_TOKENS = 32
+# prompt tokens (rows × positions) one prefill forward runs at most: longer prompts prefill in chunks, so a
+# prompt's transient activations (MLP: rows × chunk × 2·intermediate) stay bounded whatever its length
+PREFILL_CHUNK_TOKENS = 32768
 # the compiled steps' inductor options on CUDA unless optimize(compile_options=...) replaces them
 CUDA_COMPILE_OPTIONS = {"max_autotune": True, "triton.cudagraphs": True, "coordinate_descent_tuning": True}
 
@@ -115,8 +118,9 @@ class Engine:
     """Owns the cache, the forward and the compiled decode steps of one optimized model."""
 
     def __init__(self, model, *, max_batch_size: int, max_seq_len: int, compile: bool, compile_options=None,
-                 compile_cache=None, kernels=None):
+                 compile_cache=None, kernels=None, prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS):
         self.model = model
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         embed = model.get_input_embeddings().weight
         self.device, self.dtype = embed.device, embed.dtype
         self.vocab_size = model.lm_head.out_features
@@ -300,9 +304,12 @@ class Engine:
                 end += 1
             tokens = torch.stack(rows[start:end])
             features = self.spec.proposer.features if self.spec is not None else None
-            logits[start:end], feats = self.forward.prefill(start, tokens, features)
-            if self.spec is not None:
-                self.spec.proposer.prefill(self, start, tokens, feats)
+            chunk = self._prefill_chunk(end - start)
+            for pos in range(0, tokens.shape[1], chunk):
+                part = tokens[:, pos:pos + chunk]
+                logits[start:end], feats = self.forward.prefill(start, part, features, pos)
+                if self.spec is not None:
+                    self.spec.proposer.prefill(self, start, part, feats, pos)
             self.cache.lengths[start:end] = len(rows[start])
             start = end
         s["done"].fill_(True)
@@ -311,6 +318,12 @@ class Engine:
         first = self._select(logits, do_sample)
         s["tokens"].copy_(first)
         return first
+
+    def _prefill_chunk(self, n_rows: int) -> int:
+        """Positions per prefill forward for n_rows rows: within prefill_chunk_tokens, a multiple of 64 where
+        that leaves any (the chunked GDN kernel's block), at least 1."""
+        chunk = max(1, self.prefill_chunk_tokens // n_rows)
+        return chunk - chunk % 64 if chunk >= 64 else chunk
 
     @staticmethod
     def _trim(new_tokens, eos, done):

@@ -2,7 +2,8 @@
 
 A plain walk over `layers`, in the spirit of gpt-fast's model.py: it reads the HF modules' parameters (so
 their names, state dict and any weight swaps stay valid), writes the HybridCache, and calls `ops/`. Two
-entry points: `prefill` runs equal-length prompts of consecutive, empty cache rows; `step` runs T new tokens
+entry points: `prefill` runs a chunk of equal-length prompts of consecutive cache rows (the first chunk on empty
+rows, each later one on the positions after the previous); `step` runs T new tokens
 for every row at its own positions `cache.lengths[b] + t` and is what gets compiled into a CUDA graph.
 Neither advances `cache.lengths`; the caller does, once it knows which rows advanced. A speculative verify is
 `step(tokens, verify=True)`: attention K/V are written for all T positions, but the Gated DeltaNet
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .cache import HybridCache
-from .ops.attention import apply_rope, attend_cache, attend_causal, rope_cos_sin, write_kv
+from .ops.attention import apply_rope, attend_cache, attend_causal, attend_prefix, rope_cos_sin, write_kv
 from .ops.decode_attention import attend_cache_split_op
 from .linears import MLP_IN, Linears, fuse_linears
 from .moe import routed_moe, stack_shared_expert
@@ -108,15 +109,16 @@ class Forward:
             fuse_linears(getattr(layer.mlp, "shared_expert", layer.mlp), MLP_IN)
 
     # ----- entry points -------------------------------------------------------------------------------
-    def prefill(self, first_row: int, tokens: torch.Tensor, features=None):
-        """Run prompts tokens [n, T] of cache rows first_row … first_row+n-1 (which must be empty).
+    def prefill(self, first_row: int, tokens: torch.Tensor, features=None, start: int = 0):
+        """Run prompt tokens [n, T] at positions start … start+T-1 of cache rows first_row … first_row+n-1,
+        which must hold exactly the `start` positions before them (none for a prompt's first chunk).
 
-        Returns the logits of each prompt's last token [n, V] fp32 and the requested `features` of every
+        Returns the logits of each chunk's last token [n, V] fp32 and the requested `features` of every
         position (see `_features`; None when features is None).
         """
-        positions = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
+        positions = torch.arange(start, start + tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
         rows = slice(first_row, first_row + tokens.shape[0])
-        h, taps = self._layers(tokens, positions, rows, "prefill", self._taps(features))
+        h, taps = self._layers(tokens, positions, rows, "prefill", self._taps(features), past=start)
         h = self.final_norm(h)
         return self.lm_head(h[:, -1]).float(), self._features(features, h, taps)
 
@@ -163,8 +165,9 @@ class Forward:
     def final_norm(self, h):
         return rms_norm(h, self.norm.weight, self.eps)
 
-    def _layers(self, tokens, positions, rows, mode, taps=()):
-        """The decoder stack; returns the last layer's output and the outputs of layers `taps` (in order)."""
+    def _layers(self, tokens, positions, rows, mode, taps=(), past: int = 0):
+        """The decoder stack; returns the last layer's output and the outputs of layers `taps` (in order).
+        past: in prefill, the number of positions the rows already hold."""
         x = self.embed(tokens)
         tapped = {}
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scaling, x.dtype)
@@ -175,7 +178,8 @@ class Forward:
                 h = self._gdn(layer.linear_attn, h, conv[rows], state[rows], mode, i)
             else:
                 k_cache, v_cache = self.cache.attention(i)
-                h = self._attention(layer.self_attn, h, cos, sin, positions, k_cache[rows], v_cache[rows], mode)
+                h = self._attention(layer.self_attn, h, cos, sin, positions, k_cache[rows], v_cache[rows], mode,
+                                    past)
             x = x + h
             h = rms_norm(x, layer.post_attention_layernorm.weight, self.eps)
             x = x + self._mlp(layer.mlp, h, mode)
@@ -212,8 +216,9 @@ class Forward:
         o = gated_rms_norm(o, z, m.norm.weight, m.norm.variance_epsilon)
         return self.lin(m.out_proj, o.reshape(B, T, -1))
 
-    def _attention(self, m, h, cos, sin, positions, k_cache, v_cache, mode):
-        """Gated full attention: q/k norms, partial rope, cache write, attention, sigmoid output gate."""
+    def _attention(self, m, h, cos, sin, positions, k_cache, v_cache, mode, past: int = 0):
+        """Gated full attention: q/k norms, partial rope, cache write, attention, sigmoid output gate. In
+        prefill the T positions follow the `past` ones the rows hold."""
         B, T, _ = h.shape
         D = m.head_dim
         q, k, v = self.lin.project(m, h, ATTN_IN)
@@ -223,8 +228,10 @@ class Forward:
         v = v.reshape(B, T, -1, D).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         write_kv(k_cache, v_cache, k, v, positions)
-        if mode == "prefill":
+        if mode == "prefill" and past == 0:
             o = attend_causal(q, k, v, m.scaling)
+        elif mode == "prefill":
+            o = attend_prefix(q, k_cache[:, :, :past + T], v_cache[:, :, :past + T], m.scaling)
         elif self.kernels["attention"] == "split":
             o = attend_cache_split_op(q, k_cache, v_cache, positions, m.scaling)
         else:

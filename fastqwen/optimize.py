@@ -8,7 +8,7 @@ from transformers import (
     Qwen3_5MoeForConditionalGeneration,
 )
 
-from .generate import Engine, check_num_speculative_tokens
+from .generate import PREFILL_CHUNK_TOKENS, Engine, check_num_speculative_tokens
 from .model import check_kernels
 
 SUPPORTED = (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5ForConditionalGeneration,
@@ -23,7 +23,8 @@ def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile
              compile_options: dict | None = None, speculate: str | None = None, num_speculative_tokens: int = 3,
              draft=None, block_size: int | None = None, quant: str | None = None, quant_group_size: int = 128,
              quant_lm_head: bool = False, draft_lm_head: str | None = None, draft_vocab=None, compile_cache=None,
-             kernels: dict | None = None, draft_quant: str | None = None):
+             kernels: dict | None = None, draft_quant: str | None = None,
+             prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS):
     """Make `model.generate` run on fastqwen's static hybrid cache and compiled decode step.
 
     model: a transformers Qwen3.5 / Qwen3.6 model (dense or MoE; CausalLM or ConditionalGeneration, text-only
@@ -43,13 +44,16 @@ def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile
     the same scheme: it is read every round, and its precision only moves acceptance, never the output.
     draft_quant: the draft's scheme when it should differ from quant's, e.g. "fp8-weight" drafts for a bf16
     target (half the draft's bytes a round; the target verifies in bf16, so the output is unchanged).
+    prefill_chunk_tokens: the most prompt tokens (rows × positions) one prefill forward runs; longer prompts
+    prefill in chunks (same output), which bounds prefill's activation memory (lower it on a smaller GPU).
     Returns the same model object; its weights and module tree are untouched, and the original generate
     stays reachable as `type(model).generate(model, ...)`.
     """
     if not isinstance(model, SUPPORTED):
         names = ", ".join(c.__name__ for c in SUPPORTED)
         raise TypeError(f"fastqwen.optimize supports {names}; got {type(model).__name__}")
-    for name, value in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len)):
+    for name, value in (("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len),
+                        ("prefill_chunk_tokens", prefill_chunk_tokens)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if max_seq_len < 2:
@@ -114,7 +118,8 @@ def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile
         lm_head = draft_head(model.lm_head, draft_vocab, draft_lm_head, quant_group_size)  # None: the target's
     model.eval()
     model._fastqwen = Engine(model, max_batch_size=max_batch_size, max_seq_len=max_seq_len, compile=compile,
-                             compile_options=compile_options, compile_cache=compile_cache, kernels=kernels)
+                             compile_options=compile_options, compile_cache=compile_cache, kernels=kernels,
+                             prefill_chunk_tokens=prefill_chunk_tokens)
     if proposer_for is not None:
         model._fastqwen.enable_speculation(proposer_for(model._fastqwen, lm_head), k)
     model.generate = model._fastqwen.generate

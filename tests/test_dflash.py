@@ -73,9 +73,10 @@ def plain_block_logits(model, draft, prompt, pending, k):
         return model.lm_head(draft.norm(x)[:, 1:]).float()
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
-def test_block_forward_matches_a_plain_implementation(draft_dir, name):
-    model = fastqwen.optimize(fresh(name), max_seq_len=128, compile=False, speculate="dflash", draft=draft_dir)
+@pytest.mark.parametrize("name, chunk", [("tiny", 32768), ("tiny-moe", 32768), ("tiny", 8)])
+def test_block_forward_matches_a_plain_implementation(draft_dir, name, chunk):
+    model = fastqwen.optimize(fresh(name), max_seq_len=128, compile=False, speculate="dflash", draft=draft_dir,
+                              prefill_chunk_tokens=chunk)
     engine = model._fastqwen
     proposer = engine.spec.proposer
     prompt = torch.randint(1, 500, (1, 19))

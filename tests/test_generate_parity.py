@@ -5,7 +5,7 @@ import torch
 from conftest import fresh, hf_generate, left_padded
 
 import fastqwen
-from fastqwen.generate import DoneWatch
+from fastqwen.generate import PREFILL_CHUNK_TOKENS, DoneWatch
 
 NEW = 64
 
@@ -38,6 +38,26 @@ def test_ragged_left_padded_batch_matches_hf_and_single_rows(pair):
     for b, r in enumerate(rows):
         alone = opt.generate(r[None], max_new_tokens=NEW, do_sample=False)
         assert torch.equal(alone[0, len(r):], got[b, ids.shape[1]:])
+
+
+@pytest.mark.parametrize("budget, chunks", [(96, (64, 48)), (130, (128, 64))])
+def test_chunked_prefill_matches_hf(pair, budget, chunks):
+    """Prompts longer than prefill_chunk_tokens prefill in chunks (`chunks`: positions a forward for a row
+    alone and for the two equal rows that prefill together; the last chunk is shorter, some below the chunked
+    GDN kernel's 64): the output stays transformers'."""
+    ref, opt = pair
+    engine = opt._fastqwen
+    rows = [torch.randint(1, ref.config.vocab_size, (n,)) for n in (150, 150, 9)]
+    ids, mask = left_padded(rows)
+    engine.prefill_chunk_tokens = budget
+    try:
+        assert (engine._prefill_chunk(1), engine._prefill_chunk(2)) == chunks
+        got = opt.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+        alone = opt.generate(rows[0][None], max_new_tokens=16, do_sample=False)
+    finally:
+        engine.prefill_chunk_tokens = PREFILL_CHUNK_TOKENS
+    assert torch.equal(got, hf_generate(ref, ids, mask, max_new_tokens=16))
+    assert torch.equal(alone[0], got[0])
 
 
 def test_eos_in_the_middle_of_a_batch(pair):

@@ -57,9 +57,10 @@ def plain_drafts(model, head, prompt, first, k):
         return torch.stack(drafts, dim=1)
 
 
-def test_mtp_loads_and_drafts_like_a_plain_implementation(checkpoint):
+@pytest.mark.parametrize("chunk", [32768, 8], ids=["one-prefill", "chunked-prefill"])
+def test_mtp_loads_and_drafts_like_a_plain_implementation(checkpoint, chunk):
     model = fastqwen.optimize(load(checkpoint), max_seq_len=128, compile=False, speculate="mtp",
-                              num_speculative_tokens=3)
+                              num_speculative_tokens=3, prefill_chunk_tokens=chunk)
     engine = model._fastqwen
     prompt = torch.randint(1, 500, (1, 21))
     with torch.no_grad():

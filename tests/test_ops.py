@@ -7,7 +7,7 @@ from conftest import fresh
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from fastqwen.moe import routed_moe
-from fastqwen.ops.attention import apply_rope, attend_cache, rope_cos_sin, write_kv
+from fastqwen.ops.attention import apply_rope, attend_cache, attend_prefix, rope_cos_sin, write_kv
 from fastqwen.ops.conv import causal_conv1d
 from fastqwen.ops.gdn import gdn_chunk, gdn_recurrent
 from fastqwen.ops.norm import gated_rms_norm, rms_norm
@@ -70,6 +70,15 @@ def test_attention_over_cache_per_row_positions():
             w = (q[b, :, t, None] @ keys.transpose(-1, -2) * D**-0.5).softmax(-1)
             torch.testing.assert_close(out[b, :, t], (w @ vals)[:, 0])
     assert torch.equal(k_cache[1, :, 11], k[1, :, 1])
+
+
+@pytest.mark.parametrize("T", [1, 5, 12])
+def test_prefix_attention_is_cached_attention_at_the_last_positions(T):
+    """A later prefill chunk: the last T of S cached positions, grouped queries, against attend_cache."""
+    B, Hq, Hkv, S, D = 2, 4, 2, 12, 8
+    k, v, q = torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D), torch.randn(B, Hq, T, D)
+    positions = torch.arange(S - T, S).expand(B, -1)
+    torch.testing.assert_close(attend_prefix(q, k, v, D**-0.5), attend_cache(q, k, v, positions, D**-0.5))
 
 
 def test_rope_matches_transformers():

@@ -7,6 +7,7 @@ to a fused kernel; the CPU path is the same call.
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype):
@@ -45,3 +46,16 @@ def attend_cache(q, k_cache, v_cache, positions, scale: float) -> torch.Tensor:
 def attend_causal(q, k, v, scale: float) -> torch.Tensor:
     """Causal self-attention of a fresh sequence: q [B, Hq, T, D], k, v [B, Hkv, T, D]."""
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+
+
+def attend_prefix(q, k, v, scale: float) -> torch.Tensor:
+    """Causal attention of the last T of S positions: q [B, Hq, T, D] over keys k, v [B, Hkv, S, D] (the cache
+    up to and including these T), query t seeing keys 0 … S−T+t. A prompt's later prefill chunks: the mask is
+    lower-right causal (torch's CausalBias), so on CUDA the flash kernel runs without building it. The heads are
+    expanded to Hq first: the memory-efficient fallback (e.g. fp32) does not take grouped queries."""
+    B, Hkv, S, D = k.shape
+    group = q.shape[1] // Hkv
+    if group > 1:
+        k = k[:, :, None].expand(B, Hkv, group, S, D).reshape(B, Hkv * group, S, D)
+        v = v[:, :, None].expand(B, Hkv, group, S, v.shape[-1]).reshape(B, Hkv * group, S, v.shape[-1])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], S), scale=scale)

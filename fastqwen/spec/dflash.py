@@ -147,9 +147,9 @@ class DFlashProposer:
     def eps(self):
         return self.draft.eps
 
-    def prefill(self, engine, first_row, tokens, feats) -> None:
+    def prefill(self, engine, first_row, tokens, feats, start=0) -> None:
         n, T = tokens.shape
-        positions = torch.arange(T, device=tokens.device).expand(n, -1)
+        positions = torch.arange(start, start + T, device=tokens.device).expand(n, -1)
         self._write_context(feats, positions, slice(first_row, first_row + n))
 
     def start(self, engine) -> None:

@@ -18,7 +18,8 @@ class Speculator:
 
     The proposer protocol (see bench.OracleProposer, spec/mtp.py, spec/dflash.py):
       features: what it reads of the target (Forward._features): None, "final" or a tuple of layer ids;
-      prefill(engine, first_row, tokens [n, T], feats [n, T, F]) after each prompt's prefill;
+      prefill(engine, first_row, tokens [n, T], feats [n, T, F], start) after each prefill chunk (positions
+        start … start+T-1 of rows first_row … first_row+n-1; chunks in order);
       start(engine) once every row is prefilled;
       propose(engine, k, do_sample) -> (drafts [B, k] long, q [B, k, V] draft probabilities, or None when the
         drafts are deterministic);

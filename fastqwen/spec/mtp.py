@@ -115,9 +115,10 @@ class MTPProposer:
         for buf in (self.pos, self.last_hidden):
             torch._dynamo.mark_static_address(buf)
 
-    def run(self, engine, tokens, hidden, positions, rows=slice(None)):
+    def run(self, engine, tokens, hidden, positions, rows=slice(None), past=None):
         """MTP over tokens [n, T] (x_{t+1}) and hidden [n, T, H] (h_t) at positions [n, T]; writes its KV cache
-        rows `rows` and returns m [n, T, H]."""
+        rows `rows` and returns m [n, T, H]. past: None in a round (attention over the cache, per-row
+        positions); in prefill, the number of positions the rows hold before these T (all rows alike)."""
         head, fw = self.head, engine.forward
         eps = fw.eps
         x = head.fc(torch.cat([rms_norm(fw.embed(tokens), head.pre_fc_norm_embedding.weight, eps),
@@ -126,18 +127,26 @@ class MTPProposer:
         cos, sin = rope_cos_sin(positions, fw.inv_freq, fw.rope_scaling, x.dtype)
         k_cache, v_cache = self.cache.attention(0)
         h = rms_norm(x, layer.input_layernorm.weight, eps)
-        x = x + fw._attention(layer.self_attn, h, cos, sin, positions, k_cache[rows], v_cache[rows], "decode")
+        mode, past = ("decode", 0) if past is None else ("prefill", past)
+        x = x + fw._attention(layer.self_attn, h, cos, sin, positions, k_cache[rows], v_cache[rows], mode, past)
         h = rms_norm(x, layer.post_attention_layernorm.weight, eps)
         x = x + fw._mlp(layer.mlp, h, "prefill" if tokens.shape[1] > 16 else "decode")
         return rms_norm(x, head.norm.weight, eps)
 
-    def prefill(self, engine, first_row, tokens, hidden) -> None:
+    def prefill(self, engine, first_row, tokens, hidden, start=0) -> None:
+        """A prompt chunk: tokens [n, T] and the target's hidden [n, T, H] at positions start … start+T-1. MTP
+        position t pairs x_{t+1} with h_t, so a later chunk begins with the previous chunk's last h."""
         n, T = tokens.shape
         rows = slice(first_row, first_row + n)
-        if T > 1:
-            positions = torch.arange(T - 1, device=tokens.device).expand(n, -1)
-            self.run(engine, tokens[:, 1:], hidden[:, :-1], positions, rows)
-        self.pos[rows] = T - 1
+        if start == 0:
+            tokens, pairs = tokens[:, 1:], hidden[:, :-1]
+        else:
+            pairs = torch.cat([self.last_hidden[rows, None], hidden[:, :-1]], dim=1)
+        first = max(start - 1, 0)
+        if tokens.shape[1]:
+            positions = torch.arange(first, first + tokens.shape[1], device=tokens.device).expand(n, -1)
+            self.run(engine, tokens, pairs, positions, rows, past=first)
+        self.pos[rows] = start + T - 1
         self.last_hidden[rows] = hidden[:, -1]
 
     def start(self, engine) -> None:

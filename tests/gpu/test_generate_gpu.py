@@ -71,3 +71,20 @@ def test_sampled_ragged_batch_is_seeded_and_stays_in_vocab(model9b):
                                      top_k=50, top_p=0.9))
     assert runs[0].shape == (3, 56) and torch.equal(runs[0], runs[1])
     assert (runs[0][:, 40:] < model9b.config.vocab_size).all()
+
+
+def test_chunked_prefill_gives_the_tokens_of_one_prefill(model9b):
+    """A 700-token prompt in chunks of 256 (attention over the cached prefix, GDN state carried) gives the
+    tokens of one prefill, up to bf16 near-ties (exact in fp32 on CPU: tests/test_generate_parity.py)."""
+    torch.manual_seed(2)
+    prompt = torch.randint(0, model9b.config.vocab_size, (700,), device="cuda")
+    engine = model9b._fastqwen
+    whole = model9b.generate(prompt[None], max_new_tokens=NEW, do_sample=False)[0, len(prompt):]
+    budget, engine.prefill_chunk_tokens = engine.prefill_chunk_tokens, 256
+    try:
+        chunked = model9b.generate(prompt[None], max_new_tokens=NEW, do_sample=False)[0, len(prompt):]
+    finally:
+        engine.prefill_chunk_tokens = budget
+    d = first_divergence(chunked, whole, prompt)
+    print(f"chunked prefill: {'identical' if d is None else 'diverged'} over {NEW} tokens")
+    assert_near_ties(model9b, [d])

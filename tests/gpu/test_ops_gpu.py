@@ -6,7 +6,7 @@ from conftest import poison_allocator, rel_err
 
 from fastqwen import presets
 from fastqwen.moe import routed_moe
-from fastqwen.ops.attention import attend_cache
+from fastqwen.ops.attention import attend_cache, attend_prefix
 from fastqwen.ops.conv import causal_conv1d
 from fastqwen.ops.gdn import gdn_chunk, gdn_recurrent, gdn_reference
 from fastqwen.ops.norm import gated_rms_norm, rms_norm
@@ -70,6 +70,17 @@ def test_attention_over_cache_matches_fp32():
     out = f(q, k_cache, v_cache, pos, D**-0.5)
     ref = attend_cache(q.float(), k_cache.float(), v_cache.float(), pos, D**-0.5)
     assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # flash; the memory-efficient fallback
+def test_prefix_attention_of_a_later_prefill_chunk_matches_fp32(dtype):
+    B, Hq, Hkv, S, T, D = 2, 24, 4, 1000, 300, 256
+    k, v = (torch.randn(B, Hkv, S, D, device="cuda", dtype=dtype) for _ in range(2))
+    q = torch.randn(B, Hq, T, D, device="cuda", dtype=dtype)
+    poison_allocator((B, Hq, T, D))
+    out = attend_prefix(q, k, v, D**-0.5)
+    ref = attend_cache(q.float(), k.float(), v.float(), torch.arange(S - T, S, device="cuda").expand(B, -1), D**-0.5)
+    assert not out.isnan().any() and rel_err(out, ref) < 1e-2
 
 
 @pytest.mark.parametrize("rows", [1, 3, 48])
