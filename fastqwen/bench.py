@@ -393,6 +393,7 @@ def run(
     ragged: bool = False,
     quant_lm_head: bool = False,
     kernels: dict | None = None,
+    max_seq_len: int | None = None,
 ) -> dict:
     """Benchmark preset ``name`` (random weights, seed 0) on one model object in this process.
 
@@ -408,7 +409,9 @@ def run(
     different lengths, left-padded (`ragged_mask`), as concurrent requests are; ``prompt_len`` is the longest.
     ``quant_lm_head``: a quantized system quantizes lm_head too (optimize's quant_lm_head); its roofline, from
     the quantized model's bytes, is ``<system>_roofline_tok_s``. ``kernels``: optimize's kernel choices for every
-    fastqwen system (a candidate system's own choices override them).
+    fastqwen system (a candidate system's own choices override them). ``max_seq_len``: fastqwen's cache size
+    (default: just what the run needs, prompt_len + n_long + 64), e.g. 131072 with a short prompt to time what a
+    long cache costs a short context (the roofline counts only the KV in use).
     """
     import fastqwen
 
@@ -420,7 +423,12 @@ def run(
     if len(quant) > 1 or (quant and model is not None):
         raise ValueError(f"{quant}: a quantized system quantizes the model in place, so a run takes at most one, "
                          "on a model it builds itself (run one process per scheme)")
-    res = {"model": name, "batch_size": batch_size, "prompt_len": prompt_len, "n_short": n_short,
+    needed = prompt_len + n_long + 64
+    if max_seq_len is not None and max_seq_len < needed:
+        raise ValueError(f"max_seq_len={max_seq_len} < prompt_len + n_long + 64 = {needed}")
+    max_seq_len = max_seq_len or needed
+    res = {"model": name, "batch_size": batch_size, "prompt_len": prompt_len, "max_seq_len": max_seq_len,
+           "n_short": n_short,
            "n_long": n_long, "dtype": str(dtype).removeprefix("torch."), "device": str(device), "systems": {},
            "quant_lm_head": quant_lm_head, "kernels": dict(kernels or {})}
     mask = ragged_mask(batch_size, prompt_len, device) if ragged and batch_size > 1 else None
@@ -451,7 +459,7 @@ def run(
         opts = compile_options
         if options:
             opts = {**(compile_options or CUDA_COMPILE_OPTIONS), **options}
-        optimized = fastqwen.optimize(model, max_batch_size=batch_size, max_seq_len=prompt_len + n_long + 64,
+        optimized = fastqwen.optimize(model, max_batch_size=batch_size, max_seq_len=max_seq_len,
                                       compile=compile, compile_options=opts, quant=quant,
                                       quant_lm_head=quant_lm_head and quant is not None,
                                       kernels={**(kernels or {}), **(own_kernels or {})})

@@ -51,6 +51,8 @@ def parse_args() -> argparse.Namespace:
                    "lm_head too (optimize's quant_lm_head; 27B: 2.5 GB of its 51 GB a step in bf16)")
     p.add_argument("--prompt-len", type=int, nargs="+", default=[DEFAULTS["prompt_len"]],
                    help="prompt tokens per row, i.e. the context decoding starts from (a sweep if several)")
+    p.add_argument("--max-seq-len", type=int, help="fastqwen's cache size (default: what the run needs); e.g. "
+                   "131072 with a short prompt times what a long cache costs decode")
     p.add_argument("--n-short", type=int, default=DEFAULTS["n_short"], help="new tokens in the short run")
     p.add_argument("--n-long", type=int, default=DEFAULTS["n_long"], help="new tokens in the long run")
     p.add_argument("--dtype", default=DEFAULTS["dtype"], choices=["bfloat16", "float16", "float32"])
@@ -108,7 +110,7 @@ def main() -> None:
                         dtype=getattr(torch, args.dtype), device=args.device, compile=args.compile, progress=say,
                         compile_options={"triton.cudagraphs": True} if args.no_autotune else None,
                         ragged=args.ragged, quant_lm_head=args.quant_lm_head,
-                        kernels=dict(kv.split("=", 1) for kv in args.kernels),
+                        kernels=dict(kv.split("=", 1) for kv in args.kernels), max_seq_len=args.max_seq_len,
                     ))
                 except Exception as e:  # e.g. out of memory: keep going with the next row
                     error = f"{type(e).__name__}: {e}"[:500]

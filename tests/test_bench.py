@@ -93,18 +93,22 @@ def test_run_times_alternatives_against_the_default_on_one_model():
 
 
 def test_run_applies_base_kernels_to_every_fastqwen_system(monkeypatch):
-    """bench.run(kernels=...) reaches optimize for fastqwen and the candidates, a candidate's own choice winning."""
+    """bench.run(kernels=..., max_seq_len=...) reaches optimize for fastqwen and the candidates, a candidate's own
+    kernel choice winning."""
     import fastqwen
 
     seen = []
     real = fastqwen.optimize
-    monkeypatch.setattr(fastqwen, "optimize", lambda *a, **k: seen.append(k["kernels"]) or real(*a, **k))
+    monkeypatch.setattr(fastqwen, "optimize",
+                        lambda *a, **k: seen.append((k["kernels"], k["max_seq_len"])) or real(*a, **k))
     r = bench.run("tiny", systems=("fastqwen", "fastqwen+unrolled-gdn", "fastqwen+pdl"), prompt_len=16, n_short=2,
                   n_long=4, dtype=torch.float32, device="cpu", compile=False, progress=None,
-                  kernels={"launch": "pdl", "gdn": "fla"})
-    assert r["kernels"] == {"launch": "pdl", "gdn": "fla"}
-    assert seen == [{"launch": "pdl", "gdn": "fla"}, {"launch": "pdl", "gdn": "unrolled"},
-                    {"launch": "pdl", "gdn": "fla"}]
+                  kernels={"launch": "pdl", "gdn": "fla"}, max_seq_len=200)
+    assert r["kernels"] == {"launch": "pdl", "gdn": "fla"} and r["max_seq_len"] == 200
+    assert seen == [({"launch": "pdl", "gdn": "fla"}, 200), ({"launch": "pdl", "gdn": "unrolled"}, 200),
+                    ({"launch": "pdl", "gdn": "fla"}, 200)]
+    with pytest.raises(ValueError, match="max_seq_len=50 < prompt_len"):
+        bench.run("tiny", systems=("fastqwen",), prompt_len=16, n_long=4, device="cpu", max_seq_len=50)
 
 
 def test_option_systems_name_real_inductor_options():
