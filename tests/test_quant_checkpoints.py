@@ -117,6 +117,13 @@ def test_quantization_errors(tmp_path):
         fastqwen.optimize(model, compile=False, quant_lm_head=True)
     with pytest.warns(UserWarning, match=r"kept .*in_features 64 not divisible by 48"):
         quantize(fresh("tiny"), "int4", group_size=48)
+    for first, again, others in (("fp8-weight", ("fp8-weight", 64), [("int4", 128), ("fp8", 128)]),
+                                 ("int4", ("int4", 128), [("int4", 64), ("fp8-weight", 128)])):
+        done = quantize(fresh("tiny-moe"), first)
+        quantize(done, again[0], group_size=again[1])  # the same layout again: nothing to do
+        for scheme, group in others:
+            with pytest.raises(ValueError, match=rf"already quantized \(\d+ modules, e.g. .* as '{first}'"):
+                quantize(done, scheme, group_size=group)
     bad = [({"quant_method": "fp8", "weight_block_size": [64, 64]}, "only \\[128, 128\\]"),
            ({"quant_method": "gptq", "bits": 8}, "only 4-bit"),
            ({"quant_method": "bitsandbytes"}, "unsupported quantization_config quant_method='bitsandbytes'")]

@@ -101,6 +101,14 @@ def _slots(root: nn.Module, prefix: str) -> list:
 
 
 def _quantize_slots(slots, scheme: str, group_size: int) -> None:
+    done = [(full, child) for _, _, child, full in slots if isinstance(child, (QuantLinear, QuantExperts))]
+    layout = lambda sch, group: (sch, group if sch == "int4" else None)  # noqa: E731 (fp8's scales: no group)
+    other = [(full, child) for full, child in done if layout(child.scheme, child.group) != layout(scheme, group_size)]
+    if other:  # quantized layers are skipped below: never leave them in another scheme than the one asked for
+        full, child = other[0]
+        raise ValueError(f"quantize({scheme!r}, group_size={group_size}): the model is already quantized "
+                         f"({len(other)} modules, e.g. {full} as {child.scheme!r}, group {child.group}); load it "
+                         f"in bf16 again to quantize it another way")
     kept, slow = [], []
     params = [p for _, _, child, _ in slots for p in child.parameters()]
     cuda = bool(params) and params[0].is_cuda
