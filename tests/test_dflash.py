@@ -94,9 +94,11 @@ def test_dflash_speculative_greedy_is_token_identical(draft_dir, name):
     plain = fastqwen.optimize(fresh(name), max_batch_size=3, max_seq_len=256, compile=False)
     rows = [torch.randint(1, 500, (n,)) for n in (66, 10, 29)]
     ids, mask = left_padded(rows)
-    for block, draft_lm_head in ((8, None), (4, "fp8-weight")):  # (drafting through an fp8 lm_head copy too)
+    # (drafting through an fp8 lm_head copy too; and prefilling in chunks of 16)
+    for block, draft_lm_head, chunk in ((8, None, 32768), (4, "fp8-weight", 16)):
         spec = fastqwen.optimize(fresh(name), max_batch_size=3, max_seq_len=256, compile=False,
-                                 speculate="dflash", draft=draft_dir, block_size=block, draft_lm_head=draft_lm_head)
+                                 speculate="dflash", draft=draft_dir, block_size=block, draft_lm_head=draft_lm_head,
+                                 prefill_chunk_tokens=chunk)
         for kw in (dict(max_new_tokens=30), dict(max_new_tokens=11)):
             expected = plain.generate(ids, attention_mask=mask, do_sample=False, **kw)
             assert torch.equal(spec.generate(ids, attention_mask=mask, do_sample=False, **kw), expected)

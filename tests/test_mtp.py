@@ -74,7 +74,7 @@ def test_mtp_loads_and_drafts_like_a_plain_implementation(checkpoint, chunk):
 def test_mtp_speculative_greedy_is_token_identical(checkpoint):
     plain = fastqwen.optimize(load(checkpoint), max_batch_size=3, max_seq_len=256, compile=False)
     spec = fastqwen.optimize(load(checkpoint), max_batch_size=3, max_seq_len=256, compile=False, speculate="mtp",
-                             num_speculative_tokens=3)
+                             num_speculative_tokens=3, prefill_chunk_tokens=24)  # the 70 and 31 rows: chunked
     rows = [torch.randint(1, 500, (n,)) for n in (70, 8, 31)]
     ids, mask = left_padded(rows)
     expected = plain.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=30)
