@@ -12,39 +12,63 @@ tensors are registered buffers with static addresses, so CUDA graphs that read a
 without copies.
 """
 
+import math
+
 import torch
 from torch import nn
 
 
+def layout(cfg, max_batch_size: int, max_seq_len: int, dtype: torch.dtype, block: int = 0) -> dict:
+    """{buffer name: (shape, dtype)} of a HybridCache with these sizes (see the module docstring)."""
+    B, S = max_batch_size, max_seq_len
+    unknown = {kind for kind in cfg.layer_types} - {"full_attention", "linear_attention"}
+    if unknown:
+        raise ValueError(f"unsupported layer types {sorted(unknown)}")
+    bufs = {}
+    for i, kind in enumerate(cfg.layer_types):
+        if kind == "full_attention":
+            kv_shape = (B, cfg.num_key_value_heads, S, cfg.head_dim)
+            bufs[f"k{i}"] = bufs[f"v{i}"] = (kv_shape, dtype)
+    L = sum(kind == "linear_attention" for kind in cfg.layer_types)
+    if L:
+        H, HV = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        conv_dim = 2 * H * dk + HV * dv
+        bufs["conv"] = ((L, B, conv_dim, cfg.linear_conv_kernel_dim - 1), dtype)
+        bufs["state"] = ((L, B, HV, dk, dv), torch.float32)
+        if block:
+            bufs.update({"replay_x": ((L, B, block, conv_dim), dtype), "replay_k": ((L, B, block, H, dk), dtype),
+                         "replay_v": ((L, B, block, HV, dv), dtype), "replay_g": ((L, B, block, HV), torch.float32),
+                         "replay_beta": ((L, B, block, HV), torch.float32)})
+    bufs["lengths"] = ((B,), torch.int64)
+    return bufs
+
+
+def layout_bytes(bufs: dict) -> int:
+    return sum(math.prod(shape) * dt.itemsize for shape, dt in bufs.values())
+
+
+def _free_bytes(device) -> int:
+    return torch.cuda.mem_get_info(device)[0]
+
+
 class HybridCache(nn.Module):
     def __init__(self, cfg, max_batch_size: int, max_seq_len: int, dtype: torch.dtype, device, block: int = 0):
+        """Allocates every buffer now; on CUDA, first checks that they fit in the free memory (a clear error
+        naming max_seq_len and max_batch_size rather than an out-of-memory one partway)."""
         super().__init__()
         self.max_batch_size, self.max_seq_len, self.block = max_batch_size, max_seq_len, block
-        B, S = max_batch_size, max_seq_len
-        unknown = {kind for kind in cfg.layer_types} - {"full_attention", "linear_attention"}
-        if unknown:
-            raise ValueError(f"unsupported layer types {sorted(unknown)}")
-        for i, kind in enumerate(cfg.layer_types):
-            if kind == "full_attention":
-                kv_shape = (B, cfg.num_key_value_heads, S, cfg.head_dim)
-                self.register_buffer(f"k{i}", torch.zeros(kv_shape, dtype=dtype, device=device))
-                self.register_buffer(f"v{i}", torch.zeros(kv_shape, dtype=dtype, device=device))
+        bufs = layout(cfg, max_batch_size, max_seq_len, dtype, block)
+        if torch.device(device).type == "cuda":
+            need, free = layout_bytes(bufs), _free_bytes(device)
+            if need > free:
+                raise ValueError(f"the static cache for max_batch_size={max_batch_size} x max_seq_len={max_seq_len} "
+                                 f"needs {need / 2**30:.1f} GiB, but {device} has {free / 2**30:.1f} GiB free: lower "
+                                 "max_seq_len or max_batch_size")
+        for name, (shape, dt) in bufs.items():
+            self.register_buffer(name, torch.zeros(shape, dtype=dt, device=device))
         gdn = [i for i, kind in enumerate(cfg.layer_types) if kind == "linear_attention"]
         self.gdn_index = {i: j for j, i in enumerate(gdn)}  # model layer id -> index in the stacked buffers
-        if gdn:
-            L, H, HV = len(gdn), cfg.linear_num_key_heads, cfg.linear_num_value_heads
-            dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-            conv_dim = 2 * H * dk + HV * dv
-            self.register_buffer("conv", torch.zeros(L, B, conv_dim, cfg.linear_conv_kernel_dim - 1, dtype=dtype,
-                                                     device=device))
-            self.register_buffer("state", torch.zeros(L, B, HV, dk, dv, dtype=torch.float32, device=device))
-            if block:
-                replay = {"x": ((L, B, block, conv_dim), dtype), "k": ((L, B, block, H, dk), dtype),
-                          "v": ((L, B, block, HV, dv), dtype), "g": ((L, B, block, HV), torch.float32),
-                          "beta": ((L, B, block, HV), torch.float32)}
-                for name, (shape, dt) in replay.items():
-                    self.register_buffer(f"replay_{name}", torch.zeros(shape, dtype=dt, device=device))
-        self.register_buffer("lengths", torch.zeros(B, dtype=torch.int64, device=device))
         for buf in self.buffers():
             torch._dynamo.mark_static_address(buf)
 

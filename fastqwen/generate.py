@@ -176,6 +176,7 @@ class Engine:
         check_num_speculative_tokens(k)
         if k + 2 > self.max_seq_len:
             raise ValueError(f"max_seq_len={self.max_seq_len} leaves no room for a block of {k + 1} tokens")
+        self.cache = self.forward.cache = None  # (freed first: two caches at once may not fit)
         self.cache = HybridCache(self.model.config.get_text_config(), self.max_batch_size, self.max_seq_len,
                                  self.dtype, self.device, block=k + 1)
         self.forward.cache = self.cache

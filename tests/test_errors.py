@@ -34,6 +34,29 @@ def test_bad_optimize_options():
         fastqwen.optimize(fresh("tiny"), paged_cache=True)
 
 
+def test_bad_optimize_options_prefill_chunk():
+    with pytest.raises(ValueError, match="prefill_chunk_tokens must be a positive int"):
+        fastqwen.optimize(fresh("tiny"), compile=False, prefill_chunk_tokens=0)
+
+
+def test_a_cache_larger_than_the_free_gpu_memory_is_refused_before_allocating(monkeypatch):
+    """layout() is what HybridCache allocates, byte for byte; on CUDA a cache that does not fit in the free
+    memory is a ValueError naming the fix, raised before any allocation (so it runs on a CPU machine too)."""
+    from fastqwen import cache
+
+    cfg = fresh("tiny").config
+    for block in (0, 5):
+        built = cache.HybridCache(cfg, 3, 40, torch.bfloat16, "cpu", block=block)
+        bufs = cache.layout(cfg, 3, 40, torch.bfloat16, block)
+        assert {n: (tuple(b.shape), b.dtype) for n, b in built.named_buffers()} == bufs
+        assert cache.layout_bytes(bufs) == sum(b.nbytes for b in built.buffers())
+    monkeypatch.setattr(cache, "_free_bytes", lambda device: 2**30)
+    need = cache.layout_bytes(cache.layout(cfg, 8, 2**20, torch.bfloat16))
+    with pytest.raises(ValueError, match=rf"max_batch_size=8 x max_seq_len=1048576 needs {need / 2**30:.1f} GiB, "
+                                         r"but cuda has 1.0 GiB free: lower max_seq_len or max_batch_size"):
+        cache.HybridCache(cfg, 8, 2**20, torch.bfloat16, "cuda")
+
+
 def test_prompt_longer_than_cache(opt):
     with pytest.raises(ValueError, match="exceeds max_seq_len=64.*larger max_seq_len"):
         opt.generate(torch.randint(1, 500, (1, 70)), max_new_tokens=4)
