@@ -49,7 +49,10 @@ def layout_bytes(bufs: dict) -> int:
 
 
 def _free_bytes(device) -> int:
-    return torch.cuda.mem_get_info(device)[0]
+    """What torch can still allocate on a CUDA device: the driver's free memory plus the blocks torch's
+    caching allocator holds unused (a cache just dropped, e.g. by enable_speculation, sits there)."""
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return torch.cuda.mem_get_info(device)[0] + cached
 
 
 class HybridCache(nn.Module):
