@@ -161,3 +161,17 @@ def test_gdn_verify_reads_and_replay_commits_like_the_reference(B, T, unrolled, 
             recurrence(x["q"][b:b + 1, :n].float(), x["k"][b:b + 1, :n].float(), x["v"][b:b + 1, :n].float(),
                        g[b:b + 1, :n], beta[b:b + 1, :n], ref)
         assert rel_err(state[b:b + 1], ref) < 1e-2
+
+
+def test_a_cache_beyond_the_gpu_is_refused_and_one_that_fits_is_not():
+    """The free-memory check on the real device: 8 rows of 4M tokens of 9B K/V (~550 GB) are refused
+    before allocating; a small cache passes and allocates exactly its layout's bytes."""
+    from fastqwen.cache import HybridCache, layout, layout_bytes
+
+    cfg = presets.config("qwen3.5-9b")
+    with pytest.raises(ValueError, match="lower max_seq_len or max_batch_size"):
+        HybridCache(cfg, 8, 2**22, torch.bfloat16, "cuda")
+    before = torch.cuda.memory_allocated()
+    cache = HybridCache(cfg, 2, 4096, torch.bfloat16, "cuda")
+    assert torch.cuda.memory_allocated() - before == layout_bytes(layout(cfg, 2, 4096, torch.bfloat16))
+    del cache
