@@ -165,13 +165,15 @@ def test_gdn_verify_reads_and_replay_commits_like_the_reference(B, T, unrolled, 
 
 def test_a_cache_beyond_the_gpu_is_refused_and_one_that_fits_is_not():
     """The free-memory check on the real device: 8 rows of 4M tokens of 9B K/V (~550 GB) are refused
-    before allocating; a small cache passes and allocates exactly its layout's bytes."""
+    before allocating; a small cache passes and allocates its layout's bytes."""
     from fastqwen.cache import HybridCache, layout, layout_bytes
 
     cfg = presets.config("qwen3.5-9b")
     with pytest.raises(ValueError, match="lower max_seq_len or max_batch_size"):
         HybridCache(cfg, 8, 2**22, torch.bfloat16, "cuda")
+    bufs = layout(cfg, 2, 4096, torch.bfloat16)
     before = torch.cuda.memory_allocated()
     cache = HybridCache(cfg, 2, 4096, torch.bfloat16, "cuda")
-    assert torch.cuda.memory_allocated() - before == layout_bytes(layout(cfg, 2, 4096, torch.bfloat16))
+    grown = torch.cuda.memory_allocated() - before  # (the allocator rounds each block up to 512 bytes)
+    assert layout_bytes(bufs) <= grown <= layout_bytes(bufs) + 512 * len(bufs)
     del cache
