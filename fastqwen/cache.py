@@ -72,7 +72,8 @@ class HybridCache(nn.Module):
             self.register_buffer(name, torch.zeros(shape, dtype=dt, device=device))
         gdn = [i for i, kind in enumerate(cfg.layer_types) if kind == "linear_attention"]
         self.gdn_index = {i: j for j, i in enumerate(gdn)}  # model layer id -> index in the stacked buffers
-        for buf in self.buffers():
+        self.gdn_ids = torch.arange(len(gdn), device=device)  # index tensors for `write`
+        for buf in (*self.buffers(), self.gdn_ids):
             torch._dynamo.mark_static_address(buf)
 
     def attention(self, i: int):
@@ -83,6 +84,18 @@ class HybridCache(nn.Module):
         """(conv, state) of Gated DeltaNet layer i (views into the stacked buffers)."""
         j = self.gdn_index[i]
         return self.conv[j], self.state[j]
+
+    def write(self, name: str, i: int, value: torch.Tensor, rows: slice = slice(None)) -> None:
+        """Store value [n, …] as rows `rows` of Gated DeltaNet layer i's slice of the stacked buffer `name`
+        ("conv", "replay_x", …), in place. For all rows (the compiled steps) this is an index_put_ on the whole
+        buffer: under torch.compile a copy into the layer's view becomes a functional select_scatter over the
+        whole stacked buffer, which inductor does not turn back into an in-place write (it rewrote all L layers'
+        windows once per layer), while it does reinplace index_put_. Prefill (other rows) runs eagerly."""
+        j, buf = self.gdn_index[i], getattr(self, name)
+        if rows == slice(None):
+            buf.index_put_((self.gdn_ids[j:j + 1],), value[None].to(buf.dtype))
+        else:
+            buf[j, rows].copy_(value)
 
     def replay(self, i: int | None = None) -> dict:
         """The replay buffers (x, k, v, g, beta) of Gated DeltaNet layer i; of all of them stacked if i is None."""

@@ -19,7 +19,7 @@ from .ops.attention import apply_rope, attend_cache, attend_causal, attend_prefi
 from .ops.decode_attention import attend_cache_split_op
 from .linears import MLP_IN, Linears, fuse_linears
 from .moe import routed_moe, stack_shared_expert
-from .ops.conv import causal_conv1d, commit_window
+from .ops.conv import commit_window, conv_step
 from .ops.gdn import gates, gdn_chunk, gdn_recurrent, gdn_replay, gdn_verify
 from .ops.norm import gated_rms_norm, rms_norm
 
@@ -174,8 +174,7 @@ class Forward:
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_layernorm.weight, self.eps)
             if self.cfg.layer_types[i] == "linear_attention":
-                conv, state = self.cache.recurrent(i)
-                h = self._gdn(layer.linear_attn, h, conv[rows], state[rows], mode, i)
+                h = self._gdn(layer.linear_attn, h, rows, mode, i)
             else:
                 k_cache, v_cache = self.cache.attention(i)
                 h = self._attention(layer.self_attn, h, cos, sin, positions, k_cache[rows], v_cache[rows], mode,
@@ -187,13 +186,17 @@ class Forward:
                 tapped[i] = x
         return x, [tapped[i] for i in taps]
 
-    def _gdn(self, m, h, conv, state, mode, i):
-        """Gated DeltaNet block: projections, conv, gated delta rule, gated norm, out_proj. h [B, T, H]."""
+    def _gdn(self, m, h, rows, mode, i):
+        """Gated DeltaNet block of layer i on cache rows `rows`: projections, conv, gated delta rule, gated norm,
+        out_proj. h [B, T, H]."""
         B, T, _ = h.shape
         cfg = self.cfg
         key_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+        conv, state = (t[rows] for t in self.cache.recurrent(i))
         x, z, b, a = self.lin.project(m, h, _GDN_IN)
-        qkv = causal_conv1d(x, m.conv1d.weight[:, 0], conv, update=mode != "verify")
+        qkv, window = conv_step(x, m.conv1d.weight[:, 0], conv)
+        if mode != "verify":  # (a verify leaves the window to the commit)
+            self.cache.write("conv", i, window, rows)
         q, k, v = torch.split(qkv, [key_dim, key_dim, qkv.shape[-1] - 2 * key_dim], dim=-1)
         q = q.reshape(B, T, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
         k = k.reshape(B, T, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
@@ -206,7 +209,9 @@ class Forward:
             o = gdn_verify(q, k, v, a, b, m.A_log, m.dt_bias, state, self.unrolled, self.pdl)
             g, beta = gates(a, b, m.A_log, m.dt_bias)
             for name, value in zip(("x", "k", "v", "g", "beta"), (x, k, v, g, beta)):
-                self.cache.replay(i)[name][:, :T].copy_(value)  # commit masks the positions past T
+                if T < self.cache.block:  # (fewer drafts this call) zeros after T: the commit masks them
+                    value = torch.cat([value, value.new_zeros(B, self.cache.block - T, *value.shape[2:])], 1)
+                self.cache.write(f"replay_{name}", i, value)
         elif mode == "prefill" and T >= _CHUNK_MIN_TOKENS:
             o = gdn_chunk(q, k, v, a, b, m.A_log, m.dt_bias, state)
         else:

@@ -103,3 +103,38 @@ def test_compiled_steps_are_cached_under_a_tag_of_the_ops_and_the_launch_table(m
         model.generate(torch.randint(1, 500, (1, 5)), max_new_tokens=3)
         assert torch.compiler.config.cache_key_tag == "users-own"
     assert seen == [compile_cache_tag()] and seen[0].startswith("fastqwen-")
+
+
+def test_compiled_steps_write_the_stacked_cache_in_place():
+    """Each layer's conv window (decode) and verify inputs (speculative round) go into the stacked cache
+    buffers in place: after inductor's post-grad passes no select_scatter / slice_scatter / functional
+    index_put is left, each of which is a rewrite of a whole stacked buffer (all layers) per layer."""
+    import logging
+
+    from fastqwen.bench import OracleProposer
+
+    graphs = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            graphs.append(record.getMessage())
+
+    log = logging.getLogger("torch._inductor.compile_fx.__post_grad_graphs")
+    handler = Keep()
+    log.addHandler(handler)
+    torch._logging.set_logs(post_grad_graphs=True)
+    try:
+        with torch._inductor.config.patch(fx_graph_cache=False):  # (a cache hit skips the passes, and the log)
+            model = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=64, compile=True)
+            ids = torch.randint(1, 500, (2, 6))
+            model.generate(ids, max_new_tokens=3, do_sample=False)
+            model._fastqwen.enable_speculation(OracleProposer(torch.zeros(2, 8, dtype=torch.long), 0.5, 512), 2)
+            model.generate(ids, max_new_tokens=4, do_sample=False)
+    finally:
+        torch._logging.set_logs()
+        log.removeHandler(handler)
+    assert len(graphs) == 2, "one decode step and one speculative round"
+    for graph in graphs:
+        assert "index_put_.default" in graph
+        for functional in ("select_scatter", "slice_scatter", "aten.index_put.default"):
+            assert functional not in graph, functional

@@ -8,7 +8,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from fastqwen.moe import routed_moe
 from fastqwen.ops.attention import apply_rope, attend_cache, attend_prefix, rope_cos_sin, write_kv
-from fastqwen.ops.conv import causal_conv1d
+from fastqwen.ops.conv import conv_step
 from fastqwen.ops.gdn import gdn_chunk, gdn_recurrent
 from fastqwen.ops.norm import gated_rms_norm, rms_norm
 
@@ -37,8 +37,10 @@ def test_gdn_matches_transformers_chunked_rule_with_state_carry(op):
 def test_conv_in_pieces_equals_one_causal_conv():
     x, w = torch.randn(2, 20, 12), torch.randn(12, 4)
     ref = F.silu(F.conv1d(x.transpose(1, 2), w[:, None], padding=3, groups=12)[..., :20]).transpose(1, 2)
-    state = torch.zeros(2, 12, 3)
-    pieces = [causal_conv1d(x[:, a:b], w, state) for a, b in [(0, 7), (7, 8), (8, 9), (9, 20)]]
+    state, pieces = torch.zeros(2, 12, 3), []
+    for a, b in [(0, 7), (7, 8), (8, 9), (9, 20)]:
+        out, state = conv_step(x[:, a:b], w, state)
+        pieces.append(out)
     torch.testing.assert_close(torch.cat(pieces, 1), ref)
     torch.testing.assert_close(state, x[:, -3:].transpose(1, 2))
 

@@ -1,31 +1,31 @@
 """Causal depthwise conv1d (+ silu) over new tokens with a rolling window of previous inputs.
 
 The kernel is 4 wide, so the conv is written as W shifted multiply-adds: inductor fuses them with the silu
-and the window update into one kernel, and the same code serves prefill (T = prompt), decode (T = 1) and
-speculative verify (T = block).
+into one kernel, and the same code serves prefill (T = prompt), decode (T = 1) and speculative verify
+(T = block).
 """
 
 import torch
 import torch.nn.functional as F
 
 
-def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, update: bool = True) -> torch.Tensor:
-    """silu(conv(x)) for new inputs x [B, T, C] with depthwise weight [C, W].
+def conv_step(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu(conv(x)) for new inputs x [B, T, C] with depthwise weight [C, W], and the window after x.
 
-    state [B, C, W-1] holds the W-1 inputs before x (zeros for a fresh sequence). With `update` it is
-    overwritten in place with the last W-1 inputs of cat(state, x); a speculative verify passes False and
-    moves the window later with `commit_window`. Returns [B, T, C] in x.dtype.
+    state [B, C, W-1] holds the W-1 inputs before x (zeros for a fresh sequence). Returns the output [B, T, C]
+    and the last W-1 inputs of cat(state, x) [B, C, W-1], both in x.dtype and from one read of state, which is
+    left as it is: the caller stores the window (HybridCache.write; a speculative verify leaves it to
+    `commit_window`). Storing it in place here would make the read and the write two uses of state, which
+    inductor may order write-first and then cannot reinplace.
     """
     width = weight.shape[-1]
     seq = x.shape[1]
     window = torch.cat([state.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [B, C, W-1+T]
-    if update:
-        state.copy_(window[:, :, seq:])
     w = weight.to(x.dtype)
     out = window[:, :, 0:seq] * w[:, 0:1]
     for j in range(1, width):
         out = out + window[:, :, j : j + seq] * w[:, j : j + 1]
-    return F.silu(out).transpose(1, 2)
+    return F.silu(out).transpose(1, 2), window[:, :, seq:]
 
 
 def commit_window(state: torch.Tensor, x: torch.Tensor, keep: torch.Tensor) -> None:
