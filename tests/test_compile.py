@@ -1,5 +1,8 @@
 """The compiled decode step: same tokens as eager, one graph, no recompilation across calls."""
 
+import contextlib
+import logging
+
 import torch
 from conftest import fresh, left_padded
 from torch._dynamo.utils import counters
@@ -7,7 +10,39 @@ from torch._dynamo.utils import counters
 import fastqwen
 
 
+@contextlib.contextmanager
+def post_grad_graphs():
+    """Collects the graphs inductor compiles in the block, as its post-grad passes leave them (FX graph cache
+    off: a hit skips the passes)."""
+    graphs = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            graphs.append(record.getMessage())
+
+    log, handler = logging.getLogger("torch._inductor.compile_fx.__post_grad_graphs"), Keep()
+    log.addHandler(handler)
+    torch._logging.set_logs(post_grad_graphs=True)
+    try:
+        with torch._inductor.config.patch(fx_graph_cache=False):
+            yield graphs
+    finally:
+        torch._logging.set_logs()
+        log.removeHandler(handler)
+
+
+def assert_writes_the_stacked_cache_in_place(graph: str) -> None:
+    """Each layer's conv window (decode) and verify inputs (round) go into the stacked cache buffers by
+    index_put_ in place: no select_scatter / slice_scatter / functional index_put is left, each of which
+    is a rewrite of a whole stacked buffer (all layers) per layer (HybridCache.write)."""
+    assert "index_put_.default" in graph
+    for functional in ("select_scatter", "slice_scatter", "aten.index_put.default"):
+        assert functional not in graph, functional
+
+
 def test_compiled_step_matches_eager_and_never_recompiles():
+    """The decode step compiled (one graph, no recompiles across calls) gives the eager tokens, and writes the
+    conv windows in place."""
     eager = fastqwen.optimize(fresh("tiny"), max_batch_size=3, max_seq_len=128, compile=False)
     compiled = fastqwen.optimize(fresh("tiny"), max_batch_size=3, max_seq_len=128, compile=True)
     torch._dynamo.reset()
@@ -20,9 +55,11 @@ def test_compiled_step_matches_eager_and_never_recompiles():
     for i, (ids, mask) in enumerate(calls):
         expected = eager.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
         if i == 0:
-            got = compiled.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
+            with post_grad_graphs() as compiled_graphs:
+                got = compiled.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
             graphs = counters["stats"]["unique_graphs"]
-            assert graphs == 1
+            assert graphs == 1 and len(compiled_graphs) == 1
+            assert_writes_the_stacked_cache_in_place(compiled_graphs[0])
         else:
             with torch._dynamo.config.patch(error_on_recompile=True):
                 got = compiled.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
@@ -65,7 +102,7 @@ print("HITS", counters["inductor"]["fxgraph_cache_hit"], "MISSES", counters["ind
 def test_compiled_speculative_round_matches_eager_decoding():
     """The speculative round (verify, accept, the stacked-cache commit) compiled into one graph gives the
     plain eager tokens, with the optimize-time 3 drafts and with 2 asked for per call (its own graph), and
-    calls after the first of each compile nothing new."""
+    calls after the first of each compile nothing new; each round graph stashes the verify inputs in place."""
     from fastqwen.bench import OracleProposer
 
     eager = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=128, compile=False)
@@ -77,8 +114,13 @@ def test_compiled_speculative_round_matches_eager_decoding():
         expected = eager.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
         oracle.reference = expected[:, ids.shape[1]:].contiguous()  # same shape and strides: no recompile
         k = 3 if i < 2 else 2
-        with torch._dynamo.config.patch(error_on_recompile=i % 2 == 1):
+        compiles = i % 2 == 0
+        with post_grad_graphs() if compiles else contextlib.nullcontext() as compiled_graphs, \
+                torch._dynamo.config.patch(error_on_recompile=not compiles):
             got = spec.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, num_speculative_tokens=k)
+        if compiles:  # (k = 2: a block shorter than the cache's, its replay stash padded with zeros)
+            assert len(compiled_graphs) == 1
+            assert_writes_the_stacked_cache_in_place(compiled_graphs[0])
         assert torch.equal(got, expected)
         assert 1.0 < spec._fastqwen.spec.acceptance_length(2) < k + 1
 
@@ -104,37 +146,3 @@ def test_compiled_steps_are_cached_under_a_tag_of_the_ops_and_the_launch_table(m
         assert torch.compiler.config.cache_key_tag == "users-own"
     assert seen == [compile_cache_tag()] and seen[0].startswith("fastqwen-")
 
-
-def test_compiled_steps_write_the_stacked_cache_in_place():
-    """Each layer's conv window (decode) and verify inputs (speculative round) go into the stacked cache
-    buffers in place: after inductor's post-grad passes no select_scatter / slice_scatter / functional
-    index_put is left, each of which is a rewrite of a whole stacked buffer (all layers) per layer."""
-    import logging
-
-    from fastqwen.bench import OracleProposer
-
-    graphs = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            graphs.append(record.getMessage())
-
-    log = logging.getLogger("torch._inductor.compile_fx.__post_grad_graphs")
-    handler = Keep()
-    log.addHandler(handler)
-    torch._logging.set_logs(post_grad_graphs=True)
-    try:
-        with torch._inductor.config.patch(fx_graph_cache=False):  # (a cache hit skips the passes, and the log)
-            model = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=64, compile=True)
-            ids = torch.randint(1, 500, (2, 6))
-            model.generate(ids, max_new_tokens=3, do_sample=False)
-            model._fastqwen.enable_speculation(OracleProposer(torch.zeros(2, 8, dtype=torch.long), 0.5, 512), 2)
-            model.generate(ids, max_new_tokens=4, do_sample=False)
-    finally:
-        torch._logging.set_logs()
-        log.removeHandler(handler)
-    assert len(graphs) == 2, "one decode step and one speculative round"
-    for graph in graphs:
-        assert "index_put_.default" in graph
-        for functional in ("select_scatter", "slice_scatter", "aten.index_put.default"):
-            assert functional not in graph, functional
