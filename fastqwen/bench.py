@@ -23,6 +23,7 @@ from .sampling import argmax_last
 QUANT_SYSTEMS = ("fastqwen-fp8-weight", "fastqwen-fp8", "fastqwen-int4")  # optimize(quant=...) after bf16
 # fastqwen with an alternative kernel (optimize's `kernels`), measured against the default on the same model
 CANDIDATE_SYSTEMS = {"fastqwen+split-attention": {"attention": "split"},
+                     "fastqwen+sdpa-attention": {"attention": "sdpa"},  # (the default is split above 8192 keys)
                      "fastqwen+grouped-experts": {"experts": "grouped"},
                      "fastqwen+separate-projections": {"projections": "separate"},
                      "fastqwen+gemv-linears": {"linears": "gemv"},

@@ -20,7 +20,7 @@
 #   quality  scripts/quant_quality.py on 27B: per-linear and logit error, top-1 agreement per scheme, and the same
 #            for weight noise of each format's size ($QUALITY_NOISE, default 0.03 0.1: fp8's and int4's)
 #   candidates scripts/bench.py: fastqwen vs fastqwen with an alternative kernel in one process, on $CAND_MODEL
-#            (default 35B-A3B) with $CAND_SYSTEMS (default fastqwen+grouped-experts; also fastqwen+split-attention,
+#            (default 35B-A3B) with $CAND_SYSTEMS (default fastqwen+grouped-experts; also fastqwen+split-attention, fastqwen+sdpa-attention,
 #            fastqwen+gemv-linears, fastqwen+unrolled-gdn, fastqwen+separate-projections, fastqwen+combo-kernels:
 #            inductor's combo kernels, fastqwen+pdl: programmatic dependent launch, fastqwen+torch-linears: cuBLAS for every bf16 linear) and
 #            $CAND_ARGS (e.g.

@@ -42,6 +42,24 @@ def test_alternative_kernels_give_the_default_tokens(name, kernels, compile):
                        default.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16))
 
 
+def test_auto_attention_reads_a_long_cache_through_the_split_kv_kernel(monkeypatch):
+    """The default attention ("auto") is SDPA up to SPLIT_ATTENTION_ABOVE cache positions and the split-KV op
+    above (SDPA reads every cached position each step); both give the same tokens."""
+    import fastqwen.model as model_module
+
+    calls, real = [], model_module.attend_cache_split_op
+    monkeypatch.setattr(model_module, "attend_cache_split_op", lambda *a: calls.append(1) or real(*a))
+    ids, mask = left_padded([torch.randint(1, 500, (n,)) for n in (17, 5)])
+    out, above = {}, model_module.SPLIT_ATTENTION_ABOVE
+    for S, expected in ((above, "sdpa"), (above + 1, "split")):
+        m = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=S, compile=False)
+        assert m._fastqwen.forward.kernels["attention"] == expected
+        calls.clear()
+        out[expected] = m.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8)
+        assert bool(calls) is (expected == "split")
+    assert torch.equal(out["split"], out["sdpa"])
+
+
 def test_programmatic_dependent_launch_reaches_inductor_and_the_weight_streaming_linears(monkeypatch):
     """kernels={"launch": "pdl"}: the compiled steps get inductor's triton.enable_pdl and give serial launch's
     tokens; eagerly, every weight-streaming call (QuantLinear's and the bf16 linears') gets pdl=True. Off CUDA
@@ -77,7 +95,7 @@ def test_bad_kernel_choices():
         fastqwen.optimize(fresh("tiny"), compile=False, kernels={"mlp": "fused"})
     with pytest.raises(ValueError, match=r"kernels\['gdn'\]='chunk'; choose from fla, unrolled"):
         fastqwen.optimize(fresh("tiny"), compile=False, kernels={"gdn": "chunk"})
-    with pytest.raises(ValueError, match=r"kernels\['attention'\]='flash'; choose from sdpa, split"):
+    with pytest.raises(ValueError, match=r"kernels\['attention'\]='flash'; choose from auto, sdpa, split"):
         fastqwen.optimize(fresh("tiny"), compile=False, kernels={"attention": "flash"})
     with pytest.raises(ValueError, match="applies to MoE models only"):
         fastqwen.optimize(fresh("tiny"), compile=False, kernels={"experts": "grouped"})
