@@ -311,15 +311,16 @@ def _generate(generate_fn: Callable, input_ids: torch.Tensor, n: int, mask: torc
 
 def decode_tok_per_s(
     generate_fn: Callable, input_ids: torch.Tensor, n_short: int, n_long: int, repeats: int = 3,
-    mask: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None, warmed: bool = False,
 ) -> float:
     """Decode speed of ``generate_fn`` in tokens/s per sequence (decode steps per second).
 
     ``(n_long - n_short) / (t_long - t_short)`` with median-of-``repeats`` wall times, which cancels prefill
     and per-call overhead. One warm-up call at each length first (long first, so a static cache is sized
-    for the longest run and is not reallocated). ``generate_fn`` takes HF ``generate`` arguments.
+    for the longest run and is not reallocated; ``warmed``: the caller has just made the long one).
+    ``generate_fn`` takes HF ``generate`` arguments.
     """
-    for n in (n_long, n_short):
+    for n in (n_short,) if warmed else (n_long, n_short):
         _generate(generate_fn, input_ids, n, mask)
     t_short = statistics.median(_generate(generate_fn, input_ids, n_short, mask) for _ in range(repeats))
     t_long = statistics.median(_generate(generate_fn, input_ids, n_long, mask) for _ in range(repeats))
@@ -343,8 +344,9 @@ def _drop_hf_compiled(model: torch.nn.Module, device: torch.device | str) -> Non
 
 
 def _measure(label: str, setup: Callable[[], Callable], ids: torch.Tensor, lengths: tuple[int, int],
-             say: Callable[[str], None], mask: torch.Tensor | None = None) -> dict:
-    """Set up one system and time it; errors are recorded under ``error`` instead of raised.
+             say: Callable[[str], None], mask: torch.Tensor | None = None, repeats: int = 3) -> dict:
+    """Set up one system and time it (``repeats`` timed calls at each length, see decode_tok_per_s); errors
+    are recorded under ``error`` instead of raised.
 
     Returns ``setup_s`` (seconds for ``setup()``: optimize + warm-up for fastqwen), ``first_call_s`` (seconds
     for the first ``lengths[1]``-token call: includes transformers' lazy compile for hf-static-compile),
@@ -359,7 +361,7 @@ def _measure(label: str, setup: Callable[[], Callable], ids: torch.Tensor, lengt
         out["setup_s"] = time.perf_counter() - t0
         say(f"{label}: measuring ({lengths[0]} vs {lengths[1]} new tokens)")
         out["first_call_s"] = _generate(generate_fn, ids, lengths[1], mask)
-        out["tok_s"] = decode_tok_per_s(generate_fn, ids, *lengths, mask=mask)
+        out["tok_s"] = decode_tok_per_s(generate_fn, ids, *lengths, repeats, mask, warmed=True)
         say(f"{label}: {out['tok_s']:.1f} tok/s")
     except Exception as e:  # keep benchmarking the other systems
         out["error"] = f"{type(e).__name__}: {e}"[:500]
@@ -368,10 +370,10 @@ def _measure(label: str, setup: Callable[[], Callable], ids: torch.Tensor, lengt
 
 
 def _measure_hf_static(label: str, model: torch.nn.Module, ids: torch.Tensor, lengths: tuple[int, int],
-                       say: Callable[[str], None], mask: torch.Tensor | None = None) -> dict:
+                       say: Callable[[str], None], mask: torch.Tensor | None = None, repeats: int = 3) -> dict:
     """``_measure`` HF static cache + compile; adds ``compiled`` (whether transformers really compiled the
     forward: it does not off CUDA) and drops the compiled graphs afterwards."""
-    out = _measure(label, lambda: _hf_static_generate(model), ids, lengths, say, mask)
+    out = _measure(label, lambda: _hf_static_generate(model), ids, lengths, say, mask, repeats)
     out["compiled"] = "_compiled_call" in model.__dict__
     _drop_hf_compiled(model, ids.device)
     return out
@@ -395,6 +397,7 @@ def run(
     quant_lm_head: bool = False,
     kernels: dict | None = None,
     max_seq_len: int | None = None,
+    repeats: int = 3,
 ) -> dict:
     """Benchmark preset ``name`` (random weights, seed 0) on one model object in this process.
 
@@ -412,7 +415,8 @@ def run(
     the quantized model's bytes, is ``<system>_roofline_tok_s``. ``kernels``: optimize's kernel choices for every
     fastqwen system (a candidate system's own choices override them). ``max_seq_len``: fastqwen's cache size
     (default: just what the run needs, prompt_len + n_long + 64), e.g. 131072 with a short prompt to time what a
-    long cache costs a short context (the roofline counts only the KV in use).
+    long cache costs a short context (the roofline counts only the KV in use). ``repeats``: timed calls at each
+    length (1 for long prompts, where each call prefills again).
     """
     import fastqwen
 
@@ -471,27 +475,27 @@ def run(
     if "hf-eager" in systems:  # HF first: optimize replaces model.generate
         res["systems"]["hf-eager"] = _measure(
             f"{label} hf-eager", lambda: functools.partial(type(model).generate, model), ids,
-            EAGER_N if torch.device(device).type == "cuda" else (n_short, n_long), say, mask)
+            EAGER_N if torch.device(device).type == "cuda" else (n_short, n_long), say, mask, repeats)
     if "hf-static-compile" in systems:
         res["systems"]["hf-static-compile"] = _measure_hf_static(
-            f"{label} hf-static-compile", model, ids, (n_short, n_long), say, mask)
+            f"{label} hf-static-compile", model, ids, (n_short, n_long), say, mask, repeats)
     if "fastqwen" in systems:
         res["systems"]["fastqwen"] = _measure(f"{label} fastqwen", fastqwen_setup, ids, (n_short, n_long), say,
-                                              mask)
+                                              mask, repeats)
     alternatives = {**{s: {"own_kernels": k} for s, k in CANDIDATE_SYSTEMS.items()},
                     **{s: {"options": o} for s, o in OPTION_SYSTEMS.items()}}
     for system, how in alternatives.items():
         if system in systems:
             torch._dynamo.reset()
             res["systems"][system] = _measure(f"{label} {system}", lambda h=how: fastqwen_setup(**h), ids,
-                                              (n_short, n_long), say, mask)
+                                              (n_short, n_long), say, mask, repeats)
             base, tok_s = res["systems"].get("fastqwen", {}).get("tok_s"), res["systems"][system].get("tok_s")
             res[f"{system}_vs_fastqwen"] = tok_s / base if tok_s and base else None
     for system in quant:  # last: it quantizes the model in place
         torch._dynamo.reset()
         scheme = system.removeprefix("fastqwen-")
         res["systems"][system] = _measure(f"{label} {system}", lambda: fastqwen_setup(scheme), ids,
-                                          (n_short, n_long), say, mask)
+                                          (n_short, n_long), say, mask, repeats)
         bf16 = res["systems"].get("fastqwen", {}).get("tok_s")
         tok_s = res["systems"][system].get("tok_s")
         res[f"{system}_vs_bf16"] = tok_s / bf16 if tok_s and bf16 else None

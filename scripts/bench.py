@@ -55,6 +55,8 @@ def parse_args() -> argparse.Namespace:
                    "131072 with a short prompt times what a long cache costs decode")
     p.add_argument("--n-short", type=int, default=DEFAULTS["n_short"], help="new tokens in the short run")
     p.add_argument("--n-long", type=int, default=DEFAULTS["n_long"], help="new tokens in the long run")
+    p.add_argument("--repeats", type=int, default=3, help="timed calls at each length, median taken (1 for "
+                   "very long prompts: every call prefills again)")
     p.add_argument("--dtype", default=DEFAULTS["dtype"], choices=["bfloat16", "float16", "float32"])
     p.add_argument("--device", default="cuda" if CUDA else "cpu")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=DEFAULTS["compile"],
@@ -111,6 +113,7 @@ def main() -> None:
                         compile_options={"triton.cudagraphs": True} if args.no_autotune else None,
                         ragged=args.ragged, quant_lm_head=args.quant_lm_head,
                         kernels=dict(kv.split("=", 1) for kv in args.kernels), max_seq_len=args.max_seq_len,
+                        repeats=args.repeats,
                     ))
                 except Exception as e:  # e.g. out of memory: keep going with the next row
                     error = f"{type(e).__name__}: {e}"[:500]

@@ -25,7 +25,8 @@
 #            inductor's combo kernels, fastqwen+pdl: programmatic dependent launch, fastqwen+torch-linears: cuBLAS for every bf16 linear) and
 #            $CAND_ARGS (e.g.
 #            CAND_MODEL=qwen3.5-27b CAND_SYSTEMS=fastqwen+split-attention CAND_ARGS="--prompt-len 32768", or
-#            CAND_ARGS="--max-seq-len 131072": a long cache under a 512-token context)
+#            CAND_ARGS="--max-seq-len 131072": a long cache under a 512-token context, or
+#            CAND_ARGS="--prompt-len 131072 --repeats 1": every call prefills 128K again; 27B, two systems ~6 min)
 #   commit   scripts/bench_commit.py: the speculative commit, all GDN layers in one launch vs one per layer
 #   sweep-gemv scripts/bench_quant.py --sweep: the weight-streaming kernel's launch configs (BITS decoding too) per
 #            layer of $SWEEP_SHAPES (default 27b; 35b-a3b) and row bucket ($SWEEP_M, default 1 4 16), formats

@@ -60,6 +60,27 @@ def test_state_bytes_of_the_tiny_shape():
     assert bench.step_bytes(model, 4, 100) == bench.weight_bytes(model, 4) + 4 * bench.state_bytes(cfg, 100)
 
 
+def test_decode_speed_cancels_prefill_and_makes_the_calls_asked_for():
+    """decode_tok_per_s: (n_long − n_short) / (t_long − t_short) of median call times, after a warm-up at each
+    length (the long one skipped when the caller has just made it): a fake generate with a fixed 'prefill'
+    and 2 ms a token reads ~500 tokens/s, whatever its prefill."""
+    import time
+
+    calls = []
+
+    def fake_generate(ids, attention_mask, max_new_tokens, **kw):
+        calls.append(max_new_tokens)
+        time.sleep(0.05 + 0.002 * max_new_tokens)
+        return torch.zeros(ids.shape[0], ids.shape[1] + max_new_tokens)
+
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    assert bench.decode_tok_per_s(fake_generate, ids, 4, 40) == pytest.approx(500, rel=0.15)
+    assert calls == [40, 4, 4, 4, 4, 40, 40, 40]
+    calls.clear()
+    bench.decode_tok_per_s(fake_generate, ids, 4, 40, repeats=1, warmed=True)
+    assert calls == [4, 4, 40]
+
+
 def test_plot_draws_a_line_and_a_roofline_per_model_and_prompt(tmp_path):
     row = lambda b, p: {"model": "m", "batch_size": b, "prompt_len": p, "roofline_tok_s": 100.0,  # noqa: E731
                         "systems": {"fastqwen": {"tok_s": 50.0}}}
