@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import COMPILE, assert_near_ties, first_divergence
 
-CANDIDATES = {"attention": "split", "linears": "gemv", "gdn": "unrolled"}
+CANDIDATES = {"attention": "split", "linears": "gemv", "gdn": "unrolled", "launch": "pdl"}
 
 
 @pytest.mark.candidates
