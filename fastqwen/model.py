@@ -20,7 +20,7 @@ from .ops.decode_attention import attend_cache_split_op
 from .linears import MLP_IN, Linears, fuse_linears
 from .moe import routed_moe, stack_shared_expert
 from .ops.conv import commit_window, conv_step
-from .ops.gdn import gates, gdn_chunk, gdn_recurrent, gdn_replay, gdn_verify
+from .ops.gdn import gates, gdn_chunk, gdn_decode, gdn_recurrent, gdn_replay, gdn_verify, unpack_qkv
 from .ops.norm import gated_rms_norm, rms_norm
 
 _CHUNK_MIN_TOKENS = 64  # below this, prefill uses the recurrent kernel (fla's chunk kernel wins above)
@@ -200,19 +200,19 @@ class Forward:
         out_proj. h [B, T, H]."""
         B, T, _ = h.shape
         cfg = self.cfg
-        key_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+        heads = (cfg.linear_num_key_heads, cfg.linear_key_head_dim)
         conv, state = (t[rows] for t in self.cache.recurrent(i))
         x, z, b, a = self.lin.project(m, h, _GDN_IN)
         qkv, window = conv_step(x, m.conv1d.weight[:, 0], conv)
         if mode != "verify":  # (a verify leaves the window to the commit)
             self.cache.write("conv", i, window, rows)
-        q, k, v = torch.split(qkv, [key_dim, key_dim, qkv.shape[-1] - 2 * key_dim], dim=-1)
-        q = q.reshape(B, T, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
-        k = k.reshape(B, T, cfg.linear_num_key_heads, cfg.linear_key_head_dim)
-        v = v.reshape(B, T, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
+        if mode == "decode" and B == 1:  # q, k, v split inside the op: the conv's output stays one buffer
+            o = gdn_decode(qkv, *heads, a, b, m.A_log, m.dt_bias, state, self.unrolled, self.pdl and self.unrolled)
+            return self._gdn_out(m, o, z, B, T)
+        q, k, v = unpack_qkv(qkv, *heads, cfg.linear_num_value_heads)
         # contiguous here, so inductor writes them from kernels it has anyway (q, k, v from the conv's; a and b,
         # views of the fused projection, from the verify's gate kernel): the ops' own .contiguous() would be
-        # five eager copies per layer once T > 1 (a no-op at T = 1)
+        # five eager copies per layer once T > 1 (or B > 1)
         q, k, v, a, b = (t.contiguous() for t in (q, k, v, a, b))
         if mode == "verify":
             o = gdn_verify(q, k, v, a, b, m.A_log, m.dt_bias, state, self.unrolled, self.pdl)
@@ -226,8 +226,11 @@ class Forward:
         else:
             unrolled = self.unrolled and mode != "prefill"
             o = gdn_recurrent(q, k, v, a, b, m.A_log, m.dt_bias, state, unrolled, self.pdl and unrolled)
-        z = z.reshape(o.shape)
-        o = gated_rms_norm(o, z, m.norm.weight, m.norm.variance_epsilon)
+        return self._gdn_out(m, o, z, B, T)
+
+    def _gdn_out(self, m, o, z, B, T):
+        """The GDN block's gated RMSNorm (per head, gate z) and out_proj of the recurrence's o [B, T, Hv, Dv]."""
+        o = gated_rms_norm(o, z.reshape(o.shape), m.norm.weight, m.norm.variance_epsilon)
         return self.lin(m.out_proj, o.reshape(B, T, -1))
 
     def _attention(self, m, h, cos, sin, positions, k_cache, v_cache, mode, past: int = 0):

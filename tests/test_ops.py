@@ -128,6 +128,26 @@ def test_gdn_custom_ops_pass_opcheck_on_strided_inputs(op, layout):
     assert fake.stride() == fn(*args).stride()
 
 
+def test_packed_decode_op_equals_the_recurrence_on_its_parts():
+    """gdn_decode (batch 1, one position) from the conv's packed output gives gdn_recurrent's output and state
+    on the unpacked q, k, v, with a and b views of a wider projection; its fake kernel agrees (opcheck)."""
+    from fastqwen.ops.gdn import gdn_decode, unpack_qkv
+
+    H, HV, K, V = 2, 4, 16, 8
+    qkv, proj = torch.randn(1, 1, 2 * H * K + HV * V), torch.randn(1, 1, 2 * HV + 3)
+    a, b = proj[..., 3:3 + HV], proj[..., 3 + HV:]
+    A_log, dt_bias, h0 = torch.rand(HV).log(), torch.randn(HV), torch.randn(1, HV, K, V)
+    q, k, v = unpack_qkv(qkv, H, K, HV)
+    assert (q.shape, k.shape, v.shape) == ((1, 1, H, K), (1, 1, H, K), (1, 1, HV, V))
+    assert torch.equal(torch.cat([q.flatten(), k.flatten(), v.flatten()]), qkv.flatten())
+    ref_state, state = h0.clone(), h0.clone()
+    ref = gdn_recurrent(q.contiguous(), k.contiguous(), v.contiguous(), a.contiguous(), b.contiguous(), A_log,
+                        dt_bias, ref_state)
+    assert torch.equal(gdn_decode(qkv, H, K, a, b, A_log, dt_bias, state), ref)
+    assert torch.equal(state, ref_state)
+    torch.library.opcheck(gdn_decode, (qkv, H, K, a, b, A_log, dt_bias, h0.clone()))
+
+
 _UNROLLED = """
 import torch
 from fastqwen.ops.gdn import _unrolled, gates, gdn_reference, recurrence

@@ -210,6 +210,35 @@ def _(q, k, v, a, b, A_log, dt_bias, state, unrolled=False, pdl=False):
     return _output_like(v)
 
 
+def unpack_qkv(qkv: torch.Tensor, heads_k: int, dk: int, heads_v: int):
+    """q, k [B, T, Hk, Dk] and v [B, T, Hv, Dv]: views of the conv's packed output qkv [B, T, 2·Hk·Dk + Hv·Dv]
+    (contiguous when B = T = 1)."""
+    B, T, _ = qkv.shape
+    q, k, v = torch.split(qkv, [heads_k * dk, heads_k * dk, qkv.shape[-1] - 2 * heads_k * dk], dim=-1)
+    return q.reshape(B, T, heads_k, dk), k.reshape(B, T, heads_k, dk), v.reshape(B, T, heads_v, -1)
+
+
+@torch.library.custom_op("fastqwen::gdn_decode", mutates_args=("state",))
+def gdn_decode(qkv: torch.Tensor, heads_k: int, dk: int, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+               dt_bias: torch.Tensor, state: torch.Tensor, unrolled: bool = False, pdl: bool = False) -> torch.Tensor:
+    """gdn_recurrent of one decode position from the conv's packed output qkv [1, 1, 2·Hk·Dk + Hv·Dv] (a, b
+    [1, 1, Hv]); returns o [1, 1, Hv, Dv]. With the split inside the op, a compiled step writes the conv's
+    output as one buffer, where handing the op q, k and v had inductor write three (three launches a GDN layer
+    on CUDA). At batch 1 the views are contiguous, so the kernels read them in place; the packed decode
+    kernels of vLLM and SGLang take the same input."""
+    return gdn_reference(*unpack_qkv(qkv, heads_k, dk, a.shape[-1]), a, b, A_log, dt_bias, state)
+
+
+@gdn_decode.register_kernel("cuda")
+def _gdn_decode_cuda(qkv, heads_k, dk, a, b, A_log, dt_bias, state, unrolled=False, pdl=False):
+    return _gdn_recurrent_cuda(*unpack_qkv(qkv, heads_k, dk, a.shape[-1]), a, b, A_log, dt_bias, state, unrolled, pdl)
+
+
+@gdn_decode.register_fake
+def _(qkv, heads_k, dk, a, b, A_log, dt_bias, state, unrolled=False, pdl=False):
+    return _output_like(unpack_qkv(qkv, heads_k, dk, a.shape[-1])[2])
+
+
 @torch.library.custom_op("fastqwen::gdn_chunk", mutates_args=("state",))
 def gdn_chunk(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,

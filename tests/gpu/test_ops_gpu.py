@@ -8,7 +8,7 @@ from fastqwen import presets
 from fastqwen.moe import routed_moe
 from fastqwen.ops.attention import attend_cache, attend_prefix
 from fastqwen.ops.conv import conv_step
-from fastqwen.ops.gdn import gdn_chunk, gdn_recurrent, gdn_reference
+from fastqwen.ops.gdn import gdn_chunk, gdn_decode, gdn_recurrent, gdn_reference, unpack_qkv
 from fastqwen.ops.norm import gated_rms_norm, rms_norm
 
 SHAPES = {"9b": (16, 32), "27b": (16, 48)}  # (key heads, value heads) of 128 dims
@@ -36,6 +36,29 @@ def test_gdn_fast_matches_reference(shape, op, B, T, unrolled):
     state = h0.clone()
     poison_allocator((B, T, HV, 128))
     out = op(**x, state=state, unrolled=True) if unrolled else op(**x, state=state)
+    assert not out.isnan().any() and not state.isnan().any()
+    assert rel_err(out, ref) < 1e-2
+    assert rel_err(state, ref_state) < 1e-2
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("unrolled", [False, True])
+def test_packed_decode_reads_q_k_v_in_place_and_matches_reference(shape, unrolled):
+    """gdn_decode at batch 1 from the conv's packed output (q, k, v views at their offsets) and a, b as views
+    of a wider projection output, as the engine hands them over."""
+    H, HV = SHAPES[shape]
+    qkv = torch.randn(1, 1, 2 * H * 128 + HV * 128, device="cuda", dtype=torch.bfloat16)
+    proj = torch.randn(1, 1, 2 * HV + 64, device="cuda", dtype=torch.bfloat16)
+    a, b = proj[..., 64:64 + HV], proj[..., 64 + HV:]
+    A_log = torch.empty(HV, device="cuda").uniform_(0.01, 16).log()
+    dt_bias = torch.rand(HV, device="cuda")
+    h0 = torch.randn(1, HV, 128, 128, device="cuda") * 0.1
+    ref_state = h0.clone()
+    q, k, v = unpack_qkv(qkv.float(), H, 128, HV)
+    ref = gdn_reference(q, k, v, a.float(), b.float(), A_log, dt_bias, ref_state)
+    state = h0.clone()
+    poison_allocator((1, 1, HV, 128))
+    out = gdn_decode(qkv, H, 128, a, b, A_log, dt_bias, state, unrolled)
     assert not out.isnan().any() and not state.isnan().any()
     assert rel_err(out, ref) < 1e-2
     assert rel_err(state, ref_state) < 1e-2
