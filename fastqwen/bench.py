@@ -23,13 +23,14 @@ from .sampling import argmax_last
 QUANT_SYSTEMS = ("fastqwen-fp8-weight", "fastqwen-fp8", "fastqwen-int4")  # optimize(quant=...) after bf16
 # fastqwen with an alternative kernel (optimize's `kernels`), measured against the default on the same model
 CANDIDATE_SYSTEMS = {"fastqwen+split-attention": {"attention": "split"},
-                     "fastqwen+sdpa-attention": {"attention": "sdpa"},  # (the default is split above 8192 keys)
+                     "fastqwen+sdpa-attention": {"attention": "sdpa"},  # (the default: split for verify blocks
+                     # and above 8192 keys)
                      "fastqwen+grouped-experts": {"experts": "grouped"},
                      "fastqwen+separate-projections": {"projections": "separate"},
                      "fastqwen+gemv-linears": {"linears": "gemv"},
                      "fastqwen+torch-linears": {"linears": "torch"},
-                     "fastqwen+unrolled-gdn": {"gdn": "unrolled"},
-                     "fastqwen+pdl": {"launch": "pdl"}}
+                     "fastqwen+fla-gdn": {"gdn": "fla"},
+                     "fastqwen+serial-launch": {"launch": "serial"}}
 # fastqwen with inductor options merged over the run's (launch count: combo kernels launch independent
 # small kernels, e.g. a GDN layer's q, k and v, as one)
 OPTION_SYSTEMS = {"fastqwen+combo-kernels": {"combo_kernels": True}}

@@ -34,29 +34,31 @@ def text_model(model):
 
 KERNELS = {"attention": ("auto", "sdpa", "split"), "experts": ("gather", "grouped"),
            "projections": ("fused", "separate"), "linears": ("auto", "torch", "gemv"),
-           "gdn": ("fla", "unrolled"), "launch": ("serial", "pdl")}  # first: the default
+           "gdn": ("unrolled", "fla"), "launch": ("auto", "serial", "pdl")}  # first: the default
 
 
 def check_kernels(kernels: dict | None, cfg, device) -> dict:
-    """The kernel choice of each op, defaults filled in: optimize's `kernels` option. "attention": decode
-    attention over the cache by SDPA with a mask over all max_seq_len keys ("sdpa") or by the split-KV kernel
-    that reads only the keys in use ("split", ops/decode_attention.py), or by the latter only for a cache longer
-    than SPLIT_ATTENTION_ABOVE positions ("auto", resolved by Forward: a 9B step with a 512-token context in
-    a 131072-position cache ran 1.27× faster split, while SDPA stays what was measured at short caches);
-    "experts": a MoE model's routed experts
-    at decode gathered then multiplied ("gather") or read in place by the grouped kernel ("grouped",
-    ops/gemv.py; off CUDA both run their torch references); "projections": each layer's input projections
-    as one matmul each ("separate") or one over a fused weight per layer ("fused": GDN qkv+z+b+a, attention
-    q+k+v, MLP gate+up; fewer launches, same bytes; linears.fuse_linears; 1.08× on 27B decode); "linears":
-    the decoder's bf16 linears at decode and verify by F.linear ("torch": cuBLAS) or by the weight-streaming
-    kernel ("gemv"), or by it only at the shapes where this GPU's sweep measured it faster ("auto";
-    linears.Linears; 1.05× on 27B decode; without a measured shape, as "torch"); "gdn": the gated delta rule of decode, verify and commit by
-    flash-linear-attention's fused recurrent kernel ("fla") or by ours with the time loop unrolled
-    ("unrolled", ops/gdn.py; prefill keeps fla's either way); "launch": each kernel of a compiled step after
-    the previous one has finished ("serial") or, on Hopper and later, with programmatic dependent launch
-    ("pdl": inductor's kernels (its triton.enable_pdl) and the weight-streaming ones start while their
-    predecessor finishes, the latter pulling their first weight tiles into L2 before they wait for it;
-    ops/gemv.py _dependent_start). The defaults are the ones measured fastest so far (docs/BENCHMARKS.md)."""
+    """The kernel choice of each op, defaults filled in ("launch" resolved): optimize's `kernels` option. The
+    defaults are the ones measured fastest (docs/BENCHMARKS.md); the others stay selectable to re-measure.
+    "attention": attention over the cache in decode and verify steps by SDPA with a mask over all max_seq_len
+    keys ("sdpa") or by the split-KV kernel that reads only the keys in use ("split", ops/decode_attention.py);
+    "auto" (Forward.split_attention): split for blocks of several queries (verify, a DFlash draft) at any
+    length and for decode above SPLIT_ATTENTION_ABOVE cache positions, SDPA for decode below (a 9B step with a
+    512-token context in a 131072-position cache ran 1.27× faster split; at short caches they measured equal).
+    "experts": a MoE model's routed experts at decode gathered then multiplied ("gather") or read in place by
+    the grouped kernel ("grouped", ops/gemv.py; off CUDA both run their torch references). "projections":
+    each layer's input projections as one matmul each ("separate") or one over a fused weight per layer
+    ("fused": GDN qkv+z+b+a, attention q+k+v, MLP gate+up; fewer launches, same bytes; linears.fuse_linears;
+    1.08× on 27B decode). "linears": the decoder's bf16 linears at decode and verify by F.linear ("torch":
+    cuBLAS) or by the weight-streaming kernel ("gemv"), or by it only at the shapes where this GPU's sweep
+    measured it faster ("auto"; linears.Linears; 1.05× on 27B decode; without a measured shape, as "torch").
+    "gdn": the gated delta rule of decode, verify and commit by our kernel with the time loop unrolled
+    ("unrolled", ops/gdn.py) or by flash-linear-attention's fused recurrent kernel ("fla"); prefill takes fla's
+    kernels either way. "launch": each kernel of a compiled step after the previous one has finished
+    ("serial") or, on Hopper and later, with programmatic dependent launch ("pdl": inductor's kernels (its
+    triton.enable_pdl) and ours start while their predecessor finishes, the weight-streaming ones pulling their
+    first weight tiles into L2 before they wait for it; ops/gemv.py _dependent_start); "auto": "pdl" on a GPU
+    of compute capability 9.0 or later, else "serial"."""
     kernels = dict(kernels or {})
     unknown = set(kernels) - set(KERNELS)
     if unknown:
@@ -65,6 +67,7 @@ def check_kernels(kernels: dict | None, cfg, device) -> dict:
         kernels.setdefault(op, choices[0])
         if kernels[op] not in choices:
             raise ValueError(f"kernels[{op!r}]={kernels[op]!r}; choose from {', '.join(choices)}")
+    kernels["launch"] = _launch_mode(kernels["launch"], torch.device(device))
     if kernels["experts"] == "grouped":
         inter = getattr(cfg, "moe_intermediate_size", None)
         if inter is None:
@@ -75,8 +78,21 @@ def check_kernels(kernels: dict | None, cfg, device) -> dict:
     return kernels
 
 
-# "auto" attention takes the split-KV kernel above this many cache positions: SDPA reads every one of them each
-# step, and past 8192 the unused ones cost ≥ 1% of a 27B step (64 KB of K/V a position over its 16 layers)
+def _launch_mode(launch: str, device: torch.device) -> str:
+    """"auto" → "pdl" on CUDA devices of compute capability ≥ 9.0 (griddepcontrol is Hopper's), else "serial";
+    "pdl" on an older GPU is an error (our kernels' wait instruction does not exist there). Off CUDA the ops
+    run their references, so any choice runs."""
+    if device.type != "cuda":
+        return "serial" if launch == "auto" else launch
+    capability = torch.cuda.get_device_capability(device)
+    if launch == "pdl" and capability < (9, 0):
+        raise ValueError(f"kernels['launch']='pdl' needs a GPU of compute capability 9.0 or later (Hopper); this "
+                         f"one is {capability[0]}.{capability[1]}: use 'serial' or 'auto'")
+    return ("pdl" if capability >= (9, 0) else "serial") if launch == "auto" else launch
+
+
+# "auto" attention takes the split-KV kernel in decode above this many cache positions: SDPA reads every one of
+# them each step, and past 8192 the unused ones cost ≥ 1% of a 27B step (64 KB of K/V a position over its 16 layers)
 SPLIT_ATTENTION_ABOVE = 8192
 
 _GDN_IN = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
@@ -93,8 +109,9 @@ class Forward:
         self.eps = self.cfg.rms_norm_eps
         self.cache = cache
         self.kernels = check_kernels(kernels, self.cfg, cache.lengths.device)
-        if self.kernels["attention"] == "auto":
-            self.kernels["attention"] = "split" if cache.max_seq_len > SPLIT_ATTENTION_ABOVE else "sdpa"
+        attention, long_cache = self.kernels["attention"], cache.max_seq_len > SPLIT_ATTENTION_ABOVE
+        self._split = {1: attention == "split" or (attention == "auto" and long_cache),  # decode
+                       2: attention != "sdpa"}  # blocks of ≥ 2 queries (verify, DFlash drafts)
         self.unrolled = self.kernels["gdn"] == "unrolled"  # (a Triton compile per T: not for prefill)
         self.pdl = self.kernels["launch"] == "pdl"
         self.lin = Linears(fused=self.kernels["projections"] == "fused",
@@ -102,6 +119,11 @@ class Forward:
                            pdl=self.pdl)
         for layer in self.layers:
             self.prepare_layer(layer)
+
+    def split_attention(self, queries: int) -> bool:
+        """Whether a decode or verify step with `queries` positions a row reads the cache through the split-KV
+        kernel (check_kernels' "attention"); the DFlash draft's block asks the same."""
+        return self._split[min(queries, 2)]
 
     def prepare_layer(self, layer) -> None:
         """Give a decoder layer (the model's, or an MTP head's) this forward's kernel layout: the shared expert
@@ -249,7 +271,7 @@ class Forward:
             o = attend_causal(q, k, v, m.scaling)
         elif mode == "prefill":
             o = attend_prefix(q, k_cache[:, :, :past + T], v_cache[:, :, :past + T], m.scaling)
-        elif self.kernels["attention"] == "split":
+        elif self.split_attention(T):
             o = attend_cache_split_op(q, k_cache, v_cache, positions, m.scaling)
         else:
             o = attend_cache(q, k_cache, v_cache, positions, m.scaling)

@@ -11,7 +11,7 @@ positions, the commit (GDN replay + conv window) of that block and the whole rou
 is the round less those three, and `tok_s_at_tau` = τ ÷ the round (its work does not depend on acceptance).
 Results are written to --json after every phase, so a run cut short keeps what it measured.
 
-    python scripts/bench_spec.py --model qwen3.5-27b --runs dflash:15:6.5 --also-kernels gdn=unrolled attention=split
+    python scripts/bench_spec.py --model qwen3.5-27b --runs dflash:15:6.5 --also-kernels gdn=fla attention=sdpa
 
 then re-optimizes the same model once per kernel set (comma-separated op=choice) and times its verify and commit
 of the --verify-block block against the default's, in the same process: the candidates that act on the verify.

@@ -8,7 +8,7 @@
 #   spec     scripts/bench_spec.py: MTP k=3 tau=3 and DFlash k=15 tau=6.5 in one process on $SPEC_MODEL
 #            (default 27B, default inductor + CUDA graphs; SPEC_ARGS adds options, e.g. --batch 2; SPEC_TAG names
 #            the output files, so two runs can share a call: one per GPU with CUDA_VISIBLE_DEVICES on nvidia-h200-x2;
-#            SPEC_ARGS="... --also-kernels gdn=unrolled attention=split" re-times verify + commit under those kernels)
+#            SPEC_ARGS="... --also-kernels gdn=fla attention=sdpa" re-times verify + commit under those kernels)
 #   sweep    scripts/bench.py fastqwen at batch 1 2 4 8 (ragged rows: prompts of 512 down to ~256 tokens) on
 #            $SWEEP_MODEL (default 27B), then the plot
 #   startup  scripts/bench_startup.py on $STARTUP_MODEL (default 9B): cold vs warm start to first token
@@ -21,8 +21,9 @@
 #            for weight noise of each format's size ($QUALITY_NOISE, default 0.03 0.1: fp8's and int4's)
 #   candidates scripts/bench.py: fastqwen vs fastqwen with an alternative kernel in one process, on $CAND_MODEL
 #            (default 35B-A3B) with $CAND_SYSTEMS (default fastqwen+grouped-experts; also fastqwen+split-attention, fastqwen+sdpa-attention,
-#            fastqwen+gemv-linears, fastqwen+unrolled-gdn, fastqwen+separate-projections, fastqwen+combo-kernels:
-#            inductor's combo kernels, fastqwen+pdl: programmatic dependent launch, fastqwen+torch-linears: cuBLAS for every bf16 linear) and
+#            fastqwen+gemv-linears, fastqwen+fla-gdn, fastqwen+separate-projections, fastqwen+combo-kernels:
+#            inductor's combo kernels, fastqwen+serial-launch: no programmatic dependent launch, fastqwen+torch-linears:
+#            cuBLAS for every bf16 linear) and
 #            $CAND_ARGS (e.g.
 #            CAND_MODEL=qwen3.5-27b CAND_SYSTEMS=fastqwen+split-attention CAND_ARGS="--prompt-len 32768", or
 #            CAND_ARGS="--max-seq-len 131072": a long cache under a 512-token context, or

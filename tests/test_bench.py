@@ -104,12 +104,12 @@ def test_ragged_rows_step_down_from_the_prompt_length_to_about_half():
 def test_run_times_alternatives_against_the_default_on_one_model():
     """bench.run with a kernel candidate and an inductor-option candidate beside fastqwen (tiny, CPU, eager):
     each gets a speed and its ratio to the default, and the table lists them."""
-    systems = ("fastqwen", "fastqwen+unrolled-gdn", "fastqwen+combo-kernels")
+    systems = ("fastqwen", "fastqwen+fla-gdn", "fastqwen+combo-kernels")
     r = bench.run("tiny", systems=systems, prompt_len=16, n_short=2, n_long=6, dtype=torch.float32, device="cpu",
                   compile=False, progress=None)
     for system in systems:
         assert r["systems"][system]["tok_s"] > 0, r["systems"][system]
-    assert r["fastqwen+combo-kernels_vs_fastqwen"] > 0 and r["fastqwen+unrolled-gdn_vs_fastqwen"] > 0
+    assert r["fastqwen+combo-kernels_vs_fastqwen"] > 0 and r["fastqwen+fla-gdn_vs_fastqwen"] > 0
     assert "combo-kernels" in bench.format_table([r])
 
 
@@ -122,12 +122,12 @@ def test_run_applies_base_kernels_to_every_fastqwen_system(monkeypatch):
     real = fastqwen.optimize
     monkeypatch.setattr(fastqwen, "optimize",
                         lambda *a, **k: seen.append((k["kernels"], k["max_seq_len"])) or real(*a, **k))
-    r = bench.run("tiny", systems=("fastqwen", "fastqwen+unrolled-gdn", "fastqwen+pdl"), prompt_len=16, n_short=2,
-                  n_long=4, dtype=torch.float32, device="cpu", compile=False, progress=None,
-                  kernels={"launch": "pdl", "gdn": "fla"}, max_seq_len=200)
-    assert r["kernels"] == {"launch": "pdl", "gdn": "fla"} and r["max_seq_len"] == 200
-    assert seen == [({"launch": "pdl", "gdn": "fla"}, 200), ({"launch": "pdl", "gdn": "unrolled"}, 200),
-                    ({"launch": "pdl", "gdn": "fla"}, 200)]
+    r = bench.run("tiny", systems=("fastqwen", "fastqwen+fla-gdn", "fastqwen+serial-launch"), prompt_len=16,
+                  n_short=2, n_long=4, dtype=torch.float32, device="cpu", compile=False, progress=None,
+                  kernels={"launch": "pdl", "gdn": "unrolled"}, max_seq_len=200)
+    assert r["kernels"] == {"launch": "pdl", "gdn": "unrolled"} and r["max_seq_len"] == 200
+    assert seen == [({"launch": "pdl", "gdn": "unrolled"}, 200), ({"launch": "pdl", "gdn": "fla"}, 200),
+                    ({"launch": "serial", "gdn": "unrolled"}, 200)]
     with pytest.raises(ValueError, match="max_seq_len=50 < prompt_len"):
         bench.run("tiny", systems=("fastqwen",), prompt_len=16, n_long=4, device="cpu", max_seq_len=50)
 
@@ -161,11 +161,11 @@ def test_bench_spec_times_candidate_kernels_against_the_default(tmp_path):
     out = tmp_path / "spec.json"
     script = pathlib.Path(__file__).parents[1] / "scripts" / "bench_spec.py"
     subprocess.run([sys.executable, str(script), "--runs", "dflash:3:2.0", "--n-short", "4", "--n-long", "12",
-                    "--verify-block", "4", "--phases", "--also-kernels", "gdn=unrolled", "--json", str(out)],
+                    "--verify-block", "4", "--phases", "--also-kernels", "gdn=fla", "--json", str(out)],
                    check=True, capture_output=True)
     res = json.loads(out.read_text())
     assert res["dflash"]["tok_s"] > 0 and res["verify4"]["verify_s"] > 0
-    alt = res["also_kernels"]["gdn=unrolled"]
+    alt = res["also_kernels"]["gdn=fla"]
     assert alt["verify_s"] > 0 and alt["verify_vs_default"] == alt["verify_s"] / res["verify4"]["verify_s"]
 
 

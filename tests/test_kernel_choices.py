@@ -22,11 +22,12 @@ def test_grouped_experts_match_the_gathered_ones():
         torch.testing.assert_close(routed_moe(mlp, h, grouped=True), routed_moe(mlp, h), rtol=1e-5, atol=1e-5)
 
 
-ALL = {"attention": "split", "experts": "grouped", "projections": "separate", "linears": "gemv", "gdn": "unrolled",
+ALL = {"attention": "split", "experts": "grouped", "projections": "separate", "linears": "gemv", "gdn": "fla",
        "launch": "pdl"}
 
 
 @pytest.mark.parametrize("name,kernels,compile", [("tiny", {"attention": "split"}, False),
+                                                  ("tiny", {"attention": "sdpa"}, True),
                                                   ("tiny", {"projections": "separate"}, True),
                                                   ("tiny", {"linears": "gemv"}, True),
                                                   ("tiny", {"linears": "torch"}, False),
@@ -35,29 +36,51 @@ ALL = {"attention": "split", "experts": "grouped", "projections": "separate", "l
 def test_alternative_kernels_give_the_default_tokens(name, kernels, compile):
     default = fastqwen.optimize(fresh(name), max_batch_size=2, max_seq_len=96, compile=False)
     other = fastqwen.optimize(fresh(name), max_batch_size=2, max_seq_len=96, compile=compile, kernels=kernels)
-    assert other._fastqwen.forward.kernels == {"attention": "sdpa", "experts": "gather", "projections": "fused",
-                                               "linears": "auto", "gdn": "fla", "launch": "serial", **kernels}
+    assert other._fastqwen.forward.kernels == {"attention": "auto", "experts": "gather", "projections": "fused",
+                                               "linears": "auto", "gdn": "unrolled", "launch": "serial", **kernels}
     ids, mask = left_padded([torch.randint(1, 500, (n,)) for n in (17, 5)])
     assert torch.equal(other.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16),
                        default.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16))
 
 
-def test_auto_attention_reads_a_long_cache_through_the_split_kv_kernel(monkeypatch):
-    """The default attention ("auto") is SDPA up to SPLIT_ATTENTION_ABOVE cache positions and the split-KV op
-    above (SDPA reads every cached position each step); both give the same tokens."""
+def test_auto_attention_splits_verify_blocks_always_and_decode_over_long_caches(monkeypatch):
+    """The default attention ("auto"): decode by SDPA up to SPLIT_ATTENTION_ABOVE cache positions and by the
+    split-KV op above (SDPA reads every cached position each step); a verify block (several queries a row) by
+    the split-KV op at any length. Every way gives the same tokens."""
     import fastqwen.model as model_module
+    from fastqwen.bench import OracleProposer
 
     calls, real = [], model_module.attend_cache_split_op
-    monkeypatch.setattr(model_module, "attend_cache_split_op", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(model_module, "attend_cache_split_op", lambda q, *a: calls.append(q.shape[2]) or real(q, *a))
     ids, mask = left_padded([torch.randint(1, 500, (n,)) for n in (17, 5)])
     out, above = {}, model_module.SPLIT_ATTENTION_ABOVE
-    for S, expected in ((above, "sdpa"), (above + 1, "split")):
+    for S, long_cache in ((above, False), (above + 1, True)):
         m = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=S, compile=False)
-        assert m._fastqwen.forward.kernels["attention"] == expected
+        f = m._fastqwen.forward
+        assert (f.split_attention(1), f.split_attention(4)) == (long_cache, True)
         calls.clear()
-        out[expected] = m.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8)
-        assert bool(calls) is (expected == "split")
-    assert torch.equal(out["split"], out["sdpa"])
+        out[S] = m.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8)
+        assert set(calls) == ({1} if long_cache else set())  # decode steps: one query a row
+        m._fastqwen.enable_speculation(OracleProposer(out[S][:, ids.shape[1]:], 0.0, m.config.vocab_size), 3)
+        calls.clear()
+        assert torch.equal(m.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8), out[S])
+        assert set(calls) == {4}  # verify blocks of k + 1 = 4 queries
+    assert torch.equal(out[above + 1], out[above])
+
+
+def test_launch_auto_is_pdl_from_hopper_on_and_pdl_before_it_is_refused(monkeypatch):
+    """kernels={"launch": "auto"} (the default) resolves to "pdl" on compute capability ≥ 9.0 and "serial"
+    below or off CUDA; asking for "pdl" on an older GPU names the fix."""
+    from fastqwen.model import _launch_mode
+
+    assert _launch_mode("auto", torch.device("cpu")) == "serial" and _launch_mode("pdl", torch.device("cpu")) == "pdl"
+    for capability, auto in (((9, 0), "pdl"), ((10, 0), "pdl"), ((8, 9), "serial")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert _launch_mode("auto", torch.device("cuda")) == auto
+        assert _launch_mode("serial", torch.device("cuda")) == "serial"
+    with pytest.raises(ValueError, match=r"compute capability 9.0 or later \(Hopper\); this one is 8.9: use "
+                                         r"'serial' or 'auto'"):
+        _launch_mode("pdl", torch.device("cuda"))
 
 
 def test_programmatic_dependent_launch_reaches_inductor_and_the_weight_streaming_linears(monkeypatch):
@@ -93,7 +116,7 @@ def test_programmatic_dependent_launch_reaches_inductor_and_the_weight_streaming
 def test_bad_kernel_choices():
     with pytest.raises(ValueError, match=r"unknown kernels \['mlp'\]"):
         fastqwen.optimize(fresh("tiny"), compile=False, kernels={"mlp": "fused"})
-    with pytest.raises(ValueError, match=r"kernels\['gdn'\]='chunk'; choose from fla, unrolled"):
+    with pytest.raises(ValueError, match=r"kernels\['gdn'\]='chunk'; choose from unrolled, fla"):
         fastqwen.optimize(fresh("tiny"), compile=False, kernels={"gdn": "chunk"})
     with pytest.raises(ValueError, match=r"kernels\['attention'\]='flash'; choose from auto, sdpa, split"):
         fastqwen.optimize(fresh("tiny"), compile=False, kernels={"attention": "flash"})

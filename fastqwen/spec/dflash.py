@@ -167,9 +167,9 @@ class DFlashProposer:
         keys = torch.arange(engine.max_seq_len, device=s.device)
         full = (keys[None, None, :] <= (s + k)[:, None, None]).expand(-1, T, -1)  # context + whole block
         causal = keys[None, None, :] <= positions[:, :, None]
-        # with the split-KV kernel (kernels={"attention": "split"}), a full-attention layer reads only the keys
-        # in use: every query of the block sees keys 0 … s+k, i.e. the kernel's mask at position s+k
-        split = engine.forward.kernels["attention"] == "split"
+        # with the split-KV kernel (Forward.split_attention), a full-attention layer reads only the keys in
+        # use: every query of the block sees keys 0 … s+k, i.e. the kernel's mask at position s+k
+        split = engine.forward.split_attention(T)
         block_end = (s + k)[:, None].expand(-1, T)
         for i, layer in enumerate(d.layers):
             a = layer.self_attn
