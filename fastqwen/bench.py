@@ -62,7 +62,8 @@ class OracleProposer:
 
     impose=True fixes the acceptance itself (see `imposed_acceptance`): each round accepts a number of drafts
     drawn from the same distribution, whatever the target says, by a low-discrepancy sequence rather than
-    random draws, so that a short benchmark's mean lands on τ instead of scattering around it. The output is then not the target's, but every round does the
+    random draws, so that a short benchmark's mean lands on τ instead of scattering around it. The sequence
+    restarts with every generate call, so calls of one length do the same rounds (`spec_rounds`). The output is then not the target's, but every round does the
     work of a real round with that acceptance. Benchmarks need it in bf16 on random weights: there the target's
     near-tied logits make speculative and plain decoding part ways within a few tokens (kernels differ, see
     tests/gpu), after which a precomputed reference would never be accepted again.
@@ -84,6 +85,7 @@ class OracleProposer:
             self.inner.prefill(engine, first_row, tokens, hidden, start)
 
     def start(self, engine) -> None:
+        self.rounds.zero_()
         if self.inner is not None:
             self.inner.start(engine)
 
@@ -328,6 +330,12 @@ def decode_tok_per_s(
     if t_long <= t_short:
         raise RuntimeError(f"timing noise: {n_long} tokens took {t_long:.4f} s, {n_short} took {t_short:.4f} s")
     return (n_long - n_short) / (t_long - t_short)
+
+
+def spec_rounds(engine, rows: int) -> int:
+    """Rounds the last speculative generate call ran for its first `rows` rows (the longest row's; the one
+    round past the end that generate.DoneWatch launches is not counted)."""
+    return int(engine.spec.rounds[:rows].max())
 
 
 def _hf_static_generate(model: torch.nn.Module) -> Callable:

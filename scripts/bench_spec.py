@@ -9,6 +9,10 @@ mean tokens per round is tau. All runs share one model object in one process. Pe
 compiled graphs: the plain decode step (T = 1), and per run the draft, the verify step over its k + 1
 positions, the commit (GDN replay + conv window) of that block and the whole round's graph; `accept_and_rest`
 is the round less those three, and `tok_s_at_tau` = τ ÷ the round (its work does not depend on acceptance).
+End to end, `tok_s` is (n_long − n_short) tokens over the time difference of a long and a short generate call;
+those tokens took `window_rounds` rounds (the oracle restarts its counts every call, so every call of a length
+does the same rounds), i.e. `window_tau` tokens a round, which differs from τ by the rounding of whole rounds:
+`round_s` is the measured time of one round end to end, and `tok_s_e2e_at_tau` = τ ÷ `round_s`.
 Results are written to --json after every phase, so a run cut short keeps what it measured.
 
     python scripts/bench_spec.py --model qwen3.5-27b --runs dflash:15:6.5 --also-kernels gdn=fla attention=sdpa
@@ -160,9 +164,17 @@ def main():
         oracle.inner = bench.random_proposer(name, model, e, args.model, head, quant=args.draft_quant or args.quant)
         r = {"k": k, "tau": tau}
         r["tok_s"] = args.batch * bench.decode_tok_per_s(model.generate, ids, args.n_short, args.n_long)
-        r["measured_tau"] = e.spec.acceptance_length(args.batch)
         r["over_plain"] = r["tok_s"] / res["plain_tok_s"]
-        r["round_s"] = r["measured_tau"] * args.batch / r["tok_s"]
+        window = {}  # rounds of one call of each length (the same in every call: the oracle restarts its counts)
+        for n in (args.n_short, args.n_long):
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n)
+            window[n] = bench.spec_rounds(e, args.batch)
+        r["measured_tau"] = e.spec.acceptance_length(args.batch)  # of the long call
+        # the timed difference of a long and a short call is a whole number of rounds, with its own tokens a round
+        r["window_rounds"] = window[args.n_long] - window[args.n_short]
+        r["window_tau"] = (args.n_long - args.n_short) / r["window_rounds"]
+        r["round_s"] = args.batch * r["window_tau"] / r["tok_s"]  # end to end: host work and launches included
+        r["tok_s_e2e_at_tau"] = args.batch * tau / r["round_s"]
         res[name] = r
         if args.phases is not None and name not in args.phases:
             continue

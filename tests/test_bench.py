@@ -164,7 +164,10 @@ def test_bench_spec_times_candidate_kernels_against_the_default(tmp_path):
                     "--verify-block", "4", "--phases", "--also-kernels", "gdn=fla", "--json", str(out)],
                    check=True, capture_output=True)
     res = json.loads(out.read_text())
-    assert res["dflash"]["tok_s"] > 0 and res["verify4"]["verify_s"] > 0
+    run = res["dflash"]
+    assert run["tok_s"] > 0 and res["verify4"]["verify_s"] > 0
+    assert run["window_rounds"] > 0 and run["window_tau"] == (12 - 4) / run["window_rounds"]
+    assert run["tok_s_e2e_at_tau"] == pytest.approx(run["tok_s"] * 2.0 / run["window_tau"])
     alt = res["also_kernels"]["gdn=fla"]
     assert alt["verify_s"] > 0 and alt["verify_vs_default"] == alt["verify_s"] / res["verify4"]["verify_s"]
 

@@ -241,6 +241,22 @@ def test_imposed_acceptance_reaches_the_chosen_tau(compile):
     assert (per_row - tau).abs().max() < 0.15, f"row taus {per_row.min():.3f} … {per_row.max():.3f}, imposed {tau}"
 
 
+def test_imposed_acceptance_restarts_with_every_call():
+    """The imposed counts restart with each generate call, so every call of one length does the same rounds
+    (bench_spec's end-to-end window counts on it); a longer call does more."""
+    from fastqwen.bench import spec_rounds
+
+    spec = fastqwen.optimize(fresh("tiny"), max_batch_size=1, max_seq_len=96, compile=False)
+    e = spec._fastqwen
+    e.enable_speculation(OracleProposer(torch.randint(1, 500, (1, 80)), miss_for_tau(2.5, 4), 512, impose=True), 4)
+    prompt = torch.randint(1, 500, (1, 6))
+    seen = []
+    for n in (13, 31, 13):
+        spec.generate(prompt, max_new_tokens=n, min_new_tokens=n)
+        seen.append((spec_rounds(e, 1), e.spec.acceptance_length(1)))
+    assert seen[0] == seen[2] and seen[1][0] > seen[0][0], seen
+
+
 @pytest.mark.parametrize("k", [1, 2, K])
 def test_fewer_drafts_per_call_are_token_identical(engines, k):
     """generate(num_speculative_tokens=k) with k below the optimize-time K: a smaller verify block in the same
