@@ -5,8 +5,9 @@ stacked buffers, layer j of them (in model order) at index j: conv [L, B, C, W-1
 the depthwise conv, model dtype) and state [L, B, HV, dk, dv] fp32. `lengths` [B] int64 counts the tokens
 each row holds; the cache holds only real tokens (no padding), and the next token of row b goes to position
 lengths[b]. With `block` > 0 (speculative decoding) the cache also keeps the per-position inputs of the last
-verified block for the commit's replay: the pre-conv inputs replay_x [L, B, T, C], replay_k [L, B, T, H, dk],
-replay_v [L, B, T, HV, dv] and fp32 replay_g, replay_beta [L, B, T, HV] (T = block). Stacking lets the commit
+verified block for the commit's replay: the pre-conv inputs replay_x [L, B, T, C], the conv's packed
+outputs replay_qkv [L, B, T, C] (q, k, v: the replay reads k and v in place) and fp32 replay_g, replay_beta
+[L, B, T, HV] (T = block). Stacking lets the commit
 advance every layer in one launch (a batch of L·B rows) instead of one latency-bound launch per layer. All
 tensors are registered buffers with static addresses, so CUDA graphs that read and write them are replayed
 without copies.
@@ -37,8 +38,8 @@ def layout(cfg, max_batch_size: int, max_seq_len: int, dtype: torch.dtype, block
         bufs["conv"] = ((L, B, conv_dim, cfg.linear_conv_kernel_dim - 1), dtype)
         bufs["state"] = ((L, B, HV, dk, dv), torch.float32)
         if block:
-            bufs.update({"replay_x": ((L, B, block, conv_dim), dtype), "replay_k": ((L, B, block, H, dk), dtype),
-                         "replay_v": ((L, B, block, HV, dv), dtype), "replay_g": ((L, B, block, HV), torch.float32),
+            bufs.update({"replay_x": ((L, B, block, conv_dim), dtype), "replay_qkv": ((L, B, block, conv_dim), dtype),
+                         "replay_g": ((L, B, block, HV), torch.float32),
                          "replay_beta": ((L, B, block, HV), torch.float32)})
     bufs["lengths"] = ((B,), torch.int64)
     return bufs
@@ -98,8 +99,8 @@ class HybridCache(nn.Module):
             buf[j, rows].copy_(value)
 
     def replay(self, i: int | None = None) -> dict:
-        """The replay buffers (x, k, v, g, beta) of Gated DeltaNet layer i; of all of them stacked if i is None."""
-        names = ("x", "k", "v", "g", "beta")
+        """The replay buffers (x, qkv, g, beta) of Gated DeltaNet layer i; of all of them stacked if i is None."""
+        names = ("x", "qkv", "g", "beta")
         if i is None:
             return {name: getattr(self, f"replay_{name}") for name in names}
         j = self.gdn_index[i]

@@ -186,7 +186,10 @@ class Forward:
             block = torch.arange(self.cache.block, device=keep.device)
             accepted = (block[None, :] < keep[:, None]).float()[None, ..., None]  # [1, B, T, 1]
             r = self.cache.replay()
-            gdn_replay(r["k"].flatten(0, 1), r["v"].flatten(0, 1), (r["g"] * accepted).flatten(0, 1),
+            cfg = self.cfg
+            _, k, v = unpack_qkv(r["qkv"].flatten(0, 1), cfg.linear_num_key_heads, cfg.linear_key_head_dim,
+                                 cfg.linear_num_value_heads)
+            gdn_replay(k, v, (r["g"] * accepted).flatten(0, 1),
                        (r["beta"] * accepted).flatten(0, 1), self.cache.state.flatten(0, 1), self.unrolled,
                        self.pdl)
             commit_window(self.cache.conv, r["x"], keep)
@@ -228,26 +231,26 @@ class Forward:
         qkv, window = conv_step(x, m.conv1d.weight[:, 0], conv)
         if mode != "verify":  # (a verify leaves the window to the commit)
             self.cache.write("conv", i, window, rows)
-        if mode == "decode" and B == 1:  # q, k, v split inside the op: the conv's output stays one buffer
-            o = gdn_decode(qkv, *heads, a, b, m.A_log, m.dt_bias, state, self.unrolled, self.pdl and self.unrolled)
-            return self._gdn_out(m, o, z, B, T)
-        q, k, v = unpack_qkv(qkv, *heads, cfg.linear_num_value_heads)
-        # contiguous here, so inductor writes them from kernels it has anyway (q, k, v from the conv's; a and b,
-        # views of the fused projection, from the verify's gate kernel): the ops' own .contiguous() would be
-        # five eager copies per layer once T > 1 (or B > 1)
-        q, k, v, a, b = (t.contiguous() for t in (q, k, v, a, b))
-        if mode == "verify":
-            o = gdn_verify(q, k, v, a, b, m.A_log, m.dt_bias, state, self.unrolled, self.pdl)
+        if mode == "verify":  # q, k, v split inside the ops: the conv's output stays one buffer (the replay's too)
+            qkv = qkv.contiguous()  # (conv_step's output is a [B, C, T] buffer transposed: heads apart by T)
+            o = gdn_verify(qkv, *heads, a, b, m.A_log, m.dt_bias, state, self.unrolled, self.pdl)
             g, beta = gates(a, b, m.A_log, m.dt_bias)
-            for name, value in zip(("x", "k", "v", "g", "beta"), (x, k, v, g, beta)):
+            for name, value in zip(("x", "qkv", "g", "beta"), (x, qkv, g, beta)):
                 if T < self.cache.block:  # (fewer drafts this call) zeros after T: the commit masks them
                     value = torch.cat([value, value.new_zeros(B, self.cache.block - T, *value.shape[2:])], 1)
                 self.cache.write(f"replay_{name}", i, value)
-        elif mode == "prefill" and T >= _CHUNK_MIN_TOKENS:
+            return self._gdn_out(m, o, z, B, T)
+        if mode == "decode" and (B == 1 or self.unrolled):  # (fla's kernel would need copies of the views)
+            o = gdn_decode(qkv, *heads, a, b, m.A_log, m.dt_bias, state, self.unrolled, self.pdl and self.unrolled)
+            return self._gdn_out(m, o, z, B, T)
+        q, k, v = unpack_qkv(qkv, *heads, cfg.linear_num_value_heads)
+        # contiguous here, so inductor writes them from kernels it has anyway (q, k, v from the conv's): fla's
+        # kernels need them so, and the ops' own .contiguous() would be eager copies once T > 1 (or B > 1)
+        q, k, v, a, b = (t.contiguous() for t in (q, k, v, a, b))
+        if mode == "prefill" and T >= _CHUNK_MIN_TOKENS:
             o = gdn_chunk(q, k, v, a, b, m.A_log, m.dt_bias, state)
-        else:
-            unrolled = self.unrolled and mode != "prefill"
-            o = gdn_recurrent(q, k, v, a, b, m.A_log, m.dt_bias, state, unrolled, self.pdl and unrolled)
+        else:  # a short prefill chunk, or batched decode with fla's kernel
+            o = gdn_recurrent(q, k, v, a, b, m.A_log, m.dt_bias, state)
         return self._gdn_out(m, o, z, B, T)
 
     def _gdn_out(self, m, o, z, B, T):

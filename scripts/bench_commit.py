@@ -24,16 +24,17 @@ from fastqwen.cache import HybridCache  # noqa: E402
 from fastqwen.model import Forward  # noqa: E402
 from fastqwen.ops.conv import commit_window  # noqa: E402
 from fastqwen.ops import gdn  # noqa: E402
-from fastqwen.ops.gdn import gdn_replay  # noqa: E402
+from fastqwen.ops.gdn import gdn_replay, unpack_qkv  # noqa: E402
 
 
-def per_layer_commit(cache: HybridCache, keep: torch.Tensor) -> None:
+def per_layer_commit(cache: HybridCache, cfg, keep: torch.Tensor) -> None:
     """The commit as one replay launch and one window update per Gated DeltaNet layer."""
     accepted = (torch.arange(cache.block, device=keep.device)[None, :] < keep[:, None]).float()[..., None]
     for i in cache.gdn_index:
         conv, state = cache.recurrent(i)
         r = cache.replay(i)
-        gdn_replay(r["k"], r["v"], r["g"] * accepted, r["beta"] * accepted, state)
+        _, k, v = unpack_qkv(r["qkv"], cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_num_value_heads)
+        gdn_replay(k, v, r["g"] * accepted, r["beta"] * accepted, state)
         commit_window(conv, r["x"], keep)
     cache.lengths.add_(keep)
 
@@ -66,11 +67,11 @@ def main():
             cache.replay_beta.copy_(cache.replay_beta.abs().clamp(max=1))
             keep = torch.randint(0, args.block + 1, (B,), generator=gen, device=dev)
             saved = {n: b.clone() for n, b in cache.named_buffers()}
-            stacked = SimpleNamespace(cache=cache, unrolled=False)
-            unrolled = SimpleNamespace(cache=cache, unrolled=True)
+            stacked = SimpleNamespace(cache=cache, cfg=cfg, unrolled=False, pdl=False)  # what Forward.commit reads
+            unrolled = SimpleNamespace(cache=cache, cfg=cfg, unrolled=True, pdl=False)
             states = []  # after each way of committing, from the same saved buffers
             for commit in (lambda: Forward.commit(stacked, keep), lambda: Forward.commit(unrolled, keep),
-                           lambda: per_layer_commit(cache, keep)):
+                           lambda: per_layer_commit(cache, cfg, keep)):
                 for n, b in cache.named_buffers():
                     b.copy_(saved[n])
                 commit()
@@ -78,7 +79,7 @@ def main():
             same = max((a - b).abs().max().item() for other in states[1:] for a, b in zip(other, states[0]))
             t_stacked = bench.graph_seconds(lambda: Forward.commit(stacked, keep))
             t_unrolled = bench.graph_seconds(lambda: Forward.commit(unrolled, keep))
-            t_layer = float("nan") if args.no_per_layer else bench.graph_seconds(lambda: per_layer_commit(cache, keep))
+            t_layer = float("nan") if args.no_per_layer else bench.graph_seconds(lambda: per_layer_commit(cache, cfg, keep))
             floor = 2 * cache.state.numel() * 4 / bw
             tiles = {}
             for tile in args.tiles:

@@ -117,14 +117,15 @@ def test_gdn_custom_ops_pass_opcheck_on_strided_inputs(op, layout):
     if op == "replay":
         torch.library.opcheck(gdn_replay, (k, v, torch.randn(2, 3, 4).clamp(max=0), torch.rand(2, 3, 4), state))
         return
-    fn = gdn_verify if op == "verify" else op
-    args = (q, k, v, a, b, A_log, dt_bias, state)
+    fn, args = op, (q, k, v, a, b, A_log, dt_bias, state)
+    if op == "verify":  # (the conv's packed output, as gdn_decode)
+        fn, args = gdn_verify, (qkv, 2, 16, a, b, A_log, dt_bias, state)
     torch.library.opcheck(fn, args)
     # opcheck does not compare strides; inductor trusts the fake's, so they must match the real output's
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode() as mode:
-        fake = fn(*(mode.from_tensor(t) for t in args))
+        fake = fn(*(mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in args))
     assert fake.stride() == fn(*args).stride()
 
 
@@ -150,7 +151,7 @@ def test_packed_decode_op_equals_the_recurrence_on_its_parts():
 
 _UNROLLED = """
 import torch
-from fastqwen.ops.gdn import _unrolled, gates, gdn_reference, recurrence
+from fastqwen.ops.gdn import _unrolled, gates, gdn_reference, gdn_verify, recurrence, unpack_qkv
 torch.manual_seed(0)
 B, T, H, HV, K, V = 2, 5, 2, 4, 32, 32
 q, k = torch.randn(B, T, H, K), torch.randn(B, T, H, K)
@@ -174,6 +175,12 @@ assert torch.equal(state, h0)
 proj = torch.randn(B, T, 3 * HV + 5)  # verify with a, b read in place from a fused projection's output
 proj[..., 3:3 + HV], proj[..., 3 + 2 * HV:3 + 3 * HV] = b, a
 err(_unrolled(q, k, v, proj[..., 3 + 2 * HV:3 + 3 * HV], proj[..., 3:3 + HV], state, None, True, A_log, dt_bias), ref)
+qkv = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], -1)  # q, k, v read in place from the conv's packed
+pq, pk, pv = unpack_qkv(qkv, H, K, HV)                           # output (views: rows, positions apart)
+assert not pq.is_contiguous() and pv.data_ptr() == qkv.data_ptr() + 2 * H * K * qkv.element_size()
+err(_unrolled(pq, pk, pv, a, b, state, None, True, A_log, dt_bias), ref)
+err(gdn_verify(qkv, H, K, a, b, A_log, dt_bias, state, unrolled=True), ref)  # the op's CPU path: reference
+assert torch.equal(state, h0)
 g, beta = gates(a, b, A_log, dt_bias)  # replay: explicit gates, state only
 keep = torch.tensor([3, 0])
 mask = (torch.arange(T)[None] < keep[:, None]).float()[..., None]
@@ -182,6 +189,9 @@ stash = torch.zeros(2, B, T + 3, HV)  # (gates as the first T positions of a lon
 stash[0, :, :T], stash[1, :, :T] = g * mask, beta * mask
 assert _unrolled(k, k, v, stash[0, :, :T], stash[1, :, :T], state, state, False, write_o=False) is None
 recurrence(k, k, v, g * mask, beta * mask, ref_state)
+err(state, ref_state)
+state = h0.clone()  # the commit's replay: k and v read in place from the packed stash
+assert _unrolled(pk, pk, pv, stash[0, :, :T], stash[1, :, :T], state, state, False, write_o=False) is None
 err(state, ref_state)
 print("worst relative error", worst)
 """
@@ -195,13 +205,14 @@ from fastqwen.ops import gdn
 
 ptrs = ("q_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr", "A_log_ptr", "dt_bias_ptr", "h0_ptr", "ht_ptr", "o_ptr")
 sig = {**{p: "*bf16" for p in ptrs}, "A_log_ptr": "*fp32", "dt_bias_ptr": "*fp32", "h0_ptr": "*fp32",
-       "ht_ptr": "*fp32", "scale": "fp32", "a_row": "i32", "a_pos": "i32", "b_row": "i32", "b_pos": "i32"}
+       "ht_ptr": "*fp32", "scale": "fp32", **{f"{t}_{d}": "i32" for t in "qkvab" for d in ("row", "pos")}}
 bv = inspect.signature(gdn._unrolled).parameters["block_v"].default  # the launch's tile, one warp per 8 columns
 def compiled(T, verify, pdl=False):  # a DFlash verify or a commit's replay, 27B shape
     consts = dict(T=T, TP=16, H=16, HV=48, K=128, V=128, BV=bv, GATE_IN=verify, WRITE_O=verify,
                   WRITE_STATE=not verify, PDL=pdl)
     return compile_sm90(gdn._unrolled_kernel, {**sig, **({} if verify else {"a_ptr": "*fp32", "b_ptr": "*fp32"})},
-                        consts, (*ptrs, "a_row", "a_pos", "b_row", "b_pos"), num_warps=max(1, bv // 8))
+                        consts, (*ptrs, *(f"{t}_{d}" for t in "qkvab" for d in ("row", "pos"))),
+                        num_warps=max(1, bv // 8))
 
 for T, verify in ((16, True), (16, False)):
     kernel = compiled(T, verify)

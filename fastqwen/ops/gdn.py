@@ -98,16 +98,17 @@ if triton is not None:
 
     @triton.jit
     def _unrolled_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, h0_ptr, ht_ptr, o_ptr, scale,
-                         a_row, a_pos, b_row, b_pos, T: tl.constexpr, TP: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                         V: tl.constexpr, BV: tl.constexpr, GATE_IN: tl.constexpr, WRITE_O: tl.constexpr,
-                         WRITE_STATE: tl.constexpr, PDL: tl.constexpr):
+                         q_row, q_pos, k_row, k_pos, v_row, v_pos, a_row, a_pos, b_row, b_pos, T: tl.constexpr,
+                         TP: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                         BV: tl.constexpr, GATE_IN: tl.constexpr, WRITE_O: tl.constexpr, WRITE_STATE: tl.constexpr,
+                         PDL: tl.constexpr):
         """The recurrence over T positions with the time loop unrolled (T is a compile-time constant), so the
         loads of every position, which do not depend on the state, can be issued ahead of the serial state
         updates. Nothing is stored inside the loop (a store there could alias the next position's loads and pin
         them behind it): the outputs gather in a [TP, BV] tile (TP = T rounded up to a power of 2) stored once.
-        A program owns a [K, BV] tile of one (row, value head)'s state. a and b are [B, T, HV] with heads
-        contiguous, at any row and position strides (a_row, a_pos, b_row, b_pos: views of a fused projection's
-        output need no copy). GATE_IN: a, b are the raw projections
+        A program owns a [K, BV] tile of one (row, value head)'s state. q, k [B, T, H, K], v [B, T, HV, V] and
+        a, b [B, T, HV] have each position's heads (and dims) contiguous, at any row and position strides
+        (x_row, x_pos): views of the conv's packed output and of a fused projection's output need no copy. GATE_IN: a, b are the raw projections
         (g = -exp(A_log)·softplus(a + dt_bias), beta = sigmoid(b)); else they are g and beta. PDL (launched with
         programmatic dependent launch): the state tile and the gate parameters, which the previous kernel in the
         stream does not write, load before waiting for it; q, k, v, a, b after."""
@@ -127,11 +128,9 @@ if triton is not None:
         ot = tl.arange(0, TP)
         O = tl.zeros((TP, BV), tl.float32)
         for t in tl.static_range(T):
-            qk = ((row * T + t) * H + h) * K + ok
-            gb = (row * T + t) * HV + hv
-            kt = tl.load(k_ptr + qk).to(tl.float32)
+            kt = tl.load(k_ptr + row * k_row + t * k_pos + h * K + ok).to(tl.float32)
             kt = kt / tl.sqrt(tl.sum(kt * kt) + 1e-6)
-            vt = tl.load(v_ptr + gb * V + ov).to(tl.float32)
+            vt = tl.load(v_ptr + row * v_row + t * v_pos + hv * V + ov).to(tl.float32)
             at = tl.load(a_ptr + row * a_row + t * a_pos + hv).to(tl.float32)
             bt = tl.load(b_ptr + row * b_row + t * b_pos + hv).to(tl.float32)
             if GATE_IN:
@@ -142,7 +141,7 @@ if triton is not None:
             u = (vt - tl.sum(S * kt[:, None], 0)) * bt
             S = S + kt[:, None] * u[None, :]
             if WRITE_O:
-                qt = tl.load(q_ptr + qk).to(tl.float32)
+                qt = tl.load(q_ptr + row * q_row + t * q_pos + h * K + ok).to(tl.float32)
                 qt = qt / tl.sqrt(tl.sum(qt * qt) + 1e-6) * scale
                 O = tl.where(ot[:, None] == t, tl.sum(S * qt[:, None], 0)[None, :], O)
         if WRITE_O:
@@ -155,34 +154,34 @@ if triton is not None:
 UNROLLED_MAX_T = 64  # longer blocks (prefill) keep fla's kernels
 
 
-def _gate_strides(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """(t, row stride, position stride) for a gate input t [B, T, HV] with contiguous heads, as the unrolled
-    kernel reads it: a verify block's a and b are views of the fused GDN projection's output (positions 16480
-    apart on 27B), and the copies .contiguous() made of them were two eager launches a layer. Other layouts: a
-    contiguous copy."""
-    if t.stride(-1) != 1 and t.shape[-1] > 1:
+def _row_pos_strides(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """(t, row stride, position stride) of t [B, T, heads(, dim)] as the unrolled kernel reads it: each
+    position's heads (and dims) contiguous, rows and positions at any stride. Views of a fused projection's
+    output (a verify block's a and b: positions 16480 apart on 27B) and of the conv's packed output (q, k, v)
+    are read in place; other layouts are copied first."""
+    if t.numel() and not t[0, 0].is_contiguous():
         t = t.contiguous()
     return t, t.stride(0), t.stride(1)
 
 
 def _unrolled(q, k, v, a, b, state, final_state, gate_in, A_log=None, dt_bias=None, write_o=True, block_v=8,
               pdl=False):
-    """_unrolled_kernel (same contract as _fla_recurrent; q, k, v made contiguous, a and b read in place where
-    their heads are contiguous); returns o (or None). A [K, 8]
+    """_unrolled_kernel (same contract as _fla_recurrent; q, k, v, a and b read in place where each position's
+    heads are contiguous: _row_pos_strides); returns o (or None). A [K, 8]
     state tile takes one warp, so the walk's reductions over K are warp shuffles with no barrier (16 columns
     took 2 warps and ~140 barriers at T = 16, sm90 SASS); fla's replay found (8, 1) its best tile too."""
     batch, seq, heads, dk = k.shape
     vheads, dv = v.shape[2], v.shape[3]
-    q, k, v = (t.contiguous() for t in (q, k, v))
-    (a, a_row, a_pos), (b, b_row, b_pos) = _gate_strides(a), _gate_strides(b)
+    (q, q_row, q_pos), (k, k_row, k_pos), (v, v_row, v_pos) = (_row_pos_strides(t) for t in (q, k, v))
+    (a, a_row, a_pos), (b, b_row, b_pos) = _row_pos_strides(a), _row_pos_strides(b)
     out = _output_like(v) if write_o else None
     block_v = min(block_v, dv)
     dummy = state  # pointers the kernel does not read under its flags
     _unrolled_kernel[(triton.cdiv(dv, block_v), batch * vheads)](
         q, k, v, a, b, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias, state,
         dummy if final_state is None else final_state, dummy if out is None else out, dk**-0.5,
-        a_row, a_pos, b_row, b_pos, T=seq, TP=triton.next_power_of_2(seq), H=heads, HV=vheads, K=dk, V=dv, BV=block_v, GATE_IN=gate_in,
-        WRITE_O=write_o,
+        q_row, q_pos, k_row, k_pos, v_row, v_pos, a_row, a_pos, b_row, b_pos, T=seq, TP=triton.next_power_of_2(seq),
+        H=heads, HV=vheads, K=dk, V=dv, BV=block_v, GATE_IN=gate_in, WRITE_O=write_o,
         WRITE_STATE=final_state is not None, PDL=pdl, num_warps=max(1, block_v // 8), launch_pdl=pdl)
     return out
 
@@ -221,11 +220,11 @@ def unpack_qkv(qkv: torch.Tensor, heads_k: int, dk: int, heads_v: int):
 @torch.library.custom_op("fastqwen::gdn_decode", mutates_args=("state",))
 def gdn_decode(qkv: torch.Tensor, heads_k: int, dk: int, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
                dt_bias: torch.Tensor, state: torch.Tensor, unrolled: bool = False, pdl: bool = False) -> torch.Tensor:
-    """gdn_recurrent of one decode position from the conv's packed output qkv [1, 1, 2·Hk·Dk + Hv·Dv] (a, b
-    [1, 1, Hv]); returns o [1, 1, Hv, Dv]. With the split inside the op, a compiled step writes the conv's
-    output as one buffer, where handing the op q, k and v had inductor write three (three launches a GDN layer
-    on CUDA). At batch 1 the views are contiguous, so the kernels read them in place; the packed decode
-    kernels of vLLM and SGLang take the same input."""
+    """gdn_recurrent from the conv's packed output qkv [B, T, 2·Hk·Dk + Hv·Dv] (a, b [B, T, Hv]); returns o
+    [B, T, Hv, Dv]. With the split inside the op, a compiled step writes the conv's output as one buffer, where
+    handing the op q, k and v had inductor write three (three launches a GDN layer on CUDA). The unrolled
+    kernel reads the views in place at any B; fla's only at B = T = 1, where they are contiguous (else the op
+    copies them). The packed decode kernels of vLLM and SGLang take the same input."""
     return gdn_reference(*unpack_qkv(qkv, heads_k, dk, a.shape[-1]), a, b, A_log, dt_bias, state)
 
 
@@ -267,31 +266,34 @@ def _(q, k, v, a, b, A_log, dt_bias, state):
 
 
 @torch.library.custom_op("fastqwen::gdn_verify", mutates_args=())
-def gdn_verify(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-    A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, unrolled: bool = False, pdl: bool = False,
-) -> torch.Tensor:
-    """Outputs of a speculative block from the checkpoint `state`, which is read and left as it is. On CUDA
-    fla's kernel, or ours unrolled (with pdl: as in gdn_recurrent)."""
+def gdn_verify(qkv: torch.Tensor, heads_k: int, dk: int, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+               dt_bias: torch.Tensor, state: torch.Tensor, unrolled: bool = False, pdl: bool = False) -> torch.Tensor:
+    """Outputs o [B, T, Hv, Dv] of a speculative block from the checkpoint `state`, which is read and left as
+    it is; q, k, v from the conv's packed output qkv [B, T, C] as in gdn_decode (the unrolled kernel reads them
+    in place; fla's gets copies). On CUDA fla's kernel, or ours unrolled (with pdl: as in gdn_recurrent)."""
+    q, k, v = unpack_qkv(qkv, heads_k, dk, a.shape[-1])
     return gdn_reference(q, k, v, a, b, A_log, dt_bias, state.clone())
 
 
 @gdn_verify.register_kernel("cuda")
-def _gdn_verify_cuda(q, k, v, a, b, A_log, dt_bias, state, unrolled=False, pdl=False):
+def _gdn_verify_cuda(qkv, heads_k, dk, a, b, A_log, dt_bias, state, unrolled=False, pdl=False):
+    q, k, v = unpack_qkv(qkv, heads_k, dk, a.shape[-1])
     if unrolled and k.shape[1] <= UNROLLED_MAX_T:
         return _unrolled(q, k, v, a, b, state, None, gate_in=True, A_log=A_log, dt_bias=dt_bias, pdl=pdl)
     return _fla_recurrent(q, k, v, a, b, state, None, gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
 
 
 @gdn_verify.register_fake
-def _(q, k, v, a, b, A_log, dt_bias, state, unrolled=False, pdl=False):
-    return _output_like(v)
+def _(qkv, heads_k, dk, a, b, A_log, dt_bias, state, unrolled=False, pdl=False):
+    return _output_like(unpack_qkv(qkv, heads_k, dk, a.shape[-1])[2])
 
 
 @torch.library.custom_op("fastqwen::gdn_replay", mutates_args=("state",))
 def gdn_replay(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
                unrolled: bool = False, pdl: bool = False) -> None:
-    """Advance `state` in place over a block with explicit g, beta [B, T, HV] (zeros where not accepted)."""
+    """Advance `state` in place over a block with explicit g, beta [B, T, HV] (zeros where not accepted); k, v
+    may be views of a packed buffer (each position's heads contiguous), which the unrolled kernel reads in
+    place."""
     recurrence(k, k, v, g, beta, state)
 
 

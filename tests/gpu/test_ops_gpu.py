@@ -42,22 +42,22 @@ def test_gdn_fast_matches_reference(shape, op, B, T, unrolled):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("unrolled", [False, True])
-def test_packed_decode_reads_q_k_v_in_place_and_matches_reference(shape, unrolled):
-    """gdn_decode at batch 1 from the conv's packed output (q, k, v views at their offsets) and a, b as views
-    of a wider projection output, as the engine hands them over."""
+@pytest.mark.parametrize("B,unrolled", [(1, False), (1, True), (3, True)])
+def test_packed_decode_reads_q_k_v_in_place_and_matches_reference(shape, B, unrolled):
+    """gdn_decode from the conv's packed output (q, k, v views at their offsets; at B > 1 rows apart) and a, b
+    as views of a wider projection output, as the engine hands them over (fla's kernel at batch 1 only)."""
     H, HV = SHAPES[shape]
-    qkv = torch.randn(1, 1, 2 * H * 128 + HV * 128, device="cuda", dtype=torch.bfloat16)
-    proj = torch.randn(1, 1, 2 * HV + 64, device="cuda", dtype=torch.bfloat16)
+    qkv = torch.randn(B, 1, 2 * H * 128 + HV * 128, device="cuda", dtype=torch.bfloat16)
+    proj = torch.randn(B, 1, 2 * HV + 64, device="cuda", dtype=torch.bfloat16)
     a, b = proj[..., 64:64 + HV], proj[..., 64 + HV:]
     A_log = torch.empty(HV, device="cuda").uniform_(0.01, 16).log()
     dt_bias = torch.rand(HV, device="cuda")
-    h0 = torch.randn(1, HV, 128, 128, device="cuda") * 0.1
+    h0 = torch.randn(B, HV, 128, 128, device="cuda") * 0.1
     ref_state = h0.clone()
     q, k, v = unpack_qkv(qkv.float(), H, 128, HV)
     ref = gdn_reference(q, k, v, a.float(), b.float(), A_log, dt_bias, ref_state)
     state = h0.clone()
-    poison_allocator((1, 1, HV, 128))
+    poison_allocator((B, 1, HV, 128))
     out = gdn_decode(qkv, H, 128, a, b, A_log, dt_bias, state, unrolled)
     assert not out.isnan().any() and not state.isnan().any()
     assert rel_err(out, ref) < 1e-2
@@ -172,16 +172,18 @@ def test_gdn_verify_reads_and_replay_commits_like_the_reference(B, T, unrolled, 
 
     H, HV = SHAPES["27b"]
     x = gdn_inputs(B, T, H, HV)
+    qkv = torch.cat([x["q"].flatten(2), x["k"].flatten(2), x["v"].flatten(2)], -1)  # the conv's packed output
+    k, v = unpack_qkv(qkv, H, 128, HV)[1:]  # the replay's views of the packed stash
     h0 = torch.randn(B, HV, 128, 128, device="cuda") * 0.1
     state = h0.clone()
     poison_allocator((B, T, HV, 128))
-    out = gdn_verify(**x, state=state, unrolled=unrolled, pdl=pdl)
+    out = gdn_verify(qkv, H, 128, x["a"], x["b"], x["A_log"], x["dt_bias"], state, unrolled=unrolled, pdl=pdl)
     assert torch.equal(state, h0), "verify must not write the checkpoint state"
     assert rel_err(out, gdn_reference(**{n: t.float() for n, t in x.items()}, state=h0.clone())) < 1e-2
     keep = torch.randint(0, T + 1, (B,), device="cuda")
     g, beta = gates(x["a"], x["b"], x["A_log"], x["dt_bias"])
     accepted = (torch.arange(T, device="cuda")[None] < keep[:, None]).float()[..., None]
-    gdn_replay(x["k"], x["v"], g * accepted, beta * accepted, state, unrolled, pdl)
+    gdn_replay(k, v, g * accepted, beta * accepted, state, unrolled, pdl)
     for b in range(B):
         n = int(keep[b])
         ref = h0[b:b + 1].clone()
