@@ -197,23 +197,39 @@ def copy_bandwidth(device: torch.device | str, nbytes: int | None = None, repeat
     return 2 * nbytes / statistics.median(seconds)
 
 
-def graph_seconds(fn: Callable, *args, calls: int = 20, replays: int = 10) -> float:
+def cold_copies(nbytes: int, device) -> int:
+    """How many copies of an operand of `nbytes` a timing must cycle through so that every call reads its copy
+    from memory, as a compiled step does (its weights stream once per step): enough that twice the L2 cache
+    passes between two reads of one copy. 1 off CUDA or for operands that large."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 1
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    return max(1, -(-2 * l2 // max(nbytes, 1)))
+
+
+def graph_seconds(fn: Callable, *args, calls: int = 20, replays: int = 10, variants=None) -> float:
     """Median seconds per fn(*args) call. On CUDA: replays of a CUDA graph of `calls` back-to-back calls (no
     launch overhead, as inside a compiled step), after 3 warm-ups outside the capture (autotuners run there);
-    elsewhere wall-clock over `calls` calls (smoke runs)."""
+    elsewhere wall-clock over `calls` calls (smoke runs). `variants`: argument tuples the calls cycle through
+    instead of `args` (e.g. cold_copies copies of a weight, so that no call finds its weight in L2; at least
+    one call each)."""
+    sets = list(variants) if variants else [args]
+    calls = max(calls, len(sets))
+    run = lambda i: fn(*sets[i % len(sets)])  # noqa: E731
     with torch.no_grad():
-        for _ in range(3):
-            fn(*args)
-        if not torch.cuda.is_available() or not any(getattr(a, "is_cuda", False) for a in args):
+        for i in range(max(3, len(sets))):
+            run(i)
+        if not torch.cuda.is_available() or not any(getattr(a, "is_cuda", False) for a in sets[0]):
             t = time.perf_counter()
-            for _ in range(calls):
-                fn(*args)
+            for i in range(calls):
+                run(i)
             return (time.perf_counter() - t) / calls
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn(*args)
+            for i in range(calls):
+                run(i)
         times = []
         for _ in range(replays):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -8,7 +8,8 @@ int4 group 128). With --experts, also the 35B-A3B routed experts (256 of them, t
 gather-then-einsum path against the grouped kernel (`expert_gemv`) in bf16, fp8 and int4. Every candidate is timed as a CUDA graph of 20 back-to-back calls (no launch overhead, as in
 a compiled decode step): median µs per call over 10 replays. The floor is the candidate's weight bytes ÷
 the measured copy bandwidth; "% BW" is floor ÷ time. Candidates that fail to build or capture are reported
-with their error, not skipped. Without CUDA it runs as a smoke test: shapes ÷ 4, 16 experts, wall-clock timing.
+with their error, not skipped. This table times one weight per candidate, so shapes smaller than ~2× the L2
+cache read partly from L2 (the --sweep cycles through weight copies instead: bench.cold_copies). Without CUDA it runs as a smoke test: shapes ÷ 4, 16 experts, wall-clock timing.
 """
 
 import argparse
@@ -128,7 +129,10 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT), lowp
     one cheapest for the step: kernel time plus
     the consumer's read of its fp32 split-K partials. With `table`, merge the best configs into that
     gemv_configs.json under this GPU's name (fastqwen.ops.gemv reads it at import). The kernel is timed without the
-    split-K sum, which the compiled steps fold into the consumer's kernel. 8 warps never won."""
+    split-K sum, which the compiled steps fold into the consumer's kernel. 8 warps never won. Since 2026-12-01 the
+    timed calls cycle through copies of the weight (bench.cold_copies), so that each streams it from memory as a
+    step does; before, one weight called 20 times partly sat in the 50 MB L2 (shapes under ~100 MB read faster
+    than in a step, and the table's configs for them were picked in that regime)."""
     import itertools
 
     from fastqwen.ops import gemv
@@ -160,6 +164,10 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT), lowp
             for name, fmt in ((f, getattr(gemv, SWEPT[f])) for f in formats if not head or f.startswith("fp8")):
                 q, sc, z = gemv.stored_operands(fmt, w)
                 nbytes = sum(t.numel() * t.element_size() for t in (q, sc, z) if t is not None)
+                # copies of the weight, cycled through so that every call streams its weight from memory, as in a
+                # step (one weight, called 20 times, partly sits in L2: a 5120x6144 fp8 weight is 31 MB)
+                weights = [(q, sc, z)] + [tuple(None if t is None else t.clone() for t in (q, sc, z))
+                                          for _ in range(bench.cold_copies(nbytes, DEV) - 1)]
                 for m in ms:
                     x = torch.randn(m, K, device=DEV, dtype=torch.bfloat16)
                     default = gemv.full_config(gemv.gemv_config(fmt, N, K, m))
@@ -177,9 +185,10 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT), lowp
                                             and gemv.full_config(c) != default
                                             and not (fmt == gemv.BF16 and c[4])]:  # bf16 has no bit decoding
                         try:
-                            times[cfg] = bench.graph_seconds(
-                                lambda x, cfg=cfg: gemv._launch(x, fmt, q, sc, z, False, N, m, config=cfg,
-                                                                partials=True), x)  # (summed in the consumer)
+                            times[cfg] = bench.graph_seconds(  # (partials: summed in the consumer)
+                                lambda x, q, sc, z, cfg=cfg: gemv._launch(x, fmt, q, sc, z, False, N, m, config=cfg,
+                                                                          partials=True),
+                                variants=[(x, *wq) for wq in weights])
                         except Exception as e:  # out of resources (shared memory) for the largest tiles
                             print(f"  {cfg}: {type(e).__name__}", flush=True)
                     # what the step pays: the kernel, and the consumer's read of its fp32 partial sums (at M = 16 and
@@ -188,7 +197,9 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT), lowp
                     best = min(cost, key=cost.get)
                     best_of[gemv.tuned_key(fmt, N, K, m)] = best
                     if fmt == gemv.BF16:  # for kernels={"linears": "auto"}: is the kernel worth it over cuBLAS here?
-                        cublas = bench.graph_seconds(lambda x: F.linear(x, w), x) + m * N * 2 / bw  # (its bf16 out)
+                        copies = [w] + [w.clone() for _ in range(bench.cold_copies(w.numel() * 2, DEV) - 1)]
+                        cublas = bench.graph_seconds(F.linear, variants=[(x, c) for c in copies]) + m * N * 2 / bw
+                        # (+ its bf16 output's write)
                         best_of["cublas:" + gemv.tuned_key(fmt, N, K, m).split(":", 1)[1]] = [
                             round(cublas * 1e6, 2), round(cost[best] * 1e6, 2)]
                         print(f"  cuBLAS {cublas * 1e6:.1f} µs", flush=True)

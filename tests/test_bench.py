@@ -172,6 +172,17 @@ def test_bench_spec_times_candidate_kernels_against_the_default(tmp_path):
     assert alt["verify_s"] > 0 and alt["verify_vs_default"] == alt["verify_s"] / res["verify4"]["verify_s"]
 
 
+def test_timings_can_cycle_through_weight_copies_larger_than_l2(monkeypatch):
+    """bench.graph_seconds(variants=...) calls fn on each argument set in turn (every one at least once), and
+    cold_copies asks for enough copies that twice the L2 cache streams between two reads of one copy."""
+    seen = []
+    t = bench.graph_seconds(lambda x, w: seen.append(w), variants=[(torch.ones(1), i) for i in range(25)], calls=4)
+    assert t > 0 and set(seen) == set(range(25))
+    assert bench.cold_copies(10, "cpu") == 1
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"L2_cache_size": 50 << 20}))
+    assert [bench.cold_copies(n << 20, "cuda") for n in (31, 50, 100, 101, 1300)] == [4, 2, 1, 1, 1]
+
+
 def test_bench_quant_merges_sweep_tables(tmp_path):
     """Sweeps split over GPUs write partial tables; --merge-tables folds them into one, later parts winning."""
     parts = [tmp_path / "a.json", tmp_path / "b.json"]
