@@ -13,6 +13,7 @@
 #            $SWEEP_MODEL (default 27B), then the plot
 #   startup  scripts/bench_startup.py on $STARTUP_MODEL (default 9B): cold vs warm start to first token
 #   profile  scripts/profile_step.py on $PROFILE_MODEL (default 35B-A3B): the decode step's kernels, µs each; PROFILE_ARGS="--speculate dflash:15" profiles a round
+#            (add --phases: its draft and verify as graphs of their own too)
 #   attention scripts/bench_attention.py (SDPA over the whole cache vs the split-KV kernel) and its GPU test
 #   qbench   scripts/bench.py on $QMODEL (default 27B): fastqwen bf16 vs quantized ($SCHEME, default fp8-weight;
 #            one scheme a process: quantizing is in place; QBENCH_ARGS, e.g. --quant-lm-head, or

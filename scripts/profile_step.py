@@ -15,7 +15,9 @@ both tables are also written as JSON.
     python scripts/profile_step.py --model qwen3.5-27b --no-autotune --speculate dflash:15 --quant fp8-weight --quant-lm-head
 
 also profiles one speculative round after the decode step (proposer:k, mtp or dflash, with a random draft of the real shape as
-scripts/bench_spec.py builds it): draft, verify, acceptance and commit, kernel by kernel.
+scripts/bench_spec.py builds it): draft, verify, acceptance and commit, kernel by kernel. With --phases, the draft
+and the verify (k + 1 positions) are then also profiled each as its own graph, so the round's kernels (the same
+names in both) are told apart.
 """
 
 import argparse
@@ -46,10 +48,14 @@ def main():
     p.add_argument("--kernels", nargs="*", default=[], metavar="OP=CHOICE",
                    help="optimize's kernels option, e.g. attention=split linears=gemv")
     p.add_argument("--speculate", metavar="PROPOSER:K", help="profile a speculative round: mtp:3, dflash:15, …")
+    p.add_argument("--phases", action="store_true", help="with --speculate: also the draft and the verify, each "
+                   "as its own graph")
     p.add_argument("--quant", choices=["fp8-weight", "fp8", "int4"], help="quantize the target and draft (optimize's quant)")
     p.add_argument("--quant-lm-head", action="store_true", help="with --quant: lm_head too (optimize's quant_lm_head)")
     p.add_argument("--json", type=pathlib.Path)
     args = p.parse_args()
+    if args.phases and not args.speculate:
+        p.error("--phases profiles a speculative round's draft and verify: give --speculate")
     device = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda else torch.float32
     model = presets.build(args.model, dtype=dtype, device=device)
@@ -70,6 +76,14 @@ def main():
         oracle.inner = bench.random_proposer(name, model, e, args.model, quant=args.quant)
         model.generate(ids, max_new_tokens=8)
         report.append(profile_one(e.spec.greedy_round, f"{args.speculate} round", model, args))
+        if args.phases:
+            k, inner = int(k), oracle.inner
+            tokens = torch.zeros(args.batch_size, k + 1, dtype=torch.long, device=device)
+            with torch.compiler.config.patch(cache_key_tag=e.cache_tag):  # (as generate compiles its steps)
+                draft = e.compile(lambda: inner.propose(e, k, False))
+                verify = e.compile(lambda: e.forward.step(tokens, verify=True, features=inner.features))
+                report.append(profile_one(draft, f"{name} draft", model, args))
+                report.append(profile_one(verify, f"verify ({k + 1})", model, args))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
 

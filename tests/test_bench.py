@@ -183,6 +183,18 @@ def test_timings_can_cycle_through_weight_copies_larger_than_l2(monkeypatch):
     assert [bench.cold_copies(n << 20, "cuda") for n in (31, 50, 100, 101, 1300)] == [4, 2, 1, 1, 1]
 
 
+def test_profile_step_tells_a_rounds_draft_and_verify_apart(tmp_path):
+    """scripts/profile_step.py --speculate dflash:3 --phases on the tiny CPU model: the decode step, the round,
+    then the draft and the verify each profiled as its own graph."""
+    out = tmp_path / "profile.json"
+    script = pathlib.Path(__file__).parents[1] / "scripts" / "profile_step.py"
+    subprocess.run([sys.executable, str(script), "--speculate", "dflash:3", "--phases", "--steps", "2", "--top", "3",
+                    "--json", str(out)], check=True, capture_output=True)
+    report = json.loads(out.read_text())
+    assert [r["what"] for r in report] == ["step", "dflash:3 round", "dflash draft", "verify (4)"]
+    assert all(r["step_us"] > 0 and r["kernels"] for r in report)
+
+
 def test_bench_quant_merges_sweep_tables(tmp_path):
     """Sweeps split over GPUs write partial tables; --merge-tables folds them into one, later parts winning."""
     parts = [tmp_path / "a.json", tmp_path / "b.json"]
