@@ -69,9 +69,15 @@ def config(name: str):
 
 
 @torch.no_grad()
-def build(name: str, *, dtype=torch.bfloat16, device="cpu", seed: int = 0):
-    """A random-init `Qwen3_5ForCausalLM` / `Qwen3_5MoeForCausalLM` of preset `name`, in eval mode."""
+def build(name: str, *, dtype=torch.bfloat16, device="cpu", seed: int = 0, layers: int | None = None):
+    """A random-init `Qwen3_5ForCausalLM` / `Qwen3_5MoeForCausalLM` of preset `name`, in eval mode. layers: keep
+    only the first `layers` decoder layers (the same shapes and layer pattern in a shorter stack: a profile's
+    per-layer costs in a fraction of the compile time)."""
     cfg = config(name)
+    if layers is not None:
+        if not 1 <= layers <= cfg.num_hidden_layers:
+            raise ValueError(f"layers must be in 1 … {cfg.num_hidden_layers} for {name!r}; got {layers}")
+        cfg.num_hidden_layers, cfg.layer_types = layers, cfg.layer_types[:layers]
     cls = Qwen3_5MoeForCausalLM if isinstance(cfg, Qwen3_5MoeTextConfig) else Qwen3_5ForCausalLM
     torch.manual_seed(seed)
     with torch.device(device):

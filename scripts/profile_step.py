@@ -18,6 +18,13 @@ also profiles one speculative round after the decode step (proposer:k, mtp or df
 scripts/bench_spec.py builds it): draft, verify, acceptance and commit, kernel by kernel. With --phases, the draft
 and the verify (k + 1 positions) are then also profiled each as its own graph, so the round's kernels (the same
 names in both) are told apart.
+
+    python scripts/profile_step.py --model qwen3.5-27b --no-autotune --layers 16 --verify-block 16 --kernels launch=serial
+
+profiles a verify of 16 positions as its own graph after the decode step, with no proposer (the target alone,
+no feature taps), on the first 16 layers of the stack (the same shapes: per-layer costs in a quarter of the
+compile). Under launch=pdl a kernel starts before its predecessor ends and the profiler counts its wait as its
+own time; launch=serial gives each kernel's own duration.
 """
 
 import argparse
@@ -50,6 +57,9 @@ def main():
     p.add_argument("--speculate", metavar="PROPOSER:K", help="profile a speculative round: mtp:3, dflash:15, …")
     p.add_argument("--phases", action="store_true", help="with --speculate: also the draft and the verify, each "
                    "as its own graph")
+    p.add_argument("--verify-block", type=int, metavar="T", help="also profile a verify of T positions alone "
+                   "(no proposer, no feature taps)")
+    p.add_argument("--layers", type=int, help="keep only the first LAYERS decoder layers (quicker compiles)")
     p.add_argument("--quant", choices=["fp8-weight", "fp8", "int4"], help="quantize the target and draft (optimize's quant)")
     p.add_argument("--quant-lm-head", action="store_true", help="with --quant: lm_head too (optimize's quant_lm_head)")
     p.add_argument("--json", type=pathlib.Path)
@@ -58,7 +68,7 @@ def main():
         p.error("--phases profiles a speculative round's draft and verify: give --speculate")
     device = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda else torch.float32
-    model = presets.build(args.model, dtype=dtype, device=device)
+    model = presets.build(args.model, dtype=dtype, device=device, layers=args.layers)
     opts = bench.compile_options(args.no_autotune, cuda, args.options)
     fastqwen.optimize(model, max_batch_size=args.batch_size, max_seq_len=args.prompt_len + 64, compile_options=opts,
                       kernels=dict(kv.split("=", 1) for kv in args.kernels), quant=args.quant,
@@ -84,6 +94,15 @@ def main():
                 verify = e.compile(lambda: e.forward.step(tokens, verify=True, features=inner.features))
                 report.append(profile_one(draft, f"{name} draft", model, args))
                 report.append(profile_one(verify, f"verify ({k + 1})", model, args))
+    if args.verify_block:
+        T = args.verify_block
+        e.enable_speculation(bench.OracleProposer(torch.zeros(args.batch_size, 64, dtype=torch.long, device=device),
+                                                  0.5, model.config.vocab_size), T - 1)
+        e.cache.lengths.fill_(args.prompt_len)  # (the cache's contents do not change the timing)
+        tokens = torch.zeros(args.batch_size, T, dtype=torch.long, device=device)
+        with torch.compiler.config.patch(cache_key_tag=e.cache_tag):
+            verify = e.compile(lambda: e.forward.step(tokens, verify=True))
+            report.append(profile_one(verify, f"verify ({T}) alone", model, args))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
 
