@@ -34,7 +34,7 @@ def text_model(model):
 
 KERNELS = {"attention": ("auto", "sdpa", "split"), "experts": ("gather", "grouped"),
            "projections": ("fused", "separate"), "linears": ("auto", "torch", "gemv"),
-           "gdn": ("unrolled", "fla"), "launch": ("auto", "serial", "pdl")}  # first: the default
+           "gdn": ("block", "unrolled", "fla"), "launch": ("auto", "serial", "pdl")}  # first: the default
 
 
 def check_kernels(kernels: dict | None, cfg, device) -> dict:
@@ -53,8 +53,9 @@ def check_kernels(kernels: dict | None, cfg, device) -> dict:
     cuBLAS) or by the weight-streaming kernel ("gemv"), or by it only at the shapes where this GPU's sweep
     measured it faster ("auto"; linears.Linears; 1.05× on 27B decode; without a measured shape, as "torch").
     "gdn": the gated delta rule of decode, verify and commit by our kernel with the time loop unrolled
-    ("unrolled", ops/gdn.py) or by flash-linear-attention's fused recurrent kernel ("fla"); prefill takes fla's
-    kernels either way. "launch": each kernel of a compiled step after the previous one has finished
+    ("unrolled", ops/gdn.py), the same but the verify's block solved at once ("block": ops/gdn.py
+    _block_kernel, dots and a 16-row substitution instead of 16 serial steps over the state), or by
+    flash-linear-attention's fused recurrent kernel ("fla"); prefill takes fla's kernels either way. "launch": each kernel of a compiled step after the previous one has finished
     ("serial") or, on Hopper and later, with programmatic dependent launch ("pdl": inductor's kernels (its
     triton.enable_pdl) and ours start while their predecessor finishes, the weight-streaming ones pulling their
     first weight tiles into L2 before they wait for it; ops/gemv.py _dependent_start); "auto": "pdl" on a GPU
@@ -112,7 +113,8 @@ class Forward:
         attention, long_cache = self.kernels["attention"], cache.max_seq_len > SPLIT_ATTENTION_ABOVE
         self._split = {1: attention == "split" or (attention == "auto" and long_cache),  # decode
                        2: attention != "sdpa"}  # blocks of ≥ 2 queries (verify, DFlash drafts)
-        self.unrolled = self.kernels["gdn"] == "unrolled"  # (a Triton compile per T: not for prefill)
+        self.unrolled = self.kernels["gdn"] in ("block", "unrolled")  # (a Triton compile per T: not for prefill)
+        self.block = self.kernels["gdn"] == "block"
         self.pdl = self.kernels["launch"] == "pdl"
         self.lin = Linears(fused=self.kernels["projections"] == "fused",
                            gemv={"torch": False, "gemv": True, "auto": "auto"}[self.kernels["linears"]],
@@ -233,7 +235,7 @@ class Forward:
             self.cache.write("conv", i, window, rows)
         if mode == "verify":  # q, k, v split inside the ops: the conv's output stays one buffer (the replay's too)
             qkv = qkv.contiguous()  # (conv_step's output is a [B, C, T] buffer transposed: heads apart by T)
-            o = gdn_verify(qkv, *heads, a, b, m.A_log, m.dt_bias, state, self.unrolled, self.pdl)
+            o = gdn_verify(qkv, *heads, a, b, m.A_log, m.dt_bias, state, self.unrolled, self.pdl, self.block)
             g, beta = gates(a, b, m.A_log, m.dt_bias)
             for name, value in zip(("x", "qkv", "g", "beta"), (x, qkv, g, beta)):
                 if T < self.cache.block:  # (fewer drafts this call) zeros after T: the commit masks them

@@ -13,7 +13,9 @@
 #            $SWEEP_MODEL (default 27B), then the plot
 #   startup  scripts/bench_startup.py on $STARTUP_MODEL (default 9B): cold vs warm start to first token
 #   profile  scripts/profile_step.py on $PROFILE_MODEL (default 35B-A3B): the decode step's kernels, µs each; PROFILE_ARGS="--speculate dflash:15" profiles a round
-#            (add --phases: its draft and verify as graphs of their own too)
+#            (add --phases: its draft and verify as graphs of their own too; PROFILE_ARGS="--layers 16 --verify-block 16
+#            --kernels launch=serial": a verify alone on a quarter of the stack, each kernel's own time, ~3.5 min on 27B fp8)
+#   gdn      scripts/bench_gdn.py: the verify's gated delta rule (fla, the unrolled walk, the block solve's tiles) per T
 #   attention scripts/bench_attention.py (SDPA over the whole cache vs the split-KV kernel) and its GPU test
 #   qbench   scripts/bench.py on $QMODEL (default 27B): fastqwen bf16 vs quantized ($SCHEME, default fp8-weight;
 #            one scheme a process: quantizing is in place; QBENCH_ARGS, e.g. --quant-lm-head, or
@@ -84,6 +86,8 @@ case "$stage" in
   candidates) python scripts/bench.py --models "${CAND_MODEL:-qwen3.5-35b-a3b}" --systems fastqwen \
            ${CAND_SYSTEMS:-fastqwen+grouped-experts} --no-autotune ${CAND_ARGS:-} --json "$out/candidates.json" 2>&1 \
            | grep -v "^\[transformers\]" | tail -4 ;;
+  gdn) python scripts/bench_gdn.py --models ${GDN_MODELS:-qwen3.5-27b qwen3.5-9b} --T ${GDN_T:-4 8 16} ${GDN_ARGS:-} \
+           --json "$out/bench_gdn.json" 2>&1 | grep "^|" ;;
   commit) python scripts/bench_commit.py --json "$out/bench_commit.json" 2>&1 | grep "^|" ;;
   sweep-gemv) t=${SWEEP_TAG:+_$SWEEP_TAG}; table=fastqwen/ops/gemv_configs$t.json
          [ -z "$t" ] || rm -f "$table"  # a tagged table holds only this sweep's results

@@ -195,6 +195,28 @@ def test_profile_step_tells_a_rounds_draft_and_verify_apart(tmp_path):
     assert all(r["step_us"] > 0 and r["kernels"] for r in report)
 
 
+def test_profile_step_times_a_verify_alone_on_a_shorter_stack(tmp_path):
+    """profile_step.py --layers 2 --verify-block 4: the decode step and a 4-position verify with no proposer,
+    on the first two layers of the tiny preset."""
+    out = tmp_path / "profile.json"
+    script = pathlib.Path(__file__).parents[1] / "scripts" / "profile_step.py"
+    subprocess.run([sys.executable, str(script), "--layers", "2", "--verify-block", "4", "--steps", "2", "--top", "3",
+                    "--json", str(out)], check=True, capture_output=True)
+    assert [r["what"] for r in json.loads(out.read_text())] == ["step", "verify (4) alone"]
+    with pytest.raises(ValueError, match="layers must be in 1"):
+        presets.build("tiny", layers=0)
+    assert presets.build("tiny", layers=2).config.layer_types == presets.config("tiny").layer_types[:2]
+
+
+def test_bench_gdn_checks_each_kernel_against_the_reference(tmp_path):
+    """scripts/bench_gdn.py on CPU: the reference's row, timed, with its error against itself."""
+    out = tmp_path / "gdn.json"
+    script = pathlib.Path(__file__).parents[1] / "scripts" / "bench_gdn.py"
+    subprocess.run([sys.executable, str(script), "--T", "3", "--json", str(out)], check=True, capture_output=True)
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["T"], r["kernel"]) for r in rows] == [(3, "reference")] and rows[0]["us"] > 0
+
+
 def test_bench_quant_merges_sweep_tables(tmp_path):
     """Sweeps split over GPUs write partial tables; --merge-tables folds them into one, later parts winning."""
     parts = [tmp_path / "a.json", tmp_path / "b.json"]

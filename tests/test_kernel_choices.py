@@ -37,7 +37,7 @@ def test_alternative_kernels_give_the_default_tokens(name, kernels, compile):
     default = fastqwen.optimize(fresh(name), max_batch_size=2, max_seq_len=96, compile=False)
     other = fastqwen.optimize(fresh(name), max_batch_size=2, max_seq_len=96, compile=compile, kernels=kernels)
     assert other._fastqwen.forward.kernels == {"attention": "auto", "experts": "gather", "projections": "fused",
-                                               "linears": "auto", "gdn": "unrolled", "launch": "serial", **kernels}
+                                               "linears": "auto", "gdn": "block", "launch": "serial", **kernels}
     ids, mask = left_padded([torch.randint(1, 500, (n,)) for n in (17, 5)])
     assert torch.equal(other.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16),
                        default.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16))
@@ -116,7 +116,7 @@ def test_programmatic_dependent_launch_reaches_inductor_and_the_weight_streaming
 def test_bad_kernel_choices():
     with pytest.raises(ValueError, match=r"unknown kernels \['mlp'\]"):
         fastqwen.optimize(fresh("tiny"), compile=False, kernels={"mlp": "fused"})
-    with pytest.raises(ValueError, match=r"kernels\['gdn'\]='chunk'; choose from unrolled, fla"):
+    with pytest.raises(ValueError, match=r"kernels\['gdn'\]='chunk'; choose from block, unrolled, fla"):
         fastqwen.optimize(fresh("tiny"), compile=False, kernels={"gdn": "chunk"})
     with pytest.raises(ValueError, match=r"kernels\['attention'\]='flash'; choose from auto, sdpa, split"):
         fastqwen.optimize(fresh("tiny"), compile=False, kernels={"attention": "flash"})
@@ -173,13 +173,14 @@ def test_the_shared_expert_stacks_onto_the_routed_ones(tmp_path):
         assert torch.equal(mlp.fastqwen_stacked[1][E], torch.zeros_like(mlp.fastqwen_stacked[1][E]))
 
 
-def test_speculative_verify_with_the_unrolled_gdn_kernel_is_token_identical():
-    """kernels={"gdn": "unrolled"} reaches the verify of a compiled speculative round (off CUDA the ops run their
-    reference, so this checks the plumbing and the ops' schemas; tests/gpu compares the kernels)."""
+@pytest.mark.parametrize("gdn", ["block", "unrolled"])
+def test_speculative_verify_with_our_gdn_kernels_is_token_identical(gdn):
+    """kernels={"gdn": "block" / "unrolled"} reach the verify of a compiled speculative round (off CUDA the ops
+    run their reference, so this checks the plumbing and the ops' schemas; tests/gpu compares the kernels)."""
     from fastqwen.bench import OracleProposer
 
     plain = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=96, compile=False)
-    spec = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=96, compile=True, kernels={"gdn": "unrolled"})
+    spec = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=96, compile=True, kernels={"gdn": gdn})
     ids, mask = left_padded([torch.randint(1, 500, (n,)) for n in (17, 5)])
     expected = plain.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20)
     spec._fastqwen.enable_speculation(OracleProposer(expected[:, ids.shape[1]:], 0.3, spec.config.vocab_size), 4)

@@ -151,7 +151,7 @@ def test_packed_decode_op_equals_the_recurrence_on_its_parts():
 
 _UNROLLED = """
 import torch
-from fastqwen.ops.gdn import _unrolled, gates, gdn_reference, gdn_verify, recurrence, unpack_qkv
+from fastqwen.ops.gdn import _block, _unrolled, gates, gdn_reference, gdn_verify, recurrence, unpack_qkv
 torch.manual_seed(0)
 B, T, H, HV, K, V = 2, 5, 2, 4, 32, 32
 q, k = torch.randn(B, T, H, K), torch.randn(B, T, H, K)
@@ -180,7 +180,14 @@ pq, pk, pv = unpack_qkv(qkv, H, K, HV)                           # output (views
 assert not pq.is_contiguous() and pv.data_ptr() == qkv.data_ptr() + 2 * H * K * qkv.element_size()
 err(_unrolled(pq, pk, pv, a, b, state, None, True, A_log, dt_bias), ref)
 err(gdn_verify(qkv, H, K, a, b, A_log, dt_bias, state, unrolled=True), ref)  # the op's CPU path: reference
+err(_block(q, k, v, a, b, state, A_log, dt_bias), ref)  # the block solve (T = 5 of a 16-row tile)
+err(_block(pq, pk, pv, proj[..., 3 + 2 * HV:3 + 3 * HV], proj[..., 3:3 + HV], state, A_log, dt_bias, block_k=32), ref)
 assert torch.equal(state, h0)
+# the substitution where it is ill-conditioned: nearly parallel keys, beta → 1, no decay (a → −∞), 16 positions
+k16 = torch.randn(1, 1, H, K).expand(1, 16, H, K) + 0.01 * torch.randn(1, 16, H, K)
+q16, v16 = torch.randn(1, 16, H, K), torch.randn(1, 16, HV, V)
+a16, b16 = torch.full((1, 16, HV), -30.0), torch.full((1, 16, HV), 8.0)
+err(_block(q16, k16, v16, a16, b16, h0[:1], A_log, dt_bias), gdn_reference(q16, k16, v16, a16, b16, A_log, dt_bias, h0[:1].clone()))
 g, beta = gates(a, b, A_log, dt_bias)  # replay: explicit gates, state only
 keep = torch.tensor([3, 0])
 mask = (torch.arange(T)[None] < keep[:, None]).float()[..., None]
@@ -227,6 +234,31 @@ print("ok")
 """
 
 
+_BLOCK_SM90 = """
+from sm90 import compile_sm90, count, cuobjdump, stack_bytes
+from fastqwen.ops import gdn
+
+ptrs = ("q_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr", "A_log_ptr", "dt_bias_ptr", "h0_ptr", "o_ptr")
+sig = {**{p: "*bf16" for p in ptrs}, "A_log_ptr": "*fp32", "dt_bias_ptr": "*fp32", "h0_ptr": "*fp32",
+       "scale": "fp32", **{f"{t}_{d}": "i32" for t in "qkvab" for d in ("row", "pos")}}
+bv, warps, bk, stages = gdn.BLOCK_TILE
+consts = dict(T=16, TP=16, H=16, HV=48, K=128, V=128, BV=bv, BK=bk, STAGES=stages, PDL=False)
+kernel = compile_sm90(gdn._block_kernel, sig, consts, ptrs, num_warps=warps, num_stages=stages)
+sass = cuobjdump(kernel, "-sass")
+assert stack_bytes(kernel) == 0, "the block solve spills"
+assert count(sass, "HMMA") > 0, "its dots are not on the tensor cores"
+print("ok")
+"""
+
+
+def test_block_gdn_kernel_solves_on_tensor_cores_without_spilling_on_sm90():
+    """kernels={"gdn": "block"}: the verify's block solve compiled for Hopper at its launch tile and the 27B
+    verify shape: the dots (tf32x3) run as tensor-core HMMA and nothing spills (a tile of all K at once did)."""
+    from conftest import run_in_triton_interpreter
+
+    assert run_in_triton_interpreter(_BLOCK_SM90, interpret=False).strip().endswith("ok")
+
+
 def test_unrolled_gdn_kernel_walks_in_registers_on_sm90():
     """The unrolled kernel compiled for Hopper (no GPU needed) at the 27B verify and replay shapes: its launch
     tile keeps the 16-position walk in one warp's registers, no spill and no shared-memory reduction (16
@@ -237,7 +269,8 @@ def test_unrolled_gdn_kernel_walks_in_registers_on_sm90():
 
 
 def test_unrolled_gdn_kernel_matches_the_reference_in_the_triton_interpreter():
-    """kernels={"gdn": "unrolled"}: decode (state in place), verify (state untouched) and masked replay."""
+    """kernels={"gdn": "unrolled"}: decode (state in place), verify (state untouched) and masked replay; and
+    kernels={"gdn": "block"}'s verify, also where its substitution is ill-conditioned."""
     from conftest import run_in_triton_interpreter
 
     assert "worst relative error" in run_in_triton_interpreter(_UNROLLED)

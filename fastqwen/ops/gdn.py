@@ -10,8 +10,10 @@ state [B, HV, K, V] fp32. Per value head, in fp32, with q and k l2-normalised an
 `gdn_recurrent` (decode, small T) and `gdn_chunk` (prefill) return o [B, T, HV, V] in v.dtype and leave the
 final S in `state` (in place). Speculative decoding splits that in two: `gdn_verify` returns the block's
 outputs and leaves the checkpoint state untouched; `gdn_replay` then advances the state over the accepted
-positions only (g = beta = 0 elsewhere, which leaves S unchanged), so shapes stay fixed. On CUDA they run flash-linear-attention's Triton
-kernels; everywhere else, and as the reference in tests, `gdn_reference`. Both are registered custom ops
+positions only (g = beta = 0 elsewhere, which leaves S unchanged), so shapes stay fixed. On CUDA they run
+flash-linear-attention's Triton kernels or ours: the walk with its time loop unrolled (`_unrolled_kernel`:
+decode, short verifies, the replay) and the block solve (`_block_kernel`: verifies of BLOCK_MIN_T positions
+or more); everywhere else, and as the reference in tests, `gdn_reference`. All are registered custom ops
 (mutating `state`), so a compiled step keeps `fullgraph=True` and its CUDA graph.
 """
 
@@ -151,6 +153,75 @@ if triton is not None:
             tl.store(ht_ptr + tile, S)
 
 
+    @triton.jit
+    def _block_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, h0_ptr, o_ptr, scale,
+                      q_row, q_pos, k_row, k_pos, v_row, v_pos, a_row, a_pos, b_row, b_pos, T: tl.constexpr,
+                      TP: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                      BV: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+        """A verify block's outputs with no walk over the state: the block solved at once (the WY form of one
+        chunk). With D_t = exp(g_1 + … + g_t), the recurrence unrolls to
+            u_t = beta_t·(v_t − D_t·S0ᵀk_t − Σ_{s<t} (D_t/D_s)(k_s·k_t)·u_s),
+            o_t = D_t·S0ᵀq_t + Σ_{s≤t} (D_t/D_s)(q_t·k_s)·u_s,
+        so S0ᵀk, S0ᵀq and the Gram matrices k·kᵀ, q·kᵀ are dots accumulated over K in steps of BK (of the raw
+        q, k: their l2 norms come from the same steps and scale the products after; tf32x3, fp32-accurate on
+        tensor cores), and the only serial part is a forward substitution over the TP rows of the [TP, BV]
+        tile of u, each step one rank-1 update. Inputs as in _unrolled_kernel (raw gates); rows t ≥ T are zero
+        (beta = 0) and change nothing before them. The state is only read. A program owns one (row, value
+        head) and BV columns of its state."""
+        i_v, i_bh = tl.program_id(0), tl.program_id(1)
+        row, hv = i_bh // HV, i_bh % HV
+        h = hv // (HV // H)
+        ov = i_v * BV + tl.arange(0, BV)
+        ot = tl.arange(0, TP)
+        t_ok = ot < T
+        A = -tl.exp(tl.load(A_log_ptr + hv).to(tl.float32))
+        dt_bias = tl.load(dt_bias_ptr + hv).to(tl.float32)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        kk = tl.zeros((TP, TP), tl.float32)  # k·kᵀ, q·kᵀ, kᵀS0, qᵀS0 of the raw q, k; their squared norms
+        qk = tl.zeros((TP, TP), tl.float32)
+        ks = tl.zeros((TP, BV), tl.float32)
+        qs = tl.zeros((TP, BV), tl.float32)
+        nk = tl.zeros((TP,), tl.float32)
+        nq = tl.zeros((TP,), tl.float32)
+        for k0 in tl.range(0, K, BK, num_stages=STAGES):
+            oc = k0 + tl.arange(0, BK)
+            kc = tl.load(k_ptr + row * k_row + ot[:, None] * k_pos + h * K + oc[None, :], mask=t_ok[:, None],
+                         other=0.0).to(tl.float32)
+            qc = tl.load(q_ptr + row * q_row + ot[:, None] * q_pos + h * K + oc[None, :], mask=t_ok[:, None],
+                         other=0.0).to(tl.float32)
+            sc = tl.load(h0_ptr + (i_bh * K + oc[:, None]) * V + ov[None, :])
+            kk += tl.dot(kc, tl.trans(kc), input_precision="tf32x3")
+            qk += tl.dot(qc, tl.trans(kc), input_precision="tf32x3")
+            ks += tl.dot(kc, sc, input_precision="tf32x3")
+            qs += tl.dot(qc, sc, input_precision="tf32x3")
+            nk += tl.sum(kc * kc, 1)
+            nq += tl.sum(qc * qc, 1)
+        rk = 1.0 / tl.sqrt(nk + 1e-6)  # l2norm's 1 / ‖k‖
+        rq = scale / tl.sqrt(nq + 1e-6)
+        vv = tl.load(v_ptr + row * v_row + ot[:, None] * v_pos + hv * V + ov[None, :], mask=t_ok[:, None],
+                     other=0.0).to(tl.float32)
+        x = tl.load(a_ptr + row * a_row + ot * a_pos + hv, mask=t_ok, other=0.0).to(tl.float32) + dt_bias
+        g = tl.where(t_ok, A * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0)))), 0.0)
+        bt = tl.load(b_ptr + row * b_row + ot * b_pos + hv, mask=t_ok, other=0.0).to(tl.float32)
+        beta = tl.where(t_ok, 1.0 / (1.0 + tl.exp(-bt)), 0.0)
+        gam = tl.cumsum(g, 0)  # log D_t
+        upto = ot[:, None] >= ot[None, :]  # s ≤ t
+        decay = tl.exp(tl.where(upto, gam[:, None] - gam[None, :], -float("inf")))  # D_t / D_s, 0 for s > t
+        d = tl.exp(gam)
+        r = beta[:, None] * (vv - (d * rk)[:, None] * ks)
+        c = tl.where(ot[:, None] > ot[None, :], kk * decay * rk[:, None] * rk[None, :], 0.0) * beta[:, None]
+        for s in tl.static_range(T - 1):  # u_s is final: take it out of the later rows
+            u_s = tl.sum(tl.where(ot[:, None] == s, r, 0.0), 0)
+            c_s = tl.sum(tl.where(ot[None, :] == s, c, 0.0), 1)
+            r = r - c_s[:, None] * u_s[None, :]
+        m = qk * decay * rq[:, None] * rk[None, :]
+        o = (d * rq)[:, None] * qs + tl.dot(m, r, input_precision="tf32x3")
+        out = (((row * T + ot) * HV + hv) * V)[:, None] + ov[None, :]
+        tl.store(o_ptr + out, o.to(o_ptr.dtype.element_ty), mask=t_ok[:, None])
+
+
 UNROLLED_MAX_T = 64  # longer blocks (prefill) keep fla's kernels
 
 
@@ -165,11 +236,12 @@ def _row_pos_strides(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
 
 
 def _unrolled(q, k, v, a, b, state, final_state, gate_in, A_log=None, dt_bias=None, write_o=True, block_v=8,
-              pdl=False):
+              pdl=False, warps=None):
     """_unrolled_kernel (same contract as _fla_recurrent; q, k, v, a and b read in place where each position's
     heads are contiguous: _row_pos_strides); returns o (or None). A [K, 8]
     state tile takes one warp, so the walk's reductions over K are warp shuffles with no barrier (16 columns
-    took 2 warps and ~140 barriers at T = 16, sm90 SASS); fla's replay found (8, 1) its best tile too."""
+    took 2 warps and ~140 barriers at T = 16, sm90 SASS); fla's replay found (8, 1) its best tile too. warps:
+    num_warps (default one per 8 columns); scripts/bench_gdn.py times other tiles."""
     batch, seq, heads, dk = k.shape
     vheads, dv = v.shape[2], v.shape[3]
     (q, q_row, q_pos), (k, k_row, k_pos), (v, v_row, v_pos) = (_row_pos_strides(t) for t in (q, k, v))
@@ -182,7 +254,25 @@ def _unrolled(q, k, v, a, b, state, final_state, gate_in, A_log=None, dt_bias=No
         dummy if final_state is None else final_state, dummy if out is None else out, dk**-0.5,
         q_row, q_pos, k_row, k_pos, v_row, v_pos, a_row, a_pos, b_row, b_pos, T=seq, TP=triton.next_power_of_2(seq),
         H=heads, HV=vheads, K=dk, V=dv, BV=block_v, GATE_IN=gate_in, WRITE_O=write_o,
-        WRITE_STATE=final_state is not None, PDL=pdl, num_warps=max(1, block_v // 8), launch_pdl=pdl)
+        WRITE_STATE=final_state is not None, PDL=pdl, num_warps=warps or max(1, block_v // 8), launch_pdl=pdl)
+    return out
+
+
+def _block(q, k, v, a, b, state, A_log, dt_bias, block_v=16, warps=1, pdl=False, block_k=32, stages=2):
+    """_block_kernel: a verify block's outputs o [B, T, HV, V] from the checkpoint `state` (only read), raw
+    gates a, b; q, k, v, a, b read in place as by _unrolled. Tiles of at least 16 rows and columns (the dots'
+    least): block_v columns of the state, K in steps of block_k (a loop of `stages` pipeline stages), on `warps`
+    warps; scripts/bench_gdn.py times them."""
+    batch, seq, heads, dk = k.shape
+    vheads, dv = v.shape[2], v.shape[3]
+    (q, q_row, q_pos), (k, k_row, k_pos), (v, v_row, v_pos) = (_row_pos_strides(t) for t in (q, k, v))
+    (a, a_row, a_pos), (b, b_row, b_pos) = _row_pos_strides(a), _row_pos_strides(b)
+    out = _output_like(v)
+    block_v = min(block_v, dv)
+    _block_kernel[(triton.cdiv(dv, block_v), batch * vheads)](
+        q, k, v, a, b, A_log, dt_bias, state, out, dk**-0.5, q_row, q_pos, k_row, k_pos, v_row, v_pos, a_row, a_pos,
+        b_row, b_pos, T=seq, TP=max(16, triton.next_power_of_2(seq)), H=heads, HV=vheads, K=dk, V=dv, BV=block_v,
+        BK=min(block_k, dk), STAGES=stages, PDL=pdl, num_warps=warps, launch_pdl=pdl)
     return out
 
 
@@ -267,24 +357,38 @@ def _(q, k, v, a, b, A_log, dt_bias, state):
 
 @torch.library.custom_op("fastqwen::gdn_verify", mutates_args=())
 def gdn_verify(qkv: torch.Tensor, heads_k: int, dk: int, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
-               dt_bias: torch.Tensor, state: torch.Tensor, unrolled: bool = False, pdl: bool = False) -> torch.Tensor:
+               dt_bias: torch.Tensor, state: torch.Tensor, unrolled: bool = False, pdl: bool = False,
+               block: bool = False) -> torch.Tensor:
     """Outputs o [B, T, Hv, Dv] of a speculative block from the checkpoint `state`, which is read and left as
-    it is; q, k, v from the conv's packed output qkv [B, T, C] as in gdn_decode (the unrolled kernel reads them
-    in place; fla's gets copies). On CUDA fla's kernel, or ours unrolled (with pdl: as in gdn_recurrent)."""
+    it is; q, k, v from the conv's packed output qkv [B, T, C] as in gdn_decode (our kernels read them in
+    place; fla's gets copies). On CUDA fla's kernel, ours unrolled, or with `block` the block solve
+    (_block_kernel) for BLOCK_MIN_T ≤ T ≤ 64 (shorter blocks: unrolled); pdl: ours with programmatic dependent
+    launch."""
     q, k, v = unpack_qkv(qkv, heads_k, dk, a.shape[-1])
     return gdn_reference(q, k, v, a, b, A_log, dt_bias, state.clone())
 
 
+# _block's (block_v, num_warps, block_k, stages), and the shortest block it takes: on the H200 (27B shape, one
+# layer, scripts/bench_gdn.py, 2026-12-01) it solved T = 16 in 8.9 µs against the unrolled walk's 13.5 (fla: 28.3),
+# but T = 4 in 7.2 against 4.9: the walk grows ~0.7 µs a position, the solve hardly at all; they cross near T = 8
+BLOCK_TILE = (16, 1, 32, 2)
+BLOCK_MIN_T = 8
+
+
 @gdn_verify.register_kernel("cuda")
-def _gdn_verify_cuda(qkv, heads_k, dk, a, b, A_log, dt_bias, state, unrolled=False, pdl=False):
+def _gdn_verify_cuda(qkv, heads_k, dk, a, b, A_log, dt_bias, state, unrolled=False, pdl=False, block=False):
     q, k, v = unpack_qkv(qkv, heads_k, dk, a.shape[-1])
-    if unrolled and k.shape[1] <= UNROLLED_MAX_T:
+    if block and BLOCK_MIN_T <= k.shape[1] <= UNROLLED_MAX_T and dk >= 16 and v.shape[-1] >= 16:
+        bv, warps, bk, stages = BLOCK_TILE
+        return _block(q, k, v, a, b, state, A_log, dt_bias, block_v=bv, warps=warps, pdl=pdl, block_k=bk,
+                      stages=stages)
+    if (unrolled or block) and k.shape[1] <= UNROLLED_MAX_T:
         return _unrolled(q, k, v, a, b, state, None, gate_in=True, A_log=A_log, dt_bias=dt_bias, pdl=pdl)
     return _fla_recurrent(q, k, v, a, b, state, None, gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
 
 
 @gdn_verify.register_fake
-def _(qkv, heads_k, dk, a, b, A_log, dt_bias, state, unrolled=False, pdl=False):
+def _(qkv, heads_k, dk, a, b, A_log, dt_bias, state, unrolled=False, pdl=False, block=False):
     return _output_like(unpack_qkv(qkv, heads_k, dk, a.shape[-1])[2])
 
 

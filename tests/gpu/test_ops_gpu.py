@@ -163,11 +163,13 @@ def test_routed_moe_matches_transformers_block_real_shape(grouped, stacked):
         assert rel_err(f(block, h, grouped), ref) < 2e-2
 
 
-@pytest.mark.parametrize("unrolled,pdl", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("unrolled,pdl,block", [(False, False, False), (True, False, False), (True, True, False),
+                                                (True, False, True), (True, True, True)])
 @pytest.mark.parametrize("B,T", [(1, 4), (3, 16)])
-def test_gdn_verify_reads_and_replay_commits_like_the_reference(B, T, unrolled, pdl):
-    """verify and replay (fla's or unrolled, the latter also with programmatic dependent launch): outputs of the block from the checkpoint
-    state, which stays untouched; replay with a per-row accepted prefix: the state of running only that prefix."""
+def test_gdn_verify_reads_and_replay_commits_like_the_reference(B, T, unrolled, pdl, block):
+    """verify (fla's, unrolled or the block solve, ours also with programmatic dependent launch) and replay
+    (fla's or unrolled): outputs of the block from the checkpoint state, which stays untouched; replay with a
+    per-row accepted prefix: the state of running only that prefix."""
     from fastqwen.ops.gdn import gates, gdn_replay, gdn_verify, recurrence
 
     H, HV = SHAPES["27b"]
@@ -177,7 +179,8 @@ def test_gdn_verify_reads_and_replay_commits_like_the_reference(B, T, unrolled, 
     h0 = torch.randn(B, HV, 128, 128, device="cuda") * 0.1
     state = h0.clone()
     poison_allocator((B, T, HV, 128))
-    out = gdn_verify(qkv, H, 128, x["a"], x["b"], x["A_log"], x["dt_bias"], state, unrolled=unrolled, pdl=pdl)
+    out = gdn_verify(qkv, H, 128, x["a"], x["b"], x["A_log"], x["dt_bias"], state, unrolled=unrolled, pdl=pdl,
+                     block=block)
     assert torch.equal(state, h0), "verify must not write the checkpoint state"
     assert rel_err(out, gdn_reference(**{n: t.float() for n, t in x.items()}, state=h0.clone())) < 1e-2
     keep = torch.randint(0, T + 1, (B,), device="cuda")
