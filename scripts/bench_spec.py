@@ -19,6 +19,13 @@ Results are written to --json after every phase, so a run cut short keeps what i
 
 then re-optimizes the same model once per kernel set (comma-separated op=choice) and times its verify and commit
 of the --verify-block block against the default's, in the same process: the candidates that act on the verify.
+
+    python scripts/bench_spec.py --model qwen3.5-27b --layers 16 --runs --quant fp8-weight --quant-lm-head \
+        --also-kernels gdn=unrolled launch=serial
+
+does that on the first 16 layers of the stack (the real shapes, a quarter of every compile): an A/B of verify
+kernels that fits one device call on a quantized 27B, where each full-stack compile takes minutes. MTP runs
+work on a short stack; a DFlash draft taps target layers up to the 61st of 64, so not.
 """
 
 import argparse
@@ -111,8 +118,12 @@ def main():
                    help="optimize's kernels option, e.g. attention=split linears=gemv")
     p.add_argument("--also-kernels", nargs="*", default=[], metavar="OP=CHOICE[,OP=CHOICE]",
                    help="after the runs: verify + commit under each of these kernel sets, against the default's")
+    p.add_argument("--layers", type=int, help="keep only the first LAYERS decoder layers (quicker compiles; "
+                   "per-layer costs as in the full stack)")
     p.add_argument("--json", type=pathlib.Path)
     args = p.parse_args()
+    if args.layers and any(r.startswith("dflash") for r in args.runs):
+        p.error("--layers: a DFlash draft taps layers of the whole stack; time the verify (--verify-block) or MTP")
     if args.also_kernels and not args.verify_block:
         p.error("--also-kernels times the --verify-block block: give it a size")
     runs = []
@@ -123,14 +134,15 @@ def main():
         runs.append((name, int(k), float(tau)))
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
-    res = {"model": args.model, "batch": args.batch, "hardware": torch.cuda.get_device_name() if cuda else "cpu"}
+    res = {"model": args.model, "batch": args.batch, "hardware": torch.cuda.get_device_name() if cuda else "cpu",
+           "layers": args.layers}
 
     def say(m):
         print(m, flush=True)
         if args.json:
             args.json.write_text(json.dumps(res, indent=1))
 
-    model = presets.build(args.model, dtype=dtype, device=device)
+    model = presets.build(args.model, dtype=dtype, device=device, layers=args.layers)
     opts = bench.compile_options(args.no_autotune, cuda, args.options)
     block = max([k + 1 for _, k, _ in runs] + [args.verify_block])
     max_seq = args.prompt_len + args.n_long + 2 * block + 8  # room for the timed blocks after a generate

@@ -172,6 +172,20 @@ def test_bench_spec_times_candidate_kernels_against_the_default(tmp_path):
     assert alt["verify_s"] > 0 and alt["verify_vs_default"] == alt["verify_s"] / res["verify4"]["verify_s"]
 
 
+def test_bench_spec_times_the_verify_on_a_shorter_stack(tmp_path):
+    """bench_spec.py --layers 2 --runs: plain decode and a 4-position verify + commit on the first two layers; a
+    DFlash run is refused there (its draft taps layers of the whole stack)."""
+    out = tmp_path / "spec.json"
+    script = pathlib.Path(__file__).parents[1] / "scripts" / "bench_spec.py"
+    bad = subprocess.run([sys.executable, str(script), "--layers", "2", "--runs", "dflash:3:2.0"], capture_output=True,
+                         text=True)
+    assert bad.returncode == 2 and "taps layers of the whole stack" in bad.stderr
+    subprocess.run([sys.executable, str(script), "--layers", "2", "--runs", "--n-short", "4", "--n-long", "8",
+                    "--verify-block", "4", "--json", str(out)], check=True, capture_output=True)
+    res = json.loads(out.read_text())
+    assert res["layers"] == 2 and res["plain_tok_s"] > 0 and res["verify4"]["verify_s"] > 0
+
+
 def test_timings_can_cycle_through_weight_copies_larger_than_l2(monkeypatch):
     """bench.graph_seconds(variants=...) calls fn on each argument set in turn (every one at least once), and
     cold_copies asks for enough copies that twice the L2 cache streams between two reads of one copy."""
