@@ -31,6 +31,7 @@ CANDIDATE_SYSTEMS = {"fastqwen+split-attention": {"attention": "split"},
                      "fastqwen+torch-linears": {"linears": "torch"},
                      "fastqwen+fla-gdn": {"gdn": "fla"},
                      "fastqwen+unrolled-gdn": {"gdn": "unrolled"},
+                     "fastqwen+splitk-fixup": {"splitk": "fixup"},
                      "fastqwen+serial-launch": {"launch": "serial"}}
 # fastqwen with inductor options merged over the run's (launch count: combo kernels launch independent
 # small kernels, e.g. a GDN layer's q, k and v, as one)

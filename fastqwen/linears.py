@@ -100,12 +100,12 @@ class Linears:
     launch configs per shape from gemv_configs.json) instead of F.linear (cuBLAS on a GPU); "auto": only
     where this GPU's sweep measured the kernel faster than cuBLAS at that shape; more rows, quantized and
     other modules run as they are. `pdl`: the weight-streaming kernel (bf16 here, quantized in QuantLinear)
-    launches with programmatic dependent launch."""
+    launches with programmatic dependent launch; `fixup`: it sums its split-K partials itself (wq_linear)."""
 
-    def __init__(self, fused: bool = False, gemv: bool | str = False, pdl: bool = False):
+    def __init__(self, fused: bool = False, gemv: bool | str = False, pdl: bool = False, fixup: bool = False):
         from .quant.linear import QuantLinear  # (here: quant.linear imports model, which imports this module)
 
-        self.fused, self.gemv, self.pdl, self.quant_linear = fused, gemv, pdl, QuantLinear
+        self.fused, self.gemv, self.pdl, self.fixup, self.quant_linear = fused, gemv, pdl, fixup, QuantLinear
         self.table = gpu_table() if gemv == "auto" else {}  # read here: not inside a traced step
 
     def __call__(self, module, x: torch.Tensor) -> torch.Tensor:
@@ -114,9 +114,11 @@ class Linears:
                 and (module.in_features % STEP == 0 or not x.is_cuda)  # (off CUDA: wq_linear's reference)
                 and (self.gemv is True or gemv_beats_cublas(self.table, module.out_features,
                                                              module.in_features, rows))):
-            return module(x, pdl=True) if self.pdl and isinstance(module, self.quant_linear) else module(x)
+            if isinstance(module, self.quant_linear):
+                return module(x, pdl=self.pdl, fixup=self.fixup)
+            return module(x)
         y = wq_linear(x.reshape(rows, -1), BF16, module.weight, None, None, False, module.out_features,
-                      self.pdl).sum(0)
+                      self.pdl, self.fixup).sum(0)
         return y.to(x.dtype).view(*x.shape[:-1], module.out_features)
 
     def project(self, module, h, names):

@@ -34,7 +34,8 @@ def text_model(model):
 
 KERNELS = {"attention": ("auto", "sdpa", "split"), "experts": ("gather", "grouped"),
            "projections": ("fused", "separate"), "linears": ("auto", "torch", "gemv"),
-           "gdn": ("block", "unrolled", "fla"), "launch": ("auto", "serial", "pdl")}  # first: the default
+           "gdn": ("block", "unrolled", "fla"), "launch": ("auto", "serial", "pdl"),
+           "splitk": ("sum", "fixup")}  # first: the default
 
 
 def check_kernels(kernels: dict | None, cfg, device) -> dict:
@@ -59,7 +60,10 @@ def check_kernels(kernels: dict | None, cfg, device) -> dict:
     ("serial") or, on Hopper and later, with programmatic dependent launch ("pdl": inductor's kernels (its
     triton.enable_pdl) and ours start while their predecessor finishes, the weight-streaming ones pulling their
     first weight tiles into L2 before they wait for it; ops/gemv.py _dependent_start); "auto": "pdl" on a GPU
-    of compute capability 9.0 or later, else "serial"."""
+    of compute capability 9.0 or later, else "serial". "splitk": the weight-streaming kernel's split-K partial
+    sums added by their consumer ("sum": inductor folds the add into the next kernel, or launches a sum of its
+    own where the consumer is a custom op) or by the kernel itself ("fixup": the last program of each output
+    tile adds them, in split order; ops/gemv.py _split_k_fixup)."""
     kernels = dict(kernels or {})
     unknown = set(kernels) - set(KERNELS)
     if unknown:
@@ -118,7 +122,7 @@ class Forward:
         self.pdl = self.kernels["launch"] == "pdl"
         self.lin = Linears(fused=self.kernels["projections"] == "fused",
                            gemv={"torch": False, "gemv": True, "auto": "auto"}[self.kernels["linears"]],
-                           pdl=self.pdl)
+                           pdl=self.pdl, fixup=self.kernels["splitk"] == "fixup")
         for layer in self.layers:
             self.prepare_layer(layer)
 

@@ -169,6 +169,17 @@ for fmt, act in ((INT4, False), (FP8_BLOCK, True)):  # a scale inside the step: 
         raise AssertionError(f"format {fmt} took KSTEP 2")
     except ValueError as e:
         assert "KSTEP 2 needs" in str(e)
+from fastqwen.ops.gemv import _COUNTS
+for fmt, M, config in ((FP8_ROW, 1, (32, 4, 4, 2)), (INT4, 1, (64, 3, 4, 2, 1)), (FP8_BLOCK, 3, (64, 2, 4, 2)),
+                       (BF16, 16, (64, 4, 4, 2))):  # split-K summed in the kernel: the last program of a tile adds
+    w, s, z = operands(fmt, 200, 512)
+    x = torch.randn(M, 512, dtype=torch.bfloat16)
+    ref = reference(x.float(), fmt, w, s, z, False, 200)
+    y = _launch(x, fmt, w, s, z, False, 200, M, config=config, partials=True, fixup=True)
+    assert y.shape == (1, M, 200), (fmt, y.shape)
+    assert ((y[0] - ref).norm() / ref.norm()).item() < 1e-5, (fmt, M, config)
+    assert torch.equal(y[0], _launch(x, fmt, w, s, z, False, 200, M, config=config)), "not the same sum"
+    assert not _COUNTS[x.device].any(), "arrival counts left behind"
 print("worst relative error", worst)
 """
 
@@ -208,20 +219,20 @@ ALIGNED = ("x_ptr", "w_ptr", "s_ptr", "z_ptr", "y_ptr", "N", "K", "k_per_split")
 def w_type(fmt, bits):
     return "*i32" if bits else "*u8" if fmt == gemv.INT4 else "*bf16" if fmt == gemv.BF16 else "*fp8e4nv"
 
-def ptx(fmt, lowp, swap, act=False, bits=False, pdl=False):  # the 16-row kernel
+def ptx(fmt, lowp, swap, act=False, bits=False, pdl=False, fixup=0):  # the 16-row kernel
     sig = dict(x_ptr="*bf16", w_ptr=w_type(fmt, bits), s_ptr="*fp32", z_ptr="*fp32",
-               y_ptr="*fp32", M="i32", N="i32", K="i32", s_stride="i32", k_per_split="i32")
+               y_ptr="*fp32", M="i32", N="i32", K="i32", s_stride="i32", k_per_split="i32", cnt_ptr="*i32")
     consts = dict(FMT=fmt, ACT_FP8=act, FP8_LIMIT=448.0, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, STAGES=4, BITS=bits,
-                  LOWP=lowp, SWAP=swap, PDL=pdl)
+                  LOWP=lowp, SWAP=swap, PDL=pdl, FIXUP=fixup)
     return compile_sm90(gemv._gemv_kernel, sig, consts, ALIGNED, num_stages=4).asm["ptx"]
 
-def row_kernel(fmt, bits, BN=128, pdl=False):  # the one-row kernel, 128-column steps
+def row_kernel(fmt, bits, BN=128, pdl=False, fixup=0):  # the one-row kernel, 128-column steps
     sig = dict(x_ptr="*bf16", w_ptr=w_type(fmt, bits), s_ptr="*fp32",
                z_ptr="*fp32", y_ptr="*fp32", tok_ptr="*i32", exp_ptr="*i32", N="i32", K="i32", s_stride="i32",
-               w_estride="i32", s_estride="i32", k_per_split="i32", ONE="i32")
+               w_estride="i32", s_estride="i32", k_per_split="i32", ONE="i32", cnt_ptr="*i32")
     acc_k = 128 // (8 if fmt == gemv.INT4 else 4) if bits else 64 if fmt == gemv.INT4 else 128
     consts = dict(FMT=fmt, ACT_FP8=False, GROUPED=False, FP8_LIMIT=448.0, BLOCK_N=BN, BLOCK_K=128, ACC_K=acc_k,
-                  STAGES=2, BITS=bits, PDL=pdl)
+                  STAGES=2, BITS=bits, PDL=pdl, FIXUP=fixup)
     return compile_sm90(gemv._row_kernel, sig, consts, ALIGNED, num_stages=2)
 
 def sass(fmt, bits, BN=128):
@@ -270,6 +281,13 @@ for fmt, bits in ((gemv.FP8_ROW, False), (gemv.FP8_ROW, True), (gemv.INT4, False
         assert reads and min(reads) > wait, (fmt, bits, "a global read before the wait")
         assert 0 < code.index("prefetch.global.L2") < wait and "griddepcontrol.launch_dependents" in code, (fmt, bits)
     assert "griddepcontrol" not in row_kernel(fmt, bits, 32).asm["ptx"]  # (without PDL: none)
+
+# split-K summed in the kernel: an acquire-release count at GPU scope after a CTA barrier, reads of the partials
+# from L2 (.cg); without FIXUP no atomic at all
+for code in (row_kernel(gemv.FP8_ROW, False, 32, fixup=4).asm["ptx"], ptx(gemv.FP8_ROW, 0, False, fixup=4)):
+    atom = code.index("atom.global.gpu.acq_rel.add")
+    assert code.rfind("bar.sync", 0, atom) > 0 and "ld.global.cg" in code[atom:], "fixup's ordering"
+assert "atom." not in row_kernel(gemv.FP8_ROW, False, 32).asm["ptx"] and "atom." not in ptx(gemv.FP8_ROW, 0, False)
 print("ok")
 """
 

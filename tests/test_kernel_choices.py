@@ -23,7 +23,7 @@ def test_grouped_experts_match_the_gathered_ones():
 
 
 ALL = {"attention": "split", "experts": "grouped", "projections": "separate", "linears": "gemv", "gdn": "fla",
-       "launch": "pdl"}
+       "launch": "pdl", "splitk": "fixup"}
 
 
 @pytest.mark.parametrize("name,kernels,compile", [("tiny", {"attention": "split"}, False),
@@ -37,7 +37,8 @@ def test_alternative_kernels_give_the_default_tokens(name, kernels, compile):
     default = fastqwen.optimize(fresh(name), max_batch_size=2, max_seq_len=96, compile=False)
     other = fastqwen.optimize(fresh(name), max_batch_size=2, max_seq_len=96, compile=compile, kernels=kernels)
     assert other._fastqwen.forward.kernels == {"attention": "auto", "experts": "gather", "projections": "fused",
-                                               "linears": "auto", "gdn": "block", "launch": "serial", **kernels}
+                                               "linears": "auto", "gdn": "block", "launch": "serial", "splitk": "sum",
+                                               **kernels}
     ids, mask = left_padded([torch.randint(1, 500, (n,)) for n in (17, 5)])
     assert torch.equal(other.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16),
                        default.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16))
@@ -85,9 +86,9 @@ def test_launch_auto_is_pdl_from_hopper_on_and_pdl_before_it_is_refused(monkeypa
 
 def test_programmatic_dependent_launch_reaches_inductor_and_the_weight_streaming_linears(monkeypatch):
     """kernels={"launch": "pdl"}: the compiled steps get inductor's triton.enable_pdl and give serial launch's
-    tokens; eagerly, every weight-streaming call (QuantLinear's and the bf16 linears') gets pdl=True. Off CUDA
-    the ops run their references, so this checks the plumbing and the ops' schemas; tests/test_gemv.py checks
-    the kernels' wait and prefetches on sm90."""
+    tokens; eagerly, every weight-streaming call (QuantLinear's and the bf16 linears') gets pdl=True, and
+    fixup=True under kernels={"splitk": "fixup"}. Off CUDA the ops run their references, so this checks the
+    plumbing and the ops' schemas; tests/test_gemv.py checks the kernels' wait, prefetches and fixup on sm90."""
     import fastqwen.linears as linears_module
     import fastqwen.quant.linear as quant_linear_module
 
@@ -100,17 +101,18 @@ def test_programmatic_dependent_launch_reaches_inductor_and_the_weight_streaming
         out[launch] = m.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8)
     assert torch.equal(out["pdl"], out["serial"])
 
-    flags = []
+    flags = []  # (pdl, fixup) of each weight-streaming call
     real_linear, real_forward = linears_module.wq_linear, quant_linear_module.QuantLinear.forward
-    monkeypatch.setattr(linears_module, "wq_linear", lambda *a: flags.append(a[7]) or real_linear(*a))
-    monkeypatch.setattr(quant_linear_module.QuantLinear, "forward",
-                        lambda self, x, pdl=False: flags.append(pdl) or real_forward(self, x, pdl))
+    monkeypatch.setattr(linears_module, "wq_linear", lambda *a: flags.append(a[7:9]) or real_linear(*a))
+    monkeypatch.setattr(quant_linear_module.QuantLinear, "forward", lambda self, x, pdl=False, fixup=False:
+                        flags.append((pdl, fixup)) or real_forward(self, x, pdl, fixup))
     for quant in (None, "fp8-weight"):  # the bf16 linears through the kernel; the quantized ones
-        m = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=96, compile=False, quant=quant,
-                              kernels={"launch": "pdl", "linears": "gemv"})
-        n = len(flags)
-        m.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4)
-        assert len(flags) > n and all(flags), (quant, flags)
+        for splitk in ("sum", "fixup"):  # (and the split-K choice with them)
+            m = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=96, compile=False, quant=quant,
+                                  kernels={"launch": "pdl", "linears": "gemv", "splitk": splitk})
+            n = len(flags)
+            m.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4)
+            assert len(flags) > n and set(flags[n:]) == {(True, splitk == "fixup")}, (quant, splitk, flags[n:])
 
 
 def test_bad_kernel_choices():

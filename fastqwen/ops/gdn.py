@@ -258,7 +258,7 @@ def _unrolled(q, k, v, a, b, state, final_state, gate_in, A_log=None, dt_bias=No
     return out
 
 
-def _block(q, k, v, a, b, state, A_log, dt_bias, block_v=16, warps=1, pdl=False, block_k=32, stages=2):
+def _block(q, k, v, a, b, state, A_log, dt_bias, block_v=16, warps=1, pdl=False, block_k=16, stages=2):
     """_block_kernel: a verify block's outputs o [B, T, HV, V] from the checkpoint `state` (only read), raw
     gates a, b; q, k, v, a, b read in place as by _unrolled. Tiles of at least 16 rows and columns (the dots'
     least): block_v columns of the state, K in steps of block_k (a loop of `stages` pipeline stages), on `warps`
@@ -369,9 +369,11 @@ def gdn_verify(qkv: torch.Tensor, heads_k: int, dk: int, a: torch.Tensor, b: tor
 
 
 # _block's (block_v, num_warps, block_k, stages), and the shortest block it takes: on the H200 (27B shape, one
-# layer, scripts/bench_gdn.py, 2026-12-01) it solved T = 16 in 8.9 µs against the unrolled walk's 13.5 (fla: 28.3),
-# but T = 4 in 7.2 against 4.9: the walk grows ~0.7 µs a position, the solve hardly at all; they cross near T = 8
-BLOCK_TILE = (16, 1, 32, 2)
+# layer, scripts/bench_gdn.py, 2026-12-01) it solved T = 16 in 9.7 µs at this tile (8.9 with block_k 32, not yet
+# timed in the model) against the unrolled walk's 13.5 (fla: 28.3), but T = 4 in 7.2 against 4.9: the walk grows
+# ~0.7 µs a position, the solve hardly at all; they cross near T = 8. In the 27B fp8 DFlash round it took the
+# round from 13.80 to 12.80 ms (docs/BENCHMARKS.md)
+BLOCK_TILE = (16, 1, 16, 2)
 BLOCK_MIN_T = 8
 
 

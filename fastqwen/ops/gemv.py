@@ -141,10 +141,25 @@ if triton is not None:
         tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
+    def _split_k_fixup(y0_ptr, offs, ok, cnt_ptr, tile, slot, SPLITS: tl.constexpr):
+        """Split-K summed in the kernel (FIXUP): once its partial is stored (at y0 + split · slot + offs), a
+        program counts itself in on its output tile; the last to arrive adds the tile's SPLITS partials in split
+        order (deterministic) into slot 0 and sets the count back to 0 for the next launch. The partials are
+        read from L2 (.cg): other SMs wrote them."""
+        tl.debug_barrier()  # every thread's part of the partial stored before the count
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLITS - 1:
+            total = tl.load(y0_ptr + offs, mask=ok, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLITS):
+                total += tl.load(y0_ptr + s * slot + offs, mask=ok, other=0.0, cache_modifier=".cg")
+            tl.store(y0_ptr + offs, total, mask=ok)
+            tl.atomic_xchg(cnt_ptr + tile, 0)
+
+    @triton.jit
     def _row_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, tok_ptr, exp_ptr, N, K, s_stride, w_estride, s_estride,
-                    k_per_split, ONE, FMT: tl.constexpr, ACT_FP8: tl.constexpr, GROUPED: tl.constexpr,
+                    k_per_split, ONE, cnt_ptr, FMT: tl.constexpr, ACT_FP8: tl.constexpr, GROUPED: tl.constexpr,
                     FP8_LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACC_K: tl.constexpr,
-                    STAGES: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr):
+                    STAGES: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr, FIXUP: tl.constexpr = 0):
         """One row of x (decode at batch 1, or one (token, expert) pair): products accumulate elementwise in
         registers and are summed over K once, at the end (no per-step reduction, no tensor-core layout).
         BITS: the weight is read as int32 words and decoded by bit moves (_fp8_bits, _int4_unit) instead of
@@ -154,6 +169,7 @@ if triton is not None:
         step's partial products and scale · (16 + zero) · Σ x is subtracted per output."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         split = tl.program_id(2)  # split-K: this program sums K columns [split·k_per_split, +k_per_split)
+        y0_ptr = y_ptr
         y_ptr += split.to(tl.int64) * tl.num_programs(1) * N
         if GROUPED:
             x_ptr, w_ptr, s_ptr, z_ptr, y_ptr = _pair_pointers(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, tok_ptr, exp_ptr,
@@ -231,6 +247,9 @@ if triton is not None:
         if FMT == 0:
             y = y * tl.load(s_ptr + n, mask=n_ok, other=0.0)
         tl.store(y_ptr + n, y, mask=n_ok)
+        if FIXUP:  # (linear mode: program_id(1) is x's row)
+            _split_k_fixup(y0_ptr, tl.program_id(1) * N + n, n_ok, cnt_ptr,
+                           tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.num_programs(1) * N, FIXUP)
 
     @triton.jit
     def _pow2_at_least(t):
@@ -266,10 +285,10 @@ if triton is not None:
         return r
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, s_stride, k_per_split, FMT: tl.constexpr,
+    def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, s_stride, k_per_split, cnt_ptr, FMT: tl.constexpr,
                      ACT_FP8: tl.constexpr, FP8_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, STAGES: tl.constexpr, BITS: tl.constexpr, LOWP: tl.constexpr,
-                     SWAP: tl.constexpr, PDL: tl.constexpr):
+                     SWAP: tl.constexpr, PDL: tl.constexpr, FIXUP: tl.constexpr = 0):
         """2 … 64 rows of x: a tensor-core dot (fp32 operands, tf32) per 128-column step (BITS: as in
         _row_kernel, one dot per word position; int4's dots take q − zero, exact in tf32, and scale after).
         LOWP 1 (fp8, int4 and bf16 weights without BITS, x bf16 or fp16): the dot takes x's own 16-bit dtype
@@ -295,6 +314,7 @@ if triton is not None:
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
         split = tl.program_id(2)
+        y0_ptr = y_ptr
         y_ptr += split.to(tl.int64) * M * N
         n_ok, m_ok = n < N, m < M
         if SWAP:
@@ -386,9 +406,12 @@ if triton is not None:
         if FMT == 0:
             acc = acc * _along_n(tl.load(s_ptr + n, mask=n_ok, other=0.0), SWAP)
         if SWAP:
-            tl.store(y_ptr + m[None, :] * N + n[:, None], acc, mask=m_ok[None, :] & n_ok[:, None])
+            offs, ok = m[None, :] * N + n[:, None], m_ok[None, :] & n_ok[:, None]
         else:
-            tl.store(y_ptr + m[:, None] * N + n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+            offs, ok = m[:, None] * N + n[None, :], m_ok[:, None] & n_ok[None, :]
+        tl.store(y_ptr + offs, acc, mask=ok)
+        if FIXUP:
+            _split_k_fixup(y0_ptr, offs, ok, cnt_ptr, tl.program_id(0), M * N, FIXUP)
 
 
 _TUNED = json.loads((pathlib.Path(__file__).with_name("gemv_configs.json")).read_text())
@@ -500,11 +523,13 @@ def linear_splits(fmt: int, N: int, K: int, rows: int) -> int:
 
 
 def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, config=None, partials=False,
-            pdl=False):
+            pdl=False, fixup=False):
     """fp32 y [rows, out_features]; `pairs` = (tok, exp) int32 [P] switches to grouped mode (rows = P, one x
-    row each); `config` overrides gemv_config. Split-K writes per-split partials and sums them (deterministic:
-    no atomics); with `partials` they come back unsummed, [splits, rows, out_features] (split_plan). `pdl`:
-    launch with programmatic dependent launch (Hopper+; _dependent_start)."""
+    row each); `config` overrides gemv_config. Split-K writes per-split partials and sums them (deterministic);
+    with `partials` they come back unsummed, [splits, rows, out_features] (split_plan). `fixup` (linear mode):
+    the kernel sums them itself, the last program of each output tile in split order (_split_k_fixup), and
+    `partials` gets [1, rows, out_features]. `pdl`: launch with programmatic dependent launch (Hopper+;
+    _dependent_start)."""
     K = x.shape[1]
     if K % STEP:
         raise ValueError(f"the weight-streaming kernel needs K divisible by {STEP}; got K={K}")
@@ -545,6 +570,8 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
     block_k = STEP * kstep
     k_per_split, split = split_plan(K, config)
     y = torch.empty(split, rows, N, dtype=torch.float32, device=x.device)
+    fix = split if fixup and split > 1 and not grouped else 0  # FIXUP: the number of partials a tile adds
+    cnt = _tile_counts(x.device, triton.cdiv(N, bn)) if fix else y  # (any pointer when not read)
     one = scale[0] if grouped and scale is not None else scale  # one expert's scales
     s_stride = one.shape[1] if one is not None and one.dim() == 2 else 1
     w_estride = w.stride(0) if grouped else 0
@@ -556,25 +583,41 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
         acc_k = STEP // (8 if fmt == INT4 else 4) if bits else STEP // 2 if fmt == INT4 else block_k
         _row_kernel[(triton.cdiv(N, bn), rows, split)](
             x, w, scale, zero, y, tok, exp, N, K, s_stride, w_estride, s_estride,
-            k_per_split, ONE_BITS, FMT=fmt, ACT_FP8=act_fp8, GROUPED=grouped, FP8_LIMIT=FP8_MAX, BLOCK_N=bn, BLOCK_K=block_k,
-            ACC_K=acc_k, STAGES=stages, BITS=bits, PDL=pdl, num_warps=warps, launch_pdl=pdl)
+            k_per_split, ONE_BITS, cnt, FMT=fmt, ACT_FP8=act_fp8, GROUPED=grouped, FP8_LIMIT=FP8_MAX, BLOCK_N=bn,
+            BLOCK_K=block_k, ACC_K=acc_k, STAGES=stages, BITS=bits, PDL=pdl, FIXUP=fix, num_warps=warps, launch_pdl=pdl)
     else:
         _gemv_kernel[(triton.cdiv(N, bn), 1, split)](
-            x, w, scale, zero, y, M, N, K, s_stride, k_per_split, FMT=fmt,
+            x, w, scale, zero, y, M, N, K, s_stride, k_per_split, cnt, FMT=fmt,
             ACT_FP8=act_fp8, FP8_LIMIT=FP8_MAX, BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=bn,
             BLOCK_K=block_k, STAGES=stages,
-            BITS=bits, LOWP=lowp, SWAP=bool(swap), PDL=pdl, num_warps=warps, launch_pdl=pdl)
+            BITS=bits, LOWP=lowp, SWAP=bool(swap), PDL=pdl, FIXUP=fix, num_warps=warps, launch_pdl=pdl)
+    if fix:
+        return y[:1] if partials else y[0]
     return y if partials else y[0] if split == 1 else y.sum(0)
 
 
+_COUNTS = {}  # device -> int32 counts of split-K fixups (zero between launches: each last program resets its own)
+
+
+def _tile_counts(device, tiles: int) -> torch.Tensor:
+    """The fixup's arrival counts, at least `tiles` of them, zero-filled once per device and kept (a captured
+    CUDA graph holds their address). Launches on one stream run one after another (with PDL a kernel counts
+    only after its wait), so they share them."""
+    counts = _COUNTS.get(device)
+    if counts is None or counts.numel() < tiles:
+        counts = _COUNTS[device] = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)
+    return counts
+
+
 def wq_matmul(x: torch.Tensor, fmt: int, w, scale, zero, act_fp8: bool, out_features: int,
-              partials: bool = False, pdl: bool = False) -> torch.Tensor:
+              partials: bool = False, pdl: bool = False, fixup: bool = False) -> torch.Tensor:
     """The kernel in linear mode: x [M ≤ 64, K] (contiguous, any float dtype) → fp32 y [M, out_features], or
-    with `partials` its split-K partial sums [linear_splits(…), M, out_features]; `pdl`: programmatic dependent
-    launch."""
+    with `partials` its split-K partial sums [linear_splits(…), M, out_features] ([1, …] with `fixup`: summed in
+    the kernel); `pdl`: programmatic dependent launch."""
     if x.shape[0] > MAX_ROWS:
         raise ValueError(f"wq_matmul takes at most {MAX_ROWS} rows; got {x.shape[0]}")
-    return _launch(x, fmt, w, scale, zero, act_fp8, out_features, x.shape[0], partials=partials, pdl=pdl)
+    return _launch(x, fmt, w, scale, zero, act_fp8, out_features, x.shape[0], partials=partials, pdl=pdl,
+                   fixup=fixup)
 
 
 def stored_operands(fmt: int, w: torch.Tensor):
@@ -625,20 +668,23 @@ def _on_kernel(x: torch.Tensor) -> bool:
 
 @torch.library.custom_op("fastqwen::wq_linear", mutates_args=())
 def wq_linear(x: torch.Tensor, fmt: int, w: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None,
-              act_fp8: bool, out_features: int, pdl: bool = False) -> torch.Tensor:
+              act_fp8: bool, out_features: int, pdl: bool = False, fixup: bool = False) -> torch.Tensor:
     """x [M, K] · Wᵀ as split-K partial sums [S, M, out_features] fp32, whose sum over dim 0 is the product:
     the kernel on CUDA (S = linear_splits(…)), the reference elsewhere (S = 1). The caller sums, so that inside a
     compiled step inductor can fold the S ≤ 8 adds into the consumer's kernel (it unrolls reductions that
     small) instead of a launch of their own after every split-K matmul (~200 launches a 27B fp8 decode step).
-    pdl: launch with programmatic dependent launch (kernels={"launch": "pdl"}; Hopper and later)."""
+    pdl: launch with programmatic dependent launch (kernels={"launch": "pdl"}; Hopper and later). fixup: the
+    kernel sums its partials itself (S = 1; kernels={"splitk": "fixup"}), where a consumer that cannot take
+    the add (a custom op's input) would otherwise launch a sum of its own."""
     if _on_kernel(x):
-        return wq_matmul(x.contiguous(), fmt, w, scale, zero, act_fp8, out_features, partials=True, pdl=pdl)
+        return wq_matmul(x.contiguous(), fmt, w, scale, zero, act_fp8, out_features, partials=True, pdl=pdl,
+                         fixup=fixup)
     return reference(x, fmt, w, scale, zero, act_fp8, out_features)[None]
 
 
 @wq_linear.register_fake
-def _(x, fmt, w, scale, zero, act_fp8, out_features, pdl=False):
-    splits = linear_splits(fmt, out_features, x.shape[1], x.shape[0]) if _on_kernel(x) else 1
+def _(x, fmt, w, scale, zero, act_fp8, out_features, pdl=False, fixup=False):
+    splits = linear_splits(fmt, out_features, x.shape[1], x.shape[0]) if _on_kernel(x) and not fixup else 1
     return x.new_empty(splits, x.shape[0], out_features, dtype=torch.float32)
 
 

@@ -44,8 +44,9 @@ class QuantLinear(nn.Module):
         names = ("qweight", "scale_inv", "scale", "zero", "perm")
         return dequantize_weight(self.scheme, {n: getattr(self, n) for n in names if hasattr(self, n)}, self.group)
 
-    def forward(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
-        """x [..., in_features] → [..., out_features]; pdl: the kernel with programmatic dependent launch."""
+    def forward(self, x: torch.Tensor, pdl: bool = False, fixup: bool = False) -> torch.Tensor:
+        """x [..., in_features] → [..., out_features]; pdl: the kernel with programmatic dependent launch;
+        fixup: it sums its split-K partials itself (ops/gemv.py wq_linear)."""
         rows = x.shape[:-1].numel()
         if x.is_cuda and rows <= MAX_ROWS and self.in_features % STEP == 0 and (
                 self.scheme != "int4" or self.group == STEP):
@@ -54,7 +55,7 @@ class QuantLinear(nn.Module):
                 x2 = x2.index_select(1, self.perm)  # the stored column order
             scale = self.scale_inv if self.scheme == "fp8" else self.scale
             y = wq_linear(x2, FORMATS[self.scheme], self.qweight, scale, getattr(self, "zero", None),
-                          self.scheme == "fp8", self.out_features, pdl).sum(0).to(x.dtype)  # (split-K partials)
+                          self.scheme == "fp8", self.out_features, pdl, fixup).sum(0).to(x.dtype)  # (split-K partials)
             y = y.view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
         if self.scheme == "fp8":

@@ -20,9 +20,10 @@ FORMATS = [("fp8-weight", FP8_ROW, False), ("fp8", FP8_BLOCK, True), ("int4", IN
 @pytest.mark.parametrize("name,fmt,act", FORMATS)
 # the shipped config; forced conversion / bit-move decoding; steps of 256 columns (KSTEP 2); bf16 dot operands;
 # the weight as the dot's first operand (SWAP), with fp32 and with bf16 operands; the e4m3 dot (LOWP 2, fp8 only);
-# the shipped config with programmatic dependent launch; the fp16 dot (LOWP 3, fp8 only), alone, with SWAP, with KSTEP 2
+# the shipped config with programmatic dependent launch, then with split-K summed in the kernel (fixup) as well;
+# the fp16 dot (LOWP 3, fp8 only), alone, with SWAP, with KSTEP 2
 @pytest.mark.parametrize("bits", [None, 0, 1, "wide", "lowp", "swap", "swap-lowp", "e4m3", "e4m3-wide", "pdl",
-                                  "fp16", "fp16-swap", "fp16-wide"])
+                                  "pdl-fixup", "fp16", "fp16-swap", "fp16-wide"])
 def test_kernel_matches_fp32_reference(N, K, name, fmt, act, bits):
     if bits in ("wide", "e4m3-wide", "fp16-wide") and fmt not in (FP8_ROW, BF16):
         pytest.skip("KSTEP > 1 is for formats with no scale inside a step")
@@ -36,11 +37,11 @@ def test_kernel_matches_fp32_reference(N, K, name, fmt, act, bits):
         extra = {"wide": (0, 2), "lowp": (0, 1, 1), "swap": (0, 1, 0, 1), "swap-lowp": (0, 1, 1, 1), "e4m3": (0, 1, 2, 1),
                  "e4m3-wide": (0, 2, 2, 1), "fp16": (0, 1, 3), "fp16-swap": (0, 1, 3, 1),
                  "fp16-wide": (0, 2, 3)}.get(bits, (bits,))
-        config = None if bits in (None, "pdl") else (*gemv_config(fmt, N, K, M)[:4], *extra)
+        config = None if bits in (None, "pdl", "pdl-fixup") else (*gemv_config(fmt, N, K, M)[:4], *extra)
         if bits in ("e4m3", "e4m3-wide"):  # (M = 1 too: LOWP 2 takes the dot kernel) 64 weight rows fill a wgmma
             config = (max(64, config[0]), *config[1:])
-        y = (wq_matmul(x, fmt, q, s, z, act, N, pdl=bits == "pdl") if config is None
-             else _launch(x, fmt, q, s, z, act, N, M, config=config))
+        y = (wq_matmul(x, fmt, q, s, z, act, N, pdl=str(bits).startswith("pdl"), fixup=bits == "pdl-fixup")
+             if config is None else _launch(x, fmt, q, s, z, act, N, M, config=config))
         assert not y.isnan().any(), f"{name} M={M}: unwritten outputs"
         err = rel_err(y, reference(x.float(), fmt, q, s, z, act, N))
         # (fp16 products of exact operands leave fp32 sums only; the fp8 scheme's own x rounding may tie-break apart)
