@@ -380,7 +380,8 @@ BLOCK_MIN_T = 8
 @gdn_verify.register_kernel("cuda")
 def _gdn_verify_cuda(qkv, heads_k, dk, a, b, A_log, dt_bias, state, unrolled=False, pdl=False, block=False):
     q, k, v = unpack_qkv(qkv, heads_k, dk, a.shape[-1])
-    if block and BLOCK_MIN_T <= k.shape[1] <= UNROLLED_MAX_T and dk >= 16 and v.shape[-1] >= 16:
+    pow2_16 = lambda d: d >= 16 and d & (d - 1) == 0  # noqa: E731 (the solve's dots and tiles take these)
+    if block and BLOCK_MIN_T <= k.shape[1] <= UNROLLED_MAX_T and pow2_16(dk) and pow2_16(v.shape[-1]):
         bv, warps, bk, stages = BLOCK_TILE
         return _block(q, k, v, a, b, state, A_log, dt_bias, block_v=bv, warps=warps, pdl=pdl, block_k=bk,
                       stages=stages)
