@@ -25,7 +25,8 @@ QUANT_SYSTEMS = ("fastqwen-fp8-weight", "fastqwen-fp8", "fastqwen-int4")  # opti
 CANDIDATE_SYSTEMS = {"fastqwen+split-attention": {"attention": "split"},
                      "fastqwen+sdpa-attention": {"attention": "sdpa"},  # (the default: split for verify blocks
                      # and above 8192 keys)
-                     "fastqwen+grouped-experts": {"experts": "grouped"},
+                     "fastqwen+grouped-experts": {"experts": "grouped"},  # (the default on CUDA: "auto")
+                     "fastqwen+gather-experts": {"experts": "gather"},
                      "fastqwen+separate-projections": {"projections": "separate"},
                      "fastqwen+gemv-linears": {"linears": "gemv"},
                      "fastqwen+torch-linears": {"linears": "torch"},

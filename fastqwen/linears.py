@@ -109,17 +109,21 @@ class Linears:
         self.table = gpu_table() if gemv == "auto" else {}  # read here: not inside a traced step
 
     def __call__(self, module, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        if not (self.gemv and type(module) is torch.nn.Linear and module.bias is None and rows <= GEMV_ROWS
-                and (module.in_features % STEP == 0 or not x.is_cuda)  # (off CUDA: wq_linear's reference)
-                and (self.gemv is True or gemv_beats_cublas(self.table, module.out_features,
-                                                             module.in_features, rows))):
-            if isinstance(module, self.quant_linear):
-                return module(x, pdl=self.pdl, fixup=self.fixup)
-            return module(x)
-        y = wq_linear(x.reshape(rows, -1), BF16, module.weight, None, None, False, module.out_features,
-                      self.pdl, self.fixup).sum(0)
-        return y.to(x.dtype).view(*x.shape[:-1], module.out_features)
+        if type(module) is torch.nn.Linear and module.bias is None:
+            return self.weight(x, module.weight)
+        if isinstance(module, self.quant_linear):
+            return module(x, pdl=self.pdl, fixup=self.fixup)
+        return module(x)
+
+    def weight(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x @ wᵀ for a floating-point weight w [N, K] (a bias-free linear's, or a raw one: the MoE router's):
+        the weight-streaming kernel where the policy says so, else F.linear."""
+        rows, (N, K) = x.numel() // x.shape[-1], w.shape
+        if not (self.gemv and rows <= GEMV_ROWS and (K % STEP == 0 or not x.is_cuda)  # (off CUDA: the reference)
+                and (self.gemv is True or gemv_beats_cublas(self.table, N, K, rows))):
+            return torch.nn.functional.linear(x, w)
+        y = wq_linear(x.reshape(rows, -1), BF16, w, None, None, False, N, self.pdl, self.fixup).sum(0)
+        return y.to(x.dtype).view(*x.shape[:-1], N)
 
     def project(self, module, h, names):
         """The outputs of `module`'s linears `names` on h."""

@@ -32,7 +32,7 @@ def text_model(model):
     return getattr(inner, "language_model", inner)
 
 
-KERNELS = {"attention": ("auto", "sdpa", "split"), "experts": ("gather", "grouped"),
+KERNELS = {"attention": ("auto", "sdpa", "split"), "experts": ("auto", "gather", "grouped"),
            "projections": ("fused", "separate"), "linears": ("auto", "torch", "gemv"),
            "gdn": ("block", "unrolled", "fla"), "launch": ("auto", "serial", "pdl"),
            "splitk": ("sum", "fixup")}  # first: the default
@@ -47,7 +47,9 @@ def check_kernels(kernels: dict | None, cfg, device) -> dict:
     length and for decode above SPLIT_ATTENTION_ABOVE cache positions, SDPA for decode below (a 9B step with a
     512-token context in a 131072-position cache ran 1.27× faster split; at short caches they measured equal).
     "experts": a MoE model's routed experts at decode gathered then multiplied ("gather") or read in place by
-    the grouped kernel ("grouped", ops/gemv.py; off CUDA both run their torch references). "projections":
+    the grouped kernel ("grouped", ops/gemv.py, the shared expert stacked in; off CUDA both run their torch
+    references); "auto": "grouped" on CUDA where its shapes fit (hidden and expert intermediate sizes divisible
+    by 128), else "gather" (resolved here). "projections":
     each layer's input projections as one matmul each ("separate") or one over a fused weight per layer
     ("fused": GDN qkv+z+b+a, attention q+k+v, MLP gate+up; fewer launches, same bytes; linears.fuse_linears;
     1.08× on 27B decode). "linears": the decoder's bf16 linears at decode and verify by F.linear ("torch":
@@ -73,13 +75,15 @@ def check_kernels(kernels: dict | None, cfg, device) -> dict:
         if kernels[op] not in choices:
             raise ValueError(f"kernels[{op!r}]={kernels[op]!r}; choose from {', '.join(choices)}")
     kernels["launch"] = _launch_mode(kernels["launch"], torch.device(device))
-    if kernels["experts"] == "grouped":
-        inter = getattr(cfg, "moe_intermediate_size", None)
+    inter, cuda = getattr(cfg, "moe_intermediate_size", None), torch.device(device).type == "cuda"
+    fits = inter is not None and not (cuda and (cfg.hidden_size % 128 or inter % 128))
+    if kernels["experts"] == "auto":
+        kernels["experts"] = "grouped" if cuda and fits else "gather"
+    if kernels["experts"] == "grouped" and not fits:
         if inter is None:
             raise ValueError("kernels['experts']='grouped' applies to MoE models only")
-        if torch.device(device).type == "cuda" and (cfg.hidden_size % 128 or inter % 128):
-            raise ValueError(f"kernels['experts']='grouped' needs hidden size ({cfg.hidden_size}) and expert "
-                             f"intermediate size ({inter}) divisible by 128")
+        raise ValueError(f"kernels['experts']='grouped' needs hidden size ({cfg.hidden_size}) and expert "
+                         f"intermediate size ({inter}) divisible by 128")
     return kernels
 
 
@@ -87,7 +91,7 @@ def _launch_mode(launch: str, device: torch.device) -> str:
     """"auto" → "pdl" on CUDA devices of compute capability ≥ 9.0 (griddepcontrol is Hopper's), else "serial";
     "pdl" on an older GPU is an error (our kernels' wait instruction does not exist there). Off CUDA the ops
     run their references, so any choice runs."""
-    if device.type != "cuda":
+    if device.type != "cuda" or launch == "serial":
         return "serial" if launch == "auto" else launch
     capability = torch.cuda.get_device_capability(device)
     if launch == "pdl" and capability < (9, 0):

@@ -11,7 +11,6 @@ experts and the shared one, with sigmoid(shared gate) as its weight.
 """
 
 import torch
-import torch.nn.functional as F
 
 from .linears import Linears
 from .ops.gemv import BF16, expert_gemv
@@ -78,7 +77,8 @@ def routed_moe(mlp, h: torch.Tensor, grouped: bool = False, lin: Linears | None 
     shape = h.shape
     x = h.reshape(-1, shape[-1])
     stacked = mlp.__dict__.get("fastqwen_stacked") if grouped else None
-    logits = F.linear(x, mlp.gate.weight if stacked is None else stacked[2])  # [N, E] (+ the shared gate)
+    lin = lin or Linears()
+    logits = lin.weight(x, mlp.gate.weight if stacked is None else stacked[2])  # [N, E] (+ the shared gate)
     # [N, k (+1)]; stacked: the shared expert as expert E, weighted by its sigmoid gate. grouped: one launch
     weights, experts = (route if grouped else route_reference)(logits, mlp.gate.top_k, stacked is not None)
     weights = weights.to(x.dtype)
@@ -101,5 +101,5 @@ def routed_moe(mlp, h: torch.Tensor, grouped: bool = False, lin: Linears | None 
         out = torch.einsum("nki,nkhi->nkh", act, mlp.experts.down_proj[experts])
     out = (out * weights[..., None]).sum(1)
     if stacked is None:
-        out = out + (lin or Linears()).mlp(mlp.shared_expert, x) * torch.sigmoid(mlp.shared_expert_gate(x))
+        out = out + lin.mlp(mlp.shared_expert, x) * torch.sigmoid(mlp.shared_expert_gate(x))
     return out.reshape(shape)

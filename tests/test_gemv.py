@@ -10,8 +10,8 @@ import torch
 from conftest import run_in_triton_interpreter
 
 from fastqwen.quant.formats import pack_int4, unpack_int4
-from fastqwen.ops.gemv import (BF16, FP8_BLOCK, FP8_ROW, INT4, expert_gemv, expert_reference, reference, stored_operands,
-                               gemv_beats_cublas, tuned_config, wq_linear)
+from fastqwen.ops.gemv import (BF16, FP8_BLOCK, FP8_ROW, INT4, expert_gemv, expert_key, expert_reference, gemv_beats_cublas,
+                               gemv_config, reference, stored_operands, tuned_config, wq_linear)
 
 
 def operands(fmt, N, K, seed=0):
@@ -100,7 +100,8 @@ for fmt in (BF16, FP8_ROW, FP8_BLOCK, INT4):  # grouped mode: routed experts
     tok = torch.tensor([0, 0, 1, 1, 2, 2], dtype=torch.int32)
     exp = torch.tensor([4, 0, 2, 4, 1, 3], dtype=torch.int32)
     ref = expert_reference(x.float(), tok, exp, fmt, w, s, z, N)
-    for config in (None, (64, 2, 4, 2), (64, 2, 4, 2, 1)):
+    wide = ((32, 1, 4, 3, 0, 2),) if fmt in (BF16, FP8_ROW) else ()  # steps of 256 columns (the expert sweep's)
+    for config in (None, (64, 2, 4, 2), (64, 2, 4, 2, 1)) + wide:
         y = _launch(x, fmt, w, s, z, False, N, len(tok), (tok, exp), config=config)
         err = ((y - ref).norm() / ref.norm()).item()
         assert err < 1e-5, f"grouped format {fmt}, config {config}: relative error {err:.2e}"
@@ -207,6 +208,21 @@ def test_auto_linears_take_the_kernel_only_where_the_sweep_measured_it_faster():
     assert not gemv_beats_cublas(table, 5120, 6144, 9)  # M16 bucket: cuBLAS was faster
     assert not gemv_beats_cublas(table, 5120, 17408, 1)  # never measured: cuBLAS
     assert tuned_config(table, BF16, 5120, 6144, 1) == [64, 4, 4, 4] and tuned_config(table, BF16, 12288, 6144, 1) is None
+
+
+def test_grouped_configs_are_measured_per_pair_bucket(monkeypatch):
+    """Grouped mode takes the expert sweep's config for its pair-count bucket (expert_key), never a linear-mode
+    entry of the same shape, and its heuristic where the sweep has not measured."""
+    import fastqwen.ops.gemv as gemv
+
+    assert expert_key(BF16, 1024, 2048, 9) == "3:1024x2048:P16" and expert_key(BF16, 1024, 2048, 144) == "3:1024x2048:P256"
+    assert expert_key(BF16, 1024, 2048, 300) is None
+    heuristic = gemv_config(BF16, 1024, 2048, 1, 40)  # (gpu_table is empty off CUDA)
+    table = {"3:1024x2048:P16": [128, 2, 4, 3, 0, 2], "3:1024x2048:M1": [32, 8, 4, 2]}
+    monkeypatch.setattr(gemv, "gpu_table", lambda: table)
+    assert gemv_config(BF16, 1024, 2048, 1, 9) == (128, 2, 4, 3, 0, 2)
+    assert gemv_config(BF16, 1024, 2048, 1, 40) == heuristic  # bucket P64: not measured
+    assert gemv_config(BF16, 1024, 2048, 1) == (32, 8, 4, 2)  # the linear mode's own entry
 
 
 _SM90 = """

@@ -115,6 +115,23 @@ def test_programmatic_dependent_launch_reaches_inductor_and_the_weight_streaming
             assert len(flags) > n and set(flags[n:]) == {(True, splitk == "fixup")}, (quant, splitk, flags[n:])
 
 
+def test_auto_experts_take_the_grouped_kernel_on_cuda_where_the_shapes_fit():
+    """kernels["experts"] "auto" (the default) resolves to "grouped" for a MoE model on CUDA whose hidden and
+    expert intermediate sizes are multiples of 128 (the real 35B-A3B), to "gather" off CUDA and where they are
+    not; "grouped" asked for where it cannot run is an error naming the sizes."""
+    from fastqwen import presets
+    from fastqwen.model import check_kernels
+
+    moe, dense, tiny_moe = presets.config("qwen3.5-35b-a3b"), presets.config("qwen3.5-9b"), presets.config("tiny-moe")
+    serial = {"launch": "serial"}  # ("auto" would ask the GPU for its compute capability)
+    assert check_kernels(serial, moe, "cuda")["experts"] == "grouped"
+    assert check_kernels(serial, moe, "cpu")["experts"] == "gather"
+    assert check_kernels(serial, dense, "cuda")["experts"] == "gather"
+    assert tiny_moe.hidden_size % 128 and check_kernels(serial, tiny_moe, "cuda")["experts"] == "gather"
+    with pytest.raises(ValueError, match="divisible by 128"):
+        check_kernels({**serial, "experts": "grouped"}, tiny_moe, "cuda")
+
+
 def test_bad_kernel_choices():
     with pytest.raises(ValueError, match=r"unknown kernels \['mlp'\]"):
         fastqwen.optimize(fresh("tiny"), compile=False, kernels={"mlp": "fused"})
@@ -128,7 +145,7 @@ def test_bad_kernel_choices():
 
 def test_gemv_linears_take_the_decode_linears(monkeypatch):
     """kernels={"linears": "gemv"}: decode runs the bf16 linears (fused projections, out/o/down projections,
-    the shared expert) through wq_linear, prefill does not, and the tokens are the default's."""
+    the MoE router, the shared expert) through wq_linear, prefill does not, and the tokens are the default's."""
     import fastqwen.linears as linears_module
 
     calls = []
@@ -140,9 +157,9 @@ def test_gemv_linears_take_the_decode_linears(monkeypatch):
     other = fastqwen.optimize(fresh("tiny-moe"), max_seq_len=64, compile=False, kernels={"linears": "gemv"})
     assert torch.equal(other.generate(ids, **gen), default.generate(ids, **gen))
     layers = other.config.num_hidden_layers
-    # 4 a layer (fused input projections, out/o projection, shared expert gate+up and down) in each of the 5
-    # decode steps; none in prefill (21 rows)
-    assert len(calls) == 4 * layers * 5 and set(calls) == {1}
+    # 5 a layer (fused input projections, out/o projection, the router, shared expert gate+up and down) in each
+    # of the 5 decode steps; none in prefill (21 rows)
+    assert len(calls) == 5 * layers * 5 and set(calls) == {1}
 
 
 def test_the_shared_expert_stacks_onto_the_routed_ones(tmp_path):

@@ -70,6 +70,7 @@ FP8_ROW, FP8_BLOCK, INT4, BF16 = 0, 1, 2, 3
 FORMATS = {"fp8-weight": FP8_ROW, "fp8": FP8_BLOCK, "int4": INT4}
 MAX_ROWS = 64  # the linear mode's largest BLOCK_M; more rows take the reference path (prefill: dequantize, GEMM)
 ROW_BUCKETS = (1, 4, 16, 64)  # launch configs are measured per bucket: the fewest rows of these that hold M
+PAIR_BUCKETS = (16, 64, 256)  # grouped-mode configs per bucket of (token, expert) pairs: 9 at batch-1 decode of 35B-A3B
 STEP = 128  # BLOCK_K: one fp8 scale block or one int4 group per step
 # 1.0f's bits, passed to the row kernel as a run-time value: held in a register, int4's mask-and-or decode
 # (_int4_unit) compiles to one LOP3 instead of two (a LOP3 takes one immediate)
@@ -440,6 +441,13 @@ def tuned_config(table: dict, fmt: int, N: int, K: int, rows: int):
     return min(near, key=lambda t: t[0])[1] if near else None
 
 
+def expert_key(fmt: int, N: int, K: int, pairs: int) -> str | None:
+    """Key of a grouped-mode launch config in gemv_configs.json: format, one expert's [N, K] and the pair-count
+    bucket (PAIR_BUCKETS: the fewest pairs of these that hold `pairs`); None above the largest bucket."""
+    bucket = next((b for b in PAIR_BUCKETS if pairs <= b), None)
+    return None if bucket is None else f"{fmt}:{N}x{K}:P{bucket}"
+
+
 def gemv_beats_cublas(table: dict, N: int, K: int, rows: int) -> bool:
     """Whether `table` (one GPU's part of gemv_configs.json) has the bf16 kernel measured faster than cuBLAS at
     this exact shape and row bucket: the sweep stores "cublas:NxK:Mb" = [cuBLAS µs, kernel µs]."""
@@ -454,9 +462,9 @@ def gpu_table() -> dict:
 
 def gemv_config(fmt: int, N: int, K: int, rows: int, columns: int = 1) -> tuple[int, ...]:
     """(BLOCK_N, SPLIT_K, num_warps, num_stages[, BITS[, KSTEP[, LOWP[, SWAP]]]]) for `rows` rows of an [N, K] weight in
-    format `fmt`, with `columns` independent copies of the grid (expert pairs in grouped mode). The linear mode takes
-    scripts/bench_quant.py --sweep's measured best for this GPU when gemv_configs.json has it; otherwise (and
-    for experts) enough programs that short K walks keep many loads in flight: BLOCK_N 64 (128 for int4, whose
+    format `fmt`, with `columns` independent copies of the grid (expert pairs in grouped mode). Both modes take
+    scripts/bench_quant.py --sweep's measured best for this GPU when gemv_configs.json has it (grouped mode: per
+    pair-count bucket, expert_key); otherwise enough programs that short K walks keep many loads in flight: BLOCK_N 64 (128 for int4, whose
     rows are half as wide; above 16 rows half that, 8 warps and 2 stages), K split in up to 8 parts of at least 4
     steps. One row of fp8 per-row weights (linear mode) takes what the H200 sweep found best on every 27B shape:
     BLOCK_N 32, 4 stages, steps of 256 columns (KSTEP 2). BITS (default 0) decodes the
@@ -465,10 +473,10 @@ def gemv_config(fmt: int, N: int, K: int, rows: int, columns: int = 1) -> tuple[
     take 16-bit operands (1: lowp_exact), e4m3 ones (2: fp8_dot_ok; at M = 1 too, in the dot kernel) or fp16
     ones (3: fp16_dot_ok; fp8 weights, x scaled by a power of 2); SWAP
     (default 0) has it take the weight as its first operand (without BITS); the sweep tries them all."""
-    if columns == 1:
-        tuned = tuned_config(gpu_table(), fmt, N, K, rows)
-        if tuned:
-            return tuple(tuned)
+    tuned = (tuned_config(gpu_table(), fmt, N, K, rows) if columns == 1
+             else gpu_table().get(expert_key(fmt, N, K, columns)))
+    if tuned:
+        return tuple(tuned)
     wide = rows > 16  # a 32- or 64-row x tile: narrower programs of 8 warps keep the registers in bounds
     wide_steps = fmt == FP8_ROW and rows == 1 and columns == 1  # 256-column steps: as many bytes as a bf16 step
     bn = 32 if wide_steps else (128 if fmt == INT4 else 64) // (2 if wide else 1)
