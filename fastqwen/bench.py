@@ -27,6 +27,7 @@ CANDIDATE_SYSTEMS = {"fastqwen+split-attention": {"attention": "split"},
                      # and above 8192 keys)
                      "fastqwen+grouped-experts": {"experts": "grouped"},  # (the default on CUDA: "auto")
                      "fastqwen+gather-experts": {"experts": "gather"},
+                     "fastqwen+grouped-pdl-experts": {"experts": "grouped-pdl"},
                      "fastqwen+separate-projections": {"projections": "separate"},
                      "fastqwen+gemv-linears": {"linears": "gemv"},
                      "fastqwen+torch-linears": {"linears": "torch"},

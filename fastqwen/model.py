@@ -32,7 +32,7 @@ def text_model(model):
     return getattr(inner, "language_model", inner)
 
 
-KERNELS = {"attention": ("auto", "sdpa", "split"), "experts": ("auto", "gather", "grouped"),
+KERNELS = {"attention": ("auto", "sdpa", "split"), "experts": ("auto", "gather", "grouped", "grouped-pdl"),
            "projections": ("fused", "separate"), "linears": ("auto", "torch", "gemv"),
            "gdn": ("block", "unrolled", "fla"), "launch": ("auto", "serial", "pdl"),
            "splitk": ("sum", "fixup")}  # first: the default
@@ -49,7 +49,9 @@ def check_kernels(kernels: dict | None, cfg, device) -> dict:
     "experts": a MoE model's routed experts at decode gathered then multiplied ("gather") or read in place by
     the grouped kernel ("grouped", ops/gemv.py, the shared expert stacked in; off CUDA both run their torch
     references); "auto": "grouped" on CUDA where its shapes fit (hidden and expert intermediate sizes divisible
-    by 128), else "gather" (resolved here). "projections":
+    by 128), else "gather" (resolved here); "grouped-pdl": grouped, its routing and expert launches joining
+    programmatic dependent launch when "launch" is "pdl" (a candidate: they wait for their predecessor before
+    reading anything, so they overlap only their launch). "projections":
     each layer's input projections as one matmul each ("separate") or one over a fused weight per layer
     ("fused": GDN qkv+z+b+a, attention q+k+v, MLP gate+up; fewer launches, same bytes; linears.fuse_linears;
     1.08× on 27B decode). "linears": the decoder's bf16 linears at decode and verify by F.linear ("torch":
@@ -79,10 +81,10 @@ def check_kernels(kernels: dict | None, cfg, device) -> dict:
     fits = inter is not None and not (cuda and (cfg.hidden_size % 128 or inter % 128))
     if kernels["experts"] == "auto":
         kernels["experts"] = "grouped" if cuda and fits else "gather"
-    if kernels["experts"] == "grouped" and not fits:
+    if kernels["experts"] in ("grouped", "grouped-pdl") and not fits:
         if inter is None:
-            raise ValueError("kernels['experts']='grouped' applies to MoE models only")
-        raise ValueError(f"kernels['experts']='grouped' needs hidden size ({cfg.hidden_size}) and expert "
+            raise ValueError(f"kernels['experts']={kernels['experts']!r} applies to MoE models only")
+        raise ValueError(f"kernels['experts']={kernels['experts']!r} needs hidden size ({cfg.hidden_size}) and expert "
                          f"intermediate size ({inter}) divisible by 128")
     return kernels
 
@@ -138,7 +140,7 @@ class Forward:
     def prepare_layer(self, layer) -> None:
         """Give a decoder layer (the model's, or an MTP head's) this forward's kernel layout: the shared expert
         stacked onto the routed ones (grouped experts), input projections fused (fused projections)."""
-        grouped = self.kernels["experts"] == "grouped"
+        grouped = self.kernels["experts"] in ("grouped", "grouped-pdl")
         stacked = grouped and hasattr(layer.mlp, "experts") and stack_shared_expert(layer.mlp)
         if not self.lin.fused:
             return
@@ -296,4 +298,6 @@ class Forward:
             return self.lin.mlp(mlp, h)
         if mode == "prefill":
             return mlp(h)  # transformers' own grouped expert loop
-        return routed_moe(mlp, h, grouped=self.kernels["experts"] == "grouped", lin=self.lin)
+        experts = self.kernels["experts"]
+        return routed_moe(mlp, h, grouped=experts in ("grouped", "grouped-pdl"), lin=self.lin,
+                          pdl=self.pdl and experts == "grouped-pdl")

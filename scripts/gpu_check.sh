@@ -23,7 +23,8 @@
 #   quality  scripts/quant_quality.py on 27B: per-linear and logit error, top-1 agreement per scheme, and the same
 #            for weight noise of each format's size ($QUALITY_NOISE, default 0.03 0.1: fp8's and int4's)
 #   candidates scripts/bench.py: fastqwen vs fastqwen with an alternative kernel in one process, on $CAND_MODEL
-#            (default 35B-A3B) with $CAND_SYSTEMS (default fastqwen+grouped-experts; also fastqwen+split-attention, fastqwen+sdpa-attention,
+#            (default 35B-A3B) with $CAND_SYSTEMS (default fastqwen+grouped-pdl-experts; also fastqwen+gather-experts,
+#            fastqwen+split-attention, fastqwen+sdpa-attention,
 #            fastqwen+gemv-linears, fastqwen+fla-gdn, fastqwen+separate-projections, fastqwen+combo-kernels:
 #            inductor's combo kernels, fastqwen+serial-launch: no programmatic dependent launch, fastqwen+torch-linears:
 #            cuBLAS for every bf16 linear) and
@@ -85,7 +86,7 @@ case "$stage" in
   qbench) python scripts/bench.py --models "${QMODEL:-qwen3.5-27b}" --systems fastqwen "fastqwen-${SCHEME:-fp8-weight}" \
            --no-autotune ${QBENCH_ARGS:-} --json "$out/qbench.json" 2>&1 | grep -v "^\[transformers\]" | tail -6 ;;
   candidates) python scripts/bench.py --models "${CAND_MODEL:-qwen3.5-35b-a3b}" --systems fastqwen \
-           ${CAND_SYSTEMS:-fastqwen+grouped-experts} --no-autotune ${CAND_ARGS:-} --json "$out/candidates.json" 2>&1 \
+           ${CAND_SYSTEMS:-fastqwen+grouped-pdl-experts} --no-autotune ${CAND_ARGS:-} --json "$out/candidates.json" 2>&1 \
            | grep -v "^\[transformers\]" | tail -4 ;;
   gdn) python scripts/bench_gdn.py --models ${GDN_MODELS:-qwen3.5-27b qwen3.5-9b} --T ${GDN_T:-4 8 16} ${GDN_ARGS:-} \
            --json "$out/bench_gdn.json" 2>&1 | grep "^|" ;;

@@ -242,12 +242,12 @@ def ptx(fmt, lowp, swap, act=False, bits=False, pdl=False, fixup=0):  # the 16-r
                   LOWP=lowp, SWAP=swap, PDL=pdl, FIXUP=fixup)
     return compile_sm90(gemv._gemv_kernel, sig, consts, ALIGNED, num_stages=4).asm["ptx"]
 
-def row_kernel(fmt, bits, BN=128, pdl=False, fixup=0):  # the one-row kernel, 128-column steps
+def row_kernel(fmt, bits, BN=128, pdl=False, fixup=0, grouped=False):  # the one-row kernel, 128-column steps
     sig = dict(x_ptr="*bf16", w_ptr=w_type(fmt, bits), s_ptr="*fp32",
                z_ptr="*fp32", y_ptr="*fp32", tok_ptr="*i32", exp_ptr="*i32", N="i32", K="i32", s_stride="i32",
                w_estride="i32", s_estride="i32", k_per_split="i32", ONE="i32", cnt_ptr="*i32")
     acc_k = 128 // (8 if fmt == gemv.INT4 else 4) if bits else 64 if fmt == gemv.INT4 else 128
-    consts = dict(FMT=fmt, ACT_FP8=False, GROUPED=False, FP8_LIMIT=448.0, BLOCK_N=BN, BLOCK_K=128, ACC_K=acc_k,
+    consts = dict(FMT=fmt, ACT_FP8=False, GROUPED=grouped, FP8_LIMIT=448.0, BLOCK_N=BN, BLOCK_K=128, ACC_K=acc_k,
                   STAGES=2, BITS=bits, PDL=pdl, FIXUP=fixup)
     return compile_sm90(gemv._row_kernel, sig, consts, ALIGNED, num_stages=2)
 
@@ -297,6 +297,13 @@ for fmt, bits in ((gemv.FP8_ROW, False), (gemv.FP8_ROW, True), (gemv.INT4, False
         assert reads and min(reads) > wait, (fmt, bits, "a global read before the wait")
         assert 0 < code.index("prefetch.global.L2") < wait and "griddepcontrol.launch_dependents" in code, (fmt, bits)
     assert "griddepcontrol" not in row_kernel(fmt, bits, 32).asm["ptx"]  # (without PDL: none)
+# grouped mode (kernels={"experts": "grouped-pdl"}): the pairs are the router's output, so nothing is read, not even
+# prefetched, before the wait
+for fmt in (gemv.BF16, gemv.FP8_ROW):
+    code = row_kernel(fmt, False, 32, pdl=True, grouped=True).asm["ptx"]
+    wait = code.index("griddepcontrol.wait")
+    reads = [m.start() for m in re.finditer(r"ld\\.global|cp\\.async\\.c|prefetch", code)]
+    assert reads and min(reads) > wait and "griddepcontrol.launch_dependents" in code, (fmt, "grouped: read before the wait")
 
 # split-K summed in the kernel: an acquire-release count at GPU scope after a CTA barrier, reads of the partials
 # from L2 (.cg); without FIXUP no atomic at all
@@ -317,12 +324,3 @@ def test_kernels_compile_for_sm90_as_designed():
     assert run_in_triton_interpreter(_SM90, interpret=False).strip().endswith("ok")
 
 
-def test_grouped_mode_refuses_programmatic_dependent_launch():
-    """A grouped launch reads each pair's expert and row (the router's output) to find its weights, so it
-    cannot prefetch them before the wait: pdl there is an error, not a race."""
-    from fastqwen.ops.gemv import _launch
-
-    x, w = torch.randn(2, 128), torch.randn(4, 64, 128)
-    pairs = (torch.zeros(2, dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32))
-    with pytest.raises(ValueError, match="grouped mode takes pdl=False"):
-        _launch(x, BF16, w, None, None, False, 64, 2, pairs=pairs, pdl=True)

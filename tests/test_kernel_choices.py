@@ -32,6 +32,7 @@ ALL = {"attention": "split", "experts": "grouped", "projections": "separate", "l
                                                   ("tiny", {"linears": "gemv"}, True),
                                                   ("tiny", {"linears": "torch"}, False),
                                                   ("tiny-moe", ALL, False),
+                                                  ("tiny-moe", {"experts": "grouped-pdl", "launch": "pdl"}, True),
                                                   ("tiny-moe", ALL, True)])
 def test_alternative_kernels_give_the_default_tokens(name, kernels, compile):
     default = fastqwen.optimize(fresh(name), max_batch_size=2, max_seq_len=96, compile=False)

@@ -49,3 +49,28 @@ print("router ok")
 
 def test_kernel_matches_reference_in_the_triton_interpreter():
     assert "router ok" in run_in_triton_interpreter(_INTERPRETED)
+
+
+_SM90 = """
+import re
+from sm90 import compile_sm90
+from fastqwen.ops.router import _route_kernel
+
+sig = dict(logits_ptr="*bf16", w_ptr="*fp32", e_ptr="*i32", stride="i32")
+for pdl in (False, True):
+    consts = dict(E=256, K=8, SHARED=True, BLOCK_E=256, BLOCK_K=8, PDL=pdl)
+    code = compile_sm90(_route_kernel, sig, consts, ("logits_ptr", "stride")).asm["ptx"]
+    if pdl:  # the logits are the previous kernel's output: no read before the wait
+        wait = code.index("griddepcontrol.wait")
+        assert min(m.start() for m in re.finditer(r"ld\\.global", code)) > wait, "a read before the wait"
+        assert "griddepcontrol.launch_dependents" in code
+    else:
+        assert "griddepcontrol" not in code
+print("ok")
+"""
+
+
+def test_kernel_waits_for_the_router_matmul_under_programmatic_dependent_launch():
+    """Compiled for sm90 here (no GPU): with PDL (kernels={"experts": "grouped-pdl"}) the kernel reads the logits
+    only after griddepcontrol.wait; without it, no griddepcontrol at all."""
+    assert run_in_triton_interpreter(_SM90, interpret=False).strip().endswith("ok")

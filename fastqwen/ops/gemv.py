@@ -2,8 +2,8 @@
 registers. Two uses: quantized linears at M ≤ 64 rows (decode, speculative verify: up to 4 rows of a
 16-token block, 16 rows of 4 MTP positions), and the routed experts of a MoE layer (each (token, expert)
 pair multiplies one row by one expert's weight, read in place: no gathered copy of the selected experts).
-Quantized experts (quant/experts.py) use the second; bf16 experts keep `moe.routed_moe`'s gather-then-einsum
-unless kernels={"experts": "grouped"} (a candidate until measured faster).
+Quantized experts (quant/experts.py) use the second, and so do bf16 experts on CUDA by default (`moe.routed_moe`;
+kernels={"experts": "gather"} gathers copies then multiplies: 2.23× slower on 35B-A3B, 2026-12-01).
 
 Two Triton kernels, four formats (constexpr FMT):
   FP8_ROW    w e4m3 [N, K], scale [N]: acc · scale[n] at the end.
@@ -173,6 +173,9 @@ if triton is not None:
         y0_ptr = y_ptr
         y_ptr += split.to(tl.int64) * tl.num_programs(1) * N
         if GROUPED:
+            if PDL:  # a pair's expert and row are the previous kernel's (the router's) output: wait, then read
+                tl.extra.cuda.gdc_wait()
+                tl.extra.cuda.gdc_launch_dependents()
             x_ptr, w_ptr, s_ptr, z_ptr, y_ptr = _pair_pointers(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, tok_ptr, exp_ptr,
                                                                N, K, w_estride, s_estride)
         n_ok = n < N
@@ -180,7 +183,7 @@ if triton is not None:
         acc_odd = tl.zeros((BLOCK_N, ACC_K), tl.float32)  # int4's odd columns
         offset = tl.zeros((BLOCK_N,), tl.float32)  # int4 with BITS: Σ over groups of scale · (16 + zero) · Σ x
         k_end = tl.minimum(K, (split + 1) * k_per_split)
-        if PDL:
+        if PDL and not GROUPED:
             _dependent_start(w_ptr, n, n_ok, split * k_per_split, k_end, K, FMT, BITS, BLOCK_K)
         for k0 in tl.range(split * k_per_split, k_end, BLOCK_K, num_stages=STAGES):
             if BITS and FMT == 2:
@@ -537,14 +540,13 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
     with `partials` they come back unsummed, [splits, rows, out_features] (split_plan). `fixup` (linear mode):
     the kernel sums them itself, the last program of each output tile in split order (_split_k_fixup), and
     `partials` gets [1, rows, out_features]. `pdl`: launch with programmatic dependent launch (Hopper+;
-    _dependent_start)."""
+    _dependent_start; grouped mode waits before it reads its pairs, so it prefetches nothing: it only overlaps
+    its launch with the previous kernel)."""
     K = x.shape[1]
     if K % STEP:
         raise ValueError(f"the weight-streaming kernel needs K divisible by {STEP}; got K={K}")
     N = out_features
     grouped = pairs is not None
-    if grouped and pdl:  # a pair's expert and row are the previous kernel's output: read only after its wait
-        raise ValueError("programmatic dependent launch is for the linear mode; grouped mode takes pdl=False")
     M = 1 if grouped else rows
     explicit = config is not None
     config = config or gemv_config(fmt, N, K, M, rows if grouped else 1)
@@ -700,19 +702,19 @@ def _(x, fmt, w, scale, zero, act_fp8, out_features, pdl=False, fixup=False):
 @torch.library.custom_op("fastqwen::expert_gemv", mutates_args=())
 def expert_gemv(x: torch.Tensor, tok: torch.Tensor, exp: torch.Tensor, fmt: int, w: torch.Tensor,
                 scale: torch.Tensor | None, zero: torch.Tensor | None, out_features: int,
-                act_fp8: bool = False) -> torch.Tensor:
+                act_fp8: bool = False, pdl: bool = False) -> torch.Tensor:
     """Routed experts: x [T, K], pairs tok / exp [P] int32, expert weights w [E, N, K] (stored format, with
     scale / zero [E, …]) → split-K partial sums [S, P, out_features] fp32 whose sum over dim 0 has row
     p = x[tok[p]] · W[exp[p]]ᵀ (the caller sums, as for wq_linear). Kernel on CUDA, the reference (S = 1)
-    elsewhere."""
+    elsewhere. pdl: launch with programmatic dependent launch (kernels={"experts": "grouped-pdl"})."""
     if _on_kernel(x):
         return _launch(x.contiguous(), fmt, w, scale, zero, act_fp8, out_features, tok.shape[0], (tok, exp),
-                       partials=True)
+                       partials=True, pdl=pdl)
     return expert_reference(x, tok, exp, fmt, w, scale, zero, out_features, act_fp8)[None]
 
 
 @expert_gemv.register_fake
-def _(x, tok, exp, fmt, w, scale, zero, out_features, act_fp8=False):
+def _(x, tok, exp, fmt, w, scale, zero, out_features, act_fp8=False, pdl=False):
     P = tok.shape[0]
     splits = split_plan(x.shape[1], gemv_config(fmt, out_features, x.shape[1], 1, P))[1] if _on_kernel(x) else 1
     return x.new_empty(splits, P, out_features, dtype=torch.float32)

@@ -37,8 +37,12 @@ if triton is not None:
 
     @triton.jit
     def _route_kernel(logits_ptr, w_ptr, e_ptr, stride, E: tl.constexpr, K: tl.constexpr, SHARED: tl.constexpr,
-                      BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-        """One token: k rounds of (max, its lowest index, mask it out); weights = softmax over the k maxima."""
+                      BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+        """One token: k rounds of (max, its lowest index, mask it out); weights = softmax over the k maxima.
+        PDL (launched with launch_pdl): wait for the previous kernel (the logits are its output) first."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0)
         e = tl.arange(0, BLOCK_E)
         logit = tl.load(logits_ptr + row * stride + e, mask=e < E, other=-float("inf")).to(tl.float32)
@@ -61,29 +65,31 @@ if triton is not None:
             tl.store(e_ptr + out + K, E)
 
 
-def launch(logits: torch.Tensor, k: int, shared: bool):
-    """The Triton kernel (any device Triton runs on, its CPU interpreter included); same contract as route."""
+def launch(logits: torch.Tensor, k: int, shared: bool, pdl: bool = False):
+    """The Triton kernel (any device Triton runs on, its CPU interpreter included); same contract as route.
+    pdl: launch with programmatic dependent launch (Hopper+)."""
     logits = logits.contiguous()
     N, E = logits.shape[0], logits.shape[1] - shared
     weights = torch.empty(N, k + shared, dtype=torch.float32, device=logits.device)
     experts = torch.empty(N, k + shared, dtype=torch.int32, device=logits.device)
     if N:
         _route_kernel[(N,)](logits, weights, experts, logits.stride(0), E=E, K=k, SHARED=shared,
-                            BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(k))
+                            BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(k), PDL=pdl,
+                            launch_pdl=pdl)
     return weights, experts
 
 
 @torch.library.custom_op("fastqwen::route", mutates_args=())
-def route(logits: torch.Tensor, k: int, shared: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, k: int, shared: bool, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [N, E (+1 with shared)] → (weights fp32, experts int32) [N, k (+1)]; see the module docstring.
-    The kernel on CUDA, the reference elsewhere."""
+    The kernel on CUDA (pdl: with programmatic dependent launch), the reference elsewhere."""
     if logits.is_cuda and triton is not None:
-        return launch(logits, k, shared)
+        return launch(logits, k, shared, pdl)
     return reference(logits, k, shared)
 
 
 @route.register_fake
-def _(logits, k, shared):
+def _(logits, k, shared, pdl=False):
     N = logits.shape[0]
     return (logits.new_empty(N, k + shared, dtype=torch.float32),
             logits.new_empty(N, k + shared, dtype=torch.int32))

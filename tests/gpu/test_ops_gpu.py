@@ -140,9 +140,10 @@ def test_router_kernel_picks_the_reference_experts_at_the_35b_shape(shared):
     assert torch.equal(e, re) and torch.allclose(w, rw, atol=1e-6)
 
 
-@pytest.mark.parametrize("grouped,stacked", [(False, False), (True, False), (True, True)],
-                         ids=["gather", "grouped-kernel", "grouped-with-the-shared-expert-stacked"])
-def test_routed_moe_matches_transformers_block_real_shape(grouped, stacked):
+@pytest.mark.parametrize("grouped,stacked,pdl", [(False, False, False), (True, False, False), (True, True, False),
+                                                 (True, True, True)],
+                         ids=["gather", "grouped-kernel", "grouped-with-the-shared-expert-stacked", "grouped-pdl"])
+def test_routed_moe_matches_transformers_block_real_shape(grouped, stacked, pdl):
     cfg = presets.config("qwen3.5-35b-a3b")
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
 
@@ -160,7 +161,7 @@ def test_routed_moe_matches_transformers_block_real_shape(grouped, stacked):
         assert stack_shared_expert(block)
     f = torch.compile(routed_moe, fullgraph=True)
     with torch.no_grad():  # as the engine runs it: our expert kernels are inference-only (no backward)
-        assert rel_err(f(block, h, grouped), ref) < 2e-2
+        assert rel_err(f(block, h, grouped, None, pdl), ref) < 2e-2
 
 
 @pytest.mark.parametrize("unrolled,pdl,block", [(False, False, False), (True, False, False), (True, True, False),
