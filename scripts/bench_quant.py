@@ -217,16 +217,17 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT), lowp
 
 
 # the routed experts of 35B-A3B, one expert's [N, K] (gate+up stacked; the shared expert stacked as expert 256 with
-# kernels={"experts": "grouped"}), and the (token, expert) pairs at batch-1 decode: top-8 + the shared one
+# the grouped kernel's default), and the (token, expert) pairs a token makes: top-8 + the shared one
 EXPERT_SHAPES = [("experts.gate_up", 1024, 2048), ("experts.down", 2048, 512)]
 EXPERT_PAIRS = 9
 
 
-def sweep_experts(bw, table: pathlib.Path | None, formats=("bf16",), pairs=EXPERT_PAIRS, E=257) -> list[dict]:
+def sweep_experts(bw, table: pathlib.Path | None, formats=("bf16",), tokens=(1,), E=257) -> list[dict]:
     """Time the grouped kernel (expert_gemv's launch) over its launch configs (BLOCK_N, SPLIT_K, 4 warps,
-    num_stages, KSTEP for bf16 and fp8-weight) for each EXPERT_SHAPES matrix of E experts at `pairs` pairs (one
-    token), the experts drawn at random per call from 16 draws (no call finds its experts in L2: a step reads
-    each layer's once); print the default config's time beside the best. The best is the cheapest for the step,
+    num_stages, KSTEP for bf16 and fp8-weight) for each EXPERT_SHAPES matrix of E experts at the pairs of each
+    count of `tokens` (EXPERT_PAIRS a token; 1: batch-1 decode, 4 or 8: batched decode, 16: a verify block), each
+    token's experts drawn at random per call from 16 draws (no call finds its experts in L2: a step reads each
+    layer's once); print the default config's time beside the best. The best is the cheapest for the step,
     the consumer's read of the fp32 split-K partials included; with `table`, it is merged in under this GPU's
     name (gemv.expert_key), which gemv_config then uses for that pair bucket."""
     import itertools
@@ -236,41 +237,41 @@ def sweep_experts(bw, table: pathlib.Path | None, formats=("bf16",), pairs=EXPER
     configs = [c for c in itertools.product((32, 64, 128), (1, 2, 4, 8), (4,), (2, 3, 4), (0,), (1, 2))
                if c[0] * 128 * c[5] <= 32768]
     gen = torch.Generator().manual_seed(0)
-    draws = [torch.randperm(E - 1, generator=gen)[:pairs - 1].tolist() + [E - 1] for _ in range(16)]
     rows, best_of = [], {}
-    for layer, N, K in EXPERT_SHAPES:
-        N, K = N // SMALL, K // SMALL
+    for (layer, N, K), T, name in itertools.product(EXPERT_SHAPES, tokens, formats):
+        N, K, pairs = N // SMALL, K // SMALL, T * EXPERT_PAIRS
         w = torch.randn(E, N, K, device=DEV, dtype=torch.bfloat16) * 0.02
-        x = torch.randn(1, K, device=DEV, dtype=torch.bfloat16)
-        tok = torch.zeros(pairs, device=DEV, dtype=torch.int32)
-        variants = [(x, tok, torch.tensor(d, device=DEV, dtype=torch.int32)) for d in draws]
-        for name in formats:
-            fmt = getattr(gemv, SWEPT[name])
-            parts = [gemv.stored_operands(fmt, w[e]) for e in range(E)]
-            q, sc, z = (None if t[0] is None else torch.stack(t) for t in zip(*parts))
-            nbytes = pairs * sum(t[0].numel() * t.element_size() for t in (q, sc, z) if t is not None)
-            default = gemv.full_config(gemv.gemv_config(fmt, N, K, 1, pairs))
-            tried = [c for c in configs if K // (128 * c[5]) >= c[1] and (c[5] == 1 or fmt in (gemv.FP8_ROW, gemv.BF16))
-                     and gemv.full_config(c) != default]
-            times = {}
-            for cfg in [default] + tried:
-                try:
-                    times[cfg] = bench.graph_seconds(
-                        lambda x, tok, exp, cfg=cfg: gemv._launch(x, fmt, q, sc, z, False, N, pairs, (tok, exp),
-                                                                  config=cfg, partials=True), variants=variants)
-                except Exception as e:  # out of resources (shared memory) for the largest tiles
-                    print(f"  {cfg}: {type(e).__name__}", flush=True)
-            cost = {c: t + gemv.split_plan(K, c)[1] * pairs * N * 4 / bw for c, t in times.items()}
-            best = min(cost, key=cost.get)
-            best_of[gemv.expert_key(fmt, N, K, pairs)] = best
-            row = {"model": "35b-a3b", "layer": layer, "N": N, "K": K, "format": name, "pairs": pairs,
-                   "default": default, "default_us": times[default] * 1e6, "best": best, "best_us": times[best] * 1e6,
-                   "best_bw": nbytes / bw / times[best], "default_cost_us": cost[default] * 1e6,
-                   "best_cost_us": cost[best] * 1e6}
-            rows.append(row)
-            print(f"| sweep | {layer} {pairs}x {N}x{K} | {name} | default {default} {row['default_us']:.1f} µs "
-                  f"({nbytes / bw / times[default]:.0%}) | best {best} {row['best_us']:.1f} µs ({row['best_bw']:.0%}) "
-                  f"| with the partials' read {row['default_cost_us']:.1f} → {row['best_cost_us']:.1f} µs |", flush=True)
+        x = torch.randn(T, K, device=DEV, dtype=torch.bfloat16)
+        tok = torch.arange(T, device=DEV, dtype=torch.int32).repeat_interleave(EXPERT_PAIRS)
+        draws = [torch.cat([torch.randperm(E - 1, generator=gen)[:EXPERT_PAIRS - 1], torch.tensor([E - 1])])
+                 for _ in range(16 * T)]
+        variants = [(x, tok, torch.cat(draws[i * T:(i + 1) * T]).to(DEV, torch.int32)) for i in range(16)]
+        fmt = getattr(gemv, SWEPT[name])
+        parts = [gemv.stored_operands(fmt, w[e]) for e in range(E)]
+        q, sc, z = (None if t[0] is None else torch.stack(t) for t in zip(*parts))
+        nbytes = pairs * sum(t[0].numel() * t.element_size() for t in (q, sc, z) if t is not None)
+        default = gemv.full_config(gemv.gemv_config(fmt, N, K, 1, pairs))
+        tried = [c for c in configs if K // (128 * c[5]) >= c[1] and (c[5] == 1 or fmt in (gemv.FP8_ROW, gemv.BF16))
+                 and gemv.full_config(c) != default]
+        times = {}
+        for cfg in [default] + tried:
+            try:
+                times[cfg] = bench.graph_seconds(
+                    lambda x, tok, exp, cfg=cfg: gemv._launch(x, fmt, q, sc, z, False, N, pairs, (tok, exp),
+                                                              config=cfg, partials=True), variants=variants)
+            except Exception as e:  # out of resources (shared memory) for the largest tiles
+                print(f"  {cfg}: {type(e).__name__}", flush=True)
+        cost = {c: t + gemv.split_plan(K, c)[1] * pairs * N * 4 / bw for c, t in times.items()}
+        best = min(cost, key=cost.get)
+        best_of[gemv.expert_key(fmt, N, K, pairs)] = best
+        row = {"model": "35b-a3b", "layer": layer, "N": N, "K": K, "format": name, "pairs": pairs,
+               "default": default, "default_us": times[default] * 1e6, "best": best, "best_us": times[best] * 1e6,
+               "best_bw": nbytes / bw / times[best], "default_cost_us": cost[default] * 1e6,
+               "best_cost_us": cost[best] * 1e6}
+        rows.append(row)
+        print(f"| sweep | {layer} {pairs}x {N}x{K} | {name} | default {default} {row['default_us']:.1f} µs "
+              f"({nbytes / bw / times[default]:.0%}) | best {best} {row['best_us']:.1f} µs ({row['best_bw']:.0%}) "
+              f"| with the partials' read {row['default_cost_us']:.1f} → {row['best_cost_us']:.1f} µs |", flush=True)
         merge_table(table, best_of)
     return rows
 
@@ -301,8 +302,8 @@ def main():
     p.add_argument("--experts", action="store_true", help="also the 35B-A3B routed experts")
     p.add_argument("--only", help="time only candidates whose name contains this (e.g. 'expert_gemv', 'fastqwen')")
     p.add_argument("--sweep", action="store_true", help="only time the kernel's launch configs per layer and M")
-    p.add_argument("--sweep-experts", action="store_true", help="with --sweep: also the grouped kernel's configs for "
-                   "the 35B-A3B routed experts (batch-1 decode: 9 pairs)")
+    p.add_argument("--sweep-experts", type=int, nargs="*", metavar="TOKENS", help="with --sweep: also the grouped "
+                   "kernel's configs for the 35B-A3B routed experts, at these token counts (9 pairs each; default 1)")
     p.add_argument("--formats", nargs="+", default=list(SWEPT), choices=list(SWEPT), help="with --sweep: these only")
     p.add_argument("--lowp", type=int, nargs="+", help="with --sweep: only configs with these LOWP values (and "
                    "the config in use), e.g. 3 for the fp16 dot")
@@ -322,8 +323,8 @@ def main():
     print(f"{res['hardware']}, copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     if args.sweep:
         res["sweep"] = sweep(args.shapes, args.m, bw, args.write_table, args.formats, args.lowp)
-        if args.sweep_experts:
-            res["sweep_experts"] = sweep_experts(bw, args.write_table, args.formats)
+        if args.sweep_experts is not None:
+            res["sweep_experts"] = sweep_experts(bw, args.write_table, args.formats, tuple(args.sweep_experts) or (1,))
         if args.json:
             args.json.write_text(json.dumps(res, indent=1))
         return

@@ -215,7 +215,7 @@ def test_grouped_configs_are_measured_per_pair_bucket(monkeypatch):
     entry of the same shape, and its heuristic where the sweep has not measured."""
     import fastqwen.ops.gemv as gemv
 
-    assert expert_key(BF16, 1024, 2048, 9) == "3:1024x2048:P16" and expert_key(BF16, 1024, 2048, 144) == "3:1024x2048:P256"
+    assert expert_key(BF16, 1024, 2048, 9) == "3:1024x2048:P16" and expert_key(BF16, 1024, 2048, 72) == "3:1024x2048:P128"
     assert expert_key(BF16, 1024, 2048, 300) is None
     heuristic = gemv_config(BF16, 1024, 2048, 1, 40)  # (gpu_table is empty off CUDA)
     table = {"3:1024x2048:P16": [128, 2, 4, 3, 0, 2], "3:1024x2048:M1": [32, 8, 4, 2]}

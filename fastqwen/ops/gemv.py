@@ -70,7 +70,7 @@ FP8_ROW, FP8_BLOCK, INT4, BF16 = 0, 1, 2, 3
 FORMATS = {"fp8-weight": FP8_ROW, "fp8": FP8_BLOCK, "int4": INT4}
 MAX_ROWS = 64  # the linear mode's largest BLOCK_M; more rows take the reference path (prefill: dequantize, GEMM)
 ROW_BUCKETS = (1, 4, 16, 64)  # launch configs are measured per bucket: the fewest rows of these that hold M
-PAIR_BUCKETS = (16, 64, 256)  # grouped-mode configs per bucket of (token, expert) pairs: 9 at batch-1 decode of 35B-A3B
+PAIR_BUCKETS = (16, 64, 128, 256)  # grouped-mode configs per bucket of (token, expert) pairs: 9 a token on 35B-A3B
 STEP = 128  # BLOCK_K: one fp8 scale block or one int4 group per step
 # 1.0f's bits, passed to the row kernel as a run-time value: held in a register, int4's mask-and-or decode
 # (_int4_unit) compiles to one LOP3 instead of two (a LOP3 takes one immediate)
