@@ -34,6 +34,7 @@ CANDIDATE_SYSTEMS = {"fastqwen+split-attention": {"attention": "split"},
                      "fastqwen+fla-gdn": {"gdn": "fla"},
                      "fastqwen+unrolled-gdn": {"gdn": "unrolled"},
                      "fastqwen+splitk-fixup": {"splitk": "fixup"},
+                     "fastqwen+fused-gdn-norm": {"gdn_norm": "fused"},
                      "fastqwen+serial-launch": {"launch": "serial"}}
 # fastqwen with inductor options merged over the run's (launch count: combo kernels launch independent
 # small kernels, e.g. a GDN layer's q, k and v, as one)

@@ -20,6 +20,7 @@ from .ops.decode_attention import attend_cache_split_op
 from .linears import MLP_IN, Linears, fuse_linears
 from .moe import routed_moe, stack_shared_expert
 from .ops.conv import commit_window, conv_step
+from .ops.gemv import tile_counts
 from .ops.gdn import gates, gdn_chunk, gdn_decode, gdn_recurrent, gdn_replay, gdn_verify, unpack_qkv
 from .ops.norm import gated_rms_norm, rms_norm
 
@@ -35,7 +36,7 @@ def text_model(model):
 KERNELS = {"attention": ("auto", "sdpa", "split"), "experts": ("auto", "gather", "grouped", "grouped-pdl"),
            "projections": ("fused", "separate"), "linears": ("auto", "torch", "gemv"),
            "gdn": ("block", "unrolled", "fla"), "launch": ("auto", "serial", "pdl"),
-           "splitk": ("sum", "fixup")}  # first: the default
+           "splitk": ("sum", "fixup"), "gdn_norm": ("separate", "fused")}  # first: the default
 
 
 def check_kernels(kernels: dict | None, cfg, device) -> dict:
@@ -67,7 +68,10 @@ def check_kernels(kernels: dict | None, cfg, device) -> dict:
     of compute capability 9.0 or later, else "serial". "splitk": the weight-streaming kernel's split-K partial
     sums added by their consumer ("sum": inductor folds the add into the next kernel, or launches a sum of its
     own where the consumer is a custom op) or by the kernel itself ("fixup": the last program of each output
-    tile adds them, in split order; ops/gemv.py _split_k_fixup)."""
+    tile adds them, in split order; ops/gemv.py _split_k_fixup). "gdn_norm": the GDN block's gated RMSNorm at
+    decode as a kernel of inductor's after the recurrence ("separate") or inside the unrolled decode kernel, by
+    the last program of each head ("fused": ops/gdn.py _gated_norm_tail; a launch less a GDN layer; with "gdn"
+    "block" or "unrolled"; a candidate: 0.94× the default on 35B-A3B, docs/BENCHMARKS.md)."""
     kernels = dict(kernels or {})
     unknown = set(kernels) - set(KERNELS)
     if unknown:
@@ -125,10 +129,13 @@ class Forward:
                        2: attention != "sdpa"}  # blocks of ≥ 2 queries (verify, DFlash drafts)
         self.unrolled = self.kernels["gdn"] in ("block", "unrolled")  # (a Triton compile per T: not for prefill)
         self.block = self.kernels["gdn"] == "block"
+        self.fused_norm = self.kernels["gdn_norm"] == "fused"
         self.pdl = self.kernels["launch"] == "pdl"
         self.lin = Linears(fused=self.kernels["projections"] == "fused",
                            gemv={"torch": False, "gemv": True, "auto": "auto"}[self.kernels["linears"]],
                            pdl=self.pdl, fixup=self.kernels["splitk"] == "fixup")
+        if cache.lengths.device.type == "cuda" and (self.lin.fixup or self.fused_norm):
+            tile_counts(cache.lengths.device, 0)  # the kernels' arrival counts, allocated before any capture
         for layer in self.layers:
             self.prepare_layer(layer)
 
@@ -253,7 +260,12 @@ class Forward:
                 self.cache.write(f"replay_{name}", i, value)
             return self._gdn_out(m, o, z, B, T)
         if mode == "decode" and (B == 1 or self.unrolled):  # (fla's kernel would need copies of the views)
-            o = gdn_decode(qkv, *heads, a, b, m.A_log, m.dt_bias, state, self.unrolled, self.pdl and self.unrolled)
+            pdl = self.pdl and self.unrolled
+            if self.fused_norm:  # o comes out of the op normalised and gated
+                o = gdn_decode(qkv, *heads, a, b, m.A_log, m.dt_bias, state, self.unrolled, pdl, z, m.norm.weight,
+                               m.norm.variance_epsilon)
+                return self.lin(m.out_proj, o.reshape(B, T, -1))
+            o = gdn_decode(qkv, *heads, a, b, m.A_log, m.dt_bias, state, self.unrolled, pdl)
             return self._gdn_out(m, o, z, B, T)
         q, k, v = unpack_qkv(qkv, *heads, cfg.linear_num_value_heads)
         # contiguous here, so inductor writes them from kernels it has anyway (q, k, v from the conv's): fla's

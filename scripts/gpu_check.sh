@@ -97,7 +97,7 @@ case "$stage" in
            --formats ${SWEEP_FORMATS:-fp8-weight int4 bf16} ${SWEEP_LOWP:+--lowp $SWEEP_LOWP} ${SWEEP_EXPERTS:+--sweep-experts $SWEEP_EXPERTS} \
            --write-table "$table" --json "$out/gemv_sweep$t.json" 2>&1 | grep -E "^\||^  \(.*: [A-Za-z]+"  # (+ failed configs)
          cp "$table" "$out/" ;;
-  suite) python -m pytest -q -p no:warnings tests/benchmarks --benchmark-only \
+  suite) python -m pytest -q -p no:warnings tests/benchmarks --benchmark-only --no-autotune \
            --benchmark-storage=file://tests/benchmarks/baselines --benchmark-save=h200 2>&1 | tail -12
          cp -r tests/benchmarks/baselines "$out/" ;;
   quality) python scripts/quant_quality.py --noise ${QUALITY_NOISE:-0.03 0.1} --json "$out/quant_quality.json" 2>&1 \

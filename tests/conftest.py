@@ -9,6 +9,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fastqwen import presets  # noqa: E402
 
 
+def pytest_addoption(parser):
+    parser.addoption("--no-autotune", action="store_true",
+                     help="tests/benchmarks: compile with default inductor + CUDA graphs instead of max-autotune "
+                          "(minutes less compile; what scripts/bench.py --no-autotune measures)")
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -23,7 +23,7 @@ def test_grouped_experts_match_the_gathered_ones():
 
 
 ALL = {"attention": "split", "experts": "grouped", "projections": "separate", "linears": "gemv", "gdn": "fla",
-       "launch": "pdl", "splitk": "fixup"}
+       "launch": "pdl", "splitk": "fixup", "gdn_norm": "fused"}
 
 
 @pytest.mark.parametrize("name,kernels,compile", [("tiny", {"attention": "split"}, False),
@@ -31,6 +31,7 @@ ALL = {"attention": "split", "experts": "grouped", "projections": "separate", "l
                                                   ("tiny", {"projections": "separate"}, True),
                                                   ("tiny", {"linears": "gemv"}, True),
                                                   ("tiny", {"linears": "torch"}, False),
+                                                  ("tiny", {"gdn_norm": "fused"}, True),
                                                   ("tiny-moe", ALL, False),
                                                   ("tiny-moe", {"experts": "grouped-pdl", "launch": "pdl"}, True),
                                                   ("tiny-moe", ALL, True)])
@@ -38,7 +39,7 @@ def test_alternative_kernels_give_the_default_tokens(name, kernels, compile):
     default = fastqwen.optimize(fresh(name), max_batch_size=2, max_seq_len=96, compile=False)
     other = fastqwen.optimize(fresh(name), max_batch_size=2, max_seq_len=96, compile=compile, kernels=kernels)
     assert other._fastqwen.forward.kernels == {"attention": "auto", "experts": "gather", "projections": "fused",
-                                               "linears": "auto", "gdn": "block", "launch": "serial", "splitk": "sum",
+                                               "linears": "auto", "gdn": "block", "launch": "serial", "splitk": "sum", "gdn_norm": "separate",
                                                **kernels}
     ids, mask = left_padded([torch.randint(1, 500, (n,)) for n in (17, 5)])
     assert torch.equal(other.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16),

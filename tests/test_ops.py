@@ -131,7 +131,8 @@ def test_gdn_custom_ops_pass_opcheck_on_strided_inputs(op, layout):
 
 def test_packed_decode_op_equals_the_recurrence_on_its_parts():
     """gdn_decode (batch 1, one position) from the conv's packed output gives gdn_recurrent's output and state
-    on the unpacked q, k, v, with a and b views of a wider projection; its fake kernel agrees (opcheck)."""
+    on the unpacked q, k, v, with a and b views of a wider projection, and with z and a norm weight the gated
+    RMSNorm of that output; its fake kernel agrees (opcheck)."""
     from fastqwen.ops.gdn import gdn_decode, unpack_qkv
 
     H, HV, K, V = 2, 4, 16, 8
@@ -147,6 +148,13 @@ def test_packed_decode_op_equals_the_recurrence_on_its_parts():
     assert torch.equal(gdn_decode(qkv, H, K, a, b, A_log, dt_bias, state), ref)
     assert torch.equal(state, ref_state)
     torch.library.opcheck(gdn_decode, (qkv, H, K, a, b, A_log, dt_bias, h0.clone()))
+    # with the gated RMSNorm (kernels={"gdn_norm": "fused"}): the recurrence's output through norm.gated_rms_norm
+    from fastqwen.ops.norm import gated_rms_norm
+
+    z, w = torch.randn(1, 1, HV * V), torch.rand(V) + 0.5
+    normed = gdn_decode(qkv, H, K, a, b, A_log, dt_bias, h0.clone(), False, False, z, w, 1e-6)
+    assert torch.equal(normed, gated_rms_norm(ref, z.reshape(ref.shape), w, 1e-6))
+    torch.library.opcheck(gdn_decode, (qkv, H, K, a, b, A_log, dt_bias, h0.clone(), False, False, z, w, 1e-6))
 
 
 _UNROLLED = """
@@ -169,6 +177,17 @@ ref = gdn_reference(q, k, v, a, b, A_log, dt_bias, ref_state)
 state = h0.clone()  # decode / gdn_recurrent: outputs, state in place
 err(_unrolled(q, k, v, a, b, state, state, True, A_log, dt_bias, block_v=8), ref)
 err(state, ref_state)
+from fastqwen.ops.norm import gated_rms_norm  # decode with the gated RMSNorm fused (the last program of each head)
+z = torch.randn(B, T, HV * V + 7)[..., 3:3 + HV * V]  # (a view of a wider projection's output)
+for w in (torch.rand(V) + 0.5, (torch.rand(V) + 0.5).bfloat16()):  # twice: the counts are back at 0 after a launch
+    state = h0.clone()
+    err(_unrolled(q, k, v, a, b, state, state, True, A_log, dt_bias, block_v=8, norm=(z, w, 1e-6)),
+        gated_rms_norm(ref, z.reshape(ref.shape), w, 1e-6))
+    err(state, ref_state)
+state, bf = h0.clone(), lambda t: t.bfloat16()  # bf16 activations: o rounds before the norm, w·ô before the gate
+o16 = _unrolled(bf(q), bf(k), bf(v), a, b, state, state, True, A_log, dt_bias, block_v=8, norm=(bf(z), bf(w), 1e-6))
+ref16 = gated_rms_norm(gdn_reference(bf(q), bf(k), bf(v), a, b, A_log, dt_bias, h0.clone()), bf(z).reshape(ref.shape), bf(w), 1e-6)
+assert o16.dtype == torch.bfloat16 and ((o16.float() - ref16.float()).norm() / ref16.float().norm()) < 1e-2
 state = h0.clone()  # verify: outputs only, the state untouched
 err(_unrolled(q, k, v, a, b, state, None, True, A_log, dt_bias, block_v=16), ref)
 assert torch.equal(state, h0)

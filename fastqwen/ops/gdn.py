@@ -20,7 +20,7 @@ or more); everywhere else, and as the reference in tests, `gdn_reference`. All a
 import torch
 import torch.nn.functional as F
 
-from .norm import l2norm
+from .norm import gated_rms_norm, l2norm
 
 
 def gates(a, b, A_log, dt_bias):
@@ -103,7 +103,8 @@ if triton is not None:
                          q_row, q_pos, k_row, k_pos, v_row, v_pos, a_row, a_pos, b_row, b_pos, T: tl.constexpr,
                          TP: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                          BV: tl.constexpr, GATE_IN: tl.constexpr, WRITE_O: tl.constexpr, WRITE_STATE: tl.constexpr,
-                         PDL: tl.constexpr):
+                         PDL: tl.constexpr, z_ptr=None, z_row=0, z_pos=0, nw_ptr=None, eps=0.0, cnt_ptr=None,
+                         NORM: tl.constexpr = False, ROUND_W: tl.constexpr = False):
         """The recurrence over T positions with the time loop unrolled (T is a compile-time constant), so the
         loads of every position, which do not depend on the state, can be issued ahead of the serial state
         updates. Nothing is stored inside the loop (a store there could alias the next position's loads and pin
@@ -113,7 +114,11 @@ if triton is not None:
         (x_row, x_pos): views of the conv's packed output and of a fused projection's output need no copy. GATE_IN: a, b are the raw projections
         (g = -exp(A_log)·softplus(a + dt_bias), beta = sigmoid(b)); else they are g and beta. PDL (launched with
         programmatic dependent launch): the state tile and the gate parameters, which the previous kernel in the
-        stream does not write, load before waiting for it; q, k, v, a, b after."""
+        stream does not write, load before waiting for it; q, k, v, a, b after. NORM (with WRITE_O): the GDN
+        block's gated RMSNorm too, o ← (w·ô)·silu(z) per (row, position, head) over all V: the last of a head's
+        V/BV programs to store its tile (an acquire-release count at cnt_ptr[row·HV + hv], set back to 0 after)
+        normalises the head's whole output in place, as _gated_norm_tail; ROUND_W: w is 16-bit, so w·ô rounds
+        to o's dtype before the gate, as gated_rms_norm computes it."""
         i_v, i_bh = tl.program_id(0), tl.program_id(1)
         row, hv = i_bh // HV, i_bh % HV
         h = hv // (HV // H)
@@ -151,6 +156,33 @@ if triton is not None:
             tl.store(o_ptr + out, O.to(o_ptr.dtype.element_ty), mask=(ot < T)[:, None])
         if WRITE_STATE:
             tl.store(ht_ptr + tile, S)
+        if NORM:
+            _gated_norm_tail(o_ptr, z_ptr, nw_ptr, cnt_ptr, row, hv, z_row, z_pos, eps, T, TP, HV, V, ROUND_W)
+
+    @triton.jit
+    def _gated_norm_tail(o_ptr, z_ptr, nw_ptr, cnt_ptr, row, hv, z_row, z_pos, eps, T: tl.constexpr,
+                         TP: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, ROUND_W: tl.constexpr):
+        """After a program stored its columns of o [B, T, HV, V]: it counts itself in on its (row, head); the
+        last of the head's programs (grid dim 0) reads the head's V outputs back from L2 (.cg: other SMs wrote
+        them) and overwrites them with gated_rms_norm's (w·ô in o's dtype)·silu(z), ô = o/rms(o) in fp32 from
+        o as stored; then sets the count back to 0 for the next launch."""
+        tl.debug_barrier()  # every thread's part of the tile stored before the count
+        slot = row * HV + hv
+        arrived = tl.atomic_add(cnt_ptr + slot, 1, sem="acq_rel", scope="gpu")
+        if arrived == tl.num_programs(0) - 1:
+            ot = tl.arange(0, TP)
+            oc = tl.arange(0, V)
+            ok = (ot < T)[:, None]
+            at = (((row * T + ot) * HV + hv) * V)[:, None] + oc[None, :]
+            x = tl.load(o_ptr + at, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+            xh = x / tl.sqrt(tl.sum(x * x, 1) / V + eps)[:, None]
+            y = tl.load(nw_ptr + oc).to(tl.float32)[None, :] * xh.to(o_ptr.dtype.element_ty).to(tl.float32)
+            if ROUND_W:
+                y = y.to(o_ptr.dtype.element_ty).to(tl.float32)
+            zt = tl.load(z_ptr + row * z_row + ot[:, None] * z_pos + hv * V + oc[None, :], mask=ok,
+                         other=0.0).to(tl.float32)
+            tl.store(o_ptr + at, (y * zt / (1.0 + tl.exp(-zt))).to(o_ptr.dtype.element_ty), mask=ok)
+            tl.atomic_xchg(cnt_ptr + slot, 0)
 
 
     @triton.jit
@@ -236,9 +268,10 @@ def _row_pos_strides(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
 
 
 def _unrolled(q, k, v, a, b, state, final_state, gate_in, A_log=None, dt_bias=None, write_o=True, block_v=8,
-              pdl=False, warps=None):
+              pdl=False, warps=None, norm=None):
     """_unrolled_kernel (same contract as _fla_recurrent; q, k, v, a and b read in place where each position's
-    heads are contiguous: _row_pos_strides); returns o (or None). A [K, 8]
+    heads are contiguous: _row_pos_strides); returns o (or None). norm = (z [B, T, HV·V], weight [V], eps): o
+    comes out through the gated RMSNorm (NORM; z read in place at any row and position stride). A [K, 8]
     state tile takes one warp, so the walk's reductions over K are warp shuffles with no barrier (16 columns
     took 2 warps and ~140 barriers at T = 16, sm90 SASS); fla's replay found (8, 1) its best tile too. warps:
     num_warps (default one per 8 columns); scripts/bench_gdn.py times other tiles."""
@@ -249,12 +282,22 @@ def _unrolled(q, k, v, a, b, state, final_state, gate_in, A_log=None, dt_bias=No
     out = _output_like(v) if write_o else None
     block_v = min(block_v, dv)
     dummy = state  # pointers the kernel does not read under its flags
+    fused = {}
+    if norm is not None:
+        from .gemv import tile_counts
+
+        z, weight, eps = norm
+        z, z_row, z_pos = _row_pos_strides(z)
+        fused = dict(z_ptr=z, z_row=z_row, z_pos=z_pos, nw_ptr=weight, eps=eps,
+                     cnt_ptr=tile_counts(state.device, batch * vheads), NORM=True,
+                     ROUND_W=weight.dtype in (torch.bfloat16, torch.float16))
     _unrolled_kernel[(triton.cdiv(dv, block_v), batch * vheads)](
         q, k, v, a, b, dummy if A_log is None else A_log, dummy if dt_bias is None else dt_bias, state,
         dummy if final_state is None else final_state, dummy if out is None else out, dk**-0.5,
         q_row, q_pos, k_row, k_pos, v_row, v_pos, a_row, a_pos, b_row, b_pos, T=seq, TP=triton.next_power_of_2(seq),
         H=heads, HV=vheads, K=dk, V=dv, BV=block_v, GATE_IN=gate_in, WRITE_O=write_o,
-        WRITE_STATE=final_state is not None, PDL=pdl, num_warps=warps or max(1, block_v // 8), launch_pdl=pdl)
+        WRITE_STATE=final_state is not None, PDL=pdl, num_warps=warps or max(1, block_v // 8), launch_pdl=pdl,
+        **fused)
     return out
 
 
@@ -309,22 +352,35 @@ def unpack_qkv(qkv: torch.Tensor, heads_k: int, dk: int, heads_v: int):
 
 @torch.library.custom_op("fastqwen::gdn_decode", mutates_args=("state",))
 def gdn_decode(qkv: torch.Tensor, heads_k: int, dk: int, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
-               dt_bias: torch.Tensor, state: torch.Tensor, unrolled: bool = False, pdl: bool = False) -> torch.Tensor:
+               dt_bias: torch.Tensor, state: torch.Tensor, unrolled: bool = False, pdl: bool = False,
+               z: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+               eps: float = 0.0) -> torch.Tensor:
     """gdn_recurrent from the conv's packed output qkv [B, T, 2·Hk·Dk + Hv·Dv] (a, b [B, T, Hv]); returns o
     [B, T, Hv, Dv]. With the split inside the op, a compiled step writes the conv's output as one buffer, where
     handing the op q, k and v had inductor write three (three launches a GDN layer on CUDA). The unrolled
     kernel reads the views in place at any B; fla's only at B = T = 1, where they are contiguous (else the op
-    copies them). The packed decode kernels of vLLM and SGLang take the same input."""
-    return gdn_reference(*unpack_qkv(qkv, heads_k, dk, a.shape[-1]), a, b, A_log, dt_bias, state)
+    copies them). The packed decode kernels of vLLM and SGLang take the same input. With z [B, T, Hv·Dv] and
+    norm_weight [Dv], o comes out through the block's gated RMSNorm, norm.gated_rms_norm(o, z, norm_weight,
+    eps): in the unrolled kernel's last program of each head (kernels={"gdn_norm": "fused"}; a launch less a
+    GDN layer), where Dv is a power of 2; after the kernel otherwise."""
+    o = gdn_reference(*unpack_qkv(qkv, heads_k, dk, a.shape[-1]), a, b, A_log, dt_bias, state)
+    return o if z is None else gated_rms_norm(o, z.reshape(o.shape), norm_weight, eps)
 
 
 @gdn_decode.register_kernel("cuda")
-def _gdn_decode_cuda(qkv, heads_k, dk, a, b, A_log, dt_bias, state, unrolled=False, pdl=False):
-    return _gdn_recurrent_cuda(*unpack_qkv(qkv, heads_k, dk, a.shape[-1]), a, b, A_log, dt_bias, state, unrolled, pdl)
+def _gdn_decode_cuda(qkv, heads_k, dk, a, b, A_log, dt_bias, state, unrolled=False, pdl=False, z=None,
+                     norm_weight=None, eps=0.0):
+    q, k, v = unpack_qkv(qkv, heads_k, dk, a.shape[-1])
+    dv = v.shape[-1]
+    if z is not None and unrolled and k.shape[1] <= UNROLLED_MAX_T and dv & (dv - 1) == 0:
+        return _unrolled(q, k, v, a, b, state, state, gate_in=True, A_log=A_log, dt_bias=dt_bias, pdl=pdl,
+                         norm=(z, norm_weight, eps))
+    o = _gdn_recurrent_cuda(q, k, v, a, b, A_log, dt_bias, state, unrolled, pdl)
+    return o if z is None else gated_rms_norm(o, z.reshape(o.shape), norm_weight, eps)
 
 
 @gdn_decode.register_fake
-def _(qkv, heads_k, dk, a, b, A_log, dt_bias, state, unrolled=False, pdl=False):
+def _(qkv, heads_k, dk, a, b, A_log, dt_bias, state, unrolled=False, pdl=False, z=None, norm_weight=None, eps=0.0):
     return _output_like(unpack_qkv(qkv, heads_k, dk, a.shape[-1])[2])
 
 

@@ -581,7 +581,7 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
     k_per_split, split = split_plan(K, config)
     y = torch.empty(split, rows, N, dtype=torch.float32, device=x.device)
     fix = split if fixup and split > 1 and not grouped else 0  # FIXUP: the number of partials a tile adds
-    cnt = _tile_counts(x.device, triton.cdiv(N, bn)) if fix else y  # (any pointer when not read)
+    cnt = tile_counts(x.device, triton.cdiv(N, bn)) if fix else y  # (any pointer when not read)
     one = scale[0] if grouped and scale is not None else scale  # one expert's scales
     s_stride = one.shape[1] if one is not None and one.dim() == 2 else 1
     w_estride = w.stride(0) if grouped else 0
@@ -609,10 +609,11 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
 _COUNTS = {}  # device -> int32 counts of split-K fixups (zero between launches: each last program resets its own)
 
 
-def _tile_counts(device, tiles: int) -> torch.Tensor:
-    """The fixup's arrival counts, at least `tiles` of them, zero-filled once per device and kept (a captured
-    CUDA graph holds their address). Launches on one stream run one after another (with PDL a kernel counts
-    only after its wait), so they share them."""
+def tile_counts(device, tiles: int) -> torch.Tensor:
+    """The in-kernel fixups' arrival counts (split-K here, ops/gdn.py's gated norm), at least `tiles` of them,
+    zero-filled once per device and kept (a captured CUDA graph holds their address; Forward reserves them
+    before any capture: one allocated inside a CUDA-graph tree's pool would outlive it). Launches on one stream
+    run one after another (with PDL a kernel counts only after its wait), so they share them."""
     counts = _COUNTS.get(device)
     if counts is None or counts.numel() < tiles:
         counts = _COUNTS[device] = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)

@@ -2,6 +2,7 @@
 MTP or DFlash drafting compute at a fixed acceptance) and tiny CPU smoke variants.
 
     pytest tests/benchmarks --benchmark-only          # GPU benchmark is skipped without CUDA
+    pytest tests/benchmarks --benchmark-only --no-autotune   # the GPU module compiled without max-autotune
 
 Each benchmark times one end-to-end ``model.generate`` call (prefill + NEW_TOKENS decode steps, forced
 with ``min_new_tokens``) and records end-to-end tokens/s per sequence in ``benchmark.extra_info``.
@@ -20,13 +21,16 @@ pytest.importorskip("pytest_benchmark")
 NEW_TOKENS = 64
 
 
-def _model_and_prompt(name: str, dtype: torch.dtype, device: str, prompt_len: int, compile: bool):
-    """Random-init preset ``name`` optimized by fastqwen (warmed up), and a random [1, prompt_len] prompt."""
+def _model_and_prompt(name: str, dtype: torch.dtype, device: str, prompt_len: int, compile: bool,
+                      no_autotune: bool = False):
+    """Random-init preset ``name`` optimized by fastqwen (warmed up), and a random [1, prompt_len] prompt;
+    no_autotune: inductor's default compile with CUDA graphs instead of the engine's max-autotune."""
     import fastqwen
     from fastqwen import presets
 
     model = presets.build(name, dtype=dtype, device=device, seed=0)
-    fastqwen.optimize(model, max_batch_size=1, max_seq_len=prompt_len + NEW_TOKENS + 64, compile=compile)
+    fastqwen.optimize(model, max_batch_size=1, max_seq_len=prompt_len + NEW_TOKENS + 64, compile=compile,
+                      compile_options={"triton.cudagraphs": True} if no_autotune else None)
     model._fastqwen.warmup(progress=None)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(model.config.vocab_size, (1, prompt_len), generator=gen).to(device)
@@ -65,11 +69,13 @@ def _speculate(model, preset: str, k: int, tau: float, drafter: str | None) -> N
 
 
 @pytest.fixture(scope="module")
-def qwen9b():
+def qwen9b(request):
     """Qwen3.5-9B shapes, bf16 on CUDA, optimized and warmed up once for this module."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    state = dict(zip(("model", "ids"), _model_and_prompt("qwen3.5-9b", torch.bfloat16, "cuda", 512, compile=True)))
+    built = _model_and_prompt("qwen3.5-9b", torch.bfloat16, "cuda", 512, compile=True,
+                              no_autotune=request.config.getoption("--no-autotune"))
+    state = dict(zip(("model", "ids"), built))
     yield state
     state.clear()  # drop the model (and its CUDA graphs) before the next module runs
     gc.collect()

@@ -64,6 +64,33 @@ def test_packed_decode_reads_q_k_v_in_place_and_matches_reference(shape, B, unro
     assert rel_err(state, ref_state) < 1e-2
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("B,unrolled", [(1, True), (3, True), (1, False)])
+def test_packed_decode_with_the_gated_norm_matches_reference(shape, B, unrolled):
+    """kernels={"gdn_norm": "fused"}: gdn_decode with z (a view of a wider projection) and the norm weight gives
+    gated_rms_norm of the recurrence; in the unrolled kernel's last program of each head (twice: the per-head
+    counts are back at 0 after a launch), after fla's kernel otherwise."""
+    H, HV = SHAPES[shape]
+    qkv = torch.randn(B, 1, 2 * H * 128 + HV * 128, device="cuda", dtype=torch.bfloat16)
+    proj = torch.randn(B, 1, HV * 128 + 2 * HV + 64, device="cuda", dtype=torch.bfloat16)
+    z, a, b = proj[..., 64:64 + HV * 128], proj[..., 64 + HV * 128:64 + HV * 129], proj[..., 64 + HV * 129:]
+    A_log = torch.empty(HV, device="cuda").uniform_(0.01, 16).log()
+    dt_bias = torch.rand(HV, device="cuda")
+    w = (torch.rand(128, device="cuda") + 0.5).bfloat16()
+    h0 = torch.randn(B, HV, 128, 128, device="cuda") * 0.1
+    ref_state = h0.clone()
+    q, k, v = unpack_qkv(qkv.float(), H, 128, HV)
+    o = gdn_reference(q, k, v, a.float(), b.float(), A_log, dt_bias, ref_state)
+    ref = gated_rms_norm(o, z.float().reshape(o.shape), w.float(), 1e-6)
+    for _ in range(2):
+        state = h0.clone()
+        poison_allocator((B, 1, HV, 128))
+        out = gdn_decode(qkv, H, 128, a, b, A_log, dt_bias, state, unrolled, False, z, w, 1e-6)
+        assert not out.isnan().any() and not state.isnan().any()
+        assert rel_err(out, ref) < 1e-2
+        assert rel_err(state, ref_state) < 1e-2
+
+
 def test_compiled_norms_and_conv_match_eager_fp32():
     x = torch.randn(4, 5120, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(5120, device="cuda", dtype=torch.bfloat16) * 0.1
