@@ -35,10 +35,15 @@ CANDIDATE_SYSTEMS = {"fastqwen+split-attention": {"attention": "split"},
                      "fastqwen+unrolled-gdn": {"gdn": "unrolled"},
                      "fastqwen+splitk-fixup": {"splitk": "fixup"},
                      "fastqwen+fused-gdn-norm": {"gdn_norm": "fused"},
+                     "fastqwen+fused-expert-act": {"expert_act": "fused"},
+                     "fastqwen+packed-route": {"route": "packed"},
                      "fastqwen+serial-launch": {"launch": "serial"}}
 # fastqwen with inductor options merged over the run's (launch count: combo kernels launch independent
-# small kernels, e.g. a GDN layer's q, k and v, as one)
-OPTION_SYSTEMS = {"fastqwen+combo-kernels": {"combo_kernels": True}}
+# small kernels, e.g. a GDN layer's q, k and v, as one; reductions of up to 16 unrolled, so that the MoE
+# combine's sum over a token's 9 expert outputs folds into the residual add and norm after it instead of a
+# launch of its own: inductor's default unrolls up to 8)
+OPTION_SYSTEMS = {"fastqwen+combo-kernels": {"combo_kernels": True},
+                  "fastqwen+unroll-reductions-16": {"unroll_reductions_threshold": 16}}
 DEFAULT_SYSTEMS = ("hf-eager", "hf-static-compile", "fastqwen")  # the others are asked for by name
 
 

@@ -36,7 +36,8 @@ def text_model(model):
 KERNELS = {"attention": ("auto", "sdpa", "split"), "experts": ("auto", "gather", "grouped", "grouped-pdl"),
            "projections": ("fused", "separate"), "linears": ("auto", "torch", "gemv"),
            "gdn": ("block", "unrolled", "fla"), "launch": ("auto", "serial", "pdl"),
-           "splitk": ("sum", "fixup"), "gdn_norm": ("separate", "fused")}  # first: the default
+           "splitk": ("sum", "fixup"), "gdn_norm": ("separate", "fused"),
+           "expert_act": ("separate", "fused"), "route": ("argmax", "packed")}  # first: the default
 
 
 def check_kernels(kernels: dict | None, cfg, device) -> dict:
@@ -71,7 +72,13 @@ def check_kernels(kernels: dict | None, cfg, device) -> dict:
     tile adds them, in split order; ops/gemv.py _split_k_fixup). "gdn_norm": the GDN block's gated RMSNorm at
     decode as a kernel of inductor's after the recurrence ("separate") or inside the unrolled decode kernel, by
     the last program of each head ("fused": ops/gdn.py _gated_norm_tail; a launch less a GDN layer; with "gdn"
-    "block" or "unrolled"; a candidate: 0.94× the default on 35B-A3B, docs/BENCHMARKS.md)."""
+    "block" or "unrolled"; a candidate: 0.94× the default on 35B-A3B, docs/BENCHMARKS.md). "expert_act": grouped
+    experts' silu(gate)·up as a kernel of inductor's between the gate | up and the down launches ("separate")
+    or computed by the down launch from the gate | up partials as it loads them ("fused": a launch less a MoE
+    layer; needs "experts" grouped or grouped-pdl and a SiLU MLP; a candidate). "route": the grouped experts'
+    routing kernel's k rounds as a max then a min over the indices holding it, in 4 warps ("argmax"), or as one
+    max over (logit, index) keys packed into an int64, in one warp ("packed": no shared memory, no barrier;
+    same experts and weights; ops/router.py; needs "experts" grouped or grouped-pdl; a candidate)."""
     kernels = dict(kernels or {})
     unknown = set(kernels) - set(KERNELS)
     if unknown:
@@ -90,6 +97,14 @@ def check_kernels(kernels: dict | None, cfg, device) -> dict:
             raise ValueError(f"kernels['experts']={kernels['experts']!r} applies to MoE models only")
         raise ValueError(f"kernels['experts']={kernels['experts']!r} needs hidden size ({cfg.hidden_size}) and expert "
                          f"intermediate size ({inter}) divisible by 128")
+    for op, choice in (("expert_act", "fused"), ("route", "packed")):
+        if kernels[op] == choice and kernels["experts"] not in ("grouped", "grouped-pdl"):
+            raise ValueError(f"kernels[{op!r}]={choice!r} is a grouped-experts kernel: set kernels['experts'] to "
+                             f"'grouped' or 'grouped-pdl' (it is {kernels['experts']!r})")
+    if kernels["expert_act"] == "fused":
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"kernels['expert_act']='fused' computes SiLU; this model's hidden_act is "
+                             f"{cfg.hidden_act!r}: use 'separate'")
     return kernels
 
 
@@ -312,4 +327,5 @@ class Forward:
             return mlp(h)  # transformers' own grouped expert loop
         experts = self.kernels["experts"]
         return routed_moe(mlp, h, grouped=experts in ("grouped", "grouped-pdl"), lin=self.lin,
-                          pdl=self.pdl and experts == "grouped-pdl")
+                          pdl=self.pdl and experts == "grouped-pdl", fused_act=self.kernels["expert_act"] == "fused",
+                          packed_route=self.kernels["route"] == "packed")

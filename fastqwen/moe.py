@@ -13,7 +13,7 @@ experts and the shared one, with sigmoid(shared gate) as its weight.
 import torch
 
 from .linears import Linears
-from .ops.gemv import BF16, expert_gemv
+from .ops.gemv import BF16, expert_gemv, expert_swiglu_gemv
 from .ops.router import reference as route_reference
 from .ops.router import route
 
@@ -73,16 +73,19 @@ def _fits(mlp) -> bool:
 
 
 def routed_moe(mlp, h: torch.Tensor, grouped: bool = False, lin: Linears | None = None,
-               pdl: bool = False) -> torch.Tensor:
+               pdl: bool = False, fused_act: bool = False, packed_route: bool = False) -> torch.Tensor:
     """The MoE block on few tokens h [B, T, H]: each token's top-k experts only, plus the shared expert. pdl
-    (with grouped): the routing and the expert launches with programmatic dependent launch."""
+    (with grouped): the routing and the expert launches with programmatic dependent launch. fused_act (with
+    grouped, bf16 experts whose act_fn is SiLU): the down launch computes silu(gate)·up from the gate | up
+    launch's partials as it loads them (ops/gemv.py expert_swiglu_gemv). packed_route (with grouped): the
+    routing kernel's one-warp packed-key rounds (ops/router.py)."""
     shape = h.shape
     x = h.reshape(-1, shape[-1])
     stacked = mlp.__dict__.get("fastqwen_stacked") if grouped else None
     lin = lin or Linears()
     logits = lin.weight(x, mlp.gate.weight if stacked is None else stacked[2])  # [N, E] (+ the shared gate)
     # [N, k (+1)]; stacked: the shared expert as expert E, weighted by its sigmoid gate. grouped: one launch
-    weights, experts = (route(logits, mlp.gate.top_k, stacked is not None, pdl) if grouped
+    weights, experts = (route(logits, mlp.gate.top_k, stacked is not None, pdl, packed_route) if grouped
                         else route_reference(logits, mlp.gate.top_k, stacked is not None))
     weights = weights.to(x.dtype)
     if hasattr(mlp.experts, "routed"):  # quantized experts
@@ -92,10 +95,14 @@ def routed_moe(mlp, h: torch.Tensor, grouped: bool = False, lin: Linears | None 
         N, k = experts.shape
         pair_expert = experts.flatten().int()
         tok = torch.arange(N, device=x.device, dtype=torch.int32).repeat_interleave(k)
-        gate, up = expert_gemv(x, tok, pair_expert, BF16, gate_up, None, None, gate_up.shape[1], pdl=pdl).sum(0).chunk(2, -1)
-        act = (mlp.experts.act_fn(gate) * up).to(x.dtype)  # [N·k, I]
-        pairs = torch.arange(N * k, device=x.device, dtype=torch.int32)
-        out = expert_gemv(act, pairs, pair_expert, BF16, down, None, None, down.shape[1], pdl=pdl).sum(0)
+        parts = expert_gemv(x, tok, pair_expert, BF16, gate_up, None, None, gate_up.shape[1], pdl=pdl)
+        if fused_act:
+            out = expert_swiglu_gemv(parts, pair_expert, down, down.shape[1], pdl=pdl).sum(0)
+        else:
+            gate, up = parts.sum(0).chunk(2, -1)
+            act = (mlp.experts.act_fn(gate) * up).to(x.dtype)  # [N·k, I]
+            pairs = torch.arange(N * k, device=x.device, dtype=torch.int32)
+            out = expert_gemv(act, pairs, pair_expert, BF16, down, None, None, down.shape[1], pdl=pdl).sum(0)
         out = out.view(N, k, -1).to(x.dtype)
     else:
         gate_up = mlp.experts.gate_up_proj[experts]  # [N, k, 2I, H]

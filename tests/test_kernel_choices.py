@@ -20,10 +20,13 @@ def test_grouped_experts_match_the_gathered_ones():
         hf = hf[0] if isinstance(hf, tuple) else hf
         torch.testing.assert_close(routed_moe(mlp, h), hf, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(routed_moe(mlp, h, grouped=True), routed_moe(mlp, h), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(routed_moe(mlp, h, grouped=True, fused_act=True), routed_moe(mlp, h),
+                                   rtol=1e-5, atol=1e-5)
 
 
 ALL = {"attention": "split", "experts": "grouped", "projections": "separate", "linears": "gemv", "gdn": "fla",
-       "launch": "pdl", "splitk": "fixup", "gdn_norm": "fused"}
+       "launch": "pdl", "splitk": "fixup", "gdn_norm": "fused", "expert_act": "fused",
+       "route": "packed"}
 
 
 @pytest.mark.parametrize("name,kernels,compile", [("tiny", {"attention": "split"}, False),
@@ -34,13 +37,14 @@ ALL = {"attention": "split", "experts": "grouped", "projections": "separate", "l
                                                   ("tiny", {"gdn_norm": "fused"}, True),
                                                   ("tiny-moe", ALL, False),
                                                   ("tiny-moe", {"experts": "grouped-pdl", "launch": "pdl"}, True),
+                                                  ("tiny-moe", {"experts": "grouped", "expert_act": "fused"}, True),
                                                   ("tiny-moe", ALL, True)])
 def test_alternative_kernels_give_the_default_tokens(name, kernels, compile):
     default = fastqwen.optimize(fresh(name), max_batch_size=2, max_seq_len=96, compile=False)
     other = fastqwen.optimize(fresh(name), max_batch_size=2, max_seq_len=96, compile=compile, kernels=kernels)
     assert other._fastqwen.forward.kernels == {"attention": "auto", "experts": "gather", "projections": "fused",
                                                "linears": "auto", "gdn": "block", "launch": "serial", "splitk": "sum", "gdn_norm": "separate",
-                                               **kernels}
+                                               "expert_act": "separate", "route": "argmax", **kernels}
     ids, mask = left_padded([torch.randint(1, 500, (n,)) for n in (17, 5)])
     assert torch.equal(other.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16),
                        default.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16))
@@ -143,6 +147,13 @@ def test_bad_kernel_choices():
         fastqwen.optimize(fresh("tiny"), compile=False, kernels={"attention": "flash"})
     with pytest.raises(ValueError, match="applies to MoE models only"):
         fastqwen.optimize(fresh("tiny"), compile=False, kernels={"experts": "grouped"})
+    for op, choice in (("expert_act", "fused"), ("route", "packed")):
+        with pytest.raises(ValueError, match=r"set kernels\['experts'\] to 'grouped' or 'grouped-pdl' \(it is 'gather'\)"):
+            fastqwen.optimize(fresh("tiny-moe"), compile=False, kernels={op: choice})
+    model = fresh("tiny-moe")
+    model.config.hidden_act = "gelu"
+    with pytest.raises(ValueError, match="hidden_act is 'gelu'"):
+        fastqwen.optimize(model, compile=False, kernels={"experts": "grouped", "expert_act": "fused"})
 
 
 def test_gemv_linears_take_the_decode_linears(monkeypatch):

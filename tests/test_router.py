@@ -32,17 +32,24 @@ import torch
 from fastqwen.ops.router import launch, reference
 torch.manual_seed(0)
 # 35B-A3B's 256 experts top-8, the tiny preset's 8 top-2, a count that is not a power of 2; bf16 logits too
-for N, E, k, dtype in ((3, 256, 8, torch.float32), (5, 8, 2, torch.float32), (2, 60, 5, torch.bfloat16)):
-    for shared in (False, True):
-        logits = (torch.randn(N, E + shared) * 3).to(dtype)
-        w, e = launch(logits, k, shared)
-        rw, re = reference(logits, k, shared)
-        assert torch.equal(e, re), (N, E, k, shared, e, re)
-        assert torch.allclose(w, rw, atol=1e-6), (N, E, k, shared, (w - rw).abs().max())
-logits = torch.zeros(1, 8)
-logits[0, [2, 5]] = 1.0  # a tie: the lower index first
-w, e = launch(logits, 2, False)
-assert e.tolist() == [[2, 5]] and torch.allclose(w, torch.full((1, 2), 0.5))
+for packed in (False, True):  # (packed: one max over (logit, index) keys a round)
+    for N, E, k, dtype in ((3, 256, 8, torch.float32), (5, 8, 2, torch.float32), (2, 60, 5, torch.bfloat16)):
+        for shared in (False, True):
+            # distinct values (a bf16 tie would leave the reference's order to torch.topk): a shuffled ramp
+            logits = torch.stack([torch.randperm(E + shared) * 0.05 - 3 for _ in range(N)]).to(dtype)
+            w, e = launch(logits, k, shared, packed=packed)
+            rw, re = reference(logits, k, shared)
+            assert torch.equal(e, re), (packed, N, E, k, shared, e, re)
+            assert torch.allclose(w, rw, atol=1e-6), (packed, N, E, k, shared, (w - rw).abs().max())
+    logits = torch.zeros(1, 8)
+    logits[0, [2, 5]] = 1.0  # a tie: the lower index first
+    w, e = launch(logits, 2, False, packed=packed)
+    assert e.tolist() == [[2, 5]] and torch.allclose(w, torch.full((1, 2), 0.5)), packed
+    # all negative, -0.0 tying +0.0 (lower index first), a subnormal above both zeros, -inf never chosen first
+    logits = torch.tensor([[-3.0, -0.0, -1e-3, 0.0, -float("inf"), 1e-40, -2.5, -7.0]])
+    w, e = launch(logits, 4, False, packed=packed)
+    assert e.tolist() == [[5, 1, 3, 2]], (packed, e)
+    assert torch.allclose(w, reference(logits, 4, False)[0])  # (torch.topk may order the tied zeros either way)
 print("router ok")
 """
 
@@ -57,9 +64,12 @@ from sm90 import compile_sm90
 from fastqwen.ops.router import _route_kernel
 
 sig = dict(logits_ptr="*bf16", w_ptr="*fp32", e_ptr="*i32", stride="i32")
-for pdl in (False, True):
-    consts = dict(E=256, K=8, SHARED=True, BLOCK_E=256, BLOCK_K=8, PDL=pdl)
-    code = compile_sm90(_route_kernel, sig, consts, ("logits_ptr", "stride")).asm["ptx"]
+for pdl, packed in ((False, False), (True, False), (False, True), (True, True)):
+    consts = dict(E=256, K=8, SHARED=True, BLOCK_E=256, BLOCK_K=8, PDL=pdl, PACKED=packed)
+    kernel = compile_sm90(_route_kernel, sig, consts, ("logits_ptr", "stride"), num_warps=1 if packed else 4)
+    code = kernel.asm["ptx"]
+    if packed:  # one warp: the reductions are shuffles, with no barrier between them
+        assert "bar.sync" not in code and "barrier" not in code and code.count("shfl.sync") > 0, "a barrier"
     if pdl:  # the logits are the previous kernel's output: no read before the wait
         wait = code.index("griddepcontrol.wait")
         assert min(m.start() for m in re.finditer(r"ld\\.global", code)) > wait, "a read before the wait"
@@ -72,5 +82,6 @@ print("ok")
 
 def test_kernel_waits_for_the_router_matmul_under_programmatic_dependent_launch():
     """Compiled for sm90 here (no GPU): with PDL (kernels={"experts": "grouped-pdl"}) the kernel reads the logits
-    only after griddepcontrol.wait; without it, no griddepcontrol at all."""
+    only after griddepcontrol.wait; without it, no griddepcontrol at all; the packed variant in one warp has
+    no barrier."""
     assert run_in_triton_interpreter(_SM90, interpret=False).strip().endswith("ok")

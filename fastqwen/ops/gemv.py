@@ -79,12 +79,25 @@ ONE_BITS = 0x3F800000
 if triton is not None:
 
     @triton.jit
-    def _pair_pointers(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, tok_ptr, exp_ptr, N, K, w_estride, s_estride):
-        """Grouped mode: move the pointers to pair program_id(1)'s x row, expert and output row."""
+    def _pair_pointers(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, tok_ptr, exp_ptr, N, K, w_estride, s_estride,
+                       SWIGLU: tl.constexpr):
+        """Grouped mode: move the pointers to pair program_id(1)'s x row, expert and output row (with SWIGLU,
+        x row p of the gate | up partials, 2K wide, whatever tok holds)."""
         p = tl.program_id(1)
         e = tl.load(exp_ptr + p).to(tl.int64)
-        return (x_ptr + tl.load(tok_ptr + p).to(tl.int64) * K, w_ptr + e * w_estride, s_ptr + e * s_estride,
-                z_ptr + e * s_estride, y_ptr + p.to(tl.int64) * N)
+        x_ptr = x_ptr + p.to(tl.int64) * 2 * K if SWIGLU else x_ptr + tl.load(tok_ptr + p).to(tl.int64) * K
+        return x_ptr, w_ptr + e * w_estride, s_ptr + e * s_estride, z_ptr + e * s_estride, y_ptr + p.to(tl.int64) * N
+
+    @triton.jit
+    def _swiglu_x(x_ptr, k, k_ok, K, split_stride, SWIGLU: tl.constexpr, dtype: tl.constexpr):
+        """Columns k of silu(g)·u rounded to `dtype` (as the reference rounds the activation before the down
+        projection), g | u = the sum of SWIGLU split-K partials, split_stride apart, of a gate | up row."""
+        g = tl.zeros(k.shape, tl.float32)
+        u = tl.zeros(k.shape, tl.float32)
+        for s in tl.static_range(SWIGLU):
+            g += tl.load(x_ptr + s * split_stride + k, mask=k_ok, other=0.0)
+            u += tl.load(x_ptr + s * split_stride + K + k, mask=k_ok, other=0.0)
+        return (g / (1.0 + tl.exp(-g)) * u).to(dtype).to(tl.float32)
 
     @triton.jit
     def _fp8_bits(u, i: tl.constexpr):
@@ -160,14 +173,17 @@ if triton is not None:
     def _row_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, tok_ptr, exp_ptr, N, K, s_stride, w_estride, s_estride,
                     k_per_split, ONE, cnt_ptr, FMT: tl.constexpr, ACT_FP8: tl.constexpr, GROUPED: tl.constexpr,
                     FP8_LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACC_K: tl.constexpr,
-                    STAGES: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr, FIXUP: tl.constexpr = 0):
+                    STAGES: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr, FIXUP: tl.constexpr = 0,
+                    SWIGLU: tl.constexpr = 0):
         """One row of x (decode at batch 1, or one (token, expert) pair): products accumulate elementwise in
         registers and are summed over K once, at the end (no per-step reduction, no tensor-core layout).
         BITS: the weight is read as int32 words and decoded by bit moves (_fp8_bits, _int4_unit) instead of
         conversion instructions; word column j of a step holds columns 4j … 4j+3 (fp8) or 8j … 8j+7 (int4).
         int4 with BITS: a step accumulates (1 + q/16) · x, one FFMA a weight after a shift and a LOP3; since
         Σ (q − zero) · x = 16 · Σ (1 + q/16) · x − (16 + zero) · Σ x, the group's 16 · scale multiplies the
-        step's partial products and scale · (16 + zero) · Σ x is subtracted per output."""
+        step's partial products and scale · (16 + zero) · Σ x is subtracted per output. SWIGLU (grouped mode,
+        16-bit or fp32 weights by conversion): x is the gate | up projection's SWIGLU split-K partials
+        [SWIGLU, P, 2K] fp32 and pair p's row is their silu(gate)·up, computed as it loads (_swiglu_x)."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         split = tl.program_id(2)  # split-K: this program sums K columns [split·k_per_split, +k_per_split)
         y0_ptr = y_ptr
@@ -177,7 +193,7 @@ if triton is not None:
                 tl.extra.cuda.gdc_wait()
                 tl.extra.cuda.gdc_launch_dependents()
             x_ptr, w_ptr, s_ptr, z_ptr, y_ptr = _pair_pointers(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, tok_ptr, exp_ptr,
-                                                               N, K, w_estride, s_estride)
+                                                               N, K, w_estride, s_estride, SWIGLU)
         n_ok = n < N
         acc = tl.zeros((BLOCK_N, ACC_K), tl.float32)
         acc_odd = tl.zeros((BLOCK_N, ACC_K), tl.float32)  # int4's odd columns
@@ -232,7 +248,10 @@ if triton is not None:
             else:
                 k = k0 + tl.arange(0, BLOCK_K)
                 k_ok = k < k_end
-                x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+                if SWIGLU:
+                    x = _swiglu_x(x_ptr, k, k_ok, K, tl.num_programs(1) * 2 * K, SWIGLU, w_ptr.dtype.element_ty)
+                else:
+                    x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
                 if ACT_FP8:
                     xs = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_LIMIT, 1e-12)
                     x = (x / xs).to(tl.float8e4nv).to(tl.float32) * xs
@@ -534,15 +553,16 @@ def linear_splits(fmt: int, N: int, K: int, rows: int) -> int:
 
 
 def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, config=None, partials=False,
-            pdl=False, fixup=False):
+            pdl=False, fixup=False, swiglu=False):
     """fp32 y [rows, out_features]; `pairs` = (tok, exp) int32 [P] switches to grouped mode (rows = P, one x
     row each); `config` overrides gemv_config. Split-K writes per-split partials and sums them (deterministic);
     with `partials` they come back unsummed, [splits, rows, out_features] (split_plan). `fixup` (linear mode):
     the kernel sums them itself, the last program of each output tile in split order (_split_k_fixup), and
     `partials` gets [1, rows, out_features]. `pdl`: launch with programmatic dependent launch (Hopper+;
     _dependent_start; grouped mode waits before it reads its pairs, so it prefetches nothing: it only overlaps
-    its launch with the previous kernel)."""
-    K = x.shape[1]
+    its launch with the previous kernel). `swiglu` (grouped mode, BF16 format): x is a gate | up launch's
+    partials [S, rows, 2K] fp32 and pair p's row their silu(gate)·up (_row_kernel SWIGLU; tok unread)."""
+    K = x.shape[-1] // 2 if swiglu else x.shape[1]
     if K % STEP:
         raise ValueError(f"the weight-streaming kernel needs K divisible by {STEP}; got K={K}")
     N = out_features
@@ -552,6 +572,10 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
     config = config or gemv_config(fmt, N, K, M, rows if grouped else 1)
     bn, split, warps, stages, bits, kstep, lowp, swap = full_config(config)
     bits = bool(bits) and fmt != BF16
+    if swiglu and (pairs is None or fmt != BF16 or act_fp8 or x.dim() != 3 or x.shape[1] != rows):
+        raise ValueError(f"swiglu takes grouped mode, the BF16 format, no fp8 activations and x the gate | up "
+                         f"partials [S, {rows}, 2K]; got format {fmt}, grouped {pairs is not None}, fp8 activations "
+                         f"{act_fp8}, x {tuple(x.shape)}")
     if swap and bits:
         if explicit:
             raise ValueError("SWAP takes the weight decoded by conversion: a config cannot set both SWAP and BITS")
@@ -594,7 +618,8 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
         _row_kernel[(triton.cdiv(N, bn), rows, split)](
             x, w, scale, zero, y, tok, exp, N, K, s_stride, w_estride, s_estride,
             k_per_split, ONE_BITS, cnt, FMT=fmt, ACT_FP8=act_fp8, GROUPED=grouped, FP8_LIMIT=FP8_MAX, BLOCK_N=bn,
-            BLOCK_K=block_k, ACC_K=acc_k, STAGES=stages, BITS=bits, PDL=pdl, FIXUP=fix, num_warps=warps, launch_pdl=pdl)
+            BLOCK_K=block_k, ACC_K=acc_k, STAGES=stages, BITS=bits, PDL=pdl, FIXUP=fix,
+            SWIGLU=x.shape[0] if swiglu else 0, num_warps=warps, launch_pdl=pdl)
     else:
         _gemv_kernel[(triton.cdiv(N, bn), 1, split)](
             x, w, scale, zero, y, M, N, K, s_stride, k_per_split, cnt, FMT=fmt,
@@ -719,3 +744,31 @@ def _(x, tok, exp, fmt, w, scale, zero, out_features, act_fp8=False, pdl=False):
     P = tok.shape[0]
     splits = split_plan(x.shape[1], gemv_config(fmt, out_features, x.shape[1], 1, P))[1] if _on_kernel(x) else 1
     return x.new_empty(splits, P, out_features, dtype=torch.float32)
+
+
+def swiglu_reference(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """silu(gate)·up in `dtype` from a gate | up projection's split-K partials [S, P, 2I] fp32 → [P, I]."""
+    gate, up = parts.sum(0).chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(dtype)
+
+
+@torch.library.custom_op("fastqwen::expert_swiglu_gemv", mutates_args=())
+def expert_swiglu_gemv(parts: torch.Tensor, exp: torch.Tensor, w: torch.Tensor, out_features: int,
+                       pdl: bool = False) -> torch.Tensor:
+    """Routed experts' down projection on the activation of their gate | up projection: parts [S, P, 2I] fp32
+    (an expert_gemv's partials), exp [P] int32, w [E, out_features, I] unquantized → split-K partials
+    [S', P, out_features] fp32 whose sum over dim 0 has row p = swiglu_reference(parts)[p] · W[exp[p]]ᵀ. On
+    CUDA the kernel computes the activation as it loads it (_row_kernel SWIGLU): no launch of its own."""
+    if _on_kernel(parts):
+        return _launch(parts.contiguous(), BF16, w, None, None, False, out_features, parts.shape[1], (exp, exp),
+                       partials=True, pdl=pdl, swiglu=True)
+    P = parts.shape[1]
+    act = swiglu_reference(parts, w.dtype)
+    return expert_reference(act, torch.arange(P, dtype=torch.int32), exp, BF16, w, None, None, out_features)[None]
+
+
+@expert_swiglu_gemv.register_fake
+def _(parts, exp, w, out_features, pdl=False):
+    P, inter = parts.shape[1], parts.shape[2] // 2
+    splits = split_plan(inter, gemv_config(BF16, out_features, inter, 1, P))[1] if _on_kernel(parts) else 1
+    return parts.new_empty(splits, P, out_features)

@@ -154,23 +154,50 @@ def test_compiled_sampling_filters_match_eager(rows):
     assert (ref.gather(-1, tokens[:, None]) > 0).all(), "a sampled token lies outside the filtered support"
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("shared", [False, True])
-def test_router_kernel_picks_the_reference_experts_at_the_35b_shape(shared):
+def test_router_kernel_picks_the_reference_experts_at_the_35b_shape(shared, packed):
     """256 experts, top 8, 64 tokens (+ the stacked shared gate): the same experts in the same order, weights
     within fp32 rounding. fp32 logits: bf16 ones tie often, and torch.topk's order on ties is unspecified."""
     from fastqwen.ops.router import reference, route
 
     torch.manual_seed(0)
     logits = torch.randn(64, 256 + shared, device="cuda") * 2
-    w, e = route(logits, 8, shared)
+    w, e = route(logits, 8, shared, False, packed)
     rw, re = reference(logits, 8, shared)
     assert torch.equal(e, re) and torch.allclose(w, rw, atol=1e-6)
 
 
-@pytest.mark.parametrize("grouped,stacked,pdl", [(False, False, False), (True, False, False), (True, True, False),
-                                                 (True, True, True)],
-                         ids=["gather", "grouped-kernel", "grouped-with-the-shared-expert-stacked", "grouped-pdl"])
-def test_routed_moe_matches_transformers_block_real_shape(grouped, stacked, pdl):
+@pytest.mark.parametrize("pairs", [9, 72])  # batch 1 and 8 at 35B-A3B's 8 routed experts + the shared one
+def test_expert_swiglu_gemv_matches_reference_real_shape(pairs):
+    """The down projection that computes silu(gate)·up from the gate | up partials as it loads them, at
+    35B-A3B's expert shape: the activation rounds to bf16 to nearest even as the reference does (Triton's
+    interpreter truncates, so tests/test_gemv.py cannot check that rounding)."""
+    from fastqwen.ops.gemv import BF16, expert_gemv, expert_reference, expert_swiglu_gemv, swiglu_reference
+
+    cfg = presets.config("qwen3.5-35b-a3b")
+    E, H, inter = cfg.num_experts + 1, cfg.hidden_size, cfg.moe_intermediate_size
+    torch.manual_seed(0)
+    gate_up = torch.randn(E, 2 * inter, H, device="cuda", dtype=torch.bfloat16) * 0.02
+    down = torch.randn(E, H, inter, device="cuda", dtype=torch.bfloat16) * 0.02
+    tokens = pairs // 9
+    x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
+    tok = torch.arange(tokens, device="cuda", dtype=torch.int32).repeat_interleave(9)
+    exp = torch.randint(E, (pairs,), device="cuda", dtype=torch.int32)
+    parts = expert_gemv(x, tok, exp, BF16, gate_up, None, None, 2 * inter)
+    poison_allocator((4, pairs, H), (2, pairs, H), dtype=torch.float32)  # (the output's split-K partials)
+    y = expert_swiglu_gemv(parts, exp, down, H)
+    pair = torch.arange(pairs, device="cuda", dtype=torch.int32)
+    ref = expert_reference(swiglu_reference(parts, torch.bfloat16), pair, exp, BF16, down, None, None, H)
+    assert y.shape[1:] == (pairs, H) and rel_err(y.sum(0), ref) < 1e-4
+
+
+@pytest.mark.parametrize("grouped,stacked,pdl,fused_act,packed", [
+    (False, False, False, False, False), (True, False, False, False, False), (True, True, False, False, False),
+    (True, True, True, False, False), (True, True, False, True, False), (True, True, True, True, True)],
+    ids=["gather", "grouped-kernel", "grouped-with-the-shared-expert-stacked", "grouped-pdl", "grouped-fused-act",
+         "grouped-pdl-fused-act-packed-route"])
+def test_routed_moe_matches_transformers_block_real_shape(grouped, stacked, pdl, fused_act, packed):
     cfg = presets.config("qwen3.5-35b-a3b")
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
 
@@ -188,7 +215,7 @@ def test_routed_moe_matches_transformers_block_real_shape(grouped, stacked, pdl)
         assert stack_shared_expert(block)
     f = torch.compile(routed_moe, fullgraph=True)
     with torch.no_grad():  # as the engine runs it: our expert kernels are inference-only (no backward)
-        assert rel_err(f(block, h, grouped, None, pdl), ref) < 2e-2
+        assert rel_err(f(block, h, grouped, None, pdl, fused_act, packed), ref) < 2e-2
 
 
 @pytest.mark.parametrize("unrolled,pdl,block", [(False, False, False), (True, False, False), (True, True, False),
