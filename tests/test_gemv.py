@@ -281,7 +281,7 @@ def test_grouped_configs_are_measured_per_pair_bucket(monkeypatch):
 
 _SM90 = """
 import re
-from sm90 import compile_sm90, count, cuobjdump
+from sm90 import compile_sm90, count, cuobjdump, stack_bytes
 from fastqwen.ops import gemv
 
 ALIGNED = ("x_ptr", "w_ptr", "s_ptr", "z_ptr", "y_ptr", "N", "K", "k_per_split")
@@ -296,13 +296,13 @@ def ptx(fmt, lowp, swap, act=False, bits=False, pdl=False, fixup=0):  # the 16-r
                   LOWP=lowp, SWAP=swap, PDL=pdl, FIXUP=fixup)
     return compile_sm90(gemv._gemv_kernel, sig, consts, ALIGNED, num_stages=4).asm["ptx"]
 
-def row_kernel(fmt, bits, BN=128, pdl=False, fixup=0, grouped=False):  # the one-row kernel, 128-column steps
-    sig = dict(x_ptr="*bf16", w_ptr=w_type(fmt, bits), s_ptr="*fp32",
+def row_kernel(fmt, bits, BN=128, pdl=False, fixup=0, grouped=False, swiglu=0):  # the one-row kernel, 128-column steps
+    sig = dict(x_ptr="*fp32" if swiglu else "*bf16", w_ptr=w_type(fmt, bits), s_ptr="*fp32",
                z_ptr="*fp32", y_ptr="*fp32", tok_ptr="*i32", exp_ptr="*i32", N="i32", K="i32", s_stride="i32",
                w_estride="i32", s_estride="i32", k_per_split="i32", ONE="i32", cnt_ptr="*i32")
     acc_k = 128 // (8 if fmt == gemv.INT4 else 4) if bits else 64 if fmt == gemv.INT4 else 128
     consts = dict(FMT=fmt, ACT_FP8=False, GROUPED=grouped, FP8_LIMIT=448.0, BLOCK_N=BN, BLOCK_K=128, ACC_K=acc_k,
-                  STAGES=2, BITS=bits, PDL=pdl, FIXUP=fixup)
+                  STAGES=2, BITS=bits, PDL=pdl, FIXUP=fixup, SWIGLU=swiglu)
     return compile_sm90(gemv._row_kernel, sig, consts, ALIGNED, num_stages=2)
 
 def sass(fmt, bits, BN=128):
@@ -365,6 +365,14 @@ for code in (row_kernel(gemv.FP8_ROW, False, 32, fixup=4).asm["ptx"], ptx(gemv.F
     atom = code.index("atom.global.gpu.acq_rel.add")
     assert code.rfind("bar.sync", 0, atom) > 0 and "ld.global.cg" in code[atom:], "fixup's ordering"
 assert "atom." not in row_kernel(gemv.FP8_ROW, False, 32).asm["ptx"] and "atom." not in ptx(gemv.FP8_ROW, 0, False)
+
+# SWIGLU (kernels={"expert_act": "fused"}): the activation from 3 partials at the tile the expert sweep took for
+# the 35B down projection; no spill, and the weight tile still staged through cp.async as without it
+for swiglu in (0, 3):
+    kernel = row_kernel(gemv.BF16, False, 32, grouped=True, swiglu=swiglu)
+    assert stack_bytes(kernel) == 0, (swiglu, "spills")
+    rounded = "ex2.approx" in kernel.asm["ptx"] and "cvt.rn.bf16.f32" in kernel.asm["ptx"]
+    assert rounded == bool(swiglu), (swiglu, "the activation is not computed here and rounded to bf16 to nearest")
 print("ok")
 """
 
@@ -374,7 +382,8 @@ def test_kernels_compile_for_sm90_as_designed():
     decoding issues no conversion instruction, and int4's takes one LOP3 a weight. The 16-row kernel stages the
     weight with cp.async; without SWAP its dot is an mma.sync, with SWAP a wgmma whose first operand, the
     decoded weight, comes from registers (fp8 and int4, fp32 and 16-bit operands); with LOWP 2 an e4m3 wgmma
-    takes the weight from shared memory as stored, never decoded."""
+    takes the weight from shared memory as stored, never decoded. SWIGLU computes the activation and rounds
+    it to bf16 to nearest (cvt.rn), without spilling."""
     assert run_in_triton_interpreter(_SM90, interpret=False).strip().endswith("ok")
 
 
