@@ -12,7 +12,6 @@ accepted prefix by replaying the stashed per-position inputs.
 """
 
 import torch
-import torch.nn.functional as F
 
 from .cache import HybridCache
 from .ops.attention import apply_rope, attend_cache, attend_causal, attend_prefix, rope_cos_sin, write_kv
