@@ -42,7 +42,7 @@ if triton is not None:
         """int64 keys whose order is (logit, then the lower index) order: the fp32 bits made monotonic as int32
         (negative values' magnitude bits flipped; -0 first made +0 so that it ties with +0) in the high word,
         BLOCK_E - 1 - e in the low one."""
-        bits = (logit + 0.0).to(tl.int32, bitcast=True)
+        bits = tl.where(logit == 0.0, 0.0, logit).to(tl.int32, bitcast=True)
         ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
         return (ordered.to(tl.int64) << 32) | (BLOCK_E - 1 - e).to(tl.int64)
 
