@@ -358,6 +358,31 @@ def decode_tok_per_s(
     return (n_long - n_short) / (t_long - t_short)
 
 
+def step_times(engine, steps: int = 30) -> dict:
+    """Where one plain decode step of ``engine`` waits: ``step_host_us``, the host's time to issue it (dynamo's
+    guards, the CUDA-graph replay; no sync), and on CUDA ``step_device_us``, CUDA-event time a step over the
+    same back-to-back calls. A host time near the device time means the GPU waits on the host. Every row is
+    marked done first, so the steps run the whole graph but advance nothing (the next generate resets it)."""
+    engine.state["done"].fill_(True)
+    cuda = engine.device.type == "cuda"
+    for _ in range(3):
+        engine._greedy_step()
+    _sync(engine.device)
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine._greedy_step()
+    host = time.perf_counter() - t0
+    out = {"step_host_us": host * 1e6 / steps}
+    if cuda:
+        end.record()
+        end.synchronize()
+        out["step_device_us"] = start.elapsed_time(end) * 1e3 / steps
+    return out
+
+
 def spec_rounds(engine, rows: int) -> int:
     """Rounds the last speculative generate call ran for its first `rows` rows (the longest row's; the one
     round past the end that generate.DoneWatch launches is not counted)."""
@@ -404,6 +429,17 @@ def _measure(label: str, setup: Callable[[], Callable], ids: torch.Tensor, lengt
     return out
 
 
+def _time_steps(label: str, model, out: dict, say: Callable[[str], None]) -> None:
+    """Add `step_times` of the model's engine to a fastqwen system's results ``out`` (unless it failed, or it
+    decodes speculatively: its step is a round)."""
+    engine = getattr(model, "_fastqwen", None)
+    if "error" in out or engine is None or engine.spec is not None:
+        return
+    out.update(step_times(engine))
+    device = f", device {out['step_device_us']:.0f} µs" if "step_device_us" in out else ""
+    say(f"{label}: a step: host {out['step_host_us']:.0f} µs{device}")
+
+
 def _measure_hf_static(label: str, model: torch.nn.Module, ids: torch.Tensor, lengths: tuple[int, int],
                        say: Callable[[str], None], mask: torch.Tensor | None = None, repeats: int = 3) -> dict:
     """``_measure`` HF static cache + compile; adds ``compiled`` (whether transformers really compiled the
@@ -441,8 +477,11 @@ def run(
     ``step_bytes`` (bytes a decode step moves: weights for the batch, plus KV and recurrent state per row at
     the mean context of the timed window; see `step_bytes`), ``roofline_tok_s`` (bandwidth / step bytes, in
     tokens/s per sequence like every speed here), per-system results under ``systems`` (``tok_s`` in
-    tokens/s per sequence, ``setup_s`` / ``first_call_s`` in seconds, or ``error``; see ``_measure`` and
-    ``_measure_hf_static``), the ratios ``fastqwen_vs_hf_static`` and ``fastqwen_vs_roofline``. HF systems
+    tokens/s per sequence, ``setup_s`` / ``first_call_s`` in seconds, plain fastqwen decodes also
+    ``step_host_us`` / ``step_device_us`` from `step_times`; or ``error``; see ``_measure`` and
+    ``_measure_hf_static``), the ratios ``fastqwen_vs_hf_static`` and ``fastqwen_vs_roofline``. fastqwen and
+    its alternatives run in the order of ``systems`` (on 35B-A3B a system measured after others runs up to 11%
+    slower: docs/BENCHMARKS.md, "the order effect"). HF systems
     run before ``fastqwen.optimize`` (which replaces ``model.generate``); hf-eager uses ``EAGER_N`` lengths on CUDA.
     ``compile`` and ``compile_options`` are passed to ``fastqwen.optimize``. ``ragged``: the rows are prompts of
     different lengths, left-padded (`ragged_mask`), as concurrent requests are; ``prompt_len`` is the longest.
@@ -514,23 +553,22 @@ def run(
     if "hf-static-compile" in systems:
         res["systems"]["hf-static-compile"] = _measure_hf_static(
             f"{label} hf-static-compile", model, ids, (n_short, n_long), say, mask, repeats)
-    if "fastqwen" in systems:
-        res["systems"]["fastqwen"] = _measure(f"{label} fastqwen", fastqwen_setup, ids, (n_short, n_long), say,
-                                              mask, repeats)
-    alternatives = {**{s: {"own_kernels": k} for s, k in CANDIDATE_SYSTEMS.items()},
-                    **{s: {"options": o} for s, o in OPTION_SYSTEMS.items()}}
-    for system, how in alternatives.items():
-        if system in systems:
-            torch._dynamo.reset()
-            res["systems"][system] = _measure(f"{label} {system}", lambda h=how: fastqwen_setup(**h), ids,
-                                              (n_short, n_long), say, mask, repeats)
-            base, tok_s = res["systems"].get("fastqwen", {}).get("tok_s"), res["systems"][system].get("tok_s")
-            res[f"{system}_vs_fastqwen"] = tok_s / base if tok_s and base else None
+    variants = {"fastqwen": {}, **{s: {"own_kernels": k} for s, k in CANDIDATE_SYSTEMS.items()},
+                **{s: {"options": o} for s, o in OPTION_SYSTEMS.items()}}
+    for system in (s for s in systems if s in variants):  # in the order asked: a later one may run slower
+        torch._dynamo.reset()
+        res["systems"][system] = _measure(f"{label} {system}", lambda h=variants[system]: fastqwen_setup(**h), ids,
+                                          (n_short, n_long), say, mask, repeats)
+        _time_steps(f"{label} {system}", model, res["systems"][system], say)
+    for system in (s for s in systems if s in variants and s != "fastqwen"):
+        base, tok_s = res["systems"].get("fastqwen", {}).get("tok_s"), res["systems"][system].get("tok_s")
+        res[f"{system}_vs_fastqwen"] = tok_s / base if tok_s and base else None
     for system in quant:  # last: it quantizes the model in place
         torch._dynamo.reset()
         scheme = system.removeprefix("fastqwen-")
         res["systems"][system] = _measure(f"{label} {system}", lambda: fastqwen_setup(scheme), ids,
                                           (n_short, n_long), say, mask, repeats)
+        _time_steps(f"{label} {system}", model, res["systems"][system], say)
         bf16 = res["systems"].get("fastqwen", {}).get("tok_s")
         tok_s = res["systems"][system].get("tok_s")
         res[f"{system}_vs_bf16"] = tok_s / bf16 if tok_s and bf16 else None

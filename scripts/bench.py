@@ -43,7 +43,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--models", nargs="+", default=DEFAULTS["models"], help="preset names (fastqwen.presets)")
     p.add_argument("--systems", nargs="+", default=list(bench.DEFAULT_SYSTEMS), choices=bench.SYSTEMS,
                    help="default: HF eager, HF static cache + compile, fastqwen; also fastqwen with an alternative "
-                        "kernel (fastqwen+…) or quantized (fastqwen-…, one scheme a process)")
+                        "kernel (fastqwen+…) or quantized (fastqwen-…, one scheme a process); HF first, quantized last, "
+                        "fastqwen and its alternatives in the order given")
     p.add_argument("--batch-size", type=int, nargs="+", default=[1], help="rows per generate (a sweep if several)")
     p.add_argument("--ragged", action="store_true", help="rows of different prompt lengths (left-padded, the "
                    "longest --prompt-len, the shortest about half), as concurrent requests")
