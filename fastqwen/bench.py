@@ -395,6 +395,15 @@ def _hf_static_generate(model: torch.nn.Module) -> Callable:
     return functools.partial(type(model).generate, model, cache_implementation="static")
 
 
+def _drop_engine(model: torch.nn.Module, device: torch.device | str) -> None:
+    """Back to a plain HF model: fastqwen's engine (cache, compiled steps, CUDA graphs) and all dynamo /
+    CUDA-graph state released, memory freed, so the next system starts as the first did."""
+    model.__dict__.pop("_fastqwen", None)
+    model.__dict__.pop("generate", None)
+    torch._dynamo.reset()
+    _free(device)
+
+
 def _drop_hf_compiled(model: torch.nn.Module, device: torch.device | str) -> None:
     """Forget transformers' compiled forward and all dynamo / CUDA-graph state, then free memory."""
     for attr in ("_compiled_call", "_last_compile_config", "_previous_max_cache_length"):
@@ -556,7 +565,7 @@ def run(
     variants = {"fastqwen": {}, **{s: {"own_kernels": k} for s, k in CANDIDATE_SYSTEMS.items()},
                 **{s: {"options": o} for s, o in OPTION_SYSTEMS.items()}}
     for system in (s for s in systems if s in variants):  # in the order asked: a later one may run slower
-        torch._dynamo.reset()
+        _drop_engine(model, device)
         res["systems"][system] = _measure(f"{label} {system}", lambda h=variants[system]: fastqwen_setup(**h), ids,
                                           (n_short, n_long), say, mask, repeats)
         _time_steps(f"{label} {system}", model, res["systems"][system], say)
@@ -564,7 +573,7 @@ def run(
         base, tok_s = res["systems"].get("fastqwen", {}).get("tok_s"), res["systems"][system].get("tok_s")
         res[f"{system}_vs_fastqwen"] = tok_s / base if tok_s and base else None
     for system in quant:  # last: it quantizes the model in place
-        torch._dynamo.reset()
+        _drop_engine(model, device)
         scheme = system.removeprefix("fastqwen-")
         res["systems"][system] = _measure(f"{label} {system}", lambda: fastqwen_setup(scheme), ids,
                                           (n_short, n_long), say, mask, repeats)
@@ -578,13 +587,10 @@ def run(
     hf = res["systems"].get("hf-static-compile", {}).get("tok_s")
     res["fastqwen_vs_hf_static"] = fq / hf if fq and hf else None
     res["fastqwen_vs_roofline"] = fq / res["roofline_tok_s"] if fq else None
+    _drop_engine(model, device)
     if built_here:
         del model
-    else:  # back to a plain HF model, its compiled graphs released
-        model.__dict__.pop("_fastqwen", None)
-        model.__dict__.pop("generate", None)
-        torch._dynamo.reset()
-    _free(device)
+        _free(device)
     return res
 
 
