@@ -419,7 +419,9 @@ class Engine:
         there, and loaded by the next optimize() given the same path, in any process.
         """
         if progress:
-            progress("compiling the decode step (the first run on a GPU can take minutes: max-autotune)…")
+            slow = " (the first run on a GPU can take minutes: max-autotune)" if (
+                self.compile_options or {}).get("max_autotune") else ""
+            progress(f"compiling the decode step{slow}…")
         ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
         n = min(4, self.max_seq_len - 1 - (self.spec.k + 1 if self.spec else 0))
         self.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=do_sample)
