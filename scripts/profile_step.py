@@ -25,6 +25,12 @@ profiles a verify of 16 positions as its own graph after the decode step, with n
 no feature taps), on the first 16 layers of the stack (the same shapes: per-layer costs in a quarter of the
 compile). Under launch=pdl a kernel starts before its predecessor ends and the profiler counts its wait as its
 own time; launch=serial gives each kernel's own duration.
+
+    python scripts/profile_step.py --model qwen3.5-35b-a3b --no-autotune --again
+
+profiles the step, then releases the engine, optimizes the same model again (same options) and profiles the
+new step: the kernels whose time changed most, for a second system in a process running slower than the
+first (the order effect in docs/BENCHMARKS.md).
 """
 
 import argparse
@@ -62,6 +68,9 @@ def main():
     p.add_argument("--layers", type=int, help="keep only the first LAYERS decoder layers (quicker compiles)")
     p.add_argument("--quant", choices=["fp8-weight", "fp8", "int4"], help="quantize the target and draft (optimize's quant)")
     p.add_argument("--quant-lm-head", action="store_true", help="with --quant: lm_head too (optimize's quant_lm_head)")
+    p.add_argument("--again", action="store_true", help="after the decode step: release the engine, optimize the "
+                   "same model again and profile its step once more, listing the kernels whose time changed most "
+                   "(the order effect, docs/BENCHMARKS.md)")
     p.add_argument("--json", type=pathlib.Path)
     args = p.parse_args()
     if args.phases and not args.speculate:
@@ -70,14 +79,24 @@ def main():
     dtype = torch.bfloat16 if cuda else torch.float32
     model = presets.build(args.model, dtype=dtype, device=device, layers=args.layers)
     opts = bench.compile_options(args.no_autotune, cuda, args.options)
-    fastqwen.optimize(model, max_batch_size=args.batch_size, max_seq_len=args.prompt_len + 64, compile_options=opts,
-                      kernels=dict(kv.split("=", 1) for kv in args.kernels), quant=args.quant,
-                      quant_lm_head=args.quant_lm_head)
-    e = model._fastqwen
     ids = torch.randint(model.config.vocab_size, (args.batch_size, args.prompt_len), device=device)
-    e.warmup()
-    model.generate(ids, max_new_tokens=8)  # cache rows at the prompt length; then every row is done
+
+    def optimized(quant):
+        """The model optimized and warmed up, its cache rows at the prompt length; its engine."""
+        fastqwen.optimize(model, max_batch_size=args.batch_size, max_seq_len=args.prompt_len + 64,
+                          compile_options=opts, kernels=dict(kv.split("=", 1) for kv in args.kernels), quant=quant,
+                          quant_lm_head=args.quant_lm_head and quant is not None)
+        model._fastqwen.warmup()
+        model.generate(ids, max_new_tokens=8)  # (then every row is done)
+        return model._fastqwen
+
+    e = optimized(args.quant)
     report = [profile_one(e._greedy_step, "step", model, args)]
+    if args.again:
+        bench._drop_engine(model, device)
+        e = optimized(None)  # (already quantized in place, if asked)
+        report.append(profile_one(e._greedy_step, "step, optimized again", model, args))
+        print_changes(report[0], report[-1], args.top)
     if args.speculate:
         name, k = args.speculate.split(":")
         oracle = bench.OracleProposer(torch.zeros(args.batch_size, 64, dtype=torch.long, device=device), 0.5,
@@ -117,6 +136,19 @@ CATEGORIES = (  # (category, regex on the kernel name); the first match wins
     ("eager copies", r"direct_copy|elementwise_kernel"),
     ("inductor fused (norms, gates, residuals)", r"^triton_"),
 )
+
+
+def print_changes(before: dict, after: dict, top: int) -> None:
+    """The kernels (by name) whose µs a step changed most between two profile_one reports, and the totals."""
+    a = {name: us for name, _, us in before["kernels"]}
+    b = {name: us for name, _, us in after["kernels"]}
+    delta = sorted(((name, a.get(name, 0.0), b.get(name, 0.0)) for name in a.keys() | b.keys()),
+                   key=lambda r: -abs(r[2] - r[1]))
+    print(f"kernels {before['step_us']:.0f} → {after['step_us']:.0f} µs a step, wall "
+          f"{before['wall_us'] or 0:.0f} → {after['wall_us'] or 0:.0f} µs")
+    print("| kernel | µs before | µs after | change |\n|---|---|---|---|")
+    for name, x, y in delta[:top]:
+        print(f"| {name[:90]} | {x:.1f} | {y:.1f} | {y - x:+.1f} |")
 
 
 def categorize(rows) -> dict:

@@ -225,6 +225,19 @@ def test_profile_step_times_a_verify_alone_on_a_shorter_stack(tmp_path):
     assert presets.build("tiny", layers=2).config.layer_types == presets.config("tiny").layer_types[:2]
 
 
+def test_profile_step_again_profiles_a_second_engine_and_lists_the_changes(tmp_path):
+    """profile_step.py --again on the tiny CPU model: the step, then the step of a second optimize of the same
+    model (the first engine released), and a table of the kernels' changes between them."""
+    out = tmp_path / "profile.json"
+    script = pathlib.Path(__file__).parents[1] / "scripts" / "profile_step.py"
+    run = subprocess.run([sys.executable, str(script), "--layers", "2", "--again", "--steps", "2", "--top", "3",
+                          "--json", str(out)], check=True, capture_output=True, text=True)
+    report = json.loads(out.read_text())
+    assert [r["what"] for r in report] == ["step", "step, optimized again"]
+    assert all(r["step_us"] > 0 and r["kernels"] for r in report)
+    assert "| kernel | µs before | µs after | change |" in run.stdout
+
+
 def test_bench_gdn_checks_each_kernel_against_the_reference(tmp_path):
     """scripts/bench_gdn.py on CPU: the reference's row, timed, with its error against itself."""
     out = tmp_path / "gdn.json"
