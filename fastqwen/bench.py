@@ -37,6 +37,7 @@ CANDIDATE_SYSTEMS = {"fastqwen+split-attention": {"attention": "split"},
                      "fastqwen+fused-gdn-norm": {"gdn_norm": "fused"},
                      "fastqwen+fused-expert-act": {"expert_act": "fused"},
                      "fastqwen+packed-route": {"route": "packed"},
+                     "fastqwen+fused-mlp-act": {"mlp_act": "fused"},
                      "fastqwen+serial-launch": {"launch": "serial"}}
 # fastqwen with inductor options merged over the run's (launch count: combo kernels launch independent
 # small kernels, e.g. a GDN layer's q, k and v, as one; reductions of up to 16 unrolled, so that the MoE

@@ -8,7 +8,7 @@ weight-streaming kernel (ops/gemv.py) for bf16 linears at decode and verify.
 
 import torch
 
-from .ops.gemv import BF16, STEP, gemv_beats_cublas, gpu_table, wq_linear
+from .ops.gemv import BF16, STEP, gemv_beats_cublas, gpu_table, swiglu_linear, wq_linear
 
 MLP_IN = ("gate_proj", "up_proj")  # a gated MLP's input projections
 
@@ -100,12 +100,17 @@ class Linears:
     launch configs per shape from gemv_configs.json) instead of F.linear (cuBLAS on a GPU); "auto": only
     where this GPU's sweep measured the kernel faster than cuBLAS at that shape; more rows, quantized and
     other modules run as they are. `pdl`: the weight-streaming kernel (bf16 here, quantized in QuantLinear)
-    launches with programmatic dependent launch; `fixup`: it sums its split-K partials itself (wq_linear)."""
+    launches with programmatic dependent launch; `fixup`: it sums its split-K partials itself (wq_linear).
+    `fused_act`: a SiLU-gated MLP on one row whose fused gate | up and down weights both take the kernel runs
+    its down projection on the gate | up partials, computing silu(gate)·up as it loads them (swiglu_linear):
+    no activation kernel between the two."""
 
-    def __init__(self, fused: bool = False, gemv: bool | str = False, pdl: bool = False, fixup: bool = False):
+    def __init__(self, fused: bool = False, gemv: bool | str = False, pdl: bool = False, fixup: bool = False,
+                 fused_act: bool = False):
         from .quant.linear import QuantLinear  # (here: quant.linear imports model, which imports this module)
 
         self.fused, self.gemv, self.pdl, self.fixup, self.quant_linear = fused, gemv, pdl, fixup, QuantLinear
+        self.fused_act = fused_act
         self.table = gpu_table() if gemv == "auto" else {}  # read here: not inside a traced step
 
     def __call__(self, module, x: torch.Tensor) -> torch.Tensor:
@@ -119,11 +124,15 @@ class Linears:
         """x @ wᵀ for a floating-point weight w [N, K] (a bias-free linear's, or a raw one: the MoE router's):
         the weight-streaming kernel where the policy says so, else F.linear."""
         rows, (N, K) = x.numel() // x.shape[-1], w.shape
-        if not (self.gemv and rows <= GEMV_ROWS and (K % STEP == 0 or not x.is_cuda)  # (off CUDA: the reference)
-                and (self.gemv is True or gemv_beats_cublas(self.table, N, K, rows))):
+        if not self._streams(x, N, K, rows):
             return torch.nn.functional.linear(x, w)
         y = wq_linear(x.reshape(rows, -1), BF16, w, None, None, False, N, self.pdl, self.fixup).sum(0)
         return y.to(x.dtype).view(*x.shape[:-1], N)
+
+    def _streams(self, x: torch.Tensor, N: int, K: int, rows: int) -> bool:
+        """Whether the policy runs an [N, K] floating-point weight on `rows` rows of x through the kernel."""
+        return bool(self.gemv and rows <= GEMV_ROWS and (K % STEP == 0 or not x.is_cuda)  # (off CUDA: the reference)
+                    and (self.gemv is True or gemv_beats_cublas(self.table, N, K, rows)))
 
     def project(self, module, h, names):
         """The outputs of `module`'s linears `names` on h."""
@@ -135,5 +144,14 @@ class Linears:
 
     def mlp(self, mlp, h):
         """A dense gated MLP (transformers' Qwen3.5 MLP, or a MoE layer's shared expert): down(act(gate)·up)."""
+        fused = mlp.__dict__.get("fastqwen_fused") if self.fused and self.fused_act else None
+        down, rows = mlp.down_proj, h.numel() // h.shape[-1]
+        if (fused is not None and rows == 1 and len(mlp.__dict__["fastqwen_fused_sizes"]) == 2
+                and all(type(m) is torch.nn.Linear and m.bias is None for m in (fused, down))
+                and self._streams(h, *fused.weight.shape, 1) and self._streams(h, *down.weight.shape, 1)):
+            parts = wq_linear(h.reshape(1, -1), BF16, fused.weight, None, None, False, fused.weight.shape[0], self.pdl,
+                              self.fixup)  # [S, 1, 2I]: gate | up
+            y = swiglu_linear(parts, down.weight, down.weight.shape[0], self.pdl, self.fixup).sum(0)
+            return y.to(h.dtype).view(*h.shape[:-1], -1)
         gate, up = self.project(mlp, h, MLP_IN)
         return self(mlp.down_proj, mlp.act_fn(gate) * up)

@@ -36,7 +36,8 @@ KERNELS = {"attention": ("auto", "sdpa", "split"), "experts": ("auto", "gather",
            "projections": ("fused", "separate"), "linears": ("auto", "torch", "gemv"),
            "gdn": ("block", "unrolled", "fla"), "launch": ("auto", "serial", "pdl"),
            "splitk": ("sum", "fixup"), "gdn_norm": ("separate", "fused"),
-           "expert_act": ("separate", "fused"), "route": ("argmax", "packed")}  # first: the default
+           "expert_act": ("separate", "fused"), "route": ("argmax", "packed"),
+           "mlp_act": ("separate", "fused")}  # first: the default
 
 
 def check_kernels(kernels: dict | None, cfg, device) -> dict:
@@ -77,7 +78,11 @@ def check_kernels(kernels: dict | None, cfg, device) -> dict:
     layer; needs "experts" grouped or grouped-pdl and a SiLU MLP; a candidate). "route": the grouped experts'
     routing kernel's k rounds as a max then a min over the indices holding it, in 4 warps ("argmax"), or as one
     max over (logit, index) keys packed into an int64, in one warp ("packed": no shared memory, no barrier;
-    same experts and weights; ops/router.py; needs "experts" grouped or grouped-pdl; a candidate)."""
+    same experts and weights; ops/router.py; needs "experts" grouped or grouped-pdl; a candidate). "mlp_act": a
+    dense MLP's (and a shared expert's) silu(gate)·up at one-row decode as a kernel of inductor's ("separate") or
+    computed by the down projection's weight-streaming kernel from the fused gate | up projection's partials as
+    it loads them ("fused": a launch less a layer, where both weights take the kernel under "linears"; needs
+    fused projections, "linears" other than "torch" and a SiLU MLP; linears.Linears.mlp; a candidate)."""
     kernels = dict(kernels or {})
     unknown = set(kernels) - set(KERNELS)
     if unknown:
@@ -100,10 +105,14 @@ def check_kernels(kernels: dict | None, cfg, device) -> dict:
         if kernels[op] == choice and kernels["experts"] not in ("grouped", "grouped-pdl"):
             raise ValueError(f"kernels[{op!r}]={choice!r} is a grouped-experts kernel: set kernels['experts'] to "
                              f"'grouped' or 'grouped-pdl' (it is {kernels['experts']!r})")
-    if kernels["expert_act"] == "fused":
-        if getattr(cfg, "hidden_act", "silu") != "silu":
-            raise ValueError(f"kernels['expert_act']='fused' computes SiLU; this model's hidden_act is "
+    for op in ("expert_act", "mlp_act"):
+        if kernels[op] == "fused" and getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"kernels[{op!r}]='fused' computes SiLU; this model's hidden_act is "
                              f"{cfg.hidden_act!r}: use 'separate'")
+    if kernels["mlp_act"] == "fused" and (kernels["projections"] != "fused" or kernels["linears"] == "torch"):
+        raise ValueError("kernels['mlp_act']='fused' reads the fused gate | up projection's partials from the "
+                         "weight-streaming kernel: it needs kernels['projections']='fused' and kernels['linears'] "
+                         f"'auto' or 'gemv' (they are {kernels['projections']!r} and {kernels['linears']!r})")
     return kernels
 
 
@@ -147,7 +156,8 @@ class Forward:
         self.pdl = self.kernels["launch"] == "pdl"
         self.lin = Linears(fused=self.kernels["projections"] == "fused",
                            gemv={"torch": False, "gemv": True, "auto": "auto"}[self.kernels["linears"]],
-                           pdl=self.pdl, fixup=self.kernels["splitk"] == "fixup")
+                           pdl=self.pdl, fixup=self.kernels["splitk"] == "fixup",
+                           fused_act=self.kernels["mlp_act"] == "fused")
         if cache.lengths.device.type == "cuda" and (self.lin.fixup or self.fused_norm):
             tile_counts(cache.lengths.device, 0)  # the kernels' arrival counts, allocated before any capture
         for layer in self.layers:

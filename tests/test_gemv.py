@@ -11,7 +11,8 @@ from conftest import run_in_triton_interpreter
 
 from fastqwen.quant.formats import pack_int4, unpack_int4
 from fastqwen.ops.gemv import (BF16, FP8_BLOCK, FP8_ROW, INT4, expert_gemv, expert_key, expert_reference, expert_swiglu_gemv,
-                               gemv_beats_cublas, gemv_config, reference, stored_operands, swiglu_reference,
+                               gemv_beats_cublas, gemv_config, reference, stored_operands, swiglu_linear,
+                               swiglu_reference,
                                tuned_config, wq_linear)
 
 
@@ -71,7 +72,7 @@ def test_expert_swiglu_gemv_is_the_down_projection_of_the_activation():
 
 _SWIGLU_INTERPRETED = """
 import torch
-from fastqwen.ops.gemv import BF16, FP8_ROW, _launch, expert_reference, swiglu_reference
+from fastqwen.ops.gemv import BF16, FP8_ROW, _launch, expert_reference, reference, swiglu_reference
 from test_gemv import expert_operands
 E, N, I = 5, 136, 384
 exp = torch.tensor([4, 0, 2, 4, 1, 3], dtype=torch.int32)
@@ -90,20 +91,43 @@ for S, wdtype in ((1, torch.bfloat16), (3, torch.bfloat16), (2, torch.float32)):
         y = _launch(parts, BF16, w, None, None, False, N, len(exp), (exp, exp), config=config, swiglu=True)
         err = ((y - ref).norm() / ref.norm()).item()
         assert not y.isnan().any() and err < 1e-4, (S, wdtype, config, err)  # (silu's last bit may differ)
+    for config in (None, (64, 2, 4, 2), (32, 4, 4, 3, 0, 2)):  # linear mode, one row (a dense MLP at decode)
+        ref = reference(act[:1], BF16, w[0], None, None, False, N)
+        for fixup in (False, True):
+            y = _launch(parts[:, :1].contiguous(), BF16, w[0], None, None, False, N, 1, config=config, partials=True,
+                        fixup=fixup, swiglu=True)
+            err = ((y.sum(0) - ref).norm() / ref.norm()).item()
+            assert not y.isnan().any() and err < 1e-4 and (len(y) == 1 or not fixup), (S, config, fixup, err)
 w, s, z = expert_operands(FP8_ROW, E, N, I)
-for bad in (dict(fmt=FP8_ROW, w=w, s=s, parts=parts), dict(fmt=BF16, w=w.float(), s=None, parts=parts[0])):
+for bad in (dict(fmt=FP8_ROW, w=w, s=s, parts=parts, pairs=(exp, exp)),
+            dict(fmt=BF16, w=w.float(), s=None, parts=parts[0], pairs=(exp, exp)),
+            dict(fmt=BF16, w=w[0].float(), s=None, parts=parts, pairs=None)):  # linear mode takes one row
     try:
-        _launch(bad["parts"], bad["fmt"], bad["w"], bad["s"], None, False, N, len(exp), (exp, exp), swiglu=True)
+        _launch(bad["parts"], bad["fmt"], bad["w"], bad["s"], None, False, N, len(exp), bad["pairs"], swiglu=True)
         raise AssertionError("swiglu took " + str(bad["fmt"]))
     except ValueError as e:
-        assert "swiglu takes grouped mode" in str(e)
+        assert "swiglu takes the BF16 format" in str(e), e
 print("swiglu ok")
 """
 
 
+def test_swiglu_linear_is_the_down_projection_of_the_activation():
+    """The dense fused-activation down projection on CPU (one row): swiglu_reference of the summed gate | up
+    partials, rounded to the weight's dtype, then the matmul; the op passes opcheck."""
+    parts = torch.randn(2, 1, 2 * 256)
+    w = torch.randn(24, 256, dtype=torch.bfloat16)
+    y = swiglu_linear(parts, w, 24)
+    assert y.shape == (1, 1, 24)
+    torch.testing.assert_close(y[0, 0], w.float() @ swiglu_reference(parts, torch.bfloat16)[0].float(),
+                               rtol=1e-5, atol=1e-4)
+    torch.library.opcheck(swiglu_linear, (parts, w, 24),
+                          test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))
+
+
 def test_swiglu_on_load_matches_reference_in_the_triton_interpreter():
     """_row_kernel SWIGLU: the down projection's x computed from 1, 2 or 3 gate | up partials as it loads them,
-    16-bit and fp32 weights, split K and wide steps; other formats and a 2-D x are refused."""
+    16-bit and fp32 weights, split K and wide steps, grouped and one-row linear mode (with the fixup too); other
+    formats, a 2-D x and several rows in linear mode are refused."""
     assert run_in_triton_interpreter(_SWIGLU_INTERPRETED).strip().endswith("swiglu ok")
 
 
@@ -366,11 +390,12 @@ for code in (row_kernel(gemv.FP8_ROW, False, 32, fixup=4).asm["ptx"], ptx(gemv.F
     assert code.rfind("bar.sync", 0, atom) > 0 and "ld.global.cg" in code[atom:], "fixup's ordering"
 assert "atom." not in row_kernel(gemv.FP8_ROW, False, 32).asm["ptx"] and "atom." not in ptx(gemv.FP8_ROW, 0, False)
 
-# SWIGLU (kernels={"expert_act": "fused"}): the activation from 3 partials at the tile the expert sweep took for
-# the 35B down projection; no spill, and the weight tile still staged through cp.async as without it
-for swiglu in (0, 3):
-    kernel = row_kernel(gemv.BF16, False, 32, grouped=True, swiglu=swiglu)
-    assert stack_bytes(kernel) == 0, (swiglu, "spills")
+# SWIGLU (kernels={"expert_act": "fused"}, grouped; {"mlp_act": "fused"}, linear with PDL and the fixup as
+# decode runs it): the activation from 3 partials at the tile the sweeps took for the 35B expert and 9B down
+# projections; no spill, and the activation rounded to bf16 to nearest
+for swiglu, grouped, pdl, fixup in ((0, True, False, 0), (3, True, False, 0), (0, False, True, 4), (3, False, True, 4)):
+    kernel = row_kernel(gemv.BF16, False, 32, grouped=grouped, swiglu=swiglu, pdl=pdl, fixup=fixup)
+    assert stack_bytes(kernel) == 0, (swiglu, grouped, "spills")
     rounded = "ex2.approx" in kernel.asm["ptx"] and "cvt.rn.bf16.f32" in kernel.asm["ptx"]
     assert rounded == bool(swiglu), (swiglu, "the activation is not computed here and rounded to bf16 to nearest")
 print("ok")

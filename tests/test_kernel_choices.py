@@ -26,7 +26,7 @@ def test_grouped_experts_match_the_gathered_ones():
 
 ALL = {"attention": "split", "experts": "grouped", "projections": "separate", "linears": "gemv", "gdn": "fla",
        "launch": "pdl", "splitk": "fixup", "gdn_norm": "fused", "expert_act": "fused",
-       "route": "packed"}
+       "route": "packed"}  # (mlp_act "fused" needs fused projections: its own cases)
 
 
 @pytest.mark.parametrize("name,kernels,compile", [("tiny", {"attention": "split"}, False),
@@ -35,6 +35,8 @@ ALL = {"attention": "split", "experts": "grouped", "projections": "separate", "l
                                                   ("tiny", {"linears": "gemv"}, True),
                                                   ("tiny", {"linears": "torch"}, False),
                                                   ("tiny", {"gdn_norm": "fused"}, True),
+                                                  ("tiny", {"linears": "gemv", "mlp_act": "fused"}, True),
+                                                  ("tiny-moe", {"linears": "gemv", "mlp_act": "fused"}, False),
                                                   ("tiny-moe", ALL, False),
                                                   ("tiny-moe", {"experts": "grouped-pdl", "launch": "pdl"}, True),
                                                   ("tiny-moe", {"experts": "grouped", "expert_act": "fused"}, True),
@@ -44,7 +46,8 @@ def test_alternative_kernels_give_the_default_tokens(name, kernels, compile):
     other = fastqwen.optimize(fresh(name), max_batch_size=2, max_seq_len=96, compile=compile, kernels=kernels)
     assert other._fastqwen.forward.kernels == {"attention": "auto", "experts": "gather", "projections": "fused",
                                                "linears": "auto", "gdn": "block", "launch": "serial", "splitk": "sum", "gdn_norm": "separate",
-                                               "expert_act": "separate", "route": "argmax", **kernels}
+                                               "expert_act": "separate", "route": "argmax", "mlp_act": "separate",
+                                               **kernels}
     ids, mask = left_padded([torch.randint(1, 500, (n,)) for n in (17, 5)])
     assert torch.equal(other.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16),
                        default.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16))
@@ -154,6 +157,11 @@ def test_bad_kernel_choices():
     model.config.hidden_act = "gelu"
     with pytest.raises(ValueError, match="hidden_act is 'gelu'"):
         fastqwen.optimize(model, compile=False, kernels={"experts": "grouped", "expert_act": "fused"})
+    with pytest.raises(ValueError, match=r"kernels\['mlp_act'\]='fused' computes SiLU; this model's hidden_act is 'gelu'"):
+        fastqwen.optimize(model, compile=False, kernels={"mlp_act": "fused"})
+    for other in ({"projections": "separate"}, {"linears": "torch"}):
+        with pytest.raises(ValueError, match=r"needs kernels\['projections'\]='fused' and kernels\['linears'\]"):
+            fastqwen.optimize(fresh("tiny"), compile=False, kernels={"mlp_act": "fused", **other})
 
 
 def test_gemv_linears_take_the_decode_linears(monkeypatch):
@@ -173,6 +181,35 @@ def test_gemv_linears_take_the_decode_linears(monkeypatch):
     # 5 a layer (fused input projections, out/o projection, the router, shared expert gate+up and down) in each
     # of the 5 decode steps; none in prefill (21 rows)
     assert len(calls) == 5 * layers * 5 and set(calls) == {1}
+
+
+def test_fused_mlp_activation_takes_each_one_row_mlp(monkeypatch):
+    """kernels={"mlp_act": "fused"} (with gemv linears): each decode step of a one-row engine runs every
+    layer's MLP as the fused gate | up projection, then swiglu_linear on its partials; prefill (many rows) and
+    an engine of two rows keep the separate activation; the tokens are the default's."""
+    import fastqwen.linears as linears_module
+
+    calls = []
+    real = linears_module.swiglu_linear
+    monkeypatch.setattr(linears_module, "swiglu_linear", lambda parts, *a: calls.append(parts.shape) or real(parts, *a))
+    gen = dict(do_sample=False, max_new_tokens=6)
+    kernels = {"linears": "gemv", "mlp_act": "fused"}
+    default = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=64, compile=False)
+    one_row = fastqwen.optimize(fresh("tiny"), max_seq_len=64, compile=False, kernels=kernels)
+    ids = torch.randint(1, 500, (1, 21))
+    assert torch.equal(one_row.generate(ids, **gen), default.generate(ids, **gen))
+    inter = one_row.config.intermediate_size
+    assert calls == [(1, 1, 2 * inter)] * (one_row.config.num_hidden_layers * 5)  # 5 decode steps, none in prefill
+    calls.clear()
+    two_rows = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=64, compile=False, kernels=kernels)
+    ids, mask = left_padded([torch.randint(1, 500, (n,)) for n in (17, 5)])
+    assert torch.equal(two_rows.generate(ids, attention_mask=mask, **gen),
+                       default.generate(ids, attention_mask=mask, **gen))
+    assert calls == []
+    monkeypatch.undo()  # compiled: the op in the traced step
+    compiled = fastqwen.optimize(fresh("tiny"), max_seq_len=64, compile=True, kernels=kernels)
+    ids = torch.randint(1, 500, (1, 13))
+    assert torch.equal(compiled.generate(ids, **gen), default.generate(ids, **gen))
 
 
 def test_the_shared_expert_stacks_onto_the_routed_ones(tmp_path):

@@ -560,8 +560,9 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
     the kernel sums them itself, the last program of each output tile in split order (_split_k_fixup), and
     `partials` gets [1, rows, out_features]. `pdl`: launch with programmatic dependent launch (Hopper+;
     _dependent_start; grouped mode waits before it reads its pairs, so it prefetches nothing: it only overlaps
-    its launch with the previous kernel). `swiglu` (grouped mode, BF16 format): x is a gate | up launch's
-    partials [S, rows, 2K] fp32 and pair p's row their silu(gate)·up (_row_kernel SWIGLU; tok unread)."""
+    its launch with the previous kernel). `swiglu` (BF16 format; grouped mode, or linear mode at one row): x is
+    a gate | up launch's partials [S, rows, 2K] fp32 and pair p's (the row's) x their silu(gate)·up (_row_kernel
+    SWIGLU; tok unread)."""
     K = x.shape[-1] // 2 if swiglu else x.shape[1]
     if K % STEP:
         raise ValueError(f"the weight-streaming kernel needs K divisible by {STEP}; got K={K}")
@@ -572,9 +573,9 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
     config = config or gemv_config(fmt, N, K, M, rows if grouped else 1)
     bn, split, warps, stages, bits, kstep, lowp, swap = full_config(config)
     bits = bool(bits) and fmt != BF16
-    if swiglu and (pairs is None or fmt != BF16 or act_fp8 or x.dim() != 3 or x.shape[1] != rows):
-        raise ValueError(f"swiglu takes grouped mode, the BF16 format, no fp8 activations and x the gate | up "
-                         f"partials [S, {rows}, 2K]; got format {fmt}, grouped {pairs is not None}, fp8 activations "
+    if swiglu and (fmt != BF16 or act_fp8 or x.dim() != 3 or x.shape[1] != rows or (not grouped and rows != 1)):
+        raise ValueError(f"swiglu takes the BF16 format, no fp8 activations, x the gate | up partials [S, {rows}, "
+                         f"2K] and grouped mode or one row; got format {fmt}, grouped {grouped}, fp8 activations "
                          f"{act_fp8}, x {tuple(x.shape)}")
     if swap and bits:
         if explicit:
@@ -765,6 +766,25 @@ def expert_swiglu_gemv(parts: torch.Tensor, exp: torch.Tensor, w: torch.Tensor, 
     P = parts.shape[1]
     act = swiglu_reference(parts, w.dtype)
     return expert_reference(act, torch.arange(P, dtype=torch.int32), exp, BF16, w, None, None, out_features)[None]
+
+
+@torch.library.custom_op("fastqwen::swiglu_linear", mutates_args=())
+def swiglu_linear(parts: torch.Tensor, w: torch.Tensor, out_features: int, pdl: bool = False,
+                  fixup: bool = False) -> torch.Tensor:
+    """A dense gated MLP's down projection on the activation of its gate | up projection, one row: parts
+    [S, 1, 2I] fp32 (a wq_linear's partials of the fused gate | up weight), w [out_features, I] unquantized →
+    split-K partials [S', 1, out_features] fp32 (S' = 1 with fixup) whose sum is swiglu_reference(parts) · wᵀ.
+    On CUDA the kernel computes the activation as it loads it (_row_kernel SWIGLU): no launch of its own."""
+    if _on_kernel(parts):
+        return _launch(parts.contiguous(), BF16, w, None, None, False, out_features, 1, partials=True, pdl=pdl,
+                       fixup=fixup, swiglu=True)
+    return (swiglu_reference(parts, w.dtype).float() @ w.float().t())[None]
+
+
+@swiglu_linear.register_fake
+def _(parts, w, out_features, pdl=False, fixup=False):
+    splits = linear_splits(BF16, out_features, parts.shape[2] // 2, 1) if _on_kernel(parts) and not fixup else 1
+    return parts.new_empty(splits, parts.shape[1], out_features)
 
 
 @expert_swiglu_gemv.register_fake

@@ -192,6 +192,27 @@ def test_expert_swiglu_gemv_matches_reference_real_shape(pairs):
     assert y.shape[1:] == (pairs, H) and rel_err(y.sum(0), ref) < 1e-4
 
 
+@pytest.mark.parametrize("preset,pdl,fixup", [("qwen3.5-9b", False, False), ("qwen3.5-9b", True, True),
+                                               ("qwen3.5-27b", True, False)])
+def test_swiglu_linear_matches_reference_real_shape(preset, pdl, fixup):
+    """A dense MLP's down projection computing silu(gate)·up from the fused gate | up projection's partials as
+    it loads them (kernels={"mlp_act": "fused"}), one row at 9B and 27B shapes, with PDL and the split-K fixup
+    as decode launches it: the activation rounds to bf16 to nearest even as the reference does."""
+    from fastqwen.ops.gemv import BF16, swiglu_linear, swiglu_reference, wq_linear
+
+    cfg = presets.config(preset)
+    H, inter = cfg.hidden_size, cfg.intermediate_size
+    torch.manual_seed(0)
+    gate_up = torch.randn(2 * inter, H, device="cuda", dtype=torch.bfloat16) * 0.02
+    down = torch.randn(H, inter, device="cuda", dtype=torch.bfloat16) * 0.02
+    x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
+    parts = wq_linear(x, BF16, gate_up, None, None, False, 2 * inter, pdl, fixup)
+    poison_allocator((8, 1, H), (4, 1, H), (2, 1, H), (1, 1, H), dtype=torch.float32)  # (the output's partials)
+    y = swiglu_linear(parts, down, H, pdl, fixup)
+    ref = swiglu_reference(parts, torch.bfloat16).float() @ down.float().t()
+    assert y.shape[1:] == (1, H) and (len(y) == 1 or not fixup) and rel_err(y.sum(0), ref) < 1e-4
+
+
 @pytest.mark.parametrize("grouped,stacked,pdl,fused_act,packed", [
     (False, False, False, False, False), (True, False, False, False, False), (True, True, False, False, False),
     (True, True, True, False, False), (True, True, False, True, False), (True, True, True, True, True)],
