@@ -42,10 +42,16 @@ CANDIDATE_SYSTEMS = {"fastqwen+split-attention": {"attention": "split"},
 # fastqwen with inductor options merged over the run's (launch count: combo kernels launch independent
 # small kernels, e.g. a GDN layer's q, k and v, as one; reductions of up to 16 unrolled, so that the MoE
 # combine's sum over a token's 9 expert outputs folds into the residual add and norm after it instead of a
-# launch of its own: inductor's default unrolls up to 8)
+# launch of its own: inductor's default unrolls up to 8; inductor-pdl: inductor's own kernels launched with
+# programmatic dependent launch, as our GEMVs are, so the ~600 small fused kernels of a 35B step overlap their
+# launch with the kernel before)
 OPTION_SYSTEMS = {"fastqwen+combo-kernels": {"combo_kernels": True},
-                  "fastqwen+unroll-reductions-16": {"unroll_reductions_threshold": 16}}
+                  "fastqwen+unroll-reductions-16": {"unroll_reductions_threshold": 16},
+                  "fastqwen+inductor-pdl": {"triton.enable_pdl": True}}
 DEFAULT_SYSTEMS = ("hf-eager", "hf-static-compile", "fastqwen")  # the others are asked for by name
+# a plain fastqwen decode's tok/s (from generate's wall times) and 1 / its step's device time agree this closely,
+# or the figure is marked suspect: prefill noise larger than the timed decode difference makes it meaningless
+STEP_AGREEMENT = 0.15
 
 
 def compile_options(no_autotune: bool, cuda: bool, extra=()) -> dict | None:
@@ -448,6 +454,13 @@ def _time_steps(label: str, model, out: dict, say: Callable[[str], None]) -> Non
     out.update(step_times(engine))
     device = f", device {out['step_device_us']:.0f} µs" if "step_device_us" in out else ""
     say(f"{label}: a step: host {out['step_host_us']:.0f} µs{device}")
+    if "step_device_us" in out:
+        out["step_tok_s"] = 1e6 / out["step_device_us"]  # one token per row a step
+        if abs(out["tok_s"] / out["step_tok_s"] - 1) > STEP_AGREEMENT:
+            out["timing_suspect"] = True
+            say(f"{label}: WARNING: {out['tok_s']:.1f} tok/s from generate's timings, {out['step_tok_s']:.1f} from a "
+                "step's device time: the calls' times vary more than the decode between them takes (a slow, noisy "
+                "prefill?); the figure is marked '?'; raise --n-long or --repeats")
 
 
 def _measure_hf_static(label: str, model: torch.nn.Module, ids: torch.Tensor, lengths: tuple[int, int],
@@ -488,7 +501,8 @@ def run(
     the mean context of the timed window; see `step_bytes`), ``roofline_tok_s`` (bandwidth / step bytes, in
     tokens/s per sequence like every speed here), per-system results under ``systems`` (``tok_s`` in
     tokens/s per sequence, ``setup_s`` / ``first_call_s`` in seconds, plain fastqwen decodes also
-    ``step_host_us`` / ``step_device_us`` from `step_times`; or ``error``; see ``_measure`` and
+    ``step_host_us`` / ``step_device_us`` from `step_times`, on CUDA ``step_tok_s`` (1e6 / step_device_us) and
+    ``timing_suspect`` when that and ``tok_s`` differ by more than STEP_AGREEMENT; or ``error``; see ``_measure`` and
     ``_measure_hf_static``), the ratios ``fastqwen_vs_hf_static`` and ``fastqwen_vs_roofline``. fastqwen and
     its alternatives run in the order of ``systems`` (on 35B-A3B a system measured after others runs up to 11%
     slower: docs/BENCHMARKS.md, "the order effect"). HF systems
@@ -600,6 +614,11 @@ def _cell(value: float | None, fmt: str) -> str:
     return "—" if value is None else format(value, fmt)
 
 
+def _tok_s(out: dict) -> str:
+    """A system's tok/s, "?" after it when its step's device time disagrees (``timing_suspect``)."""
+    return f"{out['tok_s']:.1f}" + ("?" if out.get("timing_suspect") else "")
+
+
 def _quant_cell(r: dict) -> str:
     """"scheme tok/s (ratio×)" of a run's quantized system, if it had one."""
     for system in QUANT_SYSTEMS:
@@ -609,7 +628,7 @@ def _quant_cell(r: dict) -> str:
                 return f"{system.removeprefix('fastqwen-')}: error"
             ratio, roof = r.get(f"{system}_vs_bf16"), r.get(f"{system}_roofline_tok_s")
             notes = ([f"{ratio:.2f}×"] if ratio else []) + ([f"{out['tok_s'] / roof:.0%} of its roofline"] if roof else [])
-            return f"{system.removeprefix('fastqwen-')} {out['tok_s']:.1f}" + (f" ({', '.join(notes)})" if notes else "")
+            return f"{system.removeprefix('fastqwen-')} {_tok_s(out)}" + (f" ({', '.join(notes)})" if notes else "")
     return "—"
 
 
@@ -622,7 +641,7 @@ def _candidate_cell(r: dict) -> str:
             name = system.removeprefix("fastqwen+")
             ratio = r.get(f"{system}_vs_fastqwen")
             cells.append(f"{name}: error" if "error" in out else
-                         f"{name} {out['tok_s']:.1f}" + (f" ({ratio:.2f}×)" if ratio else ""))
+                         f"{name} {_tok_s(out)}" + (f" ({ratio:.2f}×)" if ratio else ""))
     return "; ".join(cells) or "—"
 
 
@@ -639,7 +658,7 @@ def format_table(results: list[dict]) -> str:
 
         def speed(system: str) -> str:
             out = s.get(system, {})
-            return "error" if "error" in out or "error" in r else _cell(out.get("tok_s"), ".1f")
+            return "error" if "error" in out or "error" in r else _tok_s(out) if "tok_s" in out else "—"
 
         fq = s.get("fastqwen", {}).get("tok_s")
         row = [r["model"], str(r.get("batch_size", "")), str(r.get("prompt_len", "")), speed("hf-eager"),

@@ -114,6 +114,25 @@ def test_run_times_alternatives_against_the_default_on_one_model():
     assert "combo-kernels" in bench.format_table([r])
 
 
+@pytest.mark.parametrize("tok_s, suspect", [(950.0, False), (1100.0, False), (500.0, True), (1300.0, True)])
+def test_a_speed_that_disagrees_with_its_step_device_time_is_marked(monkeypatch, tok_s, suspect):
+    """A plain decode whose generate-timed tok/s is more than STEP_AGREEMENT away from 1 / its step's device time
+    (1000 tok/s here) is flagged, the warning is said, and the table shows it with a "?"."""
+    import types
+
+    monkeypatch.setattr(bench, "step_times", lambda engine: {"step_host_us": 100.0, "step_device_us": 1000.0})
+    model = types.SimpleNamespace(_fastqwen=types.SimpleNamespace(spec=None))
+    out, said = {"tok_s": tok_s}, []
+    bench._time_steps("[x] fastqwen", model, out, said.append)
+    assert out["step_tok_s"] == pytest.approx(1000.0)
+    assert out.get("timing_suspect", False) is suspect
+    assert any("WARNING" in m for m in said) is suspect
+    r = {"model": "x", "batch_size": 1, "prompt_len": 8, "systems": {"fastqwen": out, "fastqwen-fp8-weight": out}}
+    table = bench.format_table([r])
+    assert (f"| {tok_s:.1f}? |" in table and f"fp8-weight {tok_s:.1f}?" in table) is suspect
+    assert f"| {tok_s:.1f} |" in table or suspect
+
+
 def test_run_applies_base_kernels_to_every_fastqwen_system(monkeypatch):
     """bench.run(kernels=..., max_seq_len=...) reaches optimize for fastqwen and the candidates, a candidate's own
     kernel choice winning, in the order the systems were given (a system measured later in a process can run
