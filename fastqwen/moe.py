@@ -7,7 +7,8 @@ For the grouped kernel,
 `stack_shared_expert` appends the shared expert to the routed experts' weights as expert E, and the
 shared-expert gate to the router as row E (when the intermediate sizes match, as in Qwen3.5-35B-A3B): one
 matmul then gives the router logits and the shared gate, and one grouped launch per matrix runs the k routed
-experts and the shared one, with sigmoid(shared gate) as its weight.
+experts and the shared one, with sigmoid(shared gate) as its weight. Quantized experts (quant/experts.py) take
+their quantized shared expert the same way (QuantExperts.stack_shared).
 """
 
 import torch
@@ -19,56 +20,78 @@ from .ops.router import route
 
 
 def stack_shared_expert(mlp) -> bool:
-    """Stack `mlp`'s shared expert onto its bf16 routed experts (see the module docstring): gate_up [E+1, 2I, H],
-    down [E+1, H, I], router [E+1, H] in `mlp.fastqwen_stacked`, every HF parameter a view of them (state dict
-    and forward unchanged). Idempotent; returns whether the stack is in place. A stack whose parameters were
-    replaced since is dropped; shapes that do not fit (quantized experts, other sizes) get none."""
+    """Stack `mlp`'s shared expert onto its routed experts (see the module docstring). bf16 experts: gate_up
+    [E+1, 2I, H], down [E+1, H, I] and router [E+1, H] in `mlp.fastqwen_stacked`, every HF parameter a view of
+    them (state dict and forward unchanged); quantized experts: the router likewise (`fastqwen_stacked` is
+    (None, None, router)) and the experts by QuantExperts.stack_shared. Idempotent; returns whether the stack
+    is in place. A stack whose parameters were replaced since is dropped; shapes that do not fit get none."""
     stacked = mlp.__dict__.get("fastqwen_stacked")
     if stacked is not None and not (_fits(mlp) and _intact(mlp, stacked)):
         mlp.__dict__.pop("fastqwen_stacked")
+        if hasattr(mlp.experts, "stacks"):
+            mlp.experts.stacks = None  # (their buffers are read again, not the stale stack)
         stacked = None
     if stacked is not None:
         return True
     if not _fits(mlp):
         return False
-    e, shared, E = mlp.experts, mlp.shared_expert, mlp.experts.gate_up_proj.shape[0]
-    inter = shared.gate_proj.out_features
-    with torch.no_grad():
-        gate_up = torch.cat([e.gate_up_proj, torch.cat([shared.gate_proj.weight, shared.up_proj.weight])[None]])
-        down = torch.cat([e.down_proj, shared.down_proj.weight[None]])
-        router = torch.cat([mlp.gate.weight, mlp.shared_expert_gate.weight])
+    e, shared, E = mlp.experts, mlp.shared_expert, mlp.gate.weight.shape[0]
     view = lambda t: torch.nn.Parameter(t, requires_grad=False)  # noqa: E731
-    e.gate_up_proj, e.down_proj, mlp.gate.weight = view(gate_up[:E]), view(down[:E]), view(router[:E])
-    shared.gate_proj.weight, shared.up_proj.weight = view(gate_up[E, :inter]), view(gate_up[E, inter:])
-    shared.down_proj.weight, mlp.shared_expert_gate.weight = view(down[E]), view(router[E:])
+    with torch.no_grad():
+        router = torch.cat([mlp.gate.weight, mlp.shared_expert_gate.weight])
+        if hasattr(e, "stack_shared"):  # quantized experts
+            e.stack_shared(shared)
+            gate_up = down = None
+        else:
+            inter = shared.gate_proj.out_features
+            gate_up = torch.cat([e.gate_up_proj, torch.cat([shared.gate_proj.weight, shared.up_proj.weight])[None]])
+            down = torch.cat([e.down_proj, shared.down_proj.weight[None]])
+            e.gate_up_proj, e.down_proj = view(gate_up[:E]), view(down[:E])
+            shared.gate_proj.weight, shared.up_proj.weight = view(gate_up[E, :inter]), view(gate_up[E, inter:])
+            shared.down_proj.weight = view(down[E])
+    mlp.gate.weight, mlp.shared_expert_gate.weight = view(router[:E]), view(router[E:])
     for t in (gate_up, down, router):
-        torch._dynamo.mark_static_address(t)
+        if t is not None:
+            torch._dynamo.mark_static_address(t)
     mlp.__dict__["fastqwen_stacked"] = (gate_up, down, router)
     return True
 
 
 def _intact(mlp, stacked) -> bool:
-    """Whether every part of the stack is still a view of it (no parameter replaced since)."""
+    """Whether every part of the stack is still a view of it (no parameter or buffer replaced since)."""
     gate_up, down, router = stacked
     e, shared = mlp.experts, mlp.shared_expert
-    pairs = ((e.gate_up_proj, gate_up), (shared.gate_proj.weight, gate_up), (shared.up_proj.weight, gate_up),
-             (e.down_proj, down), (shared.down_proj.weight, down), (mlp.gate.weight, router),
-             (mlp.shared_expert_gate.weight, router))
+    pairs = [(mlp.gate.weight, router), (mlp.shared_expert_gate.weight, router)]
+    if hasattr(e, "stack_views"):  # quantized experts
+        views = e.stack_views(shared)
+        if not views:
+            return False
+        pairs += views
+    else:
+        pairs += [(e.gate_up_proj, gate_up), (shared.gate_proj.weight, gate_up), (shared.up_proj.weight, gate_up),
+                  (e.down_proj, down), (shared.down_proj.weight, down)]
     return all(p.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr() for p, whole in pairs)
 
 
 def _fits(mlp) -> bool:
     e, shared, sgate = mlp.experts, getattr(mlp, "shared_expert", None), getattr(mlp, "shared_expert_gate", None)
-    if not isinstance(getattr(e, "gate_up_proj", None), torch.Tensor) or shared is None or sgate is None:
+    if shared is None or type(sgate) is not torch.nn.Linear or sgate.bias is not None:
+        return False
+    router = mlp.gate.weight
+    if hasattr(e, "shared_fits"):  # quantized experts: theirs and the shared expert's layouts must match
+        return (e.shared_fits(shared) and tuple(router.shape) == (e.num_experts, e.hidden)
+                and sgate.weight.shape == (1, e.hidden)
+                and (router.dtype, router.device) == (sgate.weight.dtype, sgate.weight.device))
+    if not isinstance(getattr(e, "gate_up_proj", None), torch.Tensor):
         return False
     linears = [getattr(shared, n, None) for n in ("gate_proj", "up_proj", "down_proj")] + [sgate]
     if not all(type(lin) is torch.nn.Linear and lin.bias is None for lin in linears):
         return False
     E, two_i, H = e.gate_up_proj.shape
-    params = [e.gate_up_proj, e.down_proj, mlp.gate.weight] + [lin.weight for lin in linears]
+    params = [e.gate_up_proj, e.down_proj, router] + [lin.weight for lin in linears]
     return (shared.gate_proj.weight.shape == (two_i // 2, H) and shared.up_proj.weight.shape == (two_i // 2, H)
             and shared.down_proj.weight.shape == (H, two_i // 2) and tuple(e.down_proj.shape) == (E, H, two_i // 2)
-            and sgate.weight.shape == (1, H) and tuple(mlp.gate.weight.shape) == (E, H)
+            and sgate.weight.shape == (1, H) and tuple(router.shape) == (E, H)
             and len({(p.dtype, p.device) for p in params}) == 1)
 
 

@@ -69,11 +69,16 @@ def config(name: str):
 
 
 @torch.no_grad()
-def build(name: str, *, dtype=torch.bfloat16, device="cpu", seed: int = 0, layers: int | None = None):
+def build(name: str, *, dtype=torch.bfloat16, device="cpu", seed: int = 0, layers: int | None = None, **overrides):
     """A random-init `Qwen3_5ForCausalLM` / `Qwen3_5MoeForCausalLM` of preset `name`, in eval mode. layers: keep
     only the first `layers` decoder layers (the same shapes and layer pattern in a shorter stack: a profile's
-    per-layer costs in a fraction of the compile time)."""
+    per-layer costs in a fraction of the compile time); overrides: config fields set over the preset's (e.g.
+    moe_intermediate_size=128)."""
     cfg = config(name)
+    for key, value in overrides.items():
+        if not hasattr(cfg, key):
+            raise ValueError(f"{type(cfg).__name__} has no field {key!r}")
+        setattr(cfg, key, value)
     if layers is not None:
         if not 1 <= layers <= cfg.num_hidden_layers:
             raise ValueError(f"layers must be in 1 … {cfg.num_hidden_layers} for {name!r}; got {layers}")

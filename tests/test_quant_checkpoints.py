@@ -107,6 +107,63 @@ def test_quantize_then_generate_matches_transformers_on_the_same_layers(scheme, 
     assert torch.equal(model.generate(ids, max_new_tokens=20, do_sample=False), expected)
 
 
+@pytest.mark.parametrize("scheme", ["fp8", "fp8-weight", "int4"])
+def test_a_quantized_shared_expert_stacks_onto_the_quantized_experts(scheme, tmp_path):
+    """With grouped experts, a quantized MoE layer's shared expert becomes expert E of its QuantExperts stacks
+    and its gate row E of the router, as for bf16: the stored tensors are views (state dict and the HF forward
+    unchanged), routed_moe gives the HF block's output with no shared-expert launch of its own, re-stacking is
+    a no-op, a replaced buffer re-stacks from the new values, and generate equals transformers'."""
+    from fastqwen.model import routed_moe
+    from fastqwen.moe import stack_shared_expert
+
+    model = quantize(fresh("tiny-moe", moe_intermediate_size=128, shared_expert_intermediate_size=128), scheme,
+                     group_size=32)
+    mlp = model.model.layers[0].mlp
+    experts, shared, E = mlp.experts, mlp.shared_expert, mlp.experts.num_experts
+    h = torch.randn(3, 2, model.config.hidden_size)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        hf = mlp(h)
+        hf = hf[0] if isinstance(hf, tuple) else hf
+        assert stack_shared_expert(mlp) and stack_shared_expert(mlp)
+        assert mlp.fastqwen_stacked[2].shape[0] == E + 1
+        assert all(t.shape[0] == E + 1 for m in ("gate_up", "down") for t in experts.stacks[m].values())
+        assert shared.up_proj.qweight.untyped_storage().data_ptr() == \
+            experts.stacks["gate_up"]["qweight"].untyped_storage().data_ptr()
+        after = model.state_dict()
+        assert after.keys() == state.keys() and all(torch.equal(after[k], v) for k, v in state.items())
+        again = mlp(h)
+        torch.testing.assert_close(again[0] if isinstance(again, tuple) else again, hf, rtol=0, atol=0)
+        calls = []
+        shared.forward = lambda *a: calls.append(a) or 1 / 0  # the stacked path runs no shared expert of its own
+        torch.testing.assert_close(routed_moe(mlp, h, grouped=True), hf, rtol=1e-4, atol=1e-5)
+        assert calls == []
+        del shared.forward
+        zeros = torch.zeros_like(shared.down_proj.qweight)
+        shared.down_proj.qweight = zeros  # a replaced buffer: the stack is rebuilt from it
+        assert stack_shared_expert(mlp)
+        assert torch.equal(experts.stacks["down"]["qweight"][E], zeros)
+    model = fresh("tiny-moe", moe_intermediate_size=128, shared_expert_intermediate_size=128)
+    fastqwen.optimize(model, compile=False, max_seq_len=64, quant=scheme, quant_group_size=32,
+                      kernels={"experts": "grouped"})
+    assert all(layer.mlp.experts.stacks is not None for layer in model.model.layers)
+    ids = torch.randint(1, 500, (1, 11))
+    expected = type(model).generate(model, ids, max_new_tokens=12, do_sample=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False), expected)
+
+
+def test_quantized_experts_stack_only_a_shared_expert_that_fits():
+    """fp8 block scales cover 128 rows, so a shared expert of 32 rows cannot join the experts' stacks: no stack,
+    and decode still equals transformers' (the shared expert runs on its own)."""
+    model = fresh("tiny-moe")
+    fastqwen.optimize(model, compile=False, max_seq_len=64, quant="fp8", kernels={"experts": "grouped"})
+    assert all(layer.mlp.experts.stacks is None and "fastqwen_stacked" not in layer.mlp.__dict__
+               for layer in model.model.layers)
+    ids = torch.randint(1, 500, (1, 11))
+    expected = type(model).generate(model, ids, max_new_tokens=8, do_sample=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False), expected)
+
+
 def test_quantization_errors(tmp_path):
     model = fresh("tiny")
     with pytest.raises(ValueError, match="unknown quantization scheme 'nf4'"):

@@ -7,6 +7,8 @@ stacked on a leading expert dimension) and replaces the experts module in place:
       that any token selected is dequantized once and multiplied with its tokens;
   routed(x, experts) -> [N, k, H]  decode and verify (fastqwen.model.routed_moe): only the selected experts
       are read; on CUDA by the grouped weight-streaming kernel (ops/gemv.py), else by the reference.
+`stack_shared` appends the layer's (quantized) shared expert as expert E, as fastqwen.moe does for bf16
+experts, so that `routed` runs it in the same two launches as the routed ones.
 """
 
 import torch
@@ -33,11 +35,55 @@ class QuantExperts(nn.Module):
             self.keys = tuple(parts[0])
             for key in self.keys:
                 self.register_buffer(f"{m}_{key}", torch.stack([p[key] for p in parts]))
+        self.stacks = None  # {matrix: {key: [E+1, …]}} once the shared expert is stacked (stack_shared)
+
+    def shared_fits(self, shared) -> bool:
+        """Whether `shared` (a MoE layer's shared expert) can be stacked: its gate_proj, up_proj and down_proj
+        are bias-free QuantLinears in this scheme (and int4 group) with one routed expert's sizes, holding the
+        same stored tensors and no act-order permutation."""
+        shapes = {"gate_proj": (self.inter, self.hidden), "up_proj": (self.inter, self.hidden),
+                  "down_proj": (self.hidden, self.inter)}
+        for name, shape in shapes.items():
+            lin = getattr(shared, name, None)
+            if (getattr(lin, "scheme", None) != self.scheme or lin.group != self.group or lin.bias is not None
+                    or (lin.out_features, lin.in_features) != shape or getattr(lin, "perm", None) is not None
+                    or any(not hasattr(lin, key) for key in self.keys)):
+                return False
+        return self.scheme != "fp8" or self.inter % 128 == 0  # (whole 128-row scale blocks per matrix)
+
+    def stack_shared(self, shared) -> None:
+        """Store `shared` (shared_fits) as expert E: each stored tensor becomes the [:E] view of an [E+1, …] stack
+        in `stacks`, and each of the shared linears' tensors a view of row E, so nothing is stored twice and the
+        state dict keeps its shapes."""
+        E, self.stacks = self.num_experts, {}
+        with torch.no_grad():
+            for m, parts in (("gate_up", (shared.gate_proj, shared.up_proj)), ("down", (shared.down_proj,))):
+                self.stacks[m] = {}
+                for key in self.keys:
+                    whole = torch.cat([getattr(self, f"{m}_{key}"), torch.cat([getattr(p, key) for p in parts])[None]])
+                    torch._dynamo.mark_static_address(whole)
+                    self.stacks[m][key] = whole
+                    setattr(self, f"{m}_{key}", whole[:E])
+                    start = 0
+                    for p in parts:
+                        rows = getattr(p, key).shape[0]
+                        setattr(p, key, whole[E, start:start + rows])
+                        start += rows
+
+    def stack_views(self, shared) -> list:
+        """(tensor, stack) for every tensor that must be a view of a stack for `stacks` to hold (empty when
+        nothing is stacked)."""
+        if self.stacks is None:
+            return []
+        parts = {"gate_up": (shared.gate_proj, shared.up_proj), "down": (shared.down_proj,)}
+        return [(t, self.stacks[m][key]) for m in _MATRICES for key in self.keys
+                for t in (getattr(self, f"{m}_{key}"), *(getattr(p, key) for p in parts[m]))]
 
     def stored(self, m: str, e=None) -> dict:
-        """Matrix m's stored tensors, of all experts [E, …] or of expert e (an int or a 0-dim tensor; a tensor is
-        read by index_select, which torch.compile traces without a data-dependent int)."""
-        stacked = {key: getattr(self, f"{m}_{key}") for key in self.keys}
+        """Matrix m's stored tensors, of all experts [E, …] (E+1 with the shared expert stacked) or of expert e
+        (an int or a 0-dim tensor; a tensor is read by index_select, which torch.compile traces without a
+        data-dependent int)."""
+        stacked = self.stacks[m] if self.stacks else {key: getattr(self, f"{m}_{key}") for key in self.keys}
         if e is None:
             return stacked
         if isinstance(e, torch.Tensor):

@@ -121,3 +121,31 @@ def test_quant_experts_routed_kernel_matches_the_prefill_loop(scheme):
         w = torch.rand(T, 8, device="cuda", dtype=torch.bfloat16)
         got = (q.routed(x, idx) * w[..., None]).sum(1)
         assert rel_err(got, q(x, idx, w)) < 2e-2
+
+
+@pytest.mark.parametrize("scheme", ["fp8-weight", "fp8", "int4"])
+def test_quantized_moe_block_with_the_shared_expert_stacked_matches_its_hf_forward(scheme):
+    """A 35B-A3B MoE block quantized (routed experts, shared expert): routed_moe compiled, with the shared
+    expert stacked as expert 256 of the quantized experts and its gate as row 256 of the router, against the
+    block's own forward on the same quantized weights (transformers' loop; the shared expert on its own)."""
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
+
+    from fastqwen import presets
+    from fastqwen.model import routed_moe
+    from fastqwen.moe import stack_shared_expert
+    from fastqwen.quant.linear import quantize_modules
+
+    cfg = presets.config("qwen3.5-35b-a3b")
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        block = Qwen3_5MoeSparseMoeBlock(cfg).to(torch.bfloat16)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    quantize_modules(block, scheme)
+    h = torch.randn(4, 1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref = block(h)
+        ref = (ref[0] if isinstance(ref, tuple) else ref).float()
+        assert stack_shared_expert(block) and block.experts.stacks is not None
+        f = torch.compile(routed_moe, fullgraph=True)
+        assert rel_err(f(block, h, True), ref) < 2e-2
