@@ -192,10 +192,16 @@ def test_quantization_errors(tmp_path):
         from_pretrained(tmp_path / "plain")
 
 
+@pytest.mark.parametrize("prefill_experts", [32, 3])
 @pytest.mark.parametrize("scheme", ["fp8", "fp8-weight", "int4"])
-def test_quant_experts_routed_equals_its_prefill_loop_and_the_dequantized_weights(scheme):
-    """QuantExperts: routed() (decode) and forward() (transformers' contract, prefill) give the same mixture, and
-    both equal the bf16 experts module running on the dequantized weights."""
+def test_quant_experts_routed_equals_its_prefill_loop_and_the_dequantized_weights(scheme, prefill_experts,
+                                                                                  monkeypatch):
+    """QuantExperts: routed() (decode) and forward() (transformers' contract, prefill: grouped matmuls over
+    experts dequantized `prefill_experts` at a time, so 3 splits the 8 experts 3 + 3 + 2) give the same
+    mixture, and both equal the bf16 experts module running on the dequantized weights."""
+    import fastqwen.quant.experts as experts_module
+
+    monkeypatch.setattr(experts_module, "PREFILL_EXPERTS", prefill_experts)
     model = fresh("tiny-moe")
     experts = model.model.layers[0].mlp.experts
     q = QuantExperts(experts, scheme, 32)
@@ -210,3 +216,17 @@ def test_quant_experts_routed_equals_its_prefill_loop_and_the_dequantized_weight
     assert torch.allclose(routed, looped, atol=1e-5)
     if scheme != "fp8":  # ("fp8" rounds the activations as well; the bf16 module does not)
         assert torch.allclose(looped, experts(x, idx, w), atol=1e-5)
+
+
+def test_grouped_matmul_falls_back_to_a_loop_with_the_same_result(monkeypatch):
+    """quant/experts._grouped_mm: torch's grouped matmul, and the per-group loop it uses where torch has none
+    for the dtype, agree, empty groups included."""
+    from fastqwen.quant.experts import _grouped_mm
+
+    x, w = torch.randn(10, 64), torch.randn(4, 32, 64)
+    offs = torch.tensor([3, 3, 9, 10], dtype=torch.int32)
+    expected = torch.cat([x[0:3] @ w[0].t(), x[3:9] @ w[2].t(), x[9:10] @ w[3].t()])
+    torch.testing.assert_close(_grouped_mm(x, w, offs), expected)
+    monkeypatch.setattr(torch.nn.functional, "grouped_mm", None, raising=False)
+    monkeypatch.setattr(torch, "_grouped_mm", None, raising=False)
+    torch.testing.assert_close(_grouped_mm(x, w, offs), expected)

@@ -18,6 +18,18 @@ from ..ops.gemv import FORMATS, STEP, expert_gemv
 from .formats import dequantize_weight, fake_quantize_fp8_activations, quantize_weight
 
 _MATRICES = ("gate_up", "down")
+# experts dequantized at once in prefill: 32 of 35B-A3B's (3 · 512 · 2048 weights each) take 200 MB in bf16
+PREFILL_EXPERTS = 32
+
+
+def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x [P, K] (rows sorted by group), w [G, N, K], offs [G] int32 (each group's end row) → [P, N]: each group's
+    rows times its wᵀ. torch's grouped matmul where it takes the dtype (bf16 on CUDA, any on CPU), else a loop."""
+    grouped = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    if grouped is not None and (x.dtype == torch.bfloat16 or not x.is_cuda):
+        return grouped(x, w.transpose(-2, -1), offs=offs)
+    ends = offs.tolist()
+    return torch.cat([x[a:b] @ w[g].t() for g, (a, b) in enumerate(zip([0] + ends[:-1], ends))])
 
 
 class QuantExperts(nn.Module):
@@ -99,15 +111,31 @@ class QuantExperts(nn.Module):
         return fake_quantize_fp8_activations(x, STEP) if self.scheme == "fp8" else x
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
-        out = torch.zeros_like(hidden_states)
-        for e in top_k_index.unique().tolist():
-            token, slot = torch.where(top_k_index == e)
-            x = hidden_states[token]
-            gate, up = (self._inputs(x) @ self.weight("gate_up", e).to(x.dtype).t()).chunk(2, dim=-1)
-            h = self.act_fn(gate) * up
-            y = self._inputs(h) @ self.weight("down", e).to(x.dtype).t()
-            out.index_add_(0, token, (y * top_k_weights[token, slot, None]).to(out.dtype))
-        return out
+        """transformers' experts contract (prefill): hidden_states [N, H], top_k_index / top_k_weights [N, k] →
+        the weighted mixture [N, H]. The token-expert pairs are sorted by expert; the experts are dequantized to
+        the input dtype PREFILL_EXPERTS at a time, and each such group's pairs run as one grouped matmul per
+        matrix (one host sync a call, for the group boundaries)."""
+        N, k = top_k_index.shape
+        order = top_k_index.flatten().argsort(stable=True)
+        token = order // k
+        counts = torch.bincount(top_k_index.flatten(), minlength=self.num_experts)
+        ends = [0] + counts.cumsum(0).tolist()
+        x, y = hidden_states[token], hidden_states.new_empty(N * k, self.hidden)
+        for lo in range(0, self.num_experts, PREFILL_EXPERTS):
+            hi = min(lo + PREFILL_EXPERTS, self.num_experts)
+            a, b = ends[lo], ends[hi]
+            if a == b:
+                continue
+            offs = counts[lo:hi].cumsum(0).int()
+            gate, up = _grouped_mm(self._inputs(x[a:b]), self._dequantized("gate_up", lo, hi, x.dtype), offs).chunk(2, -1)
+            y[a:b] = _grouped_mm(self._inputs(self.act_fn(gate) * up), self._dequantized("down", lo, hi, x.dtype), offs)
+        weighted = y * top_k_weights.flatten()[order, None].to(y.dtype)
+        return torch.zeros_like(hidden_states).index_add_(0, token, weighted)
+
+    def _dequantized(self, m: str, lo: int, hi: int, dtype) -> torch.Tensor:
+        """Experts lo … hi-1 of matrix m, dequantized to dtype [hi-lo, N, K]."""
+        stored = {key: t[lo:hi] for key, t in self.stored(m).items()}
+        return dequantize_weight(self.scheme, stored, self.group).to(dtype)
 
     def _kernel_fits(self) -> bool:
         return self.hidden % STEP == 0 and self.inter % STEP == 0 and (self.scheme != "int4" or self.group == STEP)

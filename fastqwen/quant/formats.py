@@ -16,11 +16,11 @@ FP8_MAX = torch.finfo(FP8).max
 
 
 def _blocks(t: torch.Tensor, block):
-    """View [N, K] as [N/bn, bn, K/bk, bk] after zero-padding to whole blocks; returns (view, N, K)."""
+    """View [..., N, K] as [..., N/bn, bn, K/bk, bk] after zero-padding to whole blocks; returns (view, N, K)."""
     bn, bk = block
-    N, K = t.shape
+    N, K = t.shape[-2:]
     padded = torch.nn.functional.pad(t, (0, -K % bk, 0, -N % bn))
-    return padded.view(padded.shape[0] // bn, bn, padded.shape[1] // bk, bk), N, K
+    return padded.view(*t.shape[:-2], padded.shape[-2] // bn, bn, padded.shape[-1] // bk, bk), N, K
 
 
 def quantize_fp8_block(w: torch.Tensor, block=(128, 128)):
@@ -32,8 +32,10 @@ def quantize_fp8_block(w: torch.Tensor, block=(128, 128)):
 
 
 def dequantize_fp8_block(q: torch.Tensor, scale_inv: torch.Tensor, block=(128, 128)) -> torch.Tensor:
+    """q [..., N, K], scale_inv [..., ⌈N/bn⌉, ⌈K/bk⌉] → fp32 [..., N, K] (leading dims: a stack of experts)."""
     v, N, K = _blocks(q.float(), block)
-    return (v * scale_inv.float()[:, None, :, None]).view(v.shape[0] * block[0], -1)[:N, :K]
+    w = v * scale_inv.float()[..., :, None, :, None]
+    return w.view(*q.shape[:-2], v.shape[-4] * block[0], -1)[..., :N, :K]
 
 
 def quantize_fp8_rows(w: torch.Tensor):
@@ -43,7 +45,8 @@ def quantize_fp8_rows(w: torch.Tensor):
 
 
 def dequantize_fp8_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return q.float() * scale.float()[:, None]
+    """q [..., N, K], scale [..., N] → fp32 [..., N, K]."""
+    return q.float() * scale.float()[..., None]
 
 
 def quantize_int4(w: torch.Tensor, group: int = 128):
@@ -58,9 +61,10 @@ def quantize_int4(w: torch.Tensor, group: int = 128):
 
 
 def dequantize_int4(q, scale, zero, group: int, perm=None) -> torch.Tensor:
-    """The weight [N, K] in the original column order."""
-    N, K = q.shape
-    w = ((q.float().view(N, K // group, group) - zero.float()[..., None]) * scale.float()[..., None]).view(N, K)
+    """The weight [..., N, K] (codes q [..., N, K]) in the original column order (perm: 2-D q only)."""
+    N, K = q.shape[-2:]
+    v = q.float().view(*q.shape[:-1], K // group, group)
+    w = ((v - zero.float()[..., None]) * scale.float()[..., None]).view(q.shape)
     if perm is not None:
         w = torch.empty_like(w).index_copy_(1, perm, w)
     return w
@@ -73,8 +77,8 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [N, K/2] → codes [N, K] uint8 (inverse of pack_int4)."""
-    return torch.stack([packed & 0xF, packed >> 4], dim=-1).view(packed.shape[0], -1)
+    """uint8 [..., N, K/2] → codes [..., N, K] uint8 (inverse of pack_int4)."""
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).view(*packed.shape[:-1], -1)
 
 
 def fake_quantize_fp8_activations(x: torch.Tensor, group: int = 128) -> torch.Tensor:
@@ -100,7 +104,8 @@ def quantize_weight(w: torch.Tensor, scheme: str, group: int = 128) -> dict:
 
 
 def dequantize_weight(scheme: str, t: dict, group: int = 128) -> torch.Tensor:
-    """The fp32 weight [N, K] of stored tensors `t` (as quantize_weight returns them, optionally "perm")."""
+    """The fp32 weight [N, K] of stored tensors `t` (as quantize_weight returns them, optionally "perm"), or
+    [E, N, K] of a stack of them (QuantExperts)."""
     if scheme == "fp8":
         return dequantize_fp8_block(t["qweight"], t["scale_inv"], (128, 128))
     if scheme == "fp8-weight":

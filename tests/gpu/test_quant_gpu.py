@@ -102,12 +102,15 @@ def test_grouped_expert_kernel_matches_reference_at_35b_shapes(fmt):
 
 
 @pytest.mark.parametrize("scheme", ["fp8-weight", "fp8", "int4"])
-def test_quant_experts_routed_kernel_matches_the_prefill_loop(scheme):
+def test_quant_experts_routed_kernel_matches_the_prefill_loop(scheme, monkeypatch):
     """QuantExperts at the 35B-A3B expert shape (32 of its 256 experts): decode's grouped kernel vs the
-    dequantize-then-matmul loop transformers' contract runs."""
+    dequantize-then-grouped-matmul prefill transformers' contract runs (8 experts dequantized at a time)."""
     from types import SimpleNamespace
 
+    import fastqwen.quant.experts as experts_module
     from fastqwen.quant.experts import QuantExperts
+
+    monkeypatch.setattr(experts_module, "PREFILL_EXPERTS", 8)
 
     torch.manual_seed(0)
     E, H, inter = 32, 2048, 512
@@ -115,7 +118,7 @@ def test_quant_experts_routed_kernel_matches_the_prefill_loop(scheme):
                               down_proj=torch.randn(E, H, inter, device="cuda", dtype=torch.bfloat16) * 0.02,
                               act_fn=torch.nn.functional.silu)
     q = QuantExperts(experts, scheme, 128)
-    for T in (1, 4):
+    for T in (1, 4, 64):
         x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
         idx = torch.stack([torch.randperm(E, device="cuda")[:8] for _ in range(T)])
         w = torch.rand(T, 8, device="cuda", dtype=torch.bfloat16)
