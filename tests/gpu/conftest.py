@@ -28,6 +28,21 @@ def model9b():
     return model
 
 
+def moe_block_35b():
+    """A Qwen3.5-35B-A3B sparse MoE block (256 experts + the shared one) on CUDA, bf16, random weights (seed 0,
+    std 0.02: never zero)."""
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
+
+    from fastqwen import presets
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        block = Qwen3_5MoeSparseMoeBlock(presets.config("qwen3.5-35b-a3b")).to(torch.bfloat16)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    return block
+
+
 def poison_allocator(*shapes, dtype=torch.bfloat16):
     """Fill freed allocator blocks of these shapes with NaN, so an output the op fails to write reads NaN."""
     blocks = [torch.full(s, float("nan"), dtype=dtype, device="cuda") for s in shapes]

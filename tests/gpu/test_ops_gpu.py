@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import poison_allocator, rel_err
+from conftest import moe_block_35b, poison_allocator, rel_err
 
 from fastqwen import presets
 from fastqwen.moe import routed_moe
@@ -219,15 +219,8 @@ def test_swiglu_linear_matches_reference_real_shape(preset, pdl, fixup):
     ids=["gather", "grouped-kernel", "grouped-with-the-shared-expert-stacked", "grouped-pdl", "grouped-fused-act",
          "grouped-pdl-fused-act-packed-route"])
 def test_routed_moe_matches_transformers_block_real_shape(grouped, stacked, pdl, fused_act, packed):
-    cfg = presets.config("qwen3.5-35b-a3b")
-    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
-
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        block = Qwen3_5MoeSparseMoeBlock(cfg).to(torch.bfloat16)
-    for p in block.parameters():
-        torch.nn.init.normal_(p, std=0.02)
-    h = torch.randn(4, 1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    block = moe_block_35b()
+    h = torch.randn(4, 1, block.gate.weight.shape[-1], device="cuda", dtype=torch.bfloat16)
     ref = block.float()(h.float())
     block = block.to(torch.bfloat16)
     if stacked:

@@ -3,7 +3,7 @@ the fp32 torch reference; and a compiled QuantLinear step (CUDA graph) against e
 
 import pytest
 import torch
-from conftest import poison_allocator, rel_err
+from conftest import moe_block_35b, poison_allocator, rel_err
 
 from fastqwen.ops.gemv import (BF16, FP8_BLOCK, FP8_ROW, INT4, _launch, expert_gemv, expert_reference, gemv_config,
                                reference, stored_operands, wq_matmul)
@@ -131,21 +131,12 @@ def test_quantized_moe_block_with_the_shared_expert_stacked_matches_its_hf_forwa
     """A 35B-A3B MoE block quantized (routed experts, shared expert): routed_moe compiled, with the shared
     expert stacked as expert 256 of the quantized experts and its gate as row 256 of the router, against the
     block's own forward on the same quantized weights (transformers' loop; the shared expert on its own)."""
-    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
-
-    from fastqwen import presets
     from fastqwen.model import routed_moe
     from fastqwen.moe import stack_shared_expert
     from fastqwen.quant.linear import quantize_modules
 
-    cfg = presets.config("qwen3.5-35b-a3b")
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        block = Qwen3_5MoeSparseMoeBlock(cfg).to(torch.bfloat16)
-    for p in block.parameters():
-        torch.nn.init.normal_(p, std=0.02)
-    quantize_modules(block, scheme)
-    h = torch.randn(4, 1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    block = quantize_modules(moe_block_35b(), scheme)
+    h = torch.randn(4, 1, block.gate.weight.shape[-1], device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         ref = block(h)
         ref = (ref[0] if isinstance(ref, tuple) else ref).float()
