@@ -584,28 +584,35 @@ def run(
         res["systems"][system] = _measure(f"{label} {system}", lambda h=variants[system]: fastqwen_setup(**h), ids,
                                           (n_short, n_long), say, mask, repeats)
         _time_steps(f"{label} {system}", model, res["systems"][system], say)
-    for system in (s for s in systems if s in variants and s != "fastqwen"):
-        base, tok_s = res["systems"].get("fastqwen", {}).get("tok_s"), res["systems"][system].get("tok_s")
-        res[f"{system}_vs_fastqwen"] = tok_s / base if tok_s and base else None
     for system in quant:  # last: it quantizes the model in place
         _drop_engine(model, device)
         scheme = system.removeprefix("fastqwen-")
         res["systems"][system] = _measure(f"{label} {system}", lambda: fastqwen_setup(scheme), ids,
                                           (n_short, n_long), say, mask, repeats)
         _time_steps(f"{label} {system}", model, res["systems"][system], say)
-        bf16 = res["systems"].get("fastqwen", {}).get("tok_s")
-        tok_s = res["systems"][system].get("tok_s")
-        res[f"{system}_vs_bf16"] = tok_s / bf16 if tok_s and bf16 else None
         res[f"{system}_roofline_tok_s"] = res["copy_bandwidth_Bps"] / step_bytes(model, batch_size, context)
-
-    fq = res["systems"].get("fastqwen", {}).get("tok_s")
-    hf = res["systems"].get("hf-static-compile", {}).get("tok_s")
-    res["fastqwen_vs_hf_static"] = fq / hf if fq and hf else None
-    res["fastqwen_vs_roofline"] = fq / res["roofline_tok_s"] if fq else None
+    add_ratios(res)
     _drop_engine(model, device)
     if built_here:
         del model
         _free(device)
+    return res
+
+
+def add_ratios(res: dict) -> dict:
+    """Set a `run` result's ratios from its systems' tok/s (None where a side is missing or failed):
+    ``<candidate>_vs_fastqwen``, ``<quantized>_vs_bf16``, ``fastqwen_vs_hf_static``, ``fastqwen_vs_roofline``.
+    Returns res."""
+    tok_s = {system: out.get("tok_s") for system, out in res["systems"].items()}
+    ratio = lambda a, b: a / b if a and b else None  # noqa: E731
+    for system in (*CANDIDATE_SYSTEMS, *OPTION_SYSTEMS):
+        if system in tok_s:
+            res[f"{system}_vs_fastqwen"] = ratio(tok_s[system], tok_s.get("fastqwen"))
+    for system in QUANT_SYSTEMS:
+        if system in tok_s:
+            res[f"{system}_vs_bf16"] = ratio(tok_s[system], tok_s.get("fastqwen"))
+    res["fastqwen_vs_hf_static"] = ratio(tok_s.get("fastqwen"), tok_s.get("hf-static-compile"))
+    res["fastqwen_vs_roofline"] = ratio(tok_s.get("fastqwen"), res.get("roofline_tok_s"))
     return res
 
 

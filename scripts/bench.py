@@ -4,6 +4,7 @@
     python scripts/bench.py --models qwen3.5-27b --systems fastqwen --batch-size 1 2 4 8 --prompt-len 512 32768
     python scripts/bench.py --models qwen3.5-27b --systems fastqwen fastqwen-fp8-weight   # quantized vs bf16
     python scripts/bench.py --models qwen3.5-35b-a3b --systems fastqwen fastqwen+grouped-experts   # a candidate kernel
+    python scripts/bench.py --models qwen3.5-35b-a3b --systems fastqwen fastqwen-fp8-weight --isolate  # a process each
 
 Every (model, batch size, prompt length) is one row, all rows of a model on one model object. Prints progress
 lines, then a markdown table; writes results and environment to ``--json`` (and ``--out-dir``) after every
@@ -18,6 +19,7 @@ import datetime
 import functools
 import gc
 import json
+import os
 import pathlib
 import platform
 import sys
@@ -70,6 +72,9 @@ def parse_args() -> argparse.Namespace:
                    "system's own choice overrides them")
     p.add_argument("--json", type=pathlib.Path, default=pathlib.Path("docs/bench.json"), help="results file")
     p.add_argument("--out-dir", type=pathlib.Path, help="also write bench.json and bench.md here")
+    p.add_argument("--isolate", action="store_true", help="time each system in a fresh process of its own and "
+                   "merge the rows (a system timed after another in one process can run slower: the order "
+                   "effect, docs/BENCHMARKS.md); each process builds the model again")
     return p.parse_args()
 
 
@@ -87,13 +92,57 @@ def environment(device: str) -> dict:
 
 
 def main() -> None:
-    """Benchmark each model in turn (a failed model is recorded and skipped), write JSON after every model
-    so partial results survive, print the markdown table last."""
+    """Benchmark each model in turn (a failed model is recorded and skipped), write JSON after every row so
+    partial results survive, print the markdown table last."""
     args = parse_args()
     say = functools.partial(print, flush=True)
     env = environment(args.device)
     say(f"{env['hardware']} | torch {env['torch']} | transformers {env['transformers']}")
     paths = [args.json] + ([args.out_dir / "bench.json"] if args.out_dir else [])
+
+    def save(results: list) -> None:
+        for path in paths:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"environment": env, "results": results}, indent=2) + "\n")
+
+    results = isolated(args, save) if args.isolate and len(args.systems) > 1 else collect(args, say, save)
+    table = bench.format_table(results)
+    if args.out_dir:
+        (args.out_dir / "bench.md").write_text(table + "\n")
+    say(table)
+
+
+def isolated(args: argparse.Namespace, save) -> list:
+    """`collect` for each of args.systems in a fresh (spawned) process, the rows of the same (model, batch
+    size, prompt length) merged: their systems put together and the ratios taken again. A row that failed in
+    any process keeps that error. `save(results)` after each process."""
+    import concurrent.futures
+    import multiprocessing
+
+    rows: dict[tuple, list] = {}  # (model, batch size, prompt length) → that row from each process
+    for system in args.systems:
+        one = argparse.Namespace(**{**vars(args), "systems": [system]})
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            for r in pool.submit(collect, one).result():
+                rows.setdefault((r["model"], r.get("batch_size"), r.get("prompt_len")), []).append(r)
+        merged = []
+        for same in rows.values():
+            failed = [r for r in same if "error" in r]
+            if failed:
+                merged.append(failed[0])
+                continue
+            row = {**same[0], "systems": {}, "isolated": True}
+            for r in same:
+                row["systems"].update(r["systems"])
+                row.update({k: v for k, v in r.items() if k.endswith("_roofline_tok_s") and k != "roofline_tok_s"})
+            merged.append(bench.add_ratios(row))
+        save(merged)
+    return merged
+
+
+def collect(args: argparse.Namespace, say=functools.partial(print, flush=True), save=lambda results: None) -> list:
+    """The `bench.run` rows of args: each model, then each batch size, then each prompt length, all systems
+    of a row in this process; `save(results)` after each row."""
     results = []
     quantized = any(s in bench.QUANT_SYSTEMS for s in args.systems)  # quantizes in place: a model per row
     for name in args.models:
@@ -107,7 +156,7 @@ def main() -> None:
         for batch_size in args.batch_size:
             for prompt_len in args.prompt_len:
                 try:
-                    results.append(bench.run(
+                    row = bench.run(
                         name, model=model, systems=tuple(args.systems), batch_size=batch_size,
                         prompt_len=prompt_len, n_short=args.n_short, n_long=args.n_long,
                         dtype=getattr(torch, args.dtype), device=args.device, compile=args.compile, progress=say,
@@ -115,23 +164,21 @@ def main() -> None:
                         ragged=args.ragged, quant_lm_head=args.quant_lm_head,
                         kernels=dict(kv.split("=", 1) for kv in args.kernels), max_seq_len=args.max_seq_len,
                         repeats=args.repeats,
-                    ))
+                    )
+                    results.append(row)
+                    for out in row["systems"].values():
+                        out["pid"] = os.getpid()  # (which process timed it: --isolate)
                 except Exception as e:  # e.g. out of memory: keep going with the next row
                     error = f"{type(e).__name__}: {e}"[:500]
                     results.append({"model": name, "batch_size": batch_size, "prompt_len": prompt_len,
                                     "error": error})
                     say(f"[{name}] batch {batch_size}, prompt {prompt_len}: FAILED {error}")
-                for path in paths:
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    path.write_text(json.dumps({"environment": env, "results": results}, indent=2) + "\n")
+                save(results)
         del model
         gc.collect()
         if CUDA:
             torch.cuda.empty_cache()
-    table = bench.format_table(results)
-    if args.out_dir:
-        (args.out_dir / "bench.md").write_text(table + "\n")
-    say(table)
+    return results
 
 
 if __name__ == "__main__":

@@ -194,6 +194,23 @@ def test_bench_spec_times_candidate_kernels_against_the_default(tmp_path):
     assert alt["verify_s"] > 0 and alt["verify_vs_default"] == alt["verify_s"] / res["verify4"]["verify_s"]
 
 
+def test_bench_isolate_times_each_system_in_a_process_of_its_own(tmp_path):
+    """scripts/bench.py --isolate (tiny, CPU): a candidate, a quantized system and the default each timed in a
+    fresh process, merged into one row with each ratio taken across processes."""
+    out = tmp_path / "bench.json"
+    script = pathlib.Path(__file__).parents[1] / "scripts" / "bench.py"
+    systems = ["fastqwen+fla-gdn", "fastqwen-fp8-weight", "fastqwen"]
+    subprocess.run([sys.executable, str(script), "--isolate", "--systems", *systems, "--prompt-len", "16",
+                    "--n-short", "2", "--n-long", "6", "--json", str(out)], check=True, capture_output=True)
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["isolated"] and list(row["systems"]) == systems
+    assert len({out["pid"] for out in row["systems"].values()}) == 3
+    tok_s = {s: row["systems"][s]["tok_s"] for s in systems}
+    assert row["fastqwen+fla-gdn_vs_fastqwen"] == tok_s["fastqwen+fla-gdn"] / tok_s["fastqwen"]
+    assert row["fastqwen-fp8-weight_vs_bf16"] == tok_s["fastqwen-fp8-weight"] / tok_s["fastqwen"]
+    assert row["fastqwen-fp8-weight_roofline_tok_s"] > row["roofline_tok_s"]
+
+
 def test_bench_spec_times_the_verify_on_a_shorter_stack(tmp_path):
     """bench_spec.py --layers 2 --runs: plain decode and a 4-position verify + commit on the first two layers; a
     DFlash run is refused there (its draft taps layers of the whole stack)."""
