@@ -3,8 +3,8 @@
 transformers keeps the experts of a Qwen3.5 MoE layer as two 3-D parameters, gate_up_proj [E, 2I, H] and
 down_proj [E, H, I]. QuantExperts stores each expert's two matrices in `scheme`'s layout (quantize_weight,
 stacked on a leading expert dimension) and replaces the experts module in place:
-  forward(hidden_states, top_k_index, top_k_weights)  transformers' experts contract (prefill): each expert
-      that any token selected is dequantized once and multiplied with its tokens;
+  forward(hidden_states, top_k_index, top_k_weights)  transformers' experts contract (prefill): the experts
+      dequantized a group at a time, each group's tokens multiplied by one grouped matmul per matrix;
   routed(x, experts) -> [N, k, H]  decode and verify (fastqwen.model.routed_moe): only the selected experts
       are read; on CUDA by the grouped weight-streaming kernel (ops/gemv.py), else by the reference.
 `stack_shared` appends the layer's (quantized) shared expert as expert E, as fastqwen.moe does for bf16
@@ -127,7 +127,8 @@ class QuantExperts(nn.Module):
             if a == b:
                 continue
             offs = counts[lo:hi].cumsum(0).int()
-            gate, up = _grouped_mm(self._inputs(x[a:b]), self._dequantized("gate_up", lo, hi, x.dtype), offs).chunk(2, -1)
+            gate_up = _grouped_mm(self._inputs(x[a:b]), self._dequantized("gate_up", lo, hi, x.dtype), offs)
+            gate, up = gate_up.chunk(2, -1)
             y[a:b] = _grouped_mm(self._inputs(self.act_fn(gate) * up), self._dequantized("down", lo, hi, x.dtype), offs)
         weighted = y * top_k_weights.flatten()[order, None].to(y.dtype)
         return torch.zeros_like(hidden_states).index_add_(0, token, weighted)
