@@ -105,6 +105,10 @@ def main() -> None:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps({"environment": env, "results": results}, indent=2) + "\n")
 
+    engines = [s for s in args.systems if s.startswith("fastqwen")]
+    if CUDA and len(engines) > 1 and not args.isolate:
+        say(f"note: {len(engines)} fastqwen systems in one process: on 35B-A3B each after the first ran up to 11% "
+            "slower (the order effect, docs/BENCHMARKS.md); --isolate times each in a process of its own")
     results = isolated(args, save) if args.isolate and len(args.systems) > 1 else collect(args, say, save)
     table = bench.format_table(results)
     if args.out_dir:
