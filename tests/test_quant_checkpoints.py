@@ -232,3 +232,152 @@ def test_grouped_matmul_falls_back_to_a_loop_with_the_same_result(monkeypatch):
     monkeypatch.setattr(torch.nn.functional, "grouped_mm", None, raising=False)
     monkeypatch.setattr(torch, "_grouped_mm", None, raising=False)
     torch.testing.assert_close(_grouped_mm(x, w, offs), expected)
+
+
+def gptq_tensors(N, K, group, seed, act_order=False):
+    """A GPTQ-quantized [N, K] weight (random codes): its checkpoint tensors and its dequantized reference
+    [N, K]."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (K, N), generator=g)
+    zeros = torch.randint(1, 16, (K // group, N), generator=g)
+    scales = (torch.rand(K // group, N, generator=g) * 0.02 + 0.005).to(torch.float16)
+    qweight, qzeros = pack_gptq(q, zeros)
+    g_idx = torch.arange(K) // group
+    if act_order:
+        g_idx = g_idx[torch.randperm(K, generator=g)]
+    cols = torch.arange(N)[:, None]
+    ref = scales.float()[g_idx, cols] * (q.t().float() - zeros[g_idx, cols].float())
+    return {"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": g_idx.int()}, ref
+
+
+@pytest.mark.parametrize("method,experts", [("fp8", "quantized"), ("gptq", "quantized"), ("fp8", "plain")])
+def test_a_moe_checkpoint_in_qwens_multimodal_layout_loads_its_experts_as_stored(tmp_path, method, experts):
+    """A Qwen3.5-MoE checkpoint as Qwen publishes it: the multimodal config, text weights under
+    `model.language_model.`, a vision tower and an MTP head beside them, each expert a module of its own
+    (`mlp.experts.<e>.{gate,up,down}_proj`). Quantized experts load into a QuantExperts holding exactly the
+    stored tensors (dequantized: the reference weights); plain ones are stacked into transformers' 3-D
+    parameters; generate runs and equals transformers' over the loaded model."""
+    from transformers import Qwen3_5MoeConfig
+
+    from fastqwen.quant.formats import dequantize_weight
+
+    model = fresh("tiny-moe", moe_intermediate_size=128, shared_expert_intermediate_size=128)
+    E, two_i, H = model.model.layers[0].mlp.experts.gate_up_proj.shape
+    I, group = two_i // 2, 32
+    tensors, reference, seed = {}, {}, 0
+
+    def quantized(key, w):
+        nonlocal seed
+        seed += 1
+        if method == "fp8":
+            q, s = quantize_fp8_block(w.detach())
+            tensors[f"{key}.weight"], tensors[f"{key}.weight_scale_inv"] = q, s
+            return dequantize_fp8_block(q, s)
+        t, ref = gptq_tensors(*w.shape, group, seed)
+        tensors.update({f"{key}.{name}": v for name, v in t.items()})
+        return ref
+
+    quantizable_names = {f"model.layers.{n}.weight" for n, _ in quantizable(model)}
+    for k, v in model.state_dict().items():
+        key = k.replace("model.", "model.language_model.", 1)
+        if ".mlp.experts." in k:
+            continue
+        if k in quantizable_names:
+            quantized(key.removesuffix(".weight"), v)
+        else:
+            tensors[key] = v
+    for i, layer in enumerate(model.model.layers):
+        gate_up, down = layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj
+        refs = []
+        for e in range(E):
+            key = f"model.language_model.layers.{i}.mlp.experts.{e}"
+            parts = {"gate_proj": gate_up[e, :I], "up_proj": gate_up[e, I:], "down_proj": down[e]}
+            if experts == "plain":
+                tensors.update({f"{key}.{p}.weight": w for p, w in parts.items()})
+                refs.append((gate_up[e], down[e]))
+            else:
+                r = {p: quantized(f"{key}.{p}", w) for p, w in parts.items()}
+                refs.append((torch.cat([r["gate_proj"], r["up_proj"]]), r["down_proj"]))
+        reference[i] = refs
+    tensors["model.visual.patch_embed.proj.weight"] = torch.randn(8, 3)
+    tensors["mtp.fc.weight"] = torch.randn(8, 8)
+    qc = ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"} if method == "fp8"
+          else {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False, "sym": False})
+    config = Qwen3_5MoeConfig(text_config=model.config.to_dict(),
+                              vision_config={"depth": 1, "hidden_size": 16, "num_heads": 2, "out_hidden_size": 64,
+                                             "intermediate_size": 32}).to_dict()
+    config["quantization_config"] = qc
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(config))
+
+    loaded = from_pretrained(path, dtype=torch.float32)
+    for i, layer in enumerate(loaded.model.layers):
+        for e, (gate_up, down) in enumerate(reference[i]):
+            if experts == "plain":
+                assert torch.equal(layer.mlp.experts.gate_up_proj[e], gate_up)
+                assert torch.equal(layer.mlp.experts.down_proj[e], down)
+            else:
+                q = layer.mlp.experts
+                assert isinstance(q, QuantExperts) and q.scheme == ("fp8" if method == "fp8" else "int4")
+                assert torch.equal(q.weight("gate_up", e), gate_up) and torch.equal(q.weight("down", e), down)
+        assert isinstance(layer.mlp.shared_expert.down_proj, QuantLinear)
+    if method == "fp8" and experts == "quantized":  # the fp8 tensors are kept as stored, not re-quantized
+        q = loaded.model.layers[0].mlp.experts
+        stored = tensors["model.language_model.layers.0.mlp.experts.3.down_proj.weight"]
+        assert q.down_qweight.dtype == torch.float8_e4m3fn and torch.equal(q.down_qweight[3].view(torch.uint8),
+                                                                            stored.view(torch.uint8))
+        assert torch.equal(dequantize_weight("fp8", q.stored("down", 3)), reference[0][3][1])
+    ids = torch.randint(1, 500, (1, 12))
+    expected = type(loaded).generate(loaded, ids, max_new_tokens=10, do_sample=False)
+    fastqwen.optimize(loaded, compile=False, max_seq_len=64, kernels={"experts": "grouped"})
+    assert torch.equal(loaded.generate(ids, max_new_tokens=10, do_sample=False), expected)
+
+
+def test_moe_checkpoint_errors(tmp_path):
+    """Experts the loader cannot hold as stored are refused by name: an expert missing, some experts quantized
+    and some not, act-order GPTQ experts, FP8 experts whose gate | up rows do not fill whole scale blocks."""
+    model = fresh("tiny-moe", moe_intermediate_size=128, shared_expert_intermediate_size=128)
+    qc = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    base = {k: v for k, v in model.state_dict().items() if ".mlp.experts." not in k}
+    E, two_i, _ = model.model.layers[0].mlp.experts.gate_up_proj.shape
+    I = two_i // 2
+
+    def experts(skip=None, plain=None):
+        out = {}
+        for i, layer in enumerate(model.model.layers):
+            gate_up, down = layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj
+            for e in range(E):
+                if e == skip:
+                    continue
+                for p, w in (("gate_proj", gate_up[e, :I]), ("up_proj", gate_up[e, I:]), ("down_proj", down[e])):
+                    key = f"model.layers.{i}.mlp.experts.{e}.{p}"
+                    if e == plain:
+                        out[f"{key}.weight"] = w
+                    else:
+                        out[f"{key}.weight"], out[f"{key}.weight_scale_inv"] = quantize_fp8_block(w.detach())
+        return out
+
+    for i, (kw, message) in enumerate([({"skip": 5}, r"experts \[0, 1, 2, 3\]… \(7\), the config 8"),
+                                        ({"plain": 2}, "some experts' projections are quantized and some are not")]):
+        with pytest.raises(ValueError, match=message):
+            from_pretrained(write(tmp_path / str(i), model, {**base, **experts(**kw)}, qc), dtype=torch.float32)
+    gptq = {f"model.layers.{i}.mlp.experts.{e}.{p}.{name}": t
+            for i in range(model.config.num_hidden_layers) for e in range(E)
+            for p, shape in (("gate_proj", (I, 64)), ("up_proj", (I, 64)), ("down_proj", (64, I)))
+            for name, t in gptq_tensors(*shape, 32, e, act_order=True)[0].items()}
+    with pytest.raises(ValueError, match="act-order .* experts are not supported"):
+        from_pretrained(write(tmp_path / "gptq", model, {**base, **gptq},
+                              {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True}),
+                        dtype=torch.float32)
+    small = fresh("tiny-moe")  # experts of 32 rows
+    narrow = {f"model.layers.{i}.mlp.experts.{e}.{p}.{name}": t
+              for i, layer in enumerate(small.model.layers) for e in range(E)
+              for p, w in (("gate_proj", layer.mlp.experts.gate_up_proj[e, :32]),
+                           ("up_proj", layer.mlp.experts.gate_up_proj[e, 32:]),
+                           ("down_proj", layer.mlp.experts.down_proj[e]))
+              for name, t in zip(("weight", "weight_scale_inv"), quantize_fp8_block(w.detach()))}
+    plain = {k: v for k, v in small.state_dict().items() if ".mlp.experts." not in k}
+    with pytest.raises(ValueError, match="intermediate size 32 .not a multiple of 128"):
+        from_pretrained(write(tmp_path / "narrow", small, {**plain, **narrow}, qc), dtype=torch.float32)

@@ -4,17 +4,28 @@ Supported `quantization_config`s: Qwen's FP8 (`quant_method: fp8`, `weight_block
 `weight` + `weight_scale_inv`, kept as they are), GPTQ (`quant_method: gptq`, 4 bits, act-order or not,
 "gptq" or "gptq_v2" format) and AWQ (`quant_method: awq`, 4 bits, GEMM layout), converted exactly to our int4
 layout. Nothing is fetched from a hub: transformers' own loaders for these formats want kernels from there.
+
+Checkpoints are read as Qwen publishes them: the multimodal layout's text weights (`model.language_model.*`)
+under the text model's names, its vision tower (`model.visual.*`) and MTP head (`mtp.*`, see spec/mtp.py) left
+out, and a MoE layer's experts stored one module each (`mlp.experts.<e>.{gate,up,down}_proj`): quantized ones
+become a QuantExperts holding their tensors as stored, plain ones are stacked into transformers' 3-D
+`gate_up_proj` / `down_proj`.
 """
 
 import json
+import re
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from .experts import QuantExperts
 from .formats import pack_int4
 from .gptq import from_awq, from_gptq
 from .linear import QuantLinear
+
+_TEXT_PREFIX = "model.language_model."
+_EXPERT_KEY = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(\w+)$")
 
 
 def _read_safetensors(root: Path) -> dict:
@@ -73,6 +84,56 @@ def _quant_linear(method: str, qc: dict, t: dict, prefix: str, shape) -> QuantLi
     return QuantLinear("int4", in_features, out_features, tensors, t.get("bias"), group)
 
 
+def _text_tensors(tensors: dict) -> dict:
+    """The checkpoint's tensors under the text model's names: `model.language_model.X` → `model.X`; the vision
+    tower's dropped (fastqwen generates text)."""
+    return {("model." + k[len(_TEXT_PREFIX):] if k.startswith(_TEXT_PREFIX) else k): v for k, v in tensors.items()
+            if not k.startswith(("model.visual.", "visual."))}
+
+
+def _pop_experts(tensors: dict) -> dict:
+    """Remove the decoder's per-expert tensors from `tensors` (the MTP head's, `mtp.*`, stay for spec/mtp.py):
+    {experts module: {expert: {projection: {name: tensor}}}}."""
+    experts: dict = {}
+    for key in [k for k in tensors if _EXPERT_KEY.match(k) and not k.startswith("mtp.")]:
+        module, e, proj, name = _EXPERT_KEY.match(key).groups()
+        experts.setdefault(module, {}).setdefault(int(e), {}).setdefault(proj, {})[name] = tensors.pop(key)
+    return experts
+
+
+def _experts(method: str, qc: dict, prefix: str, meta, per_expert: dict, marker: str):
+    """A MoE layer's experts from their per-expert checkpoint tensors: (QuantExperts, None) when they are
+    quantized, else (None, {"gate_up_proj": [E, 2I, H], "down_proj": [E, H, I]}) for transformers' module."""
+    E, two_i, H = meta.gate_up_proj.shape
+    I = two_i // 2
+    if sorted(per_expert) != list(range(E)):
+        raise ValueError(f"{prefix}: the checkpoint holds experts {sorted(per_expert)[:4]}… ({len(per_expert)}), the "
+                         f"config {E}")
+    projs = [per_expert[e][p] for e in range(E) for p in ("gate_proj", "up_proj", "down_proj")]
+    quantized = {marker in t for t in projs}
+    if quantized == {False}:
+        w = lambda e, p: per_expert[e][p]["weight"]  # noqa: E731
+        return None, {"gate_up_proj": torch.stack([torch.cat([w(e, "gate_proj"), w(e, "up_proj")]) for e in range(E)]),
+                      "down_proj": torch.stack([w(e, "down_proj") for e in range(E)])}
+    if quantized != {True}:
+        raise ValueError(f"{prefix}: some experts' projections are quantized and some are not")
+    shapes = {"gate_proj": (I, H), "up_proj": (I, H), "down_proj": (H, I)}
+    layers = [{p: _quant_linear(method, qc, per_expert[e][p], f"{prefix}.{e}.{p}", shapes[p]) for p in shapes}
+              for e in range(E)]
+    first = layers[0]["down_proj"]
+    if method == "fp8" and I % 128:
+        raise ValueError(f"{prefix}: FP8 experts of intermediate size {I} (not a multiple of 128) cannot share one "
+                         f"gate | up matrix of 128-row scale blocks")
+    if any(getattr(lin, "perm", None) is not None for experts in layers for lin in experts.values()):
+        raise ValueError(f"{prefix}: act-order (desc_act) GPTQ experts are not supported; quantize the experts "
+                         f"without act-order, or load the bf16 checkpoint and optimize(model, quant='int4')")
+    keys = [k for k in ("qweight", "scale_inv", "scale", "zero") if hasattr(first, k)]
+    stored = {"gate_up": {k: torch.stack([torch.cat([getattr(x["gate_proj"], k), getattr(x["up_proj"], k)])
+                                          for x in layers]) for k in keys},
+              "down": {k: torch.stack([getattr(x["down_proj"], k) for x in layers]) for k in keys}}
+    return QuantExperts(meta, first.scheme, first.group, stored=stored), None
+
+
 def from_pretrained(path, *, dtype=torch.bfloat16, device="cpu"):
     """A Qwen3.5 model from a pre-quantized checkpoint directory, quantized layers kept quantized.
 
@@ -86,11 +147,22 @@ def from_pretrained(path, *, dtype=torch.bfloat16, device="cpu"):
     qc = qc if isinstance(qc, dict) else qc.to_dict()
     method = _check_config(qc)
     del config.quantization_config
-    tensors = _read_safetensors(root)
+    tensors = _text_tensors(_read_safetensors(root))
     marker = "weight_scale_inv" if method == "fp8" else "qweight"
+    per_expert = _pop_experts(tensors)
     quantized = sorted({k.rsplit(".", 1)[0] for k in tensors if k.endswith("." + marker)})
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    done = set(quantized)
+    for prefix, experts in per_expert.items():
+        parent_name, _, name = prefix.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        module, plain_weights = _experts(method, qc, prefix, getattr(parent, name), experts, marker)
+        if module is None:
+            tensors.update({f"{prefix}.{k}": v for k, v in plain_weights.items()})
+        else:
+            setattr(parent, name, module.to(device))
+            done.add(prefix)
     for prefix in quantized:
         parent_name, _, name = prefix.rpartition(".")
         parent = model.get_submodule(parent_name)
@@ -100,7 +172,6 @@ def from_pretrained(path, *, dtype=torch.bfloat16, device="cpu"):
         setattr(parent, name, layer.to(device))
     plain = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items() if not k.startswith("mtp.")}
     missing, unexpected = model.load_state_dict(plain, strict=False, assign=True)
-    done = set(quantized)
     missing = [m for m in missing if not m.endswith("inv_freq") and m.rsplit(".", 1)[0] not in done]
     if missing or unexpected:
         raise ValueError(f"{path} does not match its config: missing {missing[:6]}, unexpected {unexpected[:6]}")

@@ -36,17 +36,24 @@ class QuantExperts(nn.Module):
     """Buffers `{gate_up,down}_{key}` [E, …] for each stored tensor key of the scheme (qweight, scale or
     scale_inv, zero); see the module docstring for the two entry points."""
 
-    def __init__(self, experts: nn.Module, scheme: str, group: int = 128):
+    def __init__(self, experts: nn.Module, scheme: str, group: int = 128, stored: dict | None = None):
+        """Quantize transformers' `experts` (gate_up_proj [E, 2I, H], down_proj [E, H, I], act_fn) in `scheme`;
+        or, with `stored` ({"gate_up" | "down": {key: [E, …]}}, a checkpoint's tensors already in the scheme's
+        layout), hold those and take only act_fn from `experts`."""
         super().__init__()
         self.scheme, self.group, self.act_fn = scheme, group, experts.act_fn
-        self.num_experts = experts.gate_up_proj.shape[0]
-        self.hidden, self.inter = experts.down_proj.shape[1], experts.down_proj.shape[2]
+        if stored is None:
+            stored = {}
+            for m in _MATRICES:
+                w = getattr(experts, f"{m}_proj").detach()
+                parts = [quantize_weight(w[e], scheme, group) for e in range(w.shape[0])]
+                stored[m] = {key: torch.stack([p[key] for p in parts]) for key in parts[0]}
+        self.keys = tuple(stored["down"])
+        self.num_experts, self.hidden = stored["down"]["qweight"].shape[:2]
+        self.inter = stored["gate_up"]["qweight"].shape[1] // 2
         for m in _MATRICES:
-            w = getattr(experts, f"{m}_proj").detach()
-            parts = [quantize_weight(w[e], scheme, group) for e in range(self.num_experts)]
-            self.keys = tuple(parts[0])
             for key in self.keys:
-                self.register_buffer(f"{m}_{key}", torch.stack([p[key] for p in parts]))
+                self.register_buffer(f"{m}_{key}", stored[m][key])
         self.stacks = None  # {matrix: {key: [E+1, …]}} once the shared expert is stacked (stack_shared)
 
     def shared_fits(self, shared) -> bool:
