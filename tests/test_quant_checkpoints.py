@@ -10,6 +10,7 @@ from safetensors.torch import save_file
 from test_quant_formats import pack_gptq
 
 import fastqwen
+from fastqwen import presets
 from fastqwen.quant import QuantLinear, quantize
 from fastqwen.quant.experts import QuantExperts
 from fastqwen.quant.checkpoints import from_pretrained
@@ -300,7 +301,15 @@ def test_a_moe_checkpoint_in_qwens_multimodal_layout_loads_its_experts_as_stored
                 refs.append((torch.cat([r["gate_proj"], r["up_proj"]]), r["down_proj"]))
         reference[i] = refs
     tensors["model.visual.patch_embed.proj.weight"] = torch.randn(8, 3)
-    tensors["mtp.fc.weight"] = torch.randn(8, 8)
+    mtp = presets.random_mtp_tensors(model)  # (fp8 ones in an fp8 checkpoint: read back in full precision)
+    mtp_reference = {}
+    for key, w in mtp.items():
+        if method == "fp8" and w.dim() == 2 and w.shape[0] >= 16:
+            q, s = quantize_fp8_block(w)
+            tensors[key], tensors[f"{key}_scale_inv"] = q, s
+            mtp_reference[key] = dequantize_fp8_block(q, s)
+        else:
+            tensors[key] = w
     qc = ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"} if method == "fp8"
           else {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False, "sym": False})
     config = Qwen3_5MoeConfig(text_config=model.config.to_dict(),
@@ -333,6 +342,12 @@ def test_a_moe_checkpoint_in_qwens_multimodal_layout_loads_its_experts_as_stored
     expected = type(loaded).generate(loaded, ids, max_new_tokens=10, do_sample=False)
     fastqwen.optimize(loaded, compile=False, max_seq_len=64, kernels={"experts": "grouped"})
     assert torch.equal(loaded.generate(ids, max_new_tokens=10, do_sample=False), expected)
+    fastqwen.optimize(loaded, compile=False, max_seq_len=64, speculate="mtp", num_speculative_tokens=3)
+    head = loaded._fastqwen.spec.proposer.head
+    if mtp_reference:
+        assert torch.equal(head.fc.weight, mtp_reference["mtp.fc.weight"])
+    assert torch.equal(loaded.generate(ids, max_new_tokens=10, do_sample=False), expected)
+    assert loaded._fastqwen.spec.rounds[:1].min() > 0, "the speculative loop ran"
 
 
 def test_moe_checkpoint_errors(tmp_path):

@@ -86,16 +86,15 @@ def _quant_linear(method: str, qc: dict, t: dict, prefix: str, shape) -> QuantLi
 
 def _text_tensors(tensors: dict) -> dict:
     """The checkpoint's tensors under the text model's names: `model.language_model.X` → `model.X`; the vision
-    tower's dropped (fastqwen generates text)."""
+    tower's dropped (fastqwen generates text), and the MTP head's (spec/mtp.py reads those from the path)."""
     return {("model." + k[len(_TEXT_PREFIX):] if k.startswith(_TEXT_PREFIX) else k): v for k, v in tensors.items()
-            if not k.startswith(("model.visual.", "visual."))}
+            if not k.startswith(("model.visual.", "visual.", "mtp."))}
 
 
 def _pop_experts(tensors: dict) -> dict:
-    """Remove the decoder's per-expert tensors from `tensors` (the MTP head's, `mtp.*`, stay for spec/mtp.py):
-    {experts module: {expert: {projection: {name: tensor}}}}."""
+    """Remove the per-expert tensors from `tensors`: {experts module: {expert: {projection: {name: tensor}}}}."""
     experts: dict = {}
-    for key in [k for k in tensors if _EXPERT_KEY.match(k) and not k.startswith("mtp.")]:
+    for key in [k for k in tensors if _EXPERT_KEY.match(k)]:
         module, e, proj, name = _EXPERT_KEY.match(key).groups()
         experts.setdefault(module, {}).setdefault(int(e), {}).setdefault(proj, {})[name] = tensors.pop(key)
     return experts
@@ -170,7 +169,7 @@ def from_pretrained(path, *, dtype=torch.bfloat16, device="cpu"):
         own = {k[len(prefix) + 1:]: tensors.pop(k) for k in list(tensors) if k.startswith(prefix + ".")}
         layer = _quant_linear(method, qc, own, prefix, (linear.out_features, linear.in_features))
         setattr(parent, name, layer.to(device))
-    plain = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items() if not k.startswith("mtp.")}
+    plain = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     missing, unexpected = model.load_state_dict(plain, strict=False, assign=True)
     missing = [m for m in missing if not m.endswith("inv_freq") and m.rsplit(".", 1)[0] not in done]
     if missing or unexpected:

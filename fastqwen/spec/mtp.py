@@ -52,7 +52,18 @@ def read_mtp_tensors(path) -> dict:
     if not tensors:
         raise ValueError(f"{path} has no mtp.* tensors: this checkpoint ships no MTP head; use a checkpoint "
                          f"that has one (draft=...) or another speculate option")
-    return _fuse_experts(tensors)
+    return _fuse_experts(_dequantize_fp8(tensors))
+
+
+def _dequantize_fp8(tensors: dict) -> dict:
+    """An FP8 checkpoint's head (e4m3 `weight` + `weight_scale_inv` per 128×128 block) in full precision: the
+    head is read like a bf16 one, and optimize's draft_quant quantizes it again if asked."""
+    from ..quant.formats import dequantize_fp8_block
+
+    for key in [k for k in tensors if k.endswith(".weight_scale_inv")]:
+        weight = key.removesuffix("_scale_inv")
+        tensors[weight] = dequantize_fp8_block(tensors[weight], tensors.pop(key))
+    return tensors
 
 
 def _fuse_experts(tensors: dict) -> dict:
