@@ -22,9 +22,8 @@ from .sampling import argmax_last
 
 QUANT_SYSTEMS = ("fastqwen-fp8-weight", "fastqwen-fp8", "fastqwen-int4")  # optimize(quant=...) after bf16
 # fastqwen with an alternative kernel (optimize's `kernels`), measured against the default on the same model
-CANDIDATE_SYSTEMS = {"fastqwen+split-attention": {"attention": "split"},
-                     "fastqwen+sdpa-attention": {"attention": "sdpa"},  # (the default: split for verify blocks
-                     # and above 8192 keys)
+CANDIDATE_SYSTEMS = {"fastqwen+split-attention": {"attention": "split"},  # (the default)
+                     "fastqwen+sdpa-attention": {"attention": "sdpa"},
                      "fastqwen+grouped-experts": {"experts": "grouped"},  # (the default on CUDA: "auto")
                      "fastqwen+gather-experts": {"experts": "gather"},
                      "fastqwen+grouped-pdl-experts": {"experts": "grouped-pdl"},

@@ -32,7 +32,7 @@ def text_model(model):
     return getattr(inner, "language_model", inner)
 
 
-KERNELS = {"attention": ("auto", "sdpa", "split"), "experts": ("auto", "gather", "grouped", "grouped-pdl"),
+KERNELS = {"attention": ("split", "sdpa"), "experts": ("auto", "gather", "grouped", "grouped-pdl"),
            "projections": ("fused", "separate"), "linears": ("auto", "torch", "gemv"),
            "gdn": ("block", "unrolled", "fla"), "launch": ("auto", "serial", "pdl"),
            "splitk": ("sum", "fixup"), "gdn_norm": ("separate", "fused"),
@@ -43,11 +43,12 @@ KERNELS = {"attention": ("auto", "sdpa", "split"), "experts": ("auto", "gather",
 def check_kernels(kernels: dict | None, cfg, device) -> dict:
     """The kernel choice of each op, defaults filled in ("launch" resolved): optimize's `kernels` option. The
     defaults are the ones measured fastest (docs/BENCHMARKS.md); the others stay selectable to re-measure.
-    "attention": attention over the cache in decode and verify steps by SDPA with a mask over all max_seq_len
-    keys ("sdpa") or by the split-KV kernel that reads only the keys in use ("split", ops/decode_attention.py);
-    "auto" (Forward.split_attention): split for blocks of several queries (verify, a DFlash draft) at any
-    length and for decode above SPLIT_ATTENTION_ABOVE cache positions, SDPA for decode below (a 9B step with a
-    512-token context in a 131072-position cache ran 1.27× faster split; at short caches they measured equal).
+    "attention": attention over the cache in decode and verify steps (and a DFlash draft's block) by the split-KV
+    kernel that reads only the keys in use ("split", ops/decode_attention.py) or by SDPA with a mask over all
+    max_seq_len keys ("sdpa"). Split is the default at every cache length since 2026-12-02: a 35B-A3B step with
+    a 512-token context in a 576-position cache took 2906–2963 µs of device time split against 2999 µs with
+    SDPA (cuDNN's kernel and its reduction cost ~13 µs a layer), a 9B step the same time either way, and in a
+    131072-position cache the 9B decoded 1.27× faster split (SDPA reads every cached position each step).
     "experts": a MoE model's routed experts at decode gathered then multiplied ("gather") or read in place by
     the grouped kernel ("grouped", ops/gemv.py, the shared expert stacked in; off CUDA both run their torch
     references); "auto": "grouped" on CUDA where its shapes fit (hidden and expert intermediate sizes divisible
@@ -129,10 +130,6 @@ def _launch_mode(launch: str, device: torch.device) -> str:
     return ("pdl" if capability >= (9, 0) else "serial") if launch == "auto" else launch
 
 
-# "auto" attention takes the split-KV kernel in decode above this many cache positions: SDPA reads every one of
-# them each step, and past 8192 the unused ones cost ≥ 1% of a 27B step (64 KB of K/V a position over its 16 layers)
-SPLIT_ATTENTION_ABOVE = 8192
-
 _GDN_IN = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 ATTN_IN = ("q_proj", "k_proj", "v_proj")
 
@@ -147,9 +144,7 @@ class Forward:
         self.eps = self.cfg.rms_norm_eps
         self.cache = cache
         self.kernels = check_kernels(kernels, self.cfg, cache.lengths.device)
-        attention, long_cache = self.kernels["attention"], cache.max_seq_len > SPLIT_ATTENTION_ABOVE
-        self._split = {1: attention == "split" or (attention == "auto" and long_cache),  # decode
-                       2: attention != "sdpa"}  # blocks of ≥ 2 queries (verify, DFlash drafts)
+        self.split_attention = self.kernels["attention"] == "split"  # decode, verify and DFlash draft blocks
         self.unrolled = self.kernels["gdn"] in ("block", "unrolled")  # (a Triton compile per T: not for prefill)
         self.block = self.kernels["gdn"] == "block"
         self.fused_norm = self.kernels["gdn_norm"] == "fused"
@@ -162,11 +157,6 @@ class Forward:
             tile_counts(cache.lengths.device, 0)  # the kernels' arrival counts, allocated before any capture
         for layer in self.layers:
             self.prepare_layer(layer)
-
-    def split_attention(self, queries: int) -> bool:
-        """Whether a decode or verify step with `queries` positions a row reads the cache through the split-KV
-        kernel (check_kernels' "attention"); the DFlash draft's block asks the same."""
-        return self._split[min(queries, 2)]
 
     def prepare_layer(self, layer) -> None:
         """Give a decoder layer (the model's, or an MTP head's) this forward's kernel layout: the shared expert
@@ -322,7 +312,7 @@ class Forward:
             o = attend_causal(q, k, v, m.scaling)
         elif mode == "prefill":
             o = attend_prefix(q, k_cache[:, :, :past + T], v_cache[:, :, :past + T], m.scaling)
-        elif self.split_attention(T):
+        elif self.split_attention:
             o = attend_cache_split_op(q, k_cache, v_cache, positions, m.scaling)
         else:
             o = attend_cache(q, k_cache, v_cache, positions, m.scaling)

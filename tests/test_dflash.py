@@ -173,25 +173,27 @@ def test_a_quantized_target_drafts_through_a_quantized_draft(draft_dir):
 
 
 def test_split_attention_in_the_draft_gives_the_same_drafts(draft_dir, monkeypatch):
-    """kernels={"attention": "split"}: the draft's full-attention layers read the cache through the split-KV
-    op (every block query at the block's last position); the drafts, hence the output, are unchanged."""
+    """The default attention ("split"): the draft's full-attention layers read the cache through the split-KV
+    op (every block query at the block's last position); the drafts, hence the output, equal SDPA's."""
     import fastqwen.spec.dflash as dflash_module
 
     ids = torch.randint(1, 500, (1, 23))
     opts = dict(max_batch_size=1, max_seq_len=128, compile=False, speculate="dflash", draft=draft_dir, block_size=6)
-    default = fastqwen.optimize(fresh("tiny"), **opts)
-    split = fastqwen.optimize(fresh("tiny"), **opts, kernels={"attention": "split"})
+    split = fastqwen.optimize(fresh("tiny"), **opts)
+    sdpa = fastqwen.optimize(fresh("tiny"), **opts, kernels={"attention": "sdpa"})
     drafts = {}
-    for name, model in (("default", default), ("split", split)):
+    for name, model in (("split", split), ("sdpa", sdpa)):
         model.generate(ids, do_sample=False, max_new_tokens=4)
         e = model._fastqwen
         with torch.no_grad():
             drafts[name] = e.spec.proposer.propose(e, 5, False)[0]
-    assert torch.equal(drafts["split"], drafts["default"])
+    assert torch.equal(drafts["split"], drafts["sdpa"])
     calls, real = [], dflash_module.attend_cache_split_op
     monkeypatch.setattr(dflash_module, "attend_cache_split_op", lambda *a: calls.append(1) or real(*a))
     with torch.no_grad():
+        sdpa._fastqwen.spec.proposer.propose(sdpa._fastqwen, 5, False)
+        assert not calls
         split._fastqwen.spec.proposer.propose(split._fastqwen, 5, False)
     assert len(calls) == sum(t != "sliding_attention" for t in split._fastqwen.spec.proposer.draft.layer_types)
     assert torch.equal(split.generate(ids, do_sample=False, max_new_tokens=20),
-                       default.generate(ids, do_sample=False, max_new_tokens=20))
+                       sdpa.generate(ids, do_sample=False, max_new_tokens=20))

@@ -24,12 +24,12 @@ def test_grouped_experts_match_the_gathered_ones():
                                    rtol=1e-5, atol=1e-5)
 
 
-ALL = {"attention": "split", "experts": "grouped", "projections": "separate", "linears": "gemv", "gdn": "fla",
+ALL = {"attention": "sdpa", "experts": "grouped", "projections": "separate", "linears": "gemv", "gdn": "fla",
        "launch": "pdl", "splitk": "fixup", "gdn_norm": "fused", "expert_act": "fused",
        "route": "packed"}  # (mlp_act "fused" needs fused projections: its own cases)
 
 
-@pytest.mark.parametrize("name,kernels,compile", [("tiny", {"attention": "split"}, False),
+@pytest.mark.parametrize("name,kernels,compile", [("tiny", {"attention": "sdpa"}, False),
                                                   ("tiny", {"attention": "sdpa"}, True),
                                                   ("tiny", {"projections": "separate"}, True),
                                                   ("tiny", {"linears": "gemv"}, True),
@@ -44,7 +44,7 @@ ALL = {"attention": "split", "experts": "grouped", "projections": "separate", "l
 def test_alternative_kernels_give_the_default_tokens(name, kernels, compile):
     default = fastqwen.optimize(fresh(name), max_batch_size=2, max_seq_len=96, compile=False)
     other = fastqwen.optimize(fresh(name), max_batch_size=2, max_seq_len=96, compile=compile, kernels=kernels)
-    assert other._fastqwen.forward.kernels == {"attention": "auto", "experts": "gather", "projections": "fused",
+    assert other._fastqwen.forward.kernels == {"attention": "split", "experts": "gather", "projections": "fused",
                                                "linears": "auto", "gdn": "block", "launch": "serial", "splitk": "sum", "gdn_norm": "separate",
                                                "expert_act": "separate", "route": "argmax", "mlp_act": "separate",
                                                **kernels}
@@ -53,29 +53,28 @@ def test_alternative_kernels_give_the_default_tokens(name, kernels, compile):
                        default.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16))
 
 
-def test_auto_attention_splits_verify_blocks_always_and_decode_over_long_caches(monkeypatch):
-    """The default attention ("auto"): decode by SDPA up to SPLIT_ATTENTION_ABOVE cache positions and by the
-    split-KV op above (SDPA reads every cached position each step); a verify block (several queries a row) by
-    the split-KV op at any length. Every way gives the same tokens."""
+def test_attention_choice_applies_to_decode_and_verify_at_every_cache_length(monkeypatch):
+    """"split" (the default) reads the cache through the split-KV op in decode steps (one query a row) and in
+    verify blocks (k + 1 queries), short cache or long; "sdpa" never does. Every way gives the same tokens."""
     import fastqwen.model as model_module
     from fastqwen.bench import OracleProposer
 
     calls, real = [], model_module.attend_cache_split_op
     monkeypatch.setattr(model_module, "attend_cache_split_op", lambda q, *a: calls.append(q.shape[2]) or real(q, *a))
     ids, mask = left_padded([torch.randint(1, 500, (n,)) for n in (17, 5)])
-    out, above = {}, model_module.SPLIT_ATTENTION_ABOVE
-    for S, long_cache in ((above, False), (above + 1, True)):
-        m = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=S, compile=False)
-        f = m._fastqwen.forward
-        assert (f.split_attention(1), f.split_attention(4)) == (long_cache, True)
+    out = {}
+    for S, attention in ((64, "split"), (20000, "split"), (64, "sdpa")):
+        kernels = {} if attention == "split" else {"attention": attention}
+        m = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=S, compile=False, kernels=kernels)
+        assert m._fastqwen.forward.split_attention == (attention == "split")
         calls.clear()
-        out[S] = m.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8)
-        assert set(calls) == ({1} if long_cache else set())  # decode steps: one query a row
-        m._fastqwen.enable_speculation(OracleProposer(out[S][:, ids.shape[1]:], 0.0, m.config.vocab_size), 3)
+        out[S, attention] = m.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8)
+        assert set(calls) == ({1} if attention == "split" else set())  # decode steps: one query a row
+        m._fastqwen.enable_speculation(OracleProposer(out[S, attention][:, ids.shape[1]:], 0.0, m.config.vocab_size), 3)
         calls.clear()
-        assert torch.equal(m.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8), out[S])
-        assert set(calls) == {4}  # verify blocks of k + 1 = 4 queries
-    assert torch.equal(out[above + 1], out[above])
+        assert torch.equal(m.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8), out[S, attention])
+        assert set(calls) == ({4} if attention == "split" else set())  # verify blocks of k + 1 = 4 queries
+    assert torch.equal(out[20000, "split"], out[64, "split"]) and torch.equal(out[64, "sdpa"], out[64, "split"])
 
 
 def test_launch_auto_is_pdl_from_hopper_on_and_pdl_before_it_is_refused(monkeypatch):
@@ -146,7 +145,7 @@ def test_bad_kernel_choices():
         fastqwen.optimize(fresh("tiny"), compile=False, kernels={"mlp": "fused"})
     with pytest.raises(ValueError, match=r"kernels\['gdn'\]='chunk'; choose from block, unrolled, fla"):
         fastqwen.optimize(fresh("tiny"), compile=False, kernels={"gdn": "chunk"})
-    with pytest.raises(ValueError, match=r"kernels\['attention'\]='flash'; choose from auto, sdpa, split"):
+    with pytest.raises(ValueError, match=r"kernels\['attention'\]='flash'; choose from split, sdpa"):
         fastqwen.optimize(fresh("tiny"), compile=False, kernels={"attention": "flash"})
     with pytest.raises(ValueError, match="applies to MoE models only"):
         fastqwen.optimize(fresh("tiny"), compile=False, kernels={"experts": "grouped"})

@@ -12,9 +12,8 @@ every length) and runs an online softmax over its chunk in BLOCK_S steps, maskin
 position. The row blocks of one KV head read the same keys (from L2 when they fit). Each split writes its
 partial output and log-sum-exp; `merge_splits`, plain torch traced into the compiled step, merges them. The
 dots take the cache's dtype with fp32 accumulation, as flash attention does (runs in Triton's CPU interpreter,
-tests/test_decode_attention.py). The default for caches longer than model.SPLIT_ATTENTION_ABOVE positions
-(kernels={"attention": "auto"}); scripts/bench_attention.py and the candidates' runs measure it against
-attend_cache.
+tests/test_decode_attention.py). The default at every cache length (kernels={"attention": "split"});
+scripts/bench_attention.py and `fastqwen+sdpa-attention` runs measure it against attend_cache.
 """
 
 import torch

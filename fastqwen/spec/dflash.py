@@ -169,7 +169,7 @@ class DFlashProposer:
         causal = keys[None, None, :] <= positions[:, :, None]
         # with the split-KV kernel (Forward.split_attention), a full-attention layer reads only the keys in
         # use: every query of the block sees keys 0 … s+k, i.e. the kernel's mask at position s+k
-        split = engine.forward.split_attention(T)
+        split = engine.forward.split_attention
         block_end = (s + k)[:, None].expand(-1, T)
         for i, layer in enumerate(d.layers):
             a = layer.self_attn
