@@ -129,6 +129,15 @@ class Linears:
         y = wq_linear(x.reshape(rows, -1), BF16, w, None, None, False, N, self.pdl, self.fixup).sum(0)
         return y.to(x.dtype).view(*x.shape[:-1], N)
 
+    def weight_partials(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """`weight` for a consumer that sums the product itself (a custom op, which inductor cannot fuse the
+        add into): [S, rows, N], the weight-streaming kernel's split-K partials in fp32 (their sum, in x's
+        dtype, is `weight`), or F.linear's product [1, rows, N] in x's dtype where the policy takes cuBLAS."""
+        rows, (N, K) = x.numel() // x.shape[-1], w.shape
+        if not self._streams(x, N, K, rows):
+            return torch.nn.functional.linear(x.reshape(1, rows, -1), w)
+        return wq_linear(x.reshape(rows, -1), BF16, w, None, None, False, N, self.pdl, self.fixup)
+
     def _streams(self, x: torch.Tensor, N: int, K: int, rows: int) -> bool:
         """Whether the policy runs an [N, K] floating-point weight on `rows` rows of x through the kernel."""
         return bool(self.gemv and rows <= GEMV_ROWS and (K % STEP == 0 or not x.is_cuda)  # (off CUDA: the reference)

@@ -106,10 +106,12 @@ def routed_moe(mlp, h: torch.Tensor, grouped: bool = False, lin: Linears | None 
     x = h.reshape(-1, shape[-1])
     stacked = mlp.__dict__.get("fastqwen_stacked") if grouped else None
     lin = lin or Linears()
-    logits = lin.weight(x, mlp.gate.weight if stacked is None else stacked[2])  # [N, E] (+ the shared gate)
-    # [N, k (+1)]; stacked: the shared expert as expert E, weighted by its sigmoid gate. grouped: one launch
-    weights, experts = (route(logits, mlp.gate.top_k, stacked is not None, pdl, packed_route) if grouped
-                        else route_reference(logits, mlp.gate.top_k, stacked is not None))
+    router = mlp.gate.weight if stacked is None else stacked[2]  # [E (+1: the shared gate), H]
+    # [N, k (+1)]; stacked: the shared expert as expert E, weighted by its sigmoid gate. grouped: one launch, which
+    # also sums the router matmul's split-K partials
+    weights, experts = (route(lin.weight_partials(x, router), mlp.gate.top_k, stacked is not None, pdl,
+                              packed_route, x.dtype) if grouped
+                        else route_reference(lin.weight(x, router), mlp.gate.top_k, stacked is not None))
     weights = weights.to(x.dtype)
     if hasattr(mlp.experts, "routed"):  # quantized experts
         out = mlp.experts.routed(x, experts)
@@ -117,15 +119,13 @@ def routed_moe(mlp, h: torch.Tensor, grouped: bool = False, lin: Linears | None 
         gate_up, down = (mlp.experts.gate_up_proj, mlp.experts.down_proj) if stacked is None else stacked[:2]
         N, k = experts.shape
         pair_expert = experts.flatten().int()
-        tok = torch.arange(N, device=x.device, dtype=torch.int32).repeat_interleave(k)
-        parts = expert_gemv(x, tok, pair_expert, BF16, gate_up, None, None, gate_up.shape[1], pdl=pdl)
+        parts = expert_gemv(x, None, pair_expert, BF16, gate_up, None, None, gate_up.shape[1], pdl=pdl)  # k a token
         if fused_act:
             out = expert_swiglu_gemv(parts, pair_expert, down, down.shape[1], pdl=pdl).sum(0)
         else:
             gate, up = parts.sum(0).chunk(2, -1)
             act = (mlp.experts.act_fn(gate) * up).to(x.dtype)  # [N·k, I]
-            pairs = torch.arange(N * k, device=x.device, dtype=torch.int32)
-            out = expert_gemv(act, pairs, pair_expert, BF16, down, None, None, down.shape[1], pdl=pdl).sum(0)
+            out = expert_gemv(act, None, pair_expert, BF16, down, None, None, down.shape[1], pdl=pdl).sum(0)
         out = out.view(N, k, -1).to(x.dtype)
     else:
         gate_up = mlp.experts.gate_up_proj[experts]  # [N, k, 2I, H]

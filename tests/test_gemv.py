@@ -11,7 +11,7 @@ from conftest import run_in_triton_interpreter
 
 from fastqwen.quant.formats import pack_int4, unpack_int4
 from fastqwen.ops.gemv import (BF16, FP8_BLOCK, FP8_ROW, INT4, expert_gemv, expert_key, expert_reference, expert_swiglu_gemv,
-                               gemv_beats_cublas, gemv_config, reference, stored_operands, swiglu_linear,
+                               gemv_beats_cublas, gemv_config, pair_rows, reference, stored_operands, swiglu_linear,
                                swiglu_reference,
                                tuned_config, wq_linear)
 
@@ -53,6 +53,15 @@ def test_expert_reference_is_a_per_pair_matmul():
     torch.library.opcheck(expert_gemv, (x, tok, exp, BF16, w, None, None, 24),
                           test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))
     assert torch.equal(expert_gemv(x, tok, exp, BF16, w, None, None, 24), y[None])  # one split-K partial on CPU
+    # tok None: the pairs token-major, P / T a token (here one: pair p reads row p)
+    assert torch.equal(pair_rows(x, exp), torch.arange(3, dtype=torch.int32))
+    assert torch.equal(pair_rows(x[:1], exp), torch.zeros(3, dtype=torch.int32))
+    assert torch.equal(expert_gemv(x, None, exp, BF16, w, None, None, 24),
+                       expert_reference(x, torch.arange(3, dtype=torch.int32), exp, BF16, w, None, None, 24)[None])
+    torch.library.opcheck(expert_gemv, (x[:1], None, exp, BF16, w, None, None, 24),
+                          test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))
+    with pytest.raises(ValueError, match="P / T pairs a token"):
+        expert_gemv(x[:2], None, exp, BF16, w, None, None, 24)
 
 
 def test_expert_swiglu_gemv_is_the_down_projection_of_the_activation():
@@ -184,6 +193,8 @@ for fmt in (BF16, FP8_ROW, FP8_BLOCK, INT4):  # grouped mode: routed experts
         err = ((y - ref).norm() / ref.norm()).item()
         assert err < 1e-5, f"grouped format {fmt}, config {config}: relative error {err:.2e}"
         worst = max(worst, err)
+        # tok None: token-major pairs, two a token (tok's own pattern), the row computed in the kernel
+        assert torch.equal(_launch(x, fmt, w, s, z, False, N, len(tok), (None, exp), config=config), y), config
 codes = torch.arange(256).to(torch.uint8)
 codes = codes[(codes & 0x7F) != 0x7F]  # every e4m3 code but the NaNs, subnormals and ±0 included
 q = torch.zeros(len(codes), 128, dtype=torch.uint8)
@@ -320,13 +331,13 @@ def ptx(fmt, lowp, swap, act=False, bits=False, pdl=False, fixup=0):  # the 16-r
                   LOWP=lowp, SWAP=swap, PDL=pdl, FIXUP=fixup)
     return compile_sm90(gemv._gemv_kernel, sig, consts, ALIGNED, num_stages=4).asm["ptx"]
 
-def row_kernel(fmt, bits, BN=128, pdl=False, fixup=0, grouped=False, swiglu=0):  # the one-row kernel, 128-column steps
+def row_kernel(fmt, bits, BN=128, pdl=False, fixup=0, grouped=False, swiglu=0, per_row=0):  # one-row kernel, 128-column steps
     sig = dict(x_ptr="*fp32" if swiglu else "*bf16", w_ptr=w_type(fmt, bits), s_ptr="*fp32",
                z_ptr="*fp32", y_ptr="*fp32", tok_ptr="*i32", exp_ptr="*i32", N="i32", K="i32", s_stride="i32",
                w_estride="i32", s_estride="i32", k_per_split="i32", ONE="i32", cnt_ptr="*i32")
     acc_k = 128 // (8 if fmt == gemv.INT4 else 4) if bits else 64 if fmt == gemv.INT4 else 128
     consts = dict(FMT=fmt, ACT_FP8=False, GROUPED=grouped, FP8_LIMIT=448.0, BLOCK_N=BN, BLOCK_K=128, ACC_K=acc_k,
-                  STAGES=2, BITS=bits, PDL=pdl, FIXUP=fixup, SWIGLU=swiglu)
+                  STAGES=2, BITS=bits, PDL=pdl, FIXUP=fixup, SWIGLU=swiglu, PER_ROW=per_row)
     return compile_sm90(gemv._row_kernel, sig, consts, ALIGNED, num_stages=2)
 
 def sass(fmt, bits, BN=128):
@@ -382,6 +393,12 @@ for fmt in (gemv.BF16, gemv.FP8_ROW):
     wait = code.index("griddepcontrol.wait")
     reads = [m.start() for m in re.finditer(r"ld\\.global|cp\\.async\\.c|prefetch", code)]
     assert reads and min(reads) > wait and "griddepcontrol.launch_dependents" in code, (fmt, "grouped: read before the wait")
+
+# PER_ROW (decode's token-major pairs, tok None): the x row from the pair's index, tok never read
+loads = lambda code: len(re.findall(r"ld\\.global", code))  # noqa: E731
+for fmt in (gemv.BF16, gemv.FP8_ROW):
+    with_tok, per_row = (row_kernel(fmt, False, 32, grouped=True, per_row=r).asm["ptx"] for r in (0, 9))
+    assert loads(per_row) == loads(with_tok) - 1, (fmt, loads(per_row), loads(with_tok))
 
 # split-K summed in the kernel: an acquire-release count at GPU scope after a CTA barrier, reads of the partials
 # from L2 (.cg); without FIXUP no atomic at all

@@ -22,9 +22,26 @@ def test_reference_is_transformers_routing():
 
 def test_registered_op_passes_opcheck_on_cpu():
     logits = torch.randn(3, 17)
-    torch.library.opcheck(route, (logits, 4, True),
-                          test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))
+    parts = torch.randn(4, 3, 17)  # a router matmul's split-K partials
+    for args in ((logits, 4, True), (parts, 4, True, False, False, torch.bfloat16)):
+        torch.library.opcheck(route, args,
+                              test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))
     assert all(torch.equal(a, b) for a, b in zip(route(logits, 4, True), reference(logits, 4, True)))
+
+
+def test_partials_route_as_their_sum_rounded_to_the_logits_dtype():
+    """Split-K partials [S, N, E (+1)] route as the logits the summed matmul gives in the activations' dtype:
+    summed in fp32, then rounded (bf16 here: values apart by less than its spacing tie after rounding)."""
+    torch.manual_seed(0)
+    parts = torch.randn(4, 5, 33)
+    logits = parts.sum(0).bfloat16()
+    for shared in (False, True):
+        got, want = reference(parts, 3, shared, torch.bfloat16), reference(logits, 3, shared)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert torch.equal(route(parts, 3, shared, False, False, torch.bfloat16)[1], want[1])
+    # one partial in the logits' dtype already (F.linear's product): used as it is
+    assert all(torch.equal(a, b) for a, b in zip(reference(logits[None], 3, True, torch.bfloat16),
+                                                 reference(logits, 3, True)))
 
 
 _INTERPRETED = """
@@ -41,6 +58,21 @@ for packed in (False, True):  # (packed: one max over (logit, index) keys a roun
             rw, re = reference(logits, k, shared)
             assert torch.equal(e, re), (packed, N, E, k, shared, e, re)
             assert torch.allclose(w, rw, atol=1e-6), (packed, N, E, k, shared, (w - rw).abs().max())
+    # split-K partials: summed in the kernel, rounded to bf16 (sums of multiples of 1/16 below 8: exact in bf16,
+    # the interpreter's truncating conversion and the GPU's rounding agree), fp32 partials of an fp32 model
+    for N, E, k in ((3, 256, 8), (2, 60, 5)):
+        for shared in (False, True):
+            for S, dtype in ((1, torch.bfloat16), (4, torch.bfloat16), (3, torch.float32)):
+                logits = torch.stack([torch.randperm(E + shared) for _ in range(N)]).float() / 64
+                parts = torch.randint(-8, 9, (S, N, E + shared)).float() / 16
+                parts[0] += logits - parts.sum(0)
+                w, e = launch(parts, k, shared, packed=packed, logit_dtype=dtype)
+                rw, re = reference(parts, k, shared, dtype)
+                assert torch.equal(e, re), (packed, N, E, k, shared, S)
+                assert torch.allclose(w, rw, atol=1e-6), (packed, N, E, k, shared, S)
+    rounded = torch.tensor([[[1.0, 1.0 + 2 ** -10, 0.5, 0.25]]])  # 1 + 2^-10 is 1.0 in bf16: a tie, index 0 first
+    assert launch(rounded, 2, False, packed=packed, logit_dtype=torch.bfloat16)[1].tolist() == [[0, 1]], packed
+    assert launch(rounded, 2, False, packed=packed, logit_dtype=torch.float32)[1].tolist() == [[1, 0]], packed
     logits = torch.zeros(1, 8)
     logits[0, [2, 5]] = 1.0  # a tie: the lower index first
     w, e = launch(logits, 2, False, packed=packed)
@@ -63,10 +95,12 @@ import re
 from sm90 import compile_sm90
 from fastqwen.ops.router import _route_kernel
 
-sig = dict(logits_ptr="*bf16", w_ptr="*fp32", e_ptr="*i32", stride="i32")
-for pdl, packed in ((False, False), (True, False), (False, True), (True, True)):
-    consts = dict(E=256, K=8, SHARED=True, BLOCK_E=256, BLOCK_K=8, PDL=pdl, PACKED=packed)
-    kernel = compile_sm90(_route_kernel, sig, consts, ("logits_ptr", "stride"), num_warps=1 if packed else 4)
+sig = dict(logits_ptr="*bf16", w_ptr="*fp32", e_ptr="*i32", stride="i32", split_stride="i32")
+for pdl, packed, S in ((False, False, 1), (True, False, 4), (False, True, 1), (True, True, 16)):
+    consts = dict(E=256, K=8, SHARED=True, BLOCK_E=256, BLOCK_K=8, PDL=pdl, PACKED=packed, S=S, ROUND=int(S > 1))
+    sig["logits_ptr"] = "*fp32" if S > 1 else "*bf16"
+    kernel = compile_sm90(_route_kernel, sig, consts, ("logits_ptr", "stride", "split_stride"),
+                          num_warps=1 if packed else 4)
     code = kernel.asm["ptx"]
     if packed:  # one warp: the reductions are shuffles, with no barrier between them
         assert "bar.sync" not in code and "barrier" not in code and code.count("shfl.sync") > 0, "a barrier"

@@ -80,12 +80,18 @@ if triton is not None:
 
     @triton.jit
     def _pair_pointers(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, tok_ptr, exp_ptr, N, K, w_estride, s_estride,
-                       SWIGLU: tl.constexpr):
-        """Grouped mode: move the pointers to pair program_id(1)'s x row, expert and output row (with SWIGLU,
-        x row p of the gate | up partials, 2K wide, whatever tok holds)."""
+                       SWIGLU: tl.constexpr, PER_ROW: tl.constexpr):
+        """Grouped mode: move the pointers to pair program_id(1)'s x row (tok[p], or p // PER_ROW when PER_ROW is
+        set: then tok is unread), expert and output row (with SWIGLU, x row p of the gate | up partials, 2K
+        wide, whatever tok holds)."""
         p = tl.program_id(1)
         e = tl.load(exp_ptr + p).to(tl.int64)
-        x_ptr = x_ptr + p.to(tl.int64) * 2 * K if SWIGLU else x_ptr + tl.load(tok_ptr + p).to(tl.int64) * K
+        if SWIGLU:
+            x_ptr = x_ptr + p.to(tl.int64) * 2 * K
+        elif PER_ROW:
+            x_ptr = x_ptr + (p // PER_ROW).to(tl.int64) * K
+        else:
+            x_ptr = x_ptr + tl.load(tok_ptr + p).to(tl.int64) * K
         return x_ptr, w_ptr + e * w_estride, s_ptr + e * s_estride, z_ptr + e * s_estride, y_ptr + p.to(tl.int64) * N
 
     @triton.jit
@@ -174,7 +180,7 @@ if triton is not None:
                     k_per_split, ONE, cnt_ptr, FMT: tl.constexpr, ACT_FP8: tl.constexpr, GROUPED: tl.constexpr,
                     FP8_LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACC_K: tl.constexpr,
                     STAGES: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr, FIXUP: tl.constexpr = 0,
-                    SWIGLU: tl.constexpr = 0):
+                    SWIGLU: tl.constexpr = 0, PER_ROW: tl.constexpr = 0):
         """One row of x (decode at batch 1, or one (token, expert) pair): products accumulate elementwise in
         registers and are summed over K once, at the end (no per-step reduction, no tensor-core layout).
         BITS: the weight is read as int32 words and decoded by bit moves (_fp8_bits, _int4_unit) instead of
@@ -193,7 +199,7 @@ if triton is not None:
                 tl.extra.cuda.gdc_wait()
                 tl.extra.cuda.gdc_launch_dependents()
             x_ptr, w_ptr, s_ptr, z_ptr, y_ptr = _pair_pointers(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, tok_ptr, exp_ptr,
-                                                               N, K, w_estride, s_estride, SWIGLU)
+                                                               N, K, w_estride, s_estride, SWIGLU, PER_ROW)
         n_ok = n < N
         acc = tl.zeros((BLOCK_N, ACC_K), tl.float32)
         acc_odd = tl.zeros((BLOCK_N, ACC_K), tl.float32)  # int4's odd columns
@@ -612,6 +618,9 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
     w_estride = w.stride(0) if grouped else 0
     s_estride = scale.stride(0) if grouped and scale is not None else 0
     tok, exp = pairs if grouped else (x, x)  # unused pointers outside grouped mode
+    per_row = 0
+    if grouped and tok is None:  # pairs token-major, P / T of them a token: pair p reads x row p // (P / T)
+        per_row, tok = max(rows // max(x.shape[0], 1), 1), exp
     scale = w if scale is None else scale  # BF16 reads no scale; any pointer does
     zero = scale if zero is None else zero  # only INT4 reads a zero
     if M == 1 and lowp != 2:
@@ -620,7 +629,7 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
             x, w, scale, zero, y, tok, exp, N, K, s_stride, w_estride, s_estride,
             k_per_split, ONE_BITS, cnt, FMT=fmt, ACT_FP8=act_fp8, GROUPED=grouped, FP8_LIMIT=FP8_MAX, BLOCK_N=bn,
             BLOCK_K=block_k, ACC_K=acc_k, STAGES=stages, BITS=bits, PDL=pdl, FIXUP=fix,
-            SWIGLU=x.shape[0] if swiglu else 0, num_warps=warps, launch_pdl=pdl)
+            SWIGLU=x.shape[0] if swiglu else 0, PER_ROW=per_row, num_warps=warps, launch_pdl=pdl)
     else:
         _gemv_kernel[(triton.cdiv(N, bn), 1, split)](
             x, w, scale, zero, y, M, N, K, s_stride, k_per_split, cnt, FMT=fmt,
@@ -689,8 +698,16 @@ def reference(x, fmt: int, w, scale, zero, act_fp8: bool, out_features: int) -> 
     return x.float() @ dequantized(fmt, w, scale, zero).t()
 
 
+def pair_rows(x: torch.Tensor, exp: torch.Tensor) -> torch.Tensor:
+    """The x row of each of P token-major pairs over T rows (P / T a row): [0, …, 0, 1, …] int32 [P]."""
+    per_row = max(exp.shape[0] // max(x.shape[0], 1), 1)
+    return torch.arange(exp.shape[0], device=exp.device, dtype=torch.int32) // per_row
+
+
 def expert_reference(x, tok, exp, fmt: int, w, scale, zero, out_features: int, act_fp8: bool = False) -> torch.Tensor:
-    """The grouped mode in plain torch: row p = x[tok[p]] · W[exp[p]]ᵀ, fp32 [P, out_features]."""
+    """The grouped mode in plain torch: row p = x[tok[p]] · W[exp[p]]ᵀ, fp32 [P, out_features] (tok None: the
+    pairs are token-major, P / T a token, pair_rows)."""
+    tok = pair_rows(x, exp) if tok is None else tok
     if act_fp8:
         x = fake_quantize_fp8_activations(x, STEP)
     rows = [x[t].float() @ dequantized(fmt, w[e], None if scale is None else scale[e],
@@ -727,22 +744,26 @@ def _(x, fmt, w, scale, zero, act_fp8, out_features, pdl=False, fixup=False):
 
 
 @torch.library.custom_op("fastqwen::expert_gemv", mutates_args=())
-def expert_gemv(x: torch.Tensor, tok: torch.Tensor, exp: torch.Tensor, fmt: int, w: torch.Tensor,
+def expert_gemv(x: torch.Tensor, tok: torch.Tensor | None, exp: torch.Tensor, fmt: int, w: torch.Tensor,
                 scale: torch.Tensor | None, zero: torch.Tensor | None, out_features: int,
                 act_fp8: bool = False, pdl: bool = False) -> torch.Tensor:
     """Routed experts: x [T, K], pairs tok / exp [P] int32, expert weights w [E, N, K] (stored format, with
     scale / zero [E, …]) → split-K partial sums [S, P, out_features] fp32 whose sum over dim 0 has row
-    p = x[tok[p]] · W[exp[p]]ᵀ (the caller sums, as for wq_linear). Kernel on CUDA, the reference (S = 1)
-    elsewhere. pdl: launch with programmatic dependent launch (kernels={"experts": "grouped-pdl"})."""
+    p = x[tok[p]] · W[exp[p]]ᵀ (the caller sums, as for wq_linear). tok None: the pairs are token-major, P / T
+    of them a token (pair_rows), computed in the kernel: a decode step builds no index tensor (a launch a layer
+    inside a compiled step). Kernel on CUDA, the reference (S = 1) elsewhere. pdl: launch with programmatic
+    dependent launch (kernels={"experts": "grouped-pdl"})."""
+    if tok is None and exp.shape[0] % max(x.shape[0], 1):
+        raise ValueError(f"tok None needs P / T pairs a token: {exp.shape[0]} pairs over {x.shape[0]} rows")
     if _on_kernel(x):
-        return _launch(x.contiguous(), fmt, w, scale, zero, act_fp8, out_features, tok.shape[0], (tok, exp),
+        return _launch(x.contiguous(), fmt, w, scale, zero, act_fp8, out_features, exp.shape[0], (tok, exp),
                        partials=True, pdl=pdl)
     return expert_reference(x, tok, exp, fmt, w, scale, zero, out_features, act_fp8)[None]
 
 
 @expert_gemv.register_fake
 def _(x, tok, exp, fmt, w, scale, zero, out_features, act_fp8=False, pdl=False):
-    P = tok.shape[0]
+    P = exp.shape[0]
     splits = split_plan(x.shape[1], gemv_config(fmt, out_features, x.shape[1], 1, P))[1] if _on_kernel(x) else 1
     return x.new_empty(splits, P, out_features, dtype=torch.float32)
 
@@ -765,7 +786,7 @@ def expert_swiglu_gemv(parts: torch.Tensor, exp: torch.Tensor, w: torch.Tensor, 
                        partials=True, pdl=pdl, swiglu=True)
     P = parts.shape[1]
     act = swiglu_reference(parts, w.dtype)
-    return expert_reference(act, torch.arange(P, dtype=torch.int32), exp, BF16, w, None, None, out_features)[None]
+    return expert_reference(act, None, exp, BF16, w, None, None, out_features)[None]
 
 
 @torch.library.custom_op("fastqwen::swiglu_linear", mutates_args=())

@@ -1,6 +1,10 @@
 """MoE routing of few tokens in one launch: top-k experts of each token's router logits and their weights.
 
-`route(logits [N, E (+1)], k, shared)` → (weights [N, k (+1)] fp32, experts [N, k (+1)] int32). As transformers
+`route(logits [N, E (+1)], k, shared)` → (weights [N, k (+1)] fp32, experts [N, k (+1)] int32); the logits may
+also be the router matmul's split-K partials [S, N, E (+1)] fp32 with the dtype the logits would have had
+(`logit_dtype`): the kernel sums and rounds them as it loads them, so no launch of their own sits between the
+router matmul and the routing (one of ~23 launches a 35B-A3B decode layer, whose step is bound by its
+launches' latency). As transformers
 routes Qwen3.5 MoE: softmax over the E experts, the k largest, renormalised to sum to 1, which is a softmax
 over the k selected logits (the full denominator cancels), so the kernel never exponentiates the other E − k.
 With `shared`, logits column E is the shared expert's gate (moe.stack_shared_expert): it is appended as
@@ -22,8 +26,16 @@ except ImportError:  # CPU-only installs: the op runs the reference
     triton = None
 
 
-def reference(logits: torch.Tensor, k: int, shared: bool):
+def summed(logits: torch.Tensor, logit_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Logits [N, E (+1)] from route's input: partials [S, N, E (+1)] summed in fp32 and rounded to logit_dtype."""
+    if logits.dim() == 2:
+        return logits
+    return logits.float().sum(0).to(logit_dtype or logits.dtype)
+
+
+def reference(logits: torch.Tensor, k: int, shared: bool, logit_dtype: torch.dtype | None = None):
     """(weights fp32 [N, k (+1)], experts int32 [N, k (+1)]): transformers' routing in plain torch."""
+    logits = summed(logits, logit_dtype)
     E = logits.shape[1] - shared
     probs = torch.softmax(logits[:, :E].float(), dim=-1)
     weights, experts = torch.topk(probs, k, dim=-1)
@@ -53,18 +65,31 @@ if triton is not None:
         return (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _route_kernel(logits_ptr, w_ptr, e_ptr, stride, E: tl.constexpr, K: tl.constexpr, SHARED: tl.constexpr,
-                      BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
-                      PACKED: tl.constexpr = False):
+    def _rounded(logit, ROUND: tl.constexpr):
+        """fp32 logits rounded through bf16 (ROUND 1) or fp16 (ROUND 2), or unchanged (0)."""
+        if ROUND == 1:
+            logit = logit.to(tl.bfloat16).to(tl.float32)
+        elif ROUND == 2:
+            logit = logit.to(tl.float16).to(tl.float32)
+        return logit
+
+    @triton.jit
+    def _route_kernel(logits_ptr, w_ptr, e_ptr, stride, split_stride, E: tl.constexpr, K: tl.constexpr,
+                      SHARED: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
+                      PACKED: tl.constexpr = False, S: tl.constexpr = 1, ROUND: tl.constexpr = 0):
         """One token: k rounds of (max, its lowest index, mask it out); weights = softmax over the k maxima.
         PDL (launched with launch_pdl): wait for the previous kernel (the logits are its output) first. PACKED:
-        a round is one max over _ordered_key."""
+        a round is one max over _ordered_key. S: the logits are the sum of S partials, split_stride apart,
+        rounded through bf16 (ROUND 1) or fp16 (ROUND 2) or not (0)."""
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0)
         e = tl.arange(0, BLOCK_E)
-        logit = tl.load(logits_ptr + row * stride + e, mask=e < E, other=-float("inf")).to(tl.float32)
+        logit = tl.zeros((BLOCK_E,), tl.float32)
+        for s in tl.static_range(S):
+            logit += tl.load(logits_ptr + s * split_stride + row * stride + e, mask=e < E, other=0.0).to(tl.float32)
+        logit = tl.where(e < E, _rounded(logit, ROUND), -float("inf"))
         j = tl.arange(0, BLOCK_K)
         top = tl.full((BLOCK_K,), -float("inf"), tl.float32)
         idx = tl.zeros((BLOCK_K,), tl.int32)
@@ -89,37 +114,48 @@ if triton is not None:
         tl.store(e_ptr + out + j, idx, mask=j < K)
         if SHARED:
             g = tl.load(logits_ptr + row * stride + E).to(tl.float32)
+            for s in tl.static_range(1, S):
+                g += tl.load(logits_ptr + s * split_stride + row * stride + E).to(tl.float32)
+            g = _rounded(g, ROUND)
             tl.store(w_ptr + out + K, 1.0 / (1.0 + tl.exp(-g)))
             tl.store(e_ptr + out + K, E)
 
 
-def launch(logits: torch.Tensor, k: int, shared: bool, pdl: bool = False, packed: bool = False):
+_ROUND = {None: 0, torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def launch(logits: torch.Tensor, k: int, shared: bool, pdl: bool = False, packed: bool = False,
+           logit_dtype: torch.dtype | None = None):
     """The Triton kernel (any device Triton runs on, its CPU interpreter included); same contract as route.
     pdl: launch with programmatic dependent launch (Hopper+); packed: the one-warp packed-key rounds."""
-    logits = logits.contiguous()
-    N, E = logits.shape[0], logits.shape[1] - shared
+    parts = logits.contiguous() if logits.dim() == 3 else logits.contiguous()[None]
+    S, N, E = parts.shape[0], parts.shape[1], parts.shape[2] - shared
+    rounding = logit_dtype if S > 1 or parts.dtype != logit_dtype else None
+    if rounding not in _ROUND:
+        raise ValueError(f"router logits in {rounding}: the kernel rounds to bf16, fp16 or fp32")
     weights = torch.empty(N, k + shared, dtype=torch.float32, device=logits.device)
     experts = torch.empty(N, k + shared, dtype=torch.int32, device=logits.device)
     if N:
-        _route_kernel[(N,)](logits, weights, experts, logits.stride(0), E=E, K=k, SHARED=shared,
+        _route_kernel[(N,)](parts, weights, experts, parts.stride(1), parts.stride(0), E=E, K=k, SHARED=shared,
                             BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(k), PDL=pdl,
-                            PACKED=packed, num_warps=1 if packed else 4, launch_pdl=pdl)
+                            PACKED=packed, S=S, ROUND=_ROUND[rounding], num_warps=1 if packed else 4,
+                            launch_pdl=pdl)
     return weights, experts
 
 
 @torch.library.custom_op("fastqwen::route", mutates_args=())
-def route(logits: torch.Tensor, k: int, shared: bool, pdl: bool = False,
-          packed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [N, E (+1 with shared)] → (weights fp32, experts int32) [N, k (+1)]; see the module docstring.
-    The kernel on CUDA (pdl: with programmatic dependent launch; packed: its packed-key rounds), the reference
-    elsewhere."""
+def route(logits: torch.Tensor, k: int, shared: bool, pdl: bool = False, packed: bool = False,
+          logit_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [N, E (+1 with shared)], or split-K partials [S, N, E (+1)] of logits in logit_dtype →
+    (weights fp32, experts int32) [N, k (+1)]; see the module docstring. The kernel on CUDA (pdl: with
+    programmatic dependent launch; packed: its packed-key rounds), the reference elsewhere."""
     if logits.is_cuda and triton is not None:
-        return launch(logits, k, shared, pdl, packed)
-    return reference(logits, k, shared)
+        return launch(logits, k, shared, pdl, packed, logit_dtype)
+    return reference(logits, k, shared, logit_dtype)
 
 
 @route.register_fake
-def _(logits, k, shared, pdl=False, packed=False):
-    N = logits.shape[0]
+def _(logits, k, shared, pdl=False, packed=False, logit_dtype=None):
+    N = logits.shape[-2]
     return (logits.new_empty(N, k + shared, dtype=torch.float32),
             logits.new_empty(N, k + shared, dtype=torch.int32))

@@ -154,15 +154,13 @@ class QuantExperts(nn.Module):
         pair_expert = experts.flatten()
         if x.is_cuda and self._kernel_fits():
             fmt, act = FORMATS[self.scheme], self.scheme == "fp8"
-            tok = torch.arange(N, device=x.device, dtype=torch.int32).repeat_interleave(k)
-            pe = pair_expert.int()
+            pe = pair_expert.int()  # (token-major pairs, k a token: expert_gemv's tok None)
             gu = self.stored("gate_up")
-            gate, up = expert_gemv(x, tok, pe, fmt, gu["qweight"], gu.get("scale_inv", gu.get("scale")),
+            gate, up = expert_gemv(x, None, pe, fmt, gu["qweight"], gu.get("scale_inv", gu.get("scale")),
                                    gu.get("zero"), 2 * self.inter, act).sum(0).chunk(2, dim=-1)
             h = (self.act_fn(gate) * up).to(x.dtype)
             dn = self.stored("down")
-            pairs = torch.arange(N * k, device=x.device, dtype=torch.int32)
-            y = expert_gemv(h, pairs, pe, fmt, dn["qweight"], dn.get("scale_inv", dn.get("scale")), dn.get("zero"),
+            y = expert_gemv(h, None, pe, fmt, dn["qweight"], dn.get("scale_inv", dn.get("scale")), dn.get("zero"),
                             self.hidden, act).sum(0)
             return y.view(N, k, self.hidden).to(x.dtype)
         rows = []

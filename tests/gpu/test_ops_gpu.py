@@ -168,6 +168,47 @@ def test_router_kernel_picks_the_reference_experts_at_the_35b_shape(shared, pack
     assert torch.equal(e, re) and torch.allclose(w, rw, atol=1e-6)
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_router_kernel_sums_and_rounds_split_k_partials_as_the_reference(packed):
+    """The router matmul's split-K partials (16, fp32, at 35B-A3B's 256 experts + the shared gate) summed and
+    rounded to bf16 in the kernel, to nearest even as torch rounds: the same experts and weights as routing
+    the bf16 logits; and as the router's own kernel launches them (Linears.weight_partials) equal to routing
+    Linears.weight's logits."""
+    from fastqwen.linears import Linears
+    from fastqwen.ops.router import reference, route
+
+    torch.manual_seed(0)
+    parts = torch.randn(16, 8, 257, device="cuda") / 4
+    w, e = route(parts, 8, True, False, packed, torch.bfloat16)
+    rw, re = reference(parts.sum(0).bfloat16(), 8, True)
+    assert torch.equal(e, re) and torch.allclose(w, rw, atol=1e-6)
+    lin = Linears(gemv=True, pdl=True)
+    x = torch.randn(3, 2048, device="cuda", dtype=torch.bfloat16)
+    router = torch.randn(257, 2048, device="cuda", dtype=torch.bfloat16) * 0.02
+    got = route(lin.weight_partials(x, router), 8, True, True, packed, torch.bfloat16)
+    want = route(lin.weight(x, router), 8, True, True, packed)
+    assert torch.equal(got[1], want[1]) and torch.allclose(got[0], want[0], atol=1e-6)
+
+
+def test_expert_gemv_computes_token_major_rows_in_the_kernel():
+    """tok None (the decode path's pairs, k a token, no index tensor built): the same partials as the explicit
+    rows, bit for bit, at 35B-A3B's gate | up shape for batch 1 and 8 in bf16 and fp8."""
+    from fastqwen.ops.gemv import BF16, FP8_ROW, expert_gemv, pair_rows, stored_operands
+
+    cfg = presets.config("qwen3.5-35b-a3b")
+    E, H, inter = cfg.num_experts + 1, cfg.hidden_size, cfg.moe_intermediate_size
+    torch.manual_seed(0)
+    dense = torch.randn(E, 2 * inter, H, device="cuda") * 0.02
+    for fmt in (BF16, FP8_ROW):
+        stored = [stored_operands(fmt, dense[e] if fmt != BF16 else dense[e].bfloat16()) for e in range(E)]
+        w, s = torch.stack([t[0] for t in stored]), None if fmt == BF16 else torch.stack([t[1] for t in stored])
+        for tokens in (1, 8):
+            x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
+            exp = torch.randint(E, (9 * tokens,), device="cuda", dtype=torch.int32)
+            want = expert_gemv(x, pair_rows(x, exp), exp, fmt, w, s, None, 2 * inter)
+            assert torch.equal(expert_gemv(x, None, exp, fmt, w, s, None, 2 * inter), want), (fmt, tokens)
+
+
 @pytest.mark.parametrize("pairs", [9, 72])  # batch 1 and 8 at 35B-A3B's 8 routed experts + the shared one
 def test_expert_swiglu_gemv_matches_reference_real_shape(pairs):
     """The down projection that computes silu(gate)·up from the gate | up partials as it loads them, at
