@@ -132,7 +132,19 @@ def routed_moe(mlp, h: torch.Tensor, grouped: bool = False, lin: Linears | None 
         gate, up = torch.einsum("nh,nkoh->nko", x, gate_up).chunk(2, dim=-1)
         act = mlp.experts.act_fn(gate) * up  # [N, k, I]
         out = torch.einsum("nki,nkhi->nkh", act, mlp.experts.down_proj[experts])
-    out = (out * weights[..., None]).sum(1)
+    out = weighted_sum(out, weights)
     if stacked is None:
         out = out + lin.mlp(mlp.shared_expert, x) * torch.sigmoid(mlp.shared_expert_gate(x))
     return out.reshape(shape)
+
+
+def weighted_sum(out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Σⱼ weights[:, j] · out[:, j]: out [N, k, H], weights [N, k] → [N, H] in out's dtype, as
+    (out * weights[..., None]).sum(1) computes it (fp32 accumulation), but written as k - 1 adds: inductor
+    unrolls reductions of at most 8 terms (unroll_reductions_threshold), and over 9 (35B-A3B's 8 routed experts
+    and the stacked shared one) the sum is a launch of its own; as adds it folds into the kernel after it (the
+    residual add and the next norm)."""
+    acc = (out[:, 0] * weights[:, 0, None]).float()
+    for j in range(1, out.shape[1]):
+        acc = acc + (out[:, j] * weights[:, j, None]).float()
+    return acc.to(out.dtype)

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from conftest import fresh
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-from fastqwen.moe import routed_moe
+from fastqwen.moe import routed_moe, weighted_sum
 from fastqwen.ops.attention import apply_rope, attend_cache, attend_prefix, rope_cos_sin, write_kv
 from fastqwen.ops.conv import conv_step
 from fastqwen.ops.gdn import gdn_chunk, gdn_recurrent
@@ -92,6 +92,18 @@ def test_rope_matches_transformers():
     ref, _ = hf.apply_rotary_pos_emb(x, x, cos, sin)
     ours = apply_rope(x, *rope_cos_sin(pos, rot.inv_freq, rot.attention_scaling, x.dtype))
     torch.testing.assert_close(ours, ref)
+
+
+def test_weighted_sum_is_the_sum_over_experts_of_weighted_outputs():
+    """moe.weighted_sum: Σⱼ wⱼ · outⱼ as adds (they fold into the next kernel on a GPU), the result of
+    (out * w[..., None]).sum(1): exactly on values whose sums are exact, within fp32 order otherwise."""
+    out = torch.randint(-64, 64, (3, 9, 40)).float() / 8
+    w = torch.randint(0, 16, (3, 9)).float() / 16
+    assert torch.equal(weighted_sum(out, w), (out * w[..., None]).sum(1))
+    ob, wb = out.bfloat16(), w.bfloat16()  # products rounded to bf16, summed in fp32, rounded once
+    assert torch.equal(weighted_sum(ob, wb), (ob * wb[..., None]).sum(1))
+    out, w = torch.randn(2, 9, 64), torch.rand(2, 9)
+    torch.testing.assert_close(weighted_sum(out, w), (out * w[..., None]).sum(1), rtol=1e-6, atol=1e-6)
 
 
 def test_routed_moe_matches_transformers_block():

@@ -273,6 +273,35 @@ def test_routed_moe_matches_transformers_block_real_shape(grouped, stacked, pdl,
         assert rel_err(f(block, h, grouped, None, pdl, fused_act, packed), ref) < 2e-2
 
 
+def test_expert_combine_folds_into_the_norm_after_it():
+    """moe.weighted_sum over 9 expert outputs (8 routed + the stacked shared one) compiles into the residual add
+    and RMSNorm kernel after it, where the same sum written as .sum(1) (over inductor's unroll limit of 8) takes a
+    kernel of its own; both give the same result within bf16 rounding."""
+    from torch._inductor.utils import run_and_get_code
+
+    from fastqwen.moe import weighted_sum
+
+    def as_sum(out, weights):
+        return (out * weights[..., None]).sum(1)
+
+    def layer_tail(combine, parts, weights, residual, w):  # down partials → combine → residual add → next norm
+        h = residual + combine(parts.sum(0).view(1, 9, -1).to(torch.bfloat16), weights.to(torch.bfloat16))
+        return h, rms_norm(h, w, 1e-6)
+
+    torch.manual_seed(0)
+    args = (torch.randn(2, 9, 2048, device="cuda"), torch.rand(1, 9, device="cuda"),
+            torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16),
+            torch.randn(2048, device="cuda", dtype=torch.bfloat16))
+    kernels, outs = {}, {}
+    for combine in (weighted_sum, as_sum):
+        torch._dynamo.reset()
+        outs[combine], code = run_and_get_code(torch.compile(lambda *a, c=combine: layer_tail(c, *a)), *args)
+        kernels[combine] = "\n".join(code).count("@triton.jit")
+    assert kernels[weighted_sum] == kernels[as_sum] - 1, kernels
+    for a, b in zip(outs[weighted_sum], outs[as_sum]):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("unrolled,pdl,block", [(False, False, False), (True, False, False), (True, True, False),
                                                 (True, False, True), (True, True, True)])
 @pytest.mark.parametrize("B,T", [(1, 4), (3, 16)])
