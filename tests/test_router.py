@@ -4,7 +4,7 @@ top-k and renormalisation, with the stacked shared expert's gate appended."""
 import torch
 from conftest import run_in_triton_interpreter
 
-from fastqwen.ops.router import reference, route
+from fastqwen.ops.router import reference, route, summed
 
 
 def test_reference_is_transformers_routing():
@@ -39,6 +39,9 @@ def test_partials_route_as_their_sum_rounded_to_the_logits_dtype():
         got, want = reference(parts, 3, shared, torch.bfloat16), reference(logits, 3, shared)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
         assert torch.equal(route(parts, 3, shared, False, False, torch.bfloat16)[1], want[1])
+    # 16-bit partials without a logit dtype: rounded to theirs; fp32 logits with one: rounded to it
+    assert torch.equal(summed(parts.bfloat16()), parts.bfloat16().float().sum(0).bfloat16())
+    assert torch.equal(summed(parts[0], torch.bfloat16), parts[0].bfloat16())
     # one partial in the logits' dtype already (F.linear's product): used as it is
     assert all(torch.equal(a, b) for a, b in zip(reference(logits[None], 3, True, torch.bfloat16),
                                                  reference(logits, 3, True)))
@@ -62,10 +65,13 @@ for packed in (False, True):  # (packed: one max over (logit, index) keys a roun
     # the interpreter's truncating conversion and the GPU's rounding agree), fp32 partials of an fp32 model
     for N, E, k in ((3, 256, 8), (2, 60, 5)):
         for shared in (False, True):
-            for S, dtype in ((1, torch.bfloat16), (4, torch.bfloat16), (3, torch.float32)):
+            for S, dtype in ((1, torch.bfloat16), (4, torch.bfloat16), (3, torch.float32), (3, None)):
                 logits = torch.stack([torch.randperm(E + shared) for _ in range(N)]).float() / 64
                 parts = torch.randint(-8, 9, (S, N, E + shared)).float() / 16
                 parts[0] += logits - parts.sum(0)
+                if dtype is None:  # bf16 partials, each exact in bf16 (their sum too), rounded to bf16
+                    parts = torch.stack([logits, torch.full_like(logits, 0.5), torch.full_like(logits, -0.5)])
+                    parts = parts.bfloat16()
                 w, e = launch(parts, k, shared, packed=packed, logit_dtype=dtype)
                 rw, re = reference(parts, k, shared, dtype)
                 assert torch.equal(e, re), (packed, N, E, k, shared, S)

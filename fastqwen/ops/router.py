@@ -27,10 +27,11 @@ except ImportError:  # CPU-only installs: the op runs the reference
 
 
 def summed(logits: torch.Tensor, logit_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Logits [N, E (+1)] from route's input: partials [S, N, E (+1)] summed in fp32 and rounded to logit_dtype."""
-    if logits.dim() == 2:
-        return logits
-    return logits.float().sum(0).to(logit_dtype or logits.dtype)
+    """Logits [N, E (+1)] from route's input: logits, or partials [S, N, E (+1)] summed in fp32, rounded to
+    logit_dtype (None: kept in the input's dtype), as the kernel reads them."""
+    if logit_dtype is None or logit_dtype == logits.dtype:
+        return logits if logits.dim() == 2 else logits.float().sum(0).to(logits.dtype)
+    return (logits if logits.dim() == 2 else logits.float().sum(0)).to(logit_dtype)
 
 
 def reference(logits: torch.Tensor, k: int, shared: bool, logit_dtype: torch.dtype | None = None):
@@ -130,7 +131,8 @@ def launch(logits: torch.Tensor, k: int, shared: bool, pdl: bool = False, packed
     pdl: launch with programmatic dependent launch (Hopper+); packed: the one-warp packed-key rounds."""
     parts = logits.contiguous() if logits.dim() == 3 else logits.contiguous()[None]
     S, N, E = parts.shape[0], parts.shape[1], parts.shape[2] - shared
-    rounding = logit_dtype if S > 1 or parts.dtype != logit_dtype else None
+    target = logit_dtype or parts.dtype  # (summed) the logits' dtype: one partial in it is read as it is
+    rounding = None if S == 1 and parts.dtype == target else target
     if rounding not in _ROUND:
         raise ValueError(f"router logits in {rounding}: the kernel rounds to bf16, fp16 or fp32")
     weights = torch.empty(N, k + shared, dtype=torch.float32, device=logits.device)
