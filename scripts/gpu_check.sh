@@ -16,6 +16,8 @@
 #            (add --phases: its draft and verify as graphs of their own too; PROFILE_ARGS="--layers 16 --verify-block 16
 #            --kernels launch=serial": a verify alone on a quarter of the stack, each kernel's own time, ~3.5 min on 27B fp8)
 #   gdn      scripts/bench_gdn.py: the verify's gated delta rule (fla, the unrolled walk, the block solve's tiles) per T
+#   code     the same run as profile with TORCH_LOGS=output_code: the inductor source of every compiled graph in
+#            $OUT/output_code.txt (which kernel of the profile does what, for launch work between sessions)
 #   attention scripts/bench_attention.py (SDPA over the whole cache vs the split-KV kernel) and its GPU test
 #   qbench   scripts/bench.py on $QMODEL (default 27B): fastqwen bf16 vs quantized ($SCHEME, default fp8-weight;
 #            one scheme a process: quantizing is in place; QBENCH_ARGS, e.g. --quant-lm-head, or
@@ -81,6 +83,11 @@ case "$stage" in
   startup) python scripts/bench_startup.py --model "${STARTUP_MODEL:-qwen3.5-9b}" --json "$out/startup.json" ;;
   profile) python scripts/profile_step.py --model "${PROFILE_MODEL:-qwen3.5-35b-a3b}" --no-autotune ${PROFILE_ARGS:-} \
            --json "$out/profile.json" 2>&1 | grep -E "^\||µs" ;;
+  code) # the compiled graphs' inductor source (every kernel of the decode step, named as the profile names them),
+         # for launch work off the GPU: $OUT/output_code.txt; PROFILE_MODEL / PROFILE_ARGS as for profile
+         TORCH_LOGS=output_code python scripts/profile_step.py --model "${PROFILE_MODEL:-qwen3.5-35b-a3b}" --no-autotune \
+           ${PROFILE_ARGS:-} > "$out/output_code.txt" 2>&1
+         grep -c "@triton.jit" "$out/output_code.txt" || true ;;
   attention) python -m pytest -q -p no:warnings tests/gpu/test_attention_gpu.py 2>&1 | tail -3
          python scripts/bench_attention.py --json "$out/bench_attention.json" 2>&1 | grep "^|" ;;
   qbench) python scripts/bench.py --models "${QMODEL:-qwen3.5-27b}" --systems fastqwen "fastqwen-${SCHEME:-fp8-weight}" \
