@@ -34,8 +34,10 @@ CANDIDATE_SYSTEMS = {"fastqwen+split-attention": {"attention": "split"},  # (the
                      "fastqwen+unrolled-gdn": {"gdn": "unrolled"},
                      "fastqwen+splitk-fixup": {"splitk": "fixup"},
                      "fastqwen+fused-gdn-norm": {"gdn_norm": "fused"},
-                     "fastqwen+fused-expert-act": {"expert_act": "fused"},
-                     "fastqwen+packed-route": {"route": "packed"},
+                     "fastqwen+fused-expert-act": {"expert_act": "fused"},  # (the default with grouped: "auto")
+                     "fastqwen+separate-expert-act": {"expert_act": "separate"},
+                     "fastqwen+packed-route": {"route": "packed"},  # (the default with grouped: "auto")
+                     "fastqwen+argmax-route": {"route": "argmax"},
                      "fastqwen+fused-mlp-act": {"mlp_act": "fused"},
                      "fastqwen+serial-launch": {"launch": "serial"}}
 # fastqwen with inductor options merged over the run's (launch count: combo kernels launch independent

@@ -44,10 +44,12 @@ ALL = {"attention": "sdpa", "experts": "grouped", "projections": "separate", "li
 def test_alternative_kernels_give_the_default_tokens(name, kernels, compile):
     default = fastqwen.optimize(fresh(name), max_batch_size=2, max_seq_len=96, compile=False)
     other = fastqwen.optimize(fresh(name), max_batch_size=2, max_seq_len=96, compile=compile, kernels=kernels)
+    grouped = kernels.get("experts", "").startswith("grouped")
+    grouped_auto = {"expert_act": "fused", "route": "packed"} if grouped else {}  # ("auto" follows the experts)
     assert other._fastqwen.forward.kernels == {"attention": "split", "experts": "gather", "projections": "fused",
                                                "linears": "auto", "gdn": "block", "launch": "serial", "splitk": "sum", "gdn_norm": "separate",
                                                "expert_act": "separate", "route": "argmax", "mlp_act": "separate",
-                                               **kernels}
+                                               **grouped_auto, **kernels}
     ids, mask = left_padded([torch.randint(1, 500, (n,)) for n in (17, 5)])
     assert torch.equal(other.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16),
                        default.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16))
@@ -126,16 +128,22 @@ def test_programmatic_dependent_launch_reaches_inductor_and_the_weight_streaming
 def test_auto_experts_take_the_grouped_kernel_on_cuda_where_the_shapes_fit():
     """kernels["experts"] "auto" (the default) resolves to "grouped" for a MoE model on CUDA whose hidden and
     expert intermediate sizes are multiples of 128 (the real 35B-A3B), to "gather" off CUDA and where they are
-    not; "grouped" asked for where it cannot run is an error naming the sizes."""
+    not; "expert_act" and "route" "auto" follow it (the fused SiLU and the packed routing with grouped experts);
+    "grouped" asked for where it cannot run is an error naming the sizes."""
     from fastqwen import presets
     from fastqwen.model import check_kernels
 
     moe, dense, tiny_moe = presets.config("qwen3.5-35b-a3b"), presets.config("qwen3.5-9b"), presets.config("tiny-moe")
     serial = {"launch": "serial"}  # ("auto" would ask the GPU for its compute capability)
-    assert check_kernels(serial, moe, "cuda")["experts"] == "grouped"
-    assert check_kernels(serial, moe, "cpu")["experts"] == "gather"
-    assert check_kernels(serial, dense, "cuda")["experts"] == "gather"
-    assert tiny_moe.hidden_size % 128 and check_kernels(serial, tiny_moe, "cuda")["experts"] == "gather"
+    grouped_ops = ("experts", "expert_act", "route")
+    pick = lambda kernels, cfg, device: tuple(check_kernels(kernels, cfg, device)[op] for op in grouped_ops)
+    assert pick(serial, moe, "cuda") == ("grouped", "fused", "packed")
+    assert pick({**serial, "experts": "grouped-pdl"}, moe, "cuda") == ("grouped-pdl", "fused", "packed")
+    assert pick(serial, moe, "cpu") == ("gather", "separate", "argmax")
+    assert pick(serial, dense, "cuda") == ("gather", "separate", "argmax")
+    assert tiny_moe.hidden_size % 128 and pick(serial, tiny_moe, "cuda") == ("gather", "separate", "argmax")
+    gelu = type(moe)(**{**moe.to_dict(), "hidden_act": "gelu"})
+    assert pick(serial, gelu, "cuda") == ("grouped", "separate", "packed")  # (the fused kernel computes SiLU)
     with pytest.raises(ValueError, match="divisible by 128"):
         check_kernels({**serial, "experts": "grouped"}, tiny_moe, "cuda")
 
