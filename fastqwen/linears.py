@@ -143,13 +143,37 @@ class Linears:
         return bool(self.gemv and rows <= GEMV_ROWS and (K % STEP == 0 or not x.is_cuda)  # (off CUDA: the reference)
                     and (self.gemv is True or gemv_beats_cublas(self.table, N, K, rows)))
 
-    def project(self, module, h, names):
-        """The outputs of `module`'s linears `names` on h."""
+    def partials(self, module, x: torch.Tensor) -> torch.Tensor | None:
+        """A bias-free linear's (or a QuantLinear's) product on x as the weight-streaming kernel's split-K
+        partials [S, ..., N] fp32 (their sum, in x's dtype, is the output), or None where the policy does not
+        stream it."""
+        if isinstance(module, self.quant_linear) and module.bias is None:
+            return module.partials(x, self.pdl, self.fixup)
+        if type(module) is torch.nn.Linear and module.bias is None:
+            rows, (N, K) = x.numel() // x.shape[-1], module.weight.shape
+            if self._streams(x, N, K, rows):
+                parts = wq_linear(x.reshape(rows, -1), BF16, module.weight, None, None, False, N, self.pdl, self.fixup)
+                return parts.view(parts.shape[0], *x.shape[:-1], N)
+        return None
+
+    def project(self, module, h, names, raw=()):
+        """The outputs of `module`'s linears `names` on h; those named in `raw` as split-K partials [S, ..., n]
+        fp32 instead, where their linear streams (for a consumer that sums them itself: ops/gdn.py gdn_decode's a
+        and b), else as outputs too."""
         fused = module.__dict__.get("fastqwen_fused") if self.fused else None
+        sizes = module.__dict__["fastqwen_fused_sizes"] if fused is not None else ()
+        parts = self.partials(fused, h) if fused is not None and set(raw) & set(names[:len(sizes)]) else None
         if fused is None:
-            return [self(getattr(module, n), h) for n in names]
-        sizes = module.__dict__["fastqwen_fused_sizes"]
-        return [*self(fused, h).split(sizes, dim=-1), *(self(getattr(module, n), h) for n in names[len(sizes):])]
+            outs = []
+        elif parts is None:
+            outs = list(self(fused, h).split(sizes, dim=-1))
+        else:
+            outs = [p if n in raw else p.sum(0).to(h.dtype) for n, p in zip(names, parts.split(sizes, dim=-1))]
+        for n in names[len(outs):]:
+            linear = getattr(module, n)
+            p = self.partials(linear, h) if n in raw else None
+            outs.append(self(linear, h) if p is None else p)
+        return outs
 
     def mlp(self, mlp, h):
         """A dense gated MLP (transformers' Qwen3.5 MLP, or a MoE layer's shared expert): down(act(gate)·up)."""

@@ -268,7 +268,9 @@ class Forward:
         cfg = self.cfg
         heads = (cfg.linear_num_key_heads, cfg.linear_key_head_dim)
         conv, state = (t[rows] for t in self.cache.recurrent(i))
-        x, z, b, a = self.lin.project(m, h, _GDN_IN)
+        # an unrolled decode sums a's and b's split-K partials as it loads them (no launch to materialise them)
+        raw = ("in_proj_b", "in_proj_a") if mode == "decode" and self.unrolled else ()
+        x, z, b, a = self.lin.project(m, h, _GDN_IN, raw)
         qkv, window = conv_step(x, m.conv1d.weight[:, 0], conv)
         if mode != "verify":  # (a verify leaves the window to the commit)
             self.cache.write("conv", i, window, rows)

@@ -190,6 +190,31 @@ def test_gemv_linears_take_the_decode_linears(monkeypatch):
     assert len(calls) == 5 * layers * 5 and set(calls) == {1}
 
 
+def test_decode_hands_the_gdn_op_a_and_b_as_split_k_partials(monkeypatch):
+    """Where the fused input projection streams (gemv linears), a decode step gives gdn_decode a and b as its
+    split-K partials [S, B, 1, HV] fp32 (the op sums them: no launch to materialise them), for the unrolled
+    kernel ("block", the default, and "unrolled"); fla's decode and cuBLAS projections get the outputs [B, 1, HV]
+    in the activations' dtype. The tokens are the default's."""
+    import fastqwen.model as model_module
+
+    shapes = []
+    real = model_module.gdn_decode
+    monkeypatch.setattr(model_module, "gdn_decode", lambda qkv, hk, dk, a, b, *r, **kw: shapes.append(
+        (tuple(a.shape), tuple(b.shape), a.dtype)) or real(qkv, hk, dk, a, b, *r, **kw))
+    ids = torch.randint(1, 500, (1, 21))
+    gen = dict(do_sample=False, max_new_tokens=4)
+    default = fastqwen.optimize(fresh("tiny"), max_seq_len=64, compile=False).generate(ids, **gen)
+    HV = fresh("tiny").config.linear_num_value_heads
+    for kernels, want in (({"linears": "gemv"}, ((1, 1, 1, HV), (1, 1, 1, HV), torch.float32)),
+                          ({"linears": "gemv", "gdn": "unrolled"}, ((1, 1, 1, HV), (1, 1, 1, HV), torch.float32)),
+                          ({"linears": "gemv", "gdn": "fla"}, ((1, 1, HV), (1, 1, HV), torch.float32)),
+                          ({}, ((1, 1, HV), (1, 1, HV), torch.float32))):
+        shapes.clear()
+        model = fastqwen.optimize(fresh("tiny"), max_seq_len=64, compile=False, kernels=kernels)
+        assert torch.equal(model.generate(ids, **gen), default), kernels
+        assert shapes and set(shapes) == {want}, (kernels, set(shapes))
+
+
 def test_fused_mlp_activation_takes_each_one_row_mlp(monkeypatch):
     """kernels={"mlp_act": "fused"} (with gemv linears): each decode step of a one-row engine runs every
     layer's MLP as the fused gate | up projection, then swiglu_linear on its partials; prefill (many rows) and

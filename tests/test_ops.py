@@ -144,7 +144,8 @@ def test_gdn_custom_ops_pass_opcheck_on_strided_inputs(op, layout):
 def test_packed_decode_op_equals_the_recurrence_on_its_parts():
     """gdn_decode (batch 1, one position) from the conv's packed output gives gdn_recurrent's output and state
     on the unpacked q, k, v, with a and b views of a wider projection, and with z and a norm weight the gated
-    RMSNorm of that output; its fake kernel agrees (opcheck)."""
+    RMSNorm of that output; with a and b as split-K partials, the output on their rounded sums; its fake kernel
+    agrees (opcheck)."""
     from fastqwen.ops.gdn import gdn_decode, unpack_qkv
 
     H, HV, K, V = 2, 4, 16, 8
@@ -167,6 +168,14 @@ def test_packed_decode_op_equals_the_recurrence_on_its_parts():
     normed = gdn_decode(qkv, H, K, a, b, A_log, dt_bias, h0.clone(), False, False, z, w, 1e-6)
     assert torch.equal(normed, gated_rms_norm(ref, z.reshape(ref.shape), w, 1e-6))
     torch.library.opcheck(gdn_decode, (qkv, H, K, a, b, A_log, dt_bias, h0.clone(), False, False, z, w, 1e-6))
+    # a and b as the projection's split-K partials [S, B, T, HV] fp32: summed, rounded to qkv's dtype
+    parts = torch.randn(3, 1, 1, 2 * HV + 3)
+    pa, pb = parts[..., 3:3 + HV], parts[..., 3 + HV:]
+    for dtype in (torch.float32, torch.bfloat16):
+        x16 = qkv.to(dtype)
+        summed = gdn_decode(x16, H, K, pa.sum(0).to(dtype), pb.sum(0).to(dtype), A_log, dt_bias, h0.clone())
+        assert torch.equal(gdn_decode(x16, H, K, pa, pb, A_log, dt_bias, h0.clone()), summed)
+        torch.library.opcheck(gdn_decode, (x16, H, K, pa, pb, A_log, dt_bias, h0.clone()))
 
 
 _UNROLLED = """
@@ -200,6 +209,27 @@ state, bf = h0.clone(), lambda t: t.bfloat16()  # bf16 activations: o rounds bef
 o16 = _unrolled(bf(q), bf(k), bf(v), a, b, state, state, True, A_log, dt_bias, block_v=8, norm=(bf(z), bf(w), 1e-6))
 ref16 = gated_rms_norm(gdn_reference(bf(q), bf(k), bf(v), a, b, A_log, dt_bias, h0.clone()), bf(z).reshape(ref.shape), bf(w), 1e-6)
 assert o16.dtype == torch.bfloat16 and ((o16.float() - ref16.float()).norm() / ref16.float().norm()) < 1e-2
+# decode with a and b as a fused projection's split-K partials (views of its fp32 [S, B, T, N]): summed and
+# rounded to q's dtype, the same walk bit for bit as on the rounded sums. Sums exact in bf16 (multiples of 1/16
+# below 12): the interpreter rounds fp32 to bf16 toward zero, the GPU to nearest even (cvt.rn: test_unrolled_
+# gdn_kernel_walks_in_registers_on_sm90, and tests/gpu)
+parts = torch.randint(-64, 64, (3, B, T, 2 * HV + 5)) / 16
+pa, pb = parts[..., 5 + HV:], parts[..., 5:5 + HV]
+seq_sum = lambda p: sum(p[1:], p[0])
+for S in (3, 1):
+    for qkv_dtype in (torch.bfloat16, torch.float32):
+        qd, kd, vd = (t.to(qkv_dtype) for t in (q, k, v))
+        state, ref_state = h0.clone(), h0.clone()
+        got = _unrolled(qd, kd, vd, pa[:S], pb[:S], state, state, True, A_log, dt_bias, block_v=8)
+        ra, rb = seq_sum(pa[:S]).to(qkv_dtype), seq_sum(pb[:S]).to(qkv_dtype)
+        want = _unrolled(qd, kd, vd, ra, rb, ref_state, ref_state, True, A_log, dt_bias, block_v=8)
+        assert torch.equal(got, want) and torch.equal(state, ref_state), (S, qkv_dtype)
+    state = h0.clone()
+    got = _unrolled(bf(q), bf(k), bf(v), pa[:S], pb[:S], state, state, True, A_log, dt_bias, block_v=8,
+                    norm=(bf(z), bf(w), 1e-6))
+    want = _unrolled(bf(q), bf(k), bf(v), seq_sum(pa[:S]).bfloat16(), seq_sum(pb[:S]).bfloat16(), h0.clone(), None,
+                     True, A_log, dt_bias, block_v=8, norm=(bf(z), bf(w), 1e-6))
+    assert torch.equal(got, want), S
 state = h0.clone()  # verify: outputs only, the state untouched
 err(_unrolled(q, k, v, a, b, state, None, True, A_log, dt_bias, block_v=16), ref)
 assert torch.equal(state, h0)
@@ -247,7 +277,7 @@ sig = {**{p: "*bf16" for p in ptrs}, "A_log_ptr": "*fp32", "dt_bias_ptr": "*fp32
 bv = inspect.signature(gdn._unrolled).parameters["block_v"].default  # the launch's tile, one warp per 8 columns
 def compiled(T, verify, pdl=False):  # a DFlash verify or a commit's replay, 27B shape
     consts = dict(T=T, TP=16, H=16, HV=48, K=128, V=128, BV=bv, GATE_IN=verify, WRITE_O=verify,
-                  WRITE_STATE=not verify, PDL=pdl)
+                  WRITE_STATE=not verify, PDL=pdl, S_AB=1)
     return compile_sm90(gdn._unrolled_kernel, {**sig, **({} if verify else {"a_ptr": "*fp32", "b_ptr": "*fp32"})},
                         consts, (*ptrs, *(f"{t}_{d}" for t in "qkvab" for d in ("row", "pos"))),
                         num_warps=max(1, bv // 8))
@@ -261,6 +291,17 @@ for T, verify in ((16, True), (16, False)):
     wait = code.index("griddepcontrol.wait")
     before = len(re.findall(r"ld\\.global", code[:wait]))
     assert 0 < before <= 32 + 2, (verify, before, "inputs read before the wait")  # [128, 8] fp32 tile: 32 a thread
+# decode with a and b as the projection's 3 split-K partials (fp32), rounded to bf16: the two extra loads each
+plain = compiled(1, True)
+summing = compile_sm90(gdn._unrolled_kernel, {**sig, "a_ptr": "*fp32", "b_ptr": "*fp32", "a_split": "i32",
+                                              "b_split": "i32"},
+                       dict(T=1, TP=1, H=16, HV=48, K=128, V=128, BV=bv, GATE_IN=True, WRITE_O=True,
+                            WRITE_STATE=True, PDL=False, S_AB=3, ROUND_AB=True),
+                       (*ptrs, *(f"{t}_{d}" for t in "qkvab" for d in ("row", "pos"))),
+                       num_warps=max(1, bv // 8))
+loads = lambda k: len(re.findall(r"ld\\.global", k.asm["ptx"]))
+assert stack_bytes(summing) == 0 and loads(summing) == loads(plain) + 4, (loads(summing), loads(plain))
+assert "cvt.rn.bf16.f32" in summing.asm["ptx"], "the sums are not rounded to bf16"
 print("ok")
 """
 
@@ -293,7 +334,8 @@ def test_block_gdn_kernel_solves_on_tensor_cores_without_spilling_on_sm90():
 def test_unrolled_gdn_kernel_walks_in_registers_on_sm90():
     """The unrolled kernel compiled for Hopper (no GPU needed) at the 27B verify and replay shapes: its launch
     tile keeps the 16-position walk in one warp's registers, no spill and no shared-memory reduction (16
-    columns on 2 warps took ~140 barriers)."""
+    columns on 2 warps took ~140 barriers); the decode that sums a's and b's split-K partials loads only them
+    more and rounds to bf16."""
     from conftest import run_in_triton_interpreter
 
     assert run_in_triton_interpreter(_UNROLLED_SM90, interpret=False).strip().endswith("ok")

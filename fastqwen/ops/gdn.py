@@ -104,7 +104,8 @@ if triton is not None:
                          TP: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                          BV: tl.constexpr, GATE_IN: tl.constexpr, WRITE_O: tl.constexpr, WRITE_STATE: tl.constexpr,
                          PDL: tl.constexpr, z_ptr=None, z_row=0, z_pos=0, nw_ptr=None, eps=0.0, cnt_ptr=None,
-                         NORM: tl.constexpr = False, ROUND_W: tl.constexpr = False):
+                         NORM: tl.constexpr = False, ROUND_W: tl.constexpr = False, a_split=0, b_split=0,
+                         S_AB: tl.constexpr = 1, ROUND_AB: tl.constexpr = False):
         """The recurrence over T positions with the time loop unrolled (T is a compile-time constant), so the
         loads of every position, which do not depend on the state, can be issued ahead of the serial state
         updates. Nothing is stored inside the loop (a store there could alias the next position's loads and pin
@@ -118,7 +119,9 @@ if triton is not None:
         block's gated RMSNorm too, o ← (w·ô)·silu(z) per (row, position, head) over all V: the last of a head's
         V/BV programs to store its tile (an acquire-release count at cnt_ptr[row·HV + hv], set back to 0 after)
         normalises the head's whole output in place, as _gated_norm_tail; ROUND_W: w is 16-bit, so w·ô rounds
-        to o's dtype before the gate, as gated_rms_norm computes it."""
+        to o's dtype before the gate, as gated_rms_norm computes it. S_AB > 1 or ROUND_AB: a and b are a
+        projection's split-K partials (S_AB of them, a_split / b_split apart), summed here in fp32 and (ROUND_AB)
+        rounded to q's dtype, as the projection's output would have been: no launch to materialise them."""
         i_v, i_bh = tl.program_id(0), tl.program_id(1)
         row, hv = i_bh // HV, i_bh % HV
         h = hv // (HV // H)
@@ -140,6 +143,12 @@ if triton is not None:
             vt = tl.load(v_ptr + row * v_row + t * v_pos + hv * V + ov).to(tl.float32)
             at = tl.load(a_ptr + row * a_row + t * a_pos + hv).to(tl.float32)
             bt = tl.load(b_ptr + row * b_row + t * b_pos + hv).to(tl.float32)
+            for s in tl.static_range(1, S_AB):
+                at += tl.load(a_ptr + s * a_split + row * a_row + t * a_pos + hv).to(tl.float32)
+                bt += tl.load(b_ptr + s * b_split + row * b_row + t * b_pos + hv).to(tl.float32)
+            if ROUND_AB:
+                at = at.to(q_ptr.dtype.element_ty).to(tl.float32)
+                bt = bt.to(q_ptr.dtype.element_ty).to(tl.float32)
             if GATE_IN:
                 x = at + dt_bias
                 at = A * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
@@ -278,7 +287,13 @@ def _unrolled(q, k, v, a, b, state, final_state, gate_in, A_log=None, dt_bias=No
     batch, seq, heads, dk = k.shape
     vheads, dv = v.shape[2], v.shape[3]
     (q, q_row, q_pos), (k, k_row, k_pos), (v, v_row, v_pos) = (_row_pos_strides(t) for t in (q, k, v))
-    (a, a_row, a_pos), (b, b_row, b_pos) = _row_pos_strides(a), _row_pos_strides(b)
+    partials = {}
+    if a.dim() == k.dim():  # [S, B, T, HV] split-K partials of the projection (gdn_decode's contract)
+        partials = dict(a_split=a.stride(0), b_split=b.stride(0), S_AB=a.shape[0], ROUND_AB=True)
+        assert a[0, 0, 0].is_contiguous() and b[0, 0, 0].is_contiguous() and b.shape[0] == a.shape[0]
+        (a, a_row, a_pos), (b, b_row, b_pos) = (a, a.stride(1), a.stride(2)), (b, b.stride(1), b.stride(2))
+    else:
+        (a, a_row, a_pos), (b, b_row, b_pos) = _row_pos_strides(a), _row_pos_strides(b)
     out = _output_like(v) if write_o else None
     block_v = min(block_v, dv)
     dummy = state  # pointers the kernel does not read under its flags
@@ -297,7 +312,7 @@ def _unrolled(q, k, v, a, b, state, final_state, gate_in, A_log=None, dt_bias=No
         q_row, q_pos, k_row, k_pos, v_row, v_pos, a_row, a_pos, b_row, b_pos, T=seq, TP=triton.next_power_of_2(seq),
         H=heads, HV=vheads, K=dk, V=dv, BV=block_v, GATE_IN=gate_in, WRITE_O=write_o,
         WRITE_STATE=final_state is not None, PDL=pdl, num_warps=warps or max(1, block_v // 8), launch_pdl=pdl,
-        **fused)
+        **fused, **partials)
     return out
 
 
@@ -362,19 +377,32 @@ def gdn_decode(qkv: torch.Tensor, heads_k: int, dk: int, a: torch.Tensor, b: tor
     copies them). The packed decode kernels of vLLM and SGLang take the same input. With z [B, T, Hv·Dv] and
     norm_weight [Dv], o comes out through the block's gated RMSNorm, norm.gated_rms_norm(o, z, norm_weight,
     eps): in the unrolled kernel's last program of each head (kernels={"gdn_norm": "fused"}; a launch less a
-    GDN layer), where Dv is a power of 2; after the kernel otherwise."""
+    GDN layer), where Dv is a power of 2; after the kernel otherwise. a and b may also come as the input
+    projection's split-K partials [S, B, T, Hv] fp32 (ops/gemv.py wq_linear; the heads contiguous, views at any
+    stride): the op sums them and rounds the sums to qkv's dtype, as the projection's output would be, the
+    unrolled kernel as it loads them, so a compiled step launches nothing to materialise a and b (two launches
+    a GDN layer)."""
+    a, b = _summed(a, qkv), _summed(b, qkv)
     o = gdn_reference(*unpack_qkv(qkv, heads_k, dk, a.shape[-1]), a, b, A_log, dt_bias, state)
     return o if z is None else gated_rms_norm(o, z.reshape(o.shape), norm_weight, eps)
+
+
+def _summed(x: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+    """a or b as gdn_decode reads it: split-K partials [S, B, T, Hv] summed (fp32) and rounded to qkv's dtype;
+    an output [B, T, Hv] as it is."""
+    return x.float().sum(0).to(qkv.dtype) if x.dim() == qkv.dim() + 1 else x
 
 
 @gdn_decode.register_kernel("cuda")
 def _gdn_decode_cuda(qkv, heads_k, dk, a, b, A_log, dt_bias, state, unrolled=False, pdl=False, z=None,
                      norm_weight=None, eps=0.0):
     q, k, v = unpack_qkv(qkv, heads_k, dk, a.shape[-1])
-    dv = v.shape[-1]
-    if z is not None and unrolled and k.shape[1] <= UNROLLED_MAX_T and dv & (dv - 1) == 0:
+    dv, walk = v.shape[-1], unrolled and k.shape[1] <= UNROLLED_MAX_T
+    if z is not None and walk and dv & (dv - 1) == 0:
         return _unrolled(q, k, v, a, b, state, state, gate_in=True, A_log=A_log, dt_bias=dt_bias, pdl=pdl,
                          norm=(z, norm_weight, eps))
+    if not walk:  # (fla's kernel takes a and b as they are)
+        a, b = _summed(a, qkv), _summed(b, qkv)
     o = _gdn_recurrent_cuda(q, k, v, a, b, A_log, dt_bias, state, unrolled, pdl)
     return o if z is None else gated_rms_norm(o, z.reshape(o.shape), norm_weight, eps)
 

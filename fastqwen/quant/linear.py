@@ -47,20 +47,29 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor, pdl: bool = False, fixup: bool = False) -> torch.Tensor:
         """x [..., in_features] → [..., out_features]; pdl: the kernel with programmatic dependent launch;
         fixup: it sums its split-K partials itself (ops/gemv.py wq_linear)."""
-        rows = x.shape[:-1].numel()
-        if x.is_cuda and rows <= MAX_ROWS and self.in_features % STEP == 0 and (
-                self.scheme != "int4" or self.group == STEP):
-            x2 = x.reshape(rows, self.in_features)
-            if getattr(self, "perm", None) is not None:
-                x2 = x2.index_select(1, self.perm)  # the stored column order
-            scale = self.scale_inv if self.scheme == "fp8" else self.scale
-            y = wq_linear(x2, FORMATS[self.scheme], self.qweight, scale, getattr(self, "zero", None),
-                          self.scheme == "fp8", self.out_features, pdl, fixup).sum(0).to(x.dtype)  # (split-K partials)
-            y = y.view(*x.shape[:-1], self.out_features)
+        parts = self.partials(x, pdl, fixup)
+        if parts is not None:
+            y = parts.sum(0).to(x.dtype)
             return y if self.bias is None else y + self.bias
         if self.scheme == "fp8":
             x = fake_quantize_fp8_activations(x, STEP)
         return F.linear(x, self.dequantized().to(x.dtype), self.bias)
+
+    def partials(self, x: torch.Tensor, pdl: bool = False, fixup: bool = False) -> torch.Tensor | None:
+        """The weight-streaming kernel's split-K partials [S, ..., out_features] fp32 of x [..., in_features]
+        (bias not added; their sum, in x's dtype, is the product), or None where the kernel does not take x
+        (off CUDA, too many rows, a shape it cannot stream)."""
+        rows = x.shape[:-1].numel()
+        if not (x.is_cuda and rows <= MAX_ROWS and self.in_features % STEP == 0 and (
+                self.scheme != "int4" or self.group == STEP)):
+            return None
+        x2 = x.reshape(rows, self.in_features)
+        if getattr(self, "perm", None) is not None:
+            x2 = x2.index_select(1, self.perm)  # the stored column order
+        scale = self.scale_inv if self.scheme == "fp8" else self.scale
+        parts = wq_linear(x2, FORMATS[self.scheme], self.qweight, scale, getattr(self, "zero", None),
+                          self.scheme == "fp8", self.out_features, pdl, fixup)
+        return parts.view(parts.shape[0], *x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"{self.scheme}, in_features={self.in_features}, out_features={self.out_features}"

@@ -65,6 +65,32 @@ def test_packed_decode_reads_q_k_v_in_place_and_matches_reference(shape, B, unro
 
 
 @pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("B,unrolled", [(1, False), (1, True), (3, True)])
+def test_packed_decode_sums_split_k_partials_of_a_and_b_as_the_projection(shape, B, unrolled):
+    """gdn_decode with a and b as the fused input projection's split-K partials [S, B, 1, HV] fp32 (views, as the
+    engine hands them over at decode): bit for bit its output and state on the partials' sums rounded to bf16
+    (to nearest even, as torch rounds; fla's kernel after the op sums them), with and without the fused norm."""
+    H, HV = SHAPES[shape]
+    torch.manual_seed(0)
+    qkv = torch.randn(B, 1, 2 * H * 128 + HV * 128, device="cuda", dtype=torch.bfloat16)
+    A_log = torch.empty(HV, device="cuda").uniform_(0.01, 16).log()
+    dt_bias = torch.rand(HV, device="cuda")
+    h0 = torch.randn(B, HV, 128, 128, device="cuda") * 0.1
+    z = torch.randn(B, 1, HV * 128, device="cuda", dtype=torch.bfloat16)
+    w = (torch.rand(128, device="cuda") + 0.5).bfloat16()
+    for S in (1, 3):
+        parts = torch.randn(S, B, 1, 2 * HV + 64, device="cuda") / 3
+        pa, pb = parts[..., 64 + HV:], parts[..., 64:64 + HV]
+        # in the kernel's order (the unrolled one adds them in turn; before fla's, torch's sum)
+        ra, rb = ((sum(p[1:], p[0]) if unrolled else p.sum(0)).bfloat16() for p in (pa, pb))
+        for norm in ((), (z, w, 1e-6)):
+            got_state, want_state = h0.clone(), h0.clone()
+            got = gdn_decode(qkv, H, 128, pa, pb, A_log, dt_bias, got_state, unrolled, False, *norm)
+            want = gdn_decode(qkv, H, 128, ra, rb, A_log, dt_bias, want_state, unrolled, False, *norm)
+            assert torch.equal(got, want) and torch.equal(got_state, want_state), (S, bool(norm))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("B,unrolled", [(1, True), (3, True), (1, False)])
 def test_packed_decode_with_the_gated_norm_matches_reference(shape, B, unrolled):
     """kernels={"gdn_norm": "fused"}: gdn_decode with z (a view of a wider projection) and the norm weight gives
