@@ -39,6 +39,7 @@ CANDIDATE_SYSTEMS = {"fastqwen+split-attention": {"attention": "split"},  # (the
                      "fastqwen+packed-route": {"route": "packed"},  # (the default with grouped: "auto")
                      "fastqwen+argmax-route": {"route": "argmax"},
                      "fastqwen+fused-mlp-act": {"mlp_act": "fused"},
+                     "fastqwen+fused-conv": {"conv": "fused"},
                      "fastqwen+serial-launch": {"launch": "serial"}}
 # fastqwen with inductor options merged over the run's (launch count: combo kernels launch independent
 # small kernels, e.g. a GDN layer's q, k and v, as one; reductions of up to 16 unrolled, so that the MoE

@@ -18,7 +18,7 @@ from .ops.attention import apply_rope, attend_cache, attend_causal, attend_prefi
 from .ops.decode_attention import attend_cache_split_op
 from .linears import MLP_IN, Linears, fuse_linears
 from .moe import routed_moe, stack_shared_expert
-from .ops.conv import commit_window, conv_step
+from .ops.conv import commit_window, conv_decode, conv_step
 from .ops.gemv import tile_counts
 from .ops.gdn import gates, gdn_chunk, gdn_decode, gdn_recurrent, gdn_replay, gdn_verify, unpack_qkv
 from .ops.norm import gated_rms_norm, rms_norm
@@ -37,7 +37,7 @@ KERNELS = {"attention": ("split", "sdpa"), "experts": ("auto", "gather", "groupe
            "gdn": ("block", "unrolled", "fla"), "launch": ("auto", "serial", "pdl"),
            "splitk": ("sum", "fixup"), "gdn_norm": ("separate", "fused"),
            "expert_act": ("auto", "separate", "fused"), "route": ("auto", "argmax", "packed"),
-           "mlp_act": ("separate", "fused")}  # first: the default
+           "mlp_act": ("separate", "fused"), "conv": ("separate", "fused")}  # first: the default
 
 
 def check_kernels(kernels: dict | None, cfg, device) -> dict:
@@ -86,7 +86,11 @@ def check_kernels(kernels: dict | None, cfg, device) -> dict:
     dense MLP's (and a shared expert's) silu(gate)·up at one-row decode as a kernel of inductor's ("separate") or
     computed by the down projection's weight-streaming kernel from the fused gate | up projection's partials as
     it loads them ("fused": a launch less a layer, where both weights take the kernel under "linears"; needs
-    fused projections, "linears" other than "torch" and a SiLU MLP; linears.Linears.mlp; a candidate)."""
+    fused projections, "linears" other than "torch" and a SiLU MLP; linears.Linears.mlp; a candidate). "conv":
+    a GDN layer's depthwise conv at a one-position decode as inductor's kernels ("separate": the new window, its
+    write into the cache, the output: three launches) or as one kernel of ours that also advances the cached
+    window in place and sums the input projection's split-K partials as it loads them ("fused":
+    ops/conv.py conv_decode; a candidate)."""
     kernels = dict(kernels or {})
     unknown = set(kernels) - set(KERNELS)
     if unknown:
@@ -156,6 +160,7 @@ class Forward:
         self.unrolled = self.kernels["gdn"] in ("block", "unrolled")  # (a Triton compile per T: not for prefill)
         self.block = self.kernels["gdn"] == "block"
         self.fused_norm = self.kernels["gdn_norm"] == "fused"
+        self.fused_conv = self.kernels["conv"] == "fused"
         self.pdl = self.kernels["launch"] == "pdl"
         self.lin = Linears(fused=self.kernels["projections"] == "fused",
                            gemv={"torch": False, "gemv": True, "auto": "auto"}[self.kernels["linears"]],
@@ -268,12 +273,18 @@ class Forward:
         cfg = self.cfg
         heads = (cfg.linear_num_key_heads, cfg.linear_key_head_dim)
         conv, state = (t[rows] for t in self.cache.recurrent(i))
-        # an unrolled decode sums a's and b's split-K partials as it loads them (no launch to materialise them)
-        raw = ("in_proj_b", "in_proj_a") if mode == "decode" and self.unrolled else ()
+        # an unrolled decode sums a's and b's split-K partials as it loads them (no launch to materialise them),
+        # the fused conv x's
+        fused_conv = mode == "decode" and T == 1 and self.fused_conv
+        raw = (("in_proj_b", "in_proj_a") if mode == "decode" and self.unrolled else ()) + (
+            ("in_proj_qkv",) if fused_conv else ())
         x, z, b, a = self.lin.project(m, h, _GDN_IN, raw)
-        qkv, window = conv_step(x, m.conv1d.weight[:, 0], conv)
-        if mode != "verify":  # (a verify leaves the window to the commit)
-            self.cache.write("conv", i, window, rows)
+        if fused_conv:  # the cached window advanced in place by the op
+            qkv = conv_decode(x, m.conv1d.weight[:, 0], conv, self.pdl)
+        else:
+            qkv, window = conv_step(x, m.conv1d.weight[:, 0], conv)
+            if mode != "verify":  # (a verify leaves the window to the commit)
+                self.cache.write("conv", i, window, rows)
         if mode == "verify":  # q, k, v split inside the ops: the conv's output stays one buffer (the replay's too)
             qkv = qkv.contiguous()  # (conv_step's output is a [B, C, T] buffer transposed: heads apart by T)
             o = gdn_verify(qkv, *heads, a, b, m.A_log, m.dt_bias, state, self.unrolled, self.pdl, self.block)

@@ -26,7 +26,7 @@ def test_grouped_experts_match_the_gathered_ones():
 
 ALL = {"attention": "sdpa", "experts": "grouped", "projections": "separate", "linears": "gemv", "gdn": "fla",
        "launch": "pdl", "splitk": "fixup", "gdn_norm": "fused", "expert_act": "fused",
-       "route": "packed"}  # (mlp_act "fused" needs fused projections: its own cases)
+       "route": "packed", "conv": "fused"}  # (mlp_act "fused" needs fused projections: its own cases)
 
 
 @pytest.mark.parametrize("name,kernels,compile", [("tiny", {"attention": "sdpa"}, False),
@@ -35,6 +35,8 @@ ALL = {"attention": "sdpa", "experts": "grouped", "projections": "separate", "li
                                                   ("tiny", {"linears": "gemv"}, True),
                                                   ("tiny", {"linears": "torch"}, False),
                                                   ("tiny", {"gdn_norm": "fused"}, True),
+                                                  ("tiny", {"conv": "fused"}, True),
+                                                  ("tiny", {"conv": "fused", "linears": "gemv", "gdn": "fla"}, True),
                                                   ("tiny", {"linears": "gemv", "mlp_act": "fused"}, True),
                                                   ("tiny-moe", {"linears": "gemv", "mlp_act": "fused"}, False),
                                                   ("tiny-moe", ALL, False),
@@ -49,7 +51,7 @@ def test_alternative_kernels_give_the_default_tokens(name, kernels, compile):
     assert other._fastqwen.forward.kernels == {"attention": "split", "experts": "gather", "projections": "fused",
                                                "linears": "auto", "gdn": "block", "launch": "serial", "splitk": "sum", "gdn_norm": "separate",
                                                "expert_act": "separate", "route": "argmax", "mlp_act": "separate",
-                                               **grouped_auto, **kernels}
+                                               "conv": "separate", **grouped_auto, **kernels}
     ids, mask = left_padded([torch.randint(1, 500, (n,)) for n in (17, 5)])
     assert torch.equal(other.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16),
                        default.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16))

@@ -347,3 +347,85 @@ def test_unrolled_gdn_kernel_matches_the_reference_in_the_triton_interpreter():
     from conftest import run_in_triton_interpreter
 
     assert "worst relative error" in run_in_triton_interpreter(_UNROLLED)
+
+
+def test_conv_decode_is_conv_step_with_the_window_advanced_in_place():
+    """conv_decode (kernels={"conv": "fused"}) on x [B, 1, C] or on the projection's split-K partials [S, B, 1,
+    C] fp32 (summed, rounded to the window's dtype): conv_step's output, and the window conv_step returns written
+    into the cache's layer view (a strided view of the stacked buffer); its fake kernel agrees (opcheck)."""
+    from fastqwen.ops.conv import conv_decode
+
+    B, C, W = 2, 24, 4
+    w = torch.randn(C, 1, W)[:, 0]  # (the conv1d weight's [C, W] view)
+    for dtype in (torch.float32, torch.bfloat16):
+        stacked = torch.randn(3, B, C, W - 1).to(dtype)
+        parts = torch.randn(3, B, 1, C + 5)[..., 5:]
+        for x in (parts[0].to(dtype), parts):
+            want_out, want_window = conv_step(x.float().sum(0).to(dtype) if x.dim() == 4 else x, w.to(dtype),
+                                              stacked[1].clone())
+            window = stacked.clone()
+            out = conv_decode(x, w.to(dtype), window[1])
+            assert out.shape == (B, 1, C) and out.dtype == dtype
+            assert torch.equal(out, want_out) and torch.equal(window[1], want_window), (dtype, x.dim())
+            assert torch.equal(window[0], stacked[0]) and torch.equal(window[2], stacked[2])
+            torch.library.opcheck(conv_decode, (x, w.to(dtype), stacked.clone()[1]))
+
+
+_CONV_DECODE = """
+import torch
+from fastqwen.ops.conv import _conv_decode_cuda, conv_step
+torch.manual_seed(0)
+B, C, W = 2, 600, 4  # (C not a multiple of the block: the masked tail)
+w = torch.randn(C, 1, W)[:, 0]
+# sums exact in bf16 (multiples of 1/16 below 12): the interpreter rounds fp32 to bf16 toward zero
+parts = (torch.randint(-64, 64, (3, B, 1, C + 8)) / 16)[..., 8:]
+for dtype in (torch.float32, torch.bfloat16):
+    stacked = torch.randn(3, B, C, W - 1).to(dtype)
+    for x in (parts[0].to(dtype), parts[:1], parts):
+        xs = x.float().sum(0).to(dtype) if x.dim() == 4 else x
+        # (the taps in fp32, rounded once)
+        want_out, want_window = conv_step(xs.float(), w.to(dtype).float(), stacked[1].float())
+        window = stacked.clone()
+        out = _conv_decode_cuda(x, w.to(dtype), window[1], pdl=False)
+        tol = 0 if dtype == torch.float32 else 1e-2
+        assert ((out.float() - want_out).abs() <= tol * want_out.abs() + 1e-6).all(), (dtype, x.dim())
+        assert torch.equal(window[1].float(), want_window), (dtype, x.dim())  # shifted copies and x: exact
+        assert torch.equal(window[0], stacked[0]) and torch.equal(window[2], stacked[2])
+print("ok")
+"""
+
+
+_CONV_DECODE_SM90 = """
+import re
+from sm90 import compile_sm90, stack_bytes
+from fastqwen.ops import conv
+
+sig = {"x_ptr": "*fp32", "w_ptr": "*bf16", "win_ptr": "*bf16", "out_ptr": "*bf16", "C": "i32", "x_split": "i32",
+       "x_row": "i32", "win_row": "i32"}
+kernel = compile_sm90(conv._conv_decode_kernel, sig, dict(S=3, W=4, WP=4, BLOCK=conv.CONV_BLOCK, PDL=True),
+                      ("x_ptr", "w_ptr", "win_ptr", "out_ptr"), num_warps=2)
+code = kernel.asm["ptx"]
+assert stack_bytes(kernel) == 0
+wait = code.index("griddepcontrol.wait")
+before = re.findall(r"ld\\.global[^;]*", code[:wait])  # the weights, 4 bf16 taps a channel: one 8-byte load each
+assert before and all(ld.startswith("ld.global.v2.b32") for ld in before), before
+assert "cvt.rn.bf16.f32" in code, "x is not rounded to bf16 to nearest even"
+print("ok")
+"""
+
+
+def test_conv_decode_kernel_matches_the_reference_in_the_triton_interpreter():
+    """The fused conv's kernel: fp32 exactly conv_step, bf16 within one rounding of its fp32 taps; the window
+    advanced in the layer's view only; x as an input, one partial or three."""
+    from conftest import run_in_triton_interpreter
+
+    assert run_in_triton_interpreter(_CONV_DECODE).strip().endswith("ok")
+
+
+def test_conv_decode_kernel_compiles_for_sm90_and_waits_before_reading_activations():
+    """Compiled for Hopper with programmatic dependent launch: no spill; only the weights (a channel's taps in
+    one vector load) load before griddepcontrol.wait, nothing the previous kernels write (partials, window);
+    x rounds to bf16 to nearest even."""
+    from conftest import run_in_triton_interpreter
+
+    assert run_in_triton_interpreter(_CONV_DECODE_SM90, interpret=False).strip().endswith("ok")

@@ -65,6 +65,34 @@ def test_packed_decode_reads_q_k_v_in_place_and_matches_reference(shape, B, unro
 
 
 @pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("B,pdl", [(1, False), (1, True), (3, True)])
+def test_conv_decode_matches_conv_step_and_advances_the_cached_window(shape, B, pdl):
+    """kernels={"conv": "fused"}: the conv at one decode position from the input projection's split-K partials
+    (S = 1 and 3; their sums rounded to bf16 to nearest even as torch rounds) and from a bf16 input: conv_step's
+    output in fp32 within one bf16 rounding, and the layer's window in the stacked cache advanced exactly, the
+    other layers' untouched; the output poisoned beforehand."""
+    from fastqwen.ops.conv import conv_decode
+
+    H, HV = SHAPES[shape]
+    C = 2 * H * 128 + HV * 128
+    torch.manual_seed(0)
+    w = torch.randn(C, 1, 4, device="cuda", dtype=torch.bfloat16)[:, 0]
+    stacked = torch.randn(3, B, C, 3, device="cuda", dtype=torch.bfloat16)
+    for S in (0, 1, 3):  # (0: a bf16 input)
+        parts = torch.randn(max(S, 1), B, 1, C + 64, device="cuda")[..., 64:]
+        x = parts[0].bfloat16() if S == 0 else parts
+        xs = x if S == 0 else sum(parts[1:], parts[0]).bfloat16()  # (the kernel's order)
+        want_out, want_window = conv_step(xs.float(), w.float(), stacked[1].float())
+        window = stacked.clone()
+        poison_allocator((B, 1, C))
+        out = conv_decode(x, w, window[1], pdl)
+        assert out.dtype == torch.bfloat16 and not out.isnan().any()
+        assert rel_err(out, want_out) < 1e-2, S
+        assert torch.equal(window[1].float(), want_window), S
+        assert torch.equal(window[0], stacked[0]) and torch.equal(window[2], stacked[2])
+
+
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("B,unrolled", [(1, False), (1, True), (3, True)])
 def test_packed_decode_sums_split_k_partials_of_a_and_b_as_the_projection(shape, B, unrolled):
     """gdn_decode with a and b as the fused input projection's split-K partials [S, B, 1, HV] fp32 (views, as the
