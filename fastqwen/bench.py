@@ -34,6 +34,7 @@ CANDIDATE_SYSTEMS = {"fastqwen+split-attention": {"attention": "split"},  # (the
                      "fastqwen+unrolled-gdn": {"gdn": "unrolled"},
                      "fastqwen+splitk-fixup": {"splitk": "fixup"},
                      "fastqwen+fused-gdn-norm": {"gdn_norm": "fused"},
+                     "fastqwen+linear-gdn-norm": {"gdn_norm": "linear"},
                      "fastqwen+fused-expert-act": {"expert_act": "fused"},  # (the default with grouped: "auto")
                      "fastqwen+separate-expert-act": {"expert_act": "separate"},
                      "fastqwen+packed-route": {"route": "packed"},  # (the default with grouped: "auto")
