@@ -34,13 +34,13 @@ CANDIDATE_SYSTEMS = {"fastqwen+split-attention": {"attention": "split"},  # (the
                      "fastqwen+unrolled-gdn": {"gdn": "unrolled"},
                      "fastqwen+splitk-fixup": {"splitk": "fixup"},
                      "fastqwen+fused-gdn-norm": {"gdn_norm": "fused"},
-                     "fastqwen+linear-gdn-norm": {"gdn_norm": "linear"},
                      "fastqwen+fused-expert-act": {"expert_act": "fused"},  # (the default with grouped: "auto")
                      "fastqwen+separate-expert-act": {"expert_act": "separate"},
                      "fastqwen+packed-route": {"route": "packed"},  # (the default with grouped: "auto")
                      "fastqwen+argmax-route": {"route": "argmax"},
                      "fastqwen+fused-mlp-act": {"mlp_act": "fused"},
-                     "fastqwen+fused-conv": {"conv": "fused"},
+                     "fastqwen+fused-conv": {"conv": "fused"},  # (the default)
+                     "fastqwen+separate-conv": {"conv": "separate"},
                      "fastqwen+serial-launch": {"launch": "serial"}}
 # fastqwen with inductor options merged over the run's (launch count: combo kernels launch independent
 # small kernels, e.g. a GDN layer's q, k and v, as one; reductions of up to 16 unrolled, so that the MoE

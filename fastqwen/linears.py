@@ -8,7 +8,7 @@ weight-streaming kernel (ops/gemv.py) for bf16 linears at decode and verify.
 
 import torch
 
-from .ops.gemv import BF16, STEP, gated_norm_linear, gemv_beats_cublas, gpu_table, swiglu_linear, wq_linear
+from .ops.gemv import BF16, STEP, gemv_beats_cublas, gpu_table, swiglu_linear, wq_linear
 
 MLP_IN = ("gate_proj", "up_proj")  # a gated MLP's input projections
 
@@ -174,22 +174,6 @@ class Linears:
             p = self.partials(linear, h) if n in raw else None
             outs.append(self(linear, h) if p is None else p)
         return outs
-
-    def takes_gated_norm(self, module, rows: int) -> bool:
-        """Whether `module` (a GDN block's out_proj) on `rows` rows can compute the block's gated RMSNorm as its
-        weight-streaming kernel loads the input (gated_norm): a bias-free floating-point nn.Linear the policy
-        streams, one row."""
-        return (type(module) is torch.nn.Linear and module.bias is None and rows == 1
-                and self._streams(module.weight, *module.weight.shape, 1))
-
-    def gated_norm(self, module, o: torch.Tensor, gate: torch.Tensor, norm) -> torch.Tensor:
-        """module(gated RMSNorm of o) at one row, the norm computed by the kernel as it loads o (ops/gemv.py
-        gated_norm_linear; where takes_gated_norm): o [1, 1, HV, V], gate z's split-K partials [S, 1, 1, HV·V]
-        (or z [1, 1, HV·V]), norm the block's gated RMSNorm (weight [V], variance_epsilon) → [1, 1, N]."""
-        C, N = o.numel(), module.weight.shape[0]
-        y = gated_norm_linear(o.reshape(1, C), gate.reshape(-1, 1, C), norm.weight, norm.variance_epsilon,
-                              module.weight, N, self.pdl, self.fixup).sum(0)
-        return y.to(o.dtype).view(1, 1, N)
 
     def mlp(self, mlp, h):
         """A dense gated MLP (transformers' Qwen3.5 MLP, or a MoE layer's shared expert): down(act(gate)·up)."""

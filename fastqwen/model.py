@@ -35,9 +35,9 @@ def text_model(model):
 KERNELS = {"attention": ("split", "sdpa"), "experts": ("auto", "gather", "grouped", "grouped-pdl"),
            "projections": ("fused", "separate"), "linears": ("auto", "torch", "gemv"),
            "gdn": ("block", "unrolled", "fla"), "launch": ("auto", "serial", "pdl"),
-           "splitk": ("sum", "fixup"), "gdn_norm": ("separate", "fused", "linear"),
+           "splitk": ("sum", "fixup"), "gdn_norm": ("separate", "fused"),
            "expert_act": ("auto", "separate", "fused"), "route": ("auto", "argmax", "packed"),
-           "mlp_act": ("separate", "fused"), "conv": ("separate", "fused")}  # first: the default
+           "mlp_act": ("separate", "fused"), "conv": ("fused", "separate")}  # first: the default
 
 
 def check_kernels(kernels: dict | None, cfg, device) -> dict:
@@ -73,10 +73,7 @@ def check_kernels(kernels: dict | None, cfg, device) -> dict:
     tile adds them, in split order; ops/gemv.py _split_k_fixup). "gdn_norm": the GDN block's gated RMSNorm at
     decode as a kernel of inductor's after the recurrence ("separate") or inside the unrolled decode kernel, by
     the last program of each head ("fused": ops/gdn.py _gated_norm_tail; a launch less a GDN layer; with "gdn"
-    "block" or "unrolled"; a candidate: 0.94× the default on 35B-A3B, docs/BENCHMARKS.md) or by out_proj's
-    weight-streaming kernel as it loads its input, z from the input projection's split-K partials ("linear":
-    ops/gemv.py gated_norm_linear; two launches less a GDN layer; where out_proj streams, one row; a candidate).
-    "expert_act": grouped
+    "block" or "unrolled"; a candidate: 0.94× the default on 35B-A3B, docs/BENCHMARKS.md). "expert_act": grouped
     experts' silu(gate)·up as a kernel of inductor's between the gate | up and the down launches ("separate")
     or computed by the down launch from the gate | up partials as it loads them ("fused": a launch less a MoE
     layer; needs "experts" grouped or grouped-pdl and a SiLU MLP). "route": the grouped experts'
@@ -93,7 +90,8 @@ def check_kernels(kernels: dict | None, cfg, device) -> dict:
     a GDN layer's depthwise conv at a one-position decode as inductor's kernels ("separate": the new window, its
     write into the cache, the output: three launches) or as one kernel of ours that also advances the cached
     window in place and sums the input projection's split-K partials as it loads them ("fused":
-    ops/conv.py conv_decode; a candidate)."""
+    ops/conv.py conv_decode; the default since 2026-12-02: a 9B step 4486–4487 µs of device time against 4529,
+    a 35B-A3B step 2721 against 2739, each in a process of its own)."""
     kernels = dict(kernels or {})
     unknown = set(kernels) - set(KERNELS)
     if unknown:
@@ -129,12 +127,6 @@ def check_kernels(kernels: dict | None, cfg, device) -> dict:
         raise ValueError("kernels['mlp_act']='fused' reads the fused gate | up projection's partials from the "
                          "weight-streaming kernel: it needs kernels['projections']='fused' and kernels['linears'] "
                          f"'auto' or 'gemv' (they are {kernels['projections']!r} and {kernels['linears']!r})")
-    if kernels["gdn_norm"] == "linear" and (kernels["linears"] == "torch"  # (off CUDA: the reference, any head)
-                                            or cuda and getattr(cfg, "linear_value_head_dim", 128) != 128):
-        raise ValueError("kernels['gdn_norm']='linear' normalises heads of 128 columns inside the weight-streaming "
-                         f"kernel: it needs kernels['linears'] 'auto' or 'gemv' (it is {kernels['linears']!r}) and a "
-                         f"linear_value_head_dim of 128 (this model's: {getattr(cfg, 'linear_value_head_dim', None)})"
-                         "; use 'separate'")
     return kernels
 
 
@@ -169,7 +161,6 @@ class Forward:
         self.unrolled = self.kernels["gdn"] in ("block", "unrolled")  # (a Triton compile per T: not for prefill)
         self.block = self.kernels["gdn"] == "block"
         self.fused_norm = self.kernels["gdn_norm"] == "fused"
-        self.linear_norm = self.kernels["gdn_norm"] == "linear"
         self.fused_conv = self.kernels["conv"] == "fused"
         self.pdl = self.kernels["launch"] == "pdl"
         self.lin = Linears(fused=self.kernels["projections"] == "fused",
@@ -286,10 +277,8 @@ class Forward:
         # an unrolled decode sums a's and b's split-K partials as it loads them (no launch to materialise them),
         # the fused conv x's
         fused_conv = mode == "decode" and T == 1 and self.fused_conv
-        # ... and out_proj's kernel the gated norm's z (gdn_norm "linear")
-        norm_on_load = mode == "decode" and self.linear_norm and self.lin.takes_gated_norm(m.out_proj, B * T)
         raw = (("in_proj_b", "in_proj_a") if mode == "decode" and self.unrolled else ()) + (
-            ("in_proj_qkv",) if fused_conv else ()) + (("in_proj_z",) if norm_on_load else ())
+            ("in_proj_qkv",) if fused_conv else ())
         x, z, b, a = self.lin.project(m, h, _GDN_IN, raw)
         if fused_conv:  # the cached window advanced in place by the op
             qkv = conv_decode(x, m.conv1d.weight[:, 0], conv, self.pdl)
@@ -313,8 +302,6 @@ class Forward:
                                m.norm.variance_epsilon)
                 return self.lin(m.out_proj, o.reshape(B, T, -1))
             o = gdn_decode(qkv, *heads, a, b, m.A_log, m.dt_bias, state, self.unrolled, pdl)
-            if norm_on_load:
-                return self.lin.gated_norm(m.out_proj, o, z, m.norm)
             return self._gdn_out(m, o, z, B, T)
         q, k, v = unpack_qkv(qkv, *heads, cfg.linear_num_value_heads)
         # contiguous here, so inductor writes them from kernels it has anyway (q, k, v from the conv's): fla's

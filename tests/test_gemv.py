@@ -11,8 +11,8 @@ from conftest import run_in_triton_interpreter
 
 from fastqwen.quant.formats import pack_int4, unpack_int4
 from fastqwen.ops.gemv import (BF16, FP8_BLOCK, FP8_ROW, INT4, expert_gemv, expert_key, expert_reference, expert_swiglu_gemv,
-                               gated_norm_linear, gated_norm_reference, gemv_beats_cublas, gemv_config, pair_rows,
-                               reference, stored_operands, swiglu_linear, swiglu_reference,
+                               gemv_beats_cublas, gemv_config, pair_rows, reference, stored_operands, swiglu_linear,
+                               swiglu_reference,
                                tuned_config, wq_linear)
 
 
@@ -131,83 +131,6 @@ def test_swiglu_linear_is_the_down_projection_of_the_activation():
                                rtol=1e-5, atol=1e-4)
     torch.library.opcheck(swiglu_linear, (parts, w, 24),
                           test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))
-
-
-def test_gated_norm_linear_is_the_out_projection_of_the_normed_output():
-    """A GDN block's gated norm then out_proj on CPU (one row): gated_rms_norm per head of 128 columns (per
-    weight.numel() columns), z the summed partials rounded to o's dtype, then the matmul; the op passes
-    opcheck, with the gate a strided view of a wider projection's partials as the model passes it."""
-    o = torch.randn(1, 4 * 128, dtype=torch.bfloat16)
-    wide = torch.randn(2, 1, 4 * 128 + 96)
-    gate = wide[..., 64:64 + 4 * 128]
-    nw = torch.randn(128, dtype=torch.bfloat16)
-    w = torch.randn(24, 4 * 128, dtype=torch.bfloat16)
-    y = gated_norm_linear(o, gate, nw, 1e-6, w, 24)
-    assert y.shape == (1, 1, 24)
-    z = gate.sum(0).to(torch.bfloat16).view(4, 128).float()
-    of = o.view(4, 128).float()
-    normed = (nw * (of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16()).float()
-    want = (normed * torch.nn.functional.silu(z)).bfloat16().view(1, -1)
-    torch.testing.assert_close(gated_norm_reference(o, gate, nw, 1e-6), want, rtol=0, atol=0)
-    torch.testing.assert_close(y[0], want.float() @ w.float().t(), rtol=1e-5, atol=1e-4)
-    torch.library.opcheck(gated_norm_linear, (o, gate, nw, 1e-6, w, 24),
-                          test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))
-
-
-_NORM_INTERPRETED = """
-import torch
-from fastqwen.ops.gemv import BF16, FP8_ROW, _launch, gated_norm_reference, reference
-N, HV, V, eps = 136, 4, 128, 1e-6
-C = HV * V
-
-def truncated(t):  # the interpreter casts fp32 -> bf16 by dropping the low bits (hardware rounds to nearest even)
-    return (t.float().view(torch.int32) & -65536).view(torch.float32)
-
-def truncated_norm(o, gate, nw):  # gated_norm_reference with the interpreter's roundings
-    of = o.float().view(HV, V)
-    xh = truncated(of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + eps))
-    y = truncated(nw.float() * xh)
-    z = truncated(gate.float().sum(0).view(HV, V))
-    return truncated(y * torch.nn.functional.silu(z)).view(1, C)
-
-torch.manual_seed(0)
-for S, dtype, wdtype in ((1, torch.float32, torch.float32), (2, torch.float32, torch.bfloat16),
-                         (3, torch.bfloat16, torch.bfloat16), (2, torch.bfloat16, torch.float32)):
-    o = (torch.randn(1, C) * torch.tensor([0.1, 1.0, 5.0, 30.0]).repeat_interleave(V)).to(dtype)
-    wide = torch.randn(S, 1, C + 96) * 2  # the gate: columns 64 … 64 + C of a wider projection's partials
-    gate = wide[..., 64:64 + C]
-    nw = torch.randn(V).to(dtype)
-    w = torch.randn(N, C).to(wdtype)
-    x = gated_norm_reference(o, gate, nw, eps).float() if dtype == torch.float32 else truncated_norm(o, gate, nw)
-    ref = reference(x, BF16, w, None, None, False, N)
-    for config in (None, (64, 2, 4, 2), (32, 1, 4, 3, 0, 2), (32, 2, 4, 2, 0, 2)):  # split K, steps of 2 heads
-        for fixup in (False, True):
-            y = _launch(o, BF16, w, None, None, False, N, 1, config=config, partials=True, fixup=fixup,
-                        norm=(gate, nw, eps))
-            err = ((y.sum(0) - ref).norm() / ref.norm()).item()
-            bound = 1e-5 if dtype == torch.float32 else 2e-3  # (bf16: rsqrt's last bit may flip a rounding)
-            assert not y.isnan().any() and err < bound and (len(y) == 1 or not fixup), (S, dtype, config, fixup, err)
-z = gated_norm_reference(o, gate, nw, eps)[None].to(torch.bfloat16)  # z itself (its projection not streamed)
-y = _launch(o, BF16, w, None, None, False, N, 1, partials=True, norm=(z, nw, eps))
-ref = reference(truncated_norm(o, z, nw), BF16, w, None, None, False, N)
-assert ((y.sum(0) - ref).norm() / ref.norm()).item() < 2e-3
-for bad in (dict(fmt=FP8_ROW, o=o, gate=gate, nw=nw), dict(fmt=BF16, o=o.expand(2, C), gate=gate, nw=nw),
-            dict(fmt=BF16, o=o, gate=gate, nw=nw[:64]), dict(fmt=BF16, o=o, gate=torch.randn(1, 1, 2 * C)[..., ::2], nw=nw)):
-    try:
-        _launch(bad["o"], bad["fmt"], w, w, None, False, N, bad["o"].shape[0], norm=(bad["gate"], bad["nw"], eps))
-        raise AssertionError("the gated norm took " + str(bad))
-    except ValueError as e:
-        assert "the gated norm on load takes the BF16 format" in str(e), e
-print("norm ok")
-"""
-
-
-def test_gated_norm_on_load_matches_reference_in_the_triton_interpreter():
-    """_row_kernel NORM: out_proj's x computed as the gated RMSNorm of o per head of 128 columns, the gate from
-    1, 2 or 3 split-K partials (a strided view of a wider projection's) or z itself, fp32 and bf16 o, bf16 and
-    fp32 weights, split K, steps of two heads, the fixup; other formats, more rows, another head size and a gate
-    without unit column stride are refused."""
-    assert run_in_triton_interpreter(_NORM_INTERPRETED).strip().endswith("norm ok")
 
 
 def test_swiglu_on_load_matches_reference_in_the_triton_interpreter():

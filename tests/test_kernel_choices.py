@@ -26,7 +26,7 @@ def test_grouped_experts_match_the_gathered_ones():
 
 ALL = {"attention": "sdpa", "experts": "grouped", "projections": "separate", "linears": "gemv", "gdn": "fla",
        "launch": "pdl", "splitk": "fixup", "gdn_norm": "fused", "expert_act": "fused",
-       "route": "packed", "conv": "fused"}  # (mlp_act "fused" needs fused projections: its own cases)
+       "route": "packed", "conv": "separate"}  # (mlp_act "fused" needs fused projections: its own cases)
 
 
 @pytest.mark.parametrize("name,kernels,compile", [("tiny", {"attention": "sdpa"}, False),
@@ -35,8 +35,7 @@ ALL = {"attention": "sdpa", "experts": "grouped", "projections": "separate", "li
                                                   ("tiny", {"linears": "gemv"}, True),
                                                   ("tiny", {"linears": "torch"}, False),
                                                   ("tiny", {"gdn_norm": "fused"}, True),
-                                                  ("tiny", {"conv": "fused"}, True),
-                                                  ("tiny", {"gdn_norm": "linear", "linears": "gemv"}, True),
+                                                  ("tiny", {"conv": "separate"}, True),
                                                   ("tiny", {"conv": "fused", "linears": "gemv", "gdn": "fla"}, True),
                                                   ("tiny", {"linears": "gemv", "mlp_act": "fused"}, True),
                                                   ("tiny-moe", {"linears": "gemv", "mlp_act": "fused"}, False),
@@ -52,7 +51,7 @@ def test_alternative_kernels_give_the_default_tokens(name, kernels, compile):
     assert other._fastqwen.forward.kernels == {"attention": "split", "experts": "gather", "projections": "fused",
                                                "linears": "auto", "gdn": "block", "launch": "serial", "splitk": "sum", "gdn_norm": "separate",
                                                "expert_act": "separate", "route": "argmax", "mlp_act": "separate",
-                                               "conv": "separate", **grouped_auto, **kernels}
+                                               "conv": "fused", **grouped_auto, **kernels}
     ids, mask = left_padded([torch.randint(1, 500, (n,)) for n in (17, 5)])
     assert torch.equal(other.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16),
                        default.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16))
@@ -172,9 +171,6 @@ def test_bad_kernel_choices():
     for other in ({"projections": "separate"}, {"linears": "torch"}):
         with pytest.raises(ValueError, match=r"needs kernels\['projections'\]='fused' and kernels\['linears'\]"):
             fastqwen.optimize(fresh("tiny"), compile=False, kernels={"mlp_act": "fused", **other})
-    with pytest.raises(ValueError, match=r"kernels\['gdn_norm'\]='linear' .* needs kernels\['linears'\] 'auto' or "
-                                         r"'gemv' \(it is 'torch'\)"):
-        fastqwen.optimize(fresh("tiny"), compile=False, kernels={"gdn_norm": "linear", "linears": "torch"})
 
 
 def test_gemv_linears_take_the_decode_linears(monkeypatch):
@@ -248,38 +244,6 @@ def test_fused_mlp_activation_takes_each_one_row_mlp(monkeypatch):
     compiled = fastqwen.optimize(fresh("tiny"), max_seq_len=64, compile=True, kernels=kernels)
     ids = torch.randint(1, 500, (1, 13))
     assert torch.equal(compiled.generate(ids, **gen), default.generate(ids, **gen))
-
-
-def test_linear_gdn_norm_takes_each_one_row_gdn_out_projection(monkeypatch):
-    """kernels={"gdn_norm": "linear"} (with gemv linears): each decode step of a one-row engine runs every GDN
-    layer's gated norm and out_proj as gated_norm_linear on the recurrence's output and z's split-K partials
-    [S, 1, HV·V] fp32 (fused projections) or z itself (separate ones); prefill and an engine of two rows keep
-    the separate norm; the tokens are the default's."""
-    import fastqwen.linears as linears_module
-
-    calls = []
-    real = linears_module.gated_norm_linear
-    monkeypatch.setattr(linears_module, "gated_norm_linear",
-                        lambda o, gate, *a: calls.append((tuple(o.shape), tuple(gate.shape), gate.dtype)) or real(o, gate, *a))
-    gen = dict(do_sample=False, max_new_tokens=6)
-    cfg = fresh("tiny").config
-    C = cfg.linear_num_value_heads * cfg.linear_value_head_dim
-    gdn_layers = sum(t == "linear_attention" for t in cfg.layer_types)
-    default = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=64, compile=False)
-    ids = torch.randint(1, 500, (1, 21))
-    for projections, gate in (("fused", ((1, 1, C), torch.float32)), ("separate", ((1, 1, C), torch.float32))):
-        calls.clear()
-        kernels = {"linears": "gemv", "gdn_norm": "linear", "projections": projections}
-        one_row = fastqwen.optimize(fresh("tiny"), max_seq_len=64, compile=False, kernels=kernels)
-        assert torch.equal(one_row.generate(ids, **gen), default.generate(ids, **gen)), projections
-        assert calls == [((1, C), *gate)] * (gdn_layers * 5), (projections, set(calls))  # 5 decode steps
-    calls.clear()
-    two_rows = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=64, compile=False,
-                                 kernels={"linears": "gemv", "gdn_norm": "linear"})
-    ids, mask = left_padded([torch.randint(1, 500, (n,)) for n in (17, 5)])
-    assert torch.equal(two_rows.generate(ids, attention_mask=mask, **gen),
-                       default.generate(ids, attention_mask=mask, **gen))
-    assert calls == []
 
 
 def test_the_shared_expert_stacks_onto_the_routed_ones(tmp_path):

@@ -106,28 +106,6 @@ if triton is not None:
         return (g / (1.0 + tl.exp(-g)) * u).to(dtype).to(tl.float32)
 
     @triton.jit
-    def _gated_norm_x(x_ptr, g_ptr, nw_ptr, k, k_ok, k0, g_stride, eps, NORM: tl.constexpr, ROUND_W: tl.constexpr,
-                      BLOCK_K: tl.constexpr, dtype: tl.constexpr):
-        """Columns k (one step: BLOCK_K // STEP whole heads of STEP columns) of gated_rms_norm(o, gate, w) in
-        `dtype`, as ops/norm.py rounds it: ô = o·rsqrt(mean over the head of o² + eps) in fp32, rounded; w·ô
-        (rounded where w is 16-bit: ROUND_W); times silu(gate) in fp32, rounded. o is x (in `dtype`), gate the
-        sum of NORM split-K partials g_stride apart, rounded to `dtype` (the model's z), w the norm's [STEP]."""
-        o = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-        head = (k - k0) // 128
-        r = tl.zeros(k.shape, tl.float32)
-        for j in tl.static_range(BLOCK_K // 128):  # each head's sum of squares: a reduction within the step
-            ss = tl.sum(tl.where(head == j, o * o, 0.0), axis=0)
-            r = tl.where(head == j, tl.math.rsqrt(ss / 128 + eps), r)
-        y = tl.load(nw_ptr + k % 128).to(tl.float32) * (o * r).to(dtype).to(tl.float32)
-        if ROUND_W:
-            y = y.to(dtype).to(tl.float32)
-        g = tl.zeros(k.shape, tl.float32)
-        for s in tl.static_range(NORM):
-            g += tl.load(g_ptr + s * g_stride + k, mask=k_ok, other=0.0).to(tl.float32)
-        g = g.to(dtype).to(tl.float32)
-        return (y * (g / (1.0 + tl.exp(-g)))).to(dtype).to(tl.float32)
-
-    @triton.jit
     def _fp8_bits(u, i: tl.constexpr):
         """Byte i of each int32 word u, an e4m3 code, as fp32 · 2⁻¹²⁰, exactly (subnormals too): its sign,
         exponent and mantissa bits moved into fp32's places, with no conversion instruction."""
@@ -199,11 +177,10 @@ if triton is not None:
 
     @triton.jit
     def _row_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, tok_ptr, exp_ptr, N, K, s_stride, w_estride, s_estride,
-                    k_per_split, ONE, cnt_ptr, g_ptr, g_stride, nw_ptr, eps, FMT: tl.constexpr,
-                    ACT_FP8: tl.constexpr, GROUPED: tl.constexpr, FP8_LIMIT: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, ACC_K: tl.constexpr, STAGES: tl.constexpr, BITS: tl.constexpr,
-                    PDL: tl.constexpr, FIXUP: tl.constexpr = 0, SWIGLU: tl.constexpr = 0, PER_ROW: tl.constexpr = 0,
-                    NORM: tl.constexpr = 0, ROUND_W: tl.constexpr = 0):
+                    k_per_split, ONE, cnt_ptr, FMT: tl.constexpr, ACT_FP8: tl.constexpr, GROUPED: tl.constexpr,
+                    FP8_LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACC_K: tl.constexpr,
+                    STAGES: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr, FIXUP: tl.constexpr = 0,
+                    SWIGLU: tl.constexpr = 0, PER_ROW: tl.constexpr = 0):
         """One row of x (decode at batch 1, or one (token, expert) pair): products accumulate elementwise in
         registers and are summed over K once, at the end (no per-step reduction, no tensor-core layout).
         BITS: the weight is read as int32 words and decoded by bit moves (_fp8_bits, _int4_unit) instead of
@@ -212,9 +189,7 @@ if triton is not None:
         Σ (q − zero) · x = 16 · Σ (1 + q/16) · x − (16 + zero) · Σ x, the group's 16 · scale multiplies the
         step's partial products and scale · (16 + zero) · Σ x is subtracted per output. SWIGLU (grouped mode,
         16-bit or fp32 weights by conversion): x is the gate | up projection's SWIGLU split-K partials
-        [SWIGLU, P, 2K] fp32 and pair p's row is their silu(gate)·up, computed as it loads (_swiglu_x). NORM
-        (linear mode, one row, 16-bit or fp32 weights by conversion): x is a GDN block's recurrence output o and
-        the row is its gated RMSNorm, gate the sum of NORM partials at g_ptr (_gated_norm_x)."""
+        [SWIGLU, P, 2K] fp32 and pair p's row is their silu(gate)·up, computed as it loads (_swiglu_x)."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         split = tl.program_id(2)  # split-K: this program sums K columns [split·k_per_split, +k_per_split)
         y0_ptr = y_ptr
@@ -281,9 +256,6 @@ if triton is not None:
                 k_ok = k < k_end
                 if SWIGLU:
                     x = _swiglu_x(x_ptr, k, k_ok, K, tl.num_programs(1) * 2 * K, SWIGLU, w_ptr.dtype.element_ty)
-                elif NORM:
-                    x = _gated_norm_x(x_ptr, g_ptr, nw_ptr, k, k_ok, k0, g_stride, eps, NORM, ROUND_W, BLOCK_K,
-                                      x_ptr.dtype.element_ty)
                 else:
                     x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
                 if ACT_FP8:
@@ -587,7 +559,7 @@ def linear_splits(fmt: int, N: int, K: int, rows: int) -> int:
 
 
 def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, config=None, partials=False,
-            pdl=False, fixup=False, swiglu=False, norm=None):
+            pdl=False, fixup=False, swiglu=False):
     """fp32 y [rows, out_features]; `pairs` = (tok, exp) int32 [P] switches to grouped mode (rows = P, one x
     row each); `config` overrides gemv_config. Split-K writes per-split partials and sums them (deterministic);
     with `partials` they come back unsummed, [splits, rows, out_features] (split_plan). `fixup` (linear mode):
@@ -596,9 +568,7 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
     _dependent_start; grouped mode waits before it reads its pairs, so it prefetches nothing: it only overlaps
     its launch with the previous kernel). `swiglu` (BF16 format; grouped mode, or linear mode at one row): x is
     a gate | up launch's partials [S, rows, 2K] fp32 and pair p's (the row's) x their silu(gate)·up (_row_kernel
-    SWIGLU; tok unread). `norm` = (gate, weight, eps) (BF16 format, linear mode, one row): x is a GDN block's
-    recurrence output o [1, K] (heads of STEP columns) and the row its gated RMSNorm, gate [S, 1, K] split-K
-    partials (or the output, S = 1) with unit column stride (_row_kernel NORM)."""
+    SWIGLU; tok unread)."""
     K = x.shape[-1] // 2 if swiglu else x.shape[1]
     if K % STEP:
         raise ValueError(f"the weight-streaming kernel needs K divisible by {STEP}; got K={K}")
@@ -613,12 +583,6 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
         raise ValueError(f"swiglu takes the BF16 format, no fp8 activations, x the gate | up partials [S, {rows}, "
                          f"2K] and grouped mode or one row; got format {fmt}, grouped {grouped}, fp8 activations "
                          f"{act_fp8}, x {tuple(x.shape)}")
-    if norm is not None and (fmt != BF16 or act_fp8 or grouped or rows != 1 or norm[0].shape[1:] != (1, K)
-                             or norm[0].stride(-1) != 1 or norm[1].shape != (STEP,)):
-        raise ValueError(f"the gated norm on load takes the BF16 format, no fp8 activations, one row in linear mode, "
-                         f"the gate [S, 1, {K}] with unit column stride and a norm weight of {STEP} (a head); got "
-                         f"format {fmt}, grouped {grouped}, fp8 activations {act_fp8}, {rows} rows, gate "
-                         f"{tuple(norm[0].shape)} strides {norm[0].stride()}, weight {tuple(norm[1].shape)}")
     if swap and bits:
         if explicit:
             raise ValueError("SWAP takes the weight decoded by conversion: a config cannot set both SWAP and BITS")
@@ -659,17 +623,13 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
         per_row, tok = max(rows // max(x.shape[0], 1), 1), exp
     scale = w if scale is None else scale  # BF16 reads no scale; any pointer does
     zero = scale if zero is None else zero  # only INT4 reads a zero
-    gate, nw, eps = norm if norm is not None else (x, x, 0.0)  # (any pointers when not read)
     if M == 1 and lowp != 2:
         acc_k = STEP // (8 if fmt == INT4 else 4) if bits else STEP // 2 if fmt == INT4 else block_k
         _row_kernel[(triton.cdiv(N, bn), rows, split)](
             x, w, scale, zero, y, tok, exp, N, K, s_stride, w_estride, s_estride,
-            k_per_split, ONE_BITS, cnt, gate, gate.stride(0), nw, eps, FMT=fmt, ACT_FP8=act_fp8, GROUPED=grouped,
-            FP8_LIMIT=FP8_MAX, BLOCK_N=bn, BLOCK_K=block_k, ACC_K=acc_k, STAGES=stages, BITS=bits, PDL=pdl,
-            FIXUP=fix, SWIGLU=x.shape[0] if swiglu else 0, PER_ROW=per_row,
-            NORM=gate.shape[0] if norm is not None else 0,
-            ROUND_W=norm is not None and torch.promote_types(nw.dtype, x.dtype) == x.dtype, num_warps=warps,
-            launch_pdl=pdl)
+            k_per_split, ONE_BITS, cnt, FMT=fmt, ACT_FP8=act_fp8, GROUPED=grouped, FP8_LIMIT=FP8_MAX, BLOCK_N=bn,
+            BLOCK_K=block_k, ACC_K=acc_k, STAGES=stages, BITS=bits, PDL=pdl, FIXUP=fix,
+            SWIGLU=x.shape[0] if swiglu else 0, PER_ROW=per_row, num_warps=warps, launch_pdl=pdl)
     else:
         _gemv_kernel[(triton.cdiv(N, bn), 1, split)](
             x, w, scale, zero, y, M, N, K, s_stride, k_per_split, cnt, FMT=fmt,
@@ -840,36 +800,6 @@ def swiglu_linear(parts: torch.Tensor, w: torch.Tensor, out_features: int, pdl: 
         return _launch(parts.contiguous(), BF16, w, None, None, False, out_features, 1, partials=True, pdl=pdl,
                        fixup=fixup, swiglu=True)
     return (swiglu_reference(parts, w.dtype).float() @ w.float().t())[None]
-
-
-def gated_norm_reference(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """gated_rms_norm of a GDN block's output o [rows, K] over heads of weight.numel() columns, gate the sum of
-    split-K partials [S, rows, K] rounded to o's dtype (the model's z): [rows, K] in o's dtype."""
-    from .norm import gated_rms_norm  # (ops/norm.py: plain torch, imported where used)
-
-    V = weight.numel()
-    z = gate.sum(0).to(o.dtype)
-    return gated_rms_norm(o.view(-1, V), z.reshape(-1, V), weight, eps).view(o.shape)
-
-
-@torch.library.custom_op("fastqwen::gated_norm_linear", mutates_args=())
-def gated_norm_linear(o: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.Tensor,
-                      out_features: int, pdl: bool = False, fixup: bool = False) -> torch.Tensor:
-    """A GDN block's out_proj on its gated RMSNorm, one row: o [1, K] (the recurrence's output, heads of
-    norm_weight.numel() = 128 columns), gate [S, 1, K] (the z projection's split-K partials, or z itself,
-    S = 1; unit column stride), w [out_features, K] unquantized → split-K partials [S', 1, out_features] fp32
-    (S' = 1 with fixup) whose sum is gated_norm_reference(o, gate, norm_weight, eps) · wᵀ. On CUDA the kernel
-    normalises and gates each head as it loads it (_row_kernel NORM): no launch of its own."""
-    if _on_kernel(o):
-        return _launch(o.contiguous(), BF16, w, None, None, False, out_features, 1, partials=True, pdl=pdl,
-                       fixup=fixup, norm=(gate, norm_weight, eps))
-    return (gated_norm_reference(o, gate, norm_weight, eps).float() @ w.float().t())[None]
-
-
-@gated_norm_linear.register_fake
-def _(o, gate, norm_weight, eps, w, out_features, pdl=False, fixup=False):
-    splits = linear_splits(BF16, out_features, o.shape[1], 1) if _on_kernel(o) and not fixup else 1
-    return o.new_empty(splits, 1, out_features, dtype=torch.float32)
 
 
 @swiglu_linear.register_fake
