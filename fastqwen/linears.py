@@ -175,6 +175,23 @@ class Linears:
             outs.append(self(linear, h) if p is None else p)
         return outs
 
+    def heads(self, module, o: torch.Tensor) -> torch.Tensor:
+        """module on o [B, T, H, D] flattened to [B, T, H·D] → [B, T, N]. Where the weight-streaming op takes it
+        (a streamed bias-free linear or QuantLinear), o reaches the op as [B·T, H, D] and the op flattens it: in a
+        compiled step o's producer then stays per head, so inductor fuses a per-head reduction and its pointwise
+        tail (the GDN gated norm) into one kernel; reshaped before the op, the tail's [B·T, H·D] indexing does
+        not match the reduction's and they run as two."""
+        lead, rows = o.shape[:2], o.shape[:2].numel()
+        if isinstance(module, self.quant_linear) and module.bias is None:
+            parts = module.partials(o, self.pdl, self.fixup, in_dims=2)
+            if parts is not None:
+                return parts.sum(0).to(o.dtype)
+        elif type(module) is torch.nn.Linear and module.bias is None and self._streams(o, *module.weight.shape, rows):
+            parts = wq_linear(o.reshape(rows, *o.shape[2:]), BF16, module.weight, None, None, False,
+                              module.weight.shape[0], self.pdl, self.fixup)
+            return parts.sum(0).to(o.dtype).view(*lead, -1)
+        return self(module, o.reshape(*lead, -1))
+
     def mlp(self, mlp, h):
         """A dense gated MLP (transformers' Qwen3.5 MLP, or a MoE layer's shared expert): down(act(gate)·up)."""
         fused = mlp.__dict__.get("fastqwen_fused") if self.fused and self.fused_act else None

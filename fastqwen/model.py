@@ -294,7 +294,7 @@ class Forward:
                 if T < self.cache.block:  # (fewer drafts this call) zeros after T: the commit masks them
                     value = torch.cat([value, value.new_zeros(B, self.cache.block - T, *value.shape[2:])], 1)
                 self.cache.write(f"replay_{name}", i, value)
-            return self._gdn_out(m, o, z, B, T)
+            return self._gdn_out(m, o, z)
         if mode == "decode" and (B == 1 or self.unrolled):  # (fla's kernel would need copies of the views)
             pdl = self.pdl and self.unrolled
             if self.fused_norm:  # o comes out of the op normalised and gated
@@ -302,7 +302,7 @@ class Forward:
                                m.norm.variance_epsilon)
                 return self.lin(m.out_proj, o.reshape(B, T, -1))
             o = gdn_decode(qkv, *heads, a, b, m.A_log, m.dt_bias, state, self.unrolled, pdl)
-            return self._gdn_out(m, o, z, B, T)
+            return self._gdn_out(m, o, z)
         q, k, v = unpack_qkv(qkv, *heads, cfg.linear_num_value_heads)
         # contiguous here, so inductor writes them from kernels it has anyway (q, k, v from the conv's): fla's
         # kernels need them so, and the ops' own .contiguous() would be eager copies once T > 1 (or B > 1)
@@ -311,12 +311,12 @@ class Forward:
             o = gdn_chunk(q, k, v, a, b, m.A_log, m.dt_bias, state)
         else:  # a short prefill chunk, or batched decode with fla's kernel
             o = gdn_recurrent(q, k, v, a, b, m.A_log, m.dt_bias, state)
-        return self._gdn_out(m, o, z, B, T)
+        return self._gdn_out(m, o, z)
 
-    def _gdn_out(self, m, o, z, B, T):
+    def _gdn_out(self, m, o, z):
         """The GDN block's gated RMSNorm (per head, gate z) and out_proj of the recurrence's o [B, T, Hv, Dv]."""
         o = gated_rms_norm(o, z.reshape(o.shape), m.norm.weight, m.norm.variance_epsilon)
-        return self.lin(m.out_proj, o.reshape(B, T, -1))
+        return self.lin.heads(m.out_proj, o)  # (per head into the op: the norm is one kernel, Linears.heads)
 
     def _attention(self, m, h, cos, sin, positions, k_cache, v_cache, mode, past: int = 0):
         """Gated full attention: q/k norms, partial rope, cache write, attention, sigmoid output gate. In

@@ -4,7 +4,7 @@ import contextlib
 import logging
 
 import torch
-from conftest import fresh, left_padded
+from conftest import fresh, left_padded, run_in_triton_interpreter
 from torch._dynamo.utils import counters
 
 import fastqwen
@@ -146,3 +146,44 @@ def test_compiled_steps_are_cached_under_a_tag_of_the_ops_and_the_launch_table(m
         assert torch.compiler.config.cache_key_tag == "users-own"
     assert seen == [compile_cache_tag()] and seen[0].startswith("fastqwen-")
 
+
+
+_DECODE_KERNELS = """
+import re, torch
+import torch.utils._triton as triton_utils
+import torch._inductor.config as inductor_config
+from torch._inductor.graph import GraphLowering
+from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+from conftest import fresh
+import fastqwen
+
+# the Triton code inductor writes for a GPU, here for CPU tensors: the same scheduler and fusion decisions. No
+# Triton backend compiles for CPU, so the kernels are not compiled and running the step fails, after codegen.
+inductor_config.cpu_backend, inductor_config.fx_graph_cache = "triton", False
+triton_utils.triton_hash_with_backend = lambda: "cpu"  # (it asks the GPU driver)
+CachingAutotuner.precompile = lambda self, *args, **kwargs: None
+codes = []  # the Python source of each compiled graph, its kernels' included
+_codegen = GraphLowering.codegen
+def codegen(self):
+    result = _codegen(self)
+    codes.append(result[0].value)
+    return result
+GraphLowering.codegen = codegen
+engine = fastqwen.optimize(fresh("tiny").to(torch.bfloat16), max_seq_len=64, compile=True, kernels={"linears": "gemv"})
+try:
+    engine.generate(torch.randint(1, 500, (1, 9)), max_new_tokens=3, do_sample=False)
+except Exception:
+    pass
+code = next(c for c in codes if "split_kv_partials" in c)  # the decode step's graph
+print(sorted(set(re.findall(r"def (triton_\\w+)\\(", code))))
+"""
+
+
+def test_the_gdn_gated_norm_compiles_to_one_kernel(tmp_path):
+    """The decode step's GDN gated RMSNorm (a reduction per head, then w·x̂·silu(z)) is one inductor kernel: its
+    output reaches out_proj's op per head (Linears.heads), so the pointwise tail indexes as the reduction does.
+    Reshaped to [rows, Hv·Dv] before the op, inductor ran a per-head reduction kernel and a pointwise one (a
+    launch more a GDN layer on the GPU). Inductor's Triton codegen runs here on CPU tensors in a subprocess."""
+    names = eval(run_in_triton_interpreter(_DECODE_KERNELS, interpret=False).strip().splitlines()[-1])
+    normed = [n for n in names if "rsqrt" in n and "silu" in n]
+    assert normed and all(n.startswith(("triton_per_", "triton_red_")) for n in normed), names

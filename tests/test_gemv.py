@@ -36,6 +36,10 @@ def test_registered_op_passes_opcheck_on_cpu(fmt, act):
     torch.library.opcheck(wq_linear, (x, fmt, w, s, z, act, 64),
                           test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))
     assert torch.equal(wq_linear(x, fmt, w, s, z, act, 64), reference(x, fmt, w, s, z, act, 64)[None])  # 1 split
+    heads = x.view(3, 2, 128)  # rows given per head (Linears.heads): the op flattens each row
+    torch.library.opcheck(wq_linear, (heads, fmt, w, s, z, act, 64),
+                          test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))
+    assert torch.equal(wq_linear(heads, fmt, w, s, z, act, 64), wq_linear(x, fmt, w, s, z, act, 64))
 
 
 def expert_operands(fmt, E, N, K, seed=0):

@@ -723,13 +723,15 @@ def _on_kernel(x: torch.Tensor) -> bool:
 @torch.library.custom_op("fastqwen::wq_linear", mutates_args=())
 def wq_linear(x: torch.Tensor, fmt: int, w: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None,
               act_fp8: bool, out_features: int, pdl: bool = False, fixup: bool = False) -> torch.Tensor:
-    """x [M, K] · Wᵀ as split-K partial sums [S, M, out_features] fp32, whose sum over dim 0 is the product:
+    """x [M, K] · Wᵀ as split-K partial sums [S, M, out_features] fp32, whose sum over dim 0 is the product
+    (x may also be [M, …], each row's trailing dims flattened here to its K columns: see Linears.heads):
     the kernel on CUDA (S = linear_splits(…)), the reference elsewhere (S = 1). The caller sums, so that inside a
     compiled step inductor can fold the S ≤ 8 adds into the consumer's kernel (it unrolls reductions that
     small) instead of a launch of their own after every split-K matmul (~200 launches a 27B fp8 decode step).
     pdl: launch with programmatic dependent launch (kernels={"launch": "pdl"}; Hopper and later). fixup: the
     kernel sums its partials itself (S = 1; kernels={"splitk": "fixup"}), where a consumer that cannot take
     the add (a custom op's input) would otherwise launch a sum of its own."""
+    x = x.reshape(x.shape[0], -1)
     if _on_kernel(x):
         return wq_matmul(x.contiguous(), fmt, w, scale, zero, act_fp8, out_features, partials=True, pdl=pdl,
                          fixup=fixup)
@@ -738,7 +740,7 @@ def wq_linear(x: torch.Tensor, fmt: int, w: torch.Tensor, scale: torch.Tensor | 
 
 @wq_linear.register_fake
 def _(x, fmt, w, scale, zero, act_fp8, out_features, pdl=False, fixup=False):
-    splits = linear_splits(fmt, out_features, x.shape[1], x.shape[0]) if _on_kernel(x) and not fixup else 1
+    splits = linear_splits(fmt, out_features, x[0].numel(), x.shape[0]) if _on_kernel(x) and not fixup else 1
     return x.new_empty(splits, x.shape[0], out_features, dtype=torch.float32)
 
 

@@ -55,21 +55,23 @@ class QuantLinear(nn.Module):
             x = fake_quantize_fp8_activations(x, STEP)
         return F.linear(x, self.dequantized().to(x.dtype), self.bias)
 
-    def partials(self, x: torch.Tensor, pdl: bool = False, fixup: bool = False) -> torch.Tensor | None:
+    def partials(self, x: torch.Tensor, pdl: bool = False, fixup: bool = False,
+                 in_dims: int = 1) -> torch.Tensor | None:
         """The weight-streaming kernel's split-K partials [S, ..., out_features] fp32 of x [..., in_features]
         (bias not added; their sum, in x's dtype, is the product), or None where the kernel does not take x
-        (off CUDA, too many rows, a shape it cannot stream)."""
-        rows = x.shape[:-1].numel()
+        (off CUDA, too many rows, a shape it cannot stream). in_dims: x's last in_dims dims (their product
+        in_features) are flattened inside the op (Linears.heads)."""
+        rows = x.shape[:-in_dims].numel()
         if not (x.is_cuda and rows <= MAX_ROWS and self.in_features % STEP == 0 and (
                 self.scheme != "int4" or self.group == STEP)):
             return None
-        x2 = x.reshape(rows, self.in_features)
+        x2 = x.reshape(rows, *x.shape[-in_dims:])
         if getattr(self, "perm", None) is not None:
-            x2 = x2.index_select(1, self.perm)  # the stored column order
+            x2 = x2.reshape(rows, -1).index_select(1, self.perm)  # the stored column order
         scale = self.scale_inv if self.scheme == "fp8" else self.scale
         parts = wq_linear(x2, FORMATS[self.scheme], self.qweight, scale, getattr(self, "zero", None),
                           self.scheme == "fp8", self.out_features, pdl, fixup)
-        return parts.view(parts.shape[0], *x.shape[:-1], self.out_features)
+        return parts.view(parts.shape[0], *x.shape[:-in_dims], self.out_features)
 
     def extra_repr(self) -> str:
         return f"{self.scheme}, in_features={self.in_features}, out_features={self.out_features}"
