@@ -179,11 +179,17 @@ print(sorted(set(re.findall(r"def (triton_\\w+)\\(", code))))
 """
 
 
-def test_the_gdn_gated_norm_compiles_to_one_kernel(tmp_path):
-    """The decode step's GDN gated RMSNorm (a reduction per head, then w·x̂·silu(z)) is one inductor kernel: its
-    output reaches out_proj's op per head (Linears.heads), so the pointwise tail indexes as the reduction does.
-    Reshaped to [rows, Hv·Dv] before the op, inductor ran a per-head reduction kernel and a pointwise one (a
-    launch more a GDN layer on the GPU). Inductor's Triton codegen runs here on CPU tensors in a subprocess."""
+def test_per_head_norms_compile_with_their_consumers_into_one_kernel():
+    """In the decode step each per-head norm is one inductor kernel with what consumes it. The GDN gated
+    RMSNorm (a reduction per head, then w·x̂·silu(z)): its output reaches out_proj's op per head
+    (Linears.heads), so the pointwise tail indexes as the reduction does; reshaped to [rows, Hv·Dv] before the
+    op it ran as a reduction kernel and a pointwise one. The attention q and k norms with their rope (apply_rope
+    as one pointwise expression), k's with its write into the cache: rotating and concatenating, they ran as a
+    reduction kernel, then a kernel per part of the cat. Inductor's Triton codegen runs here on CPU tensors in a
+    subprocess (the kernels are not compiled)."""
     names = eval(run_in_triton_interpreter(_DECODE_KERNELS, interpret=False).strip().splitlines()[-1])
-    normed = [n for n in names if "rsqrt" in n and "silu" in n]
-    assert normed and all(n.startswith(("triton_per_", "triton_red_")) for n in normed), names
+    gated = [n for n in names if "rsqrt" in n and "silu" in n]
+    assert gated and all(n.startswith(("triton_per_", "triton_red_")) for n in gated), names
+    roped = [n for n in names if "rsqrt" in n and "cos" in n]  # q's and k's
+    assert len(roped) == 2 and all(n.startswith(("triton_per_", "triton_red_")) for n in roped), names
+    assert sum("index_put" in n for n in roped) == 1, names  # k's, written into the cache by the same kernel

@@ -84,14 +84,19 @@ def test_prefix_attention_is_cached_attention_at_the_last_positions(T):
 
 
 def test_rope_matches_transformers():
+    """apply_rope (one pointwise expression over the head, the passed dims times 1 plus a product with 0) gives
+    transformers' rotate-and-concatenate bit for bit, in fp32 and bf16 (partial rotary: the tiny model rotates
+    a quarter of its dims)."""
     model = fresh("tiny")
     rot = model.model.rotary_emb
-    x = torch.randn(2, 4, 5, 32)
     pos = torch.tensor([[0, 1, 2, 3, 4], [7, 8, 9, 10, 11]])
-    cos, sin = rot(x, pos)
-    ref, _ = hf.apply_rotary_pos_emb(x, x, cos, sin)
-    ours = apply_rope(x, *rope_cos_sin(pos, rot.inv_freq, rot.attention_scaling, x.dtype))
-    torch.testing.assert_close(ours, ref)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(2, 4, 5, 32).to(dtype)
+        cos, sin = rot(x, pos)
+        ref, _ = hf.apply_rotary_pos_emb(x, x, cos, sin)
+        ours = apply_rope(x, *rope_cos_sin(pos, rot.inv_freq, rot.attention_scaling, x.dtype))
+        assert cos.shape[-1] < x.shape[-1] and ours.dtype == dtype
+        torch.testing.assert_close(ours, ref, rtol=0, atol=0)
 
 
 def test_weighted_sum_is_the_sum_over_experts_of_weighted_outputs():

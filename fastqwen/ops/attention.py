@@ -18,13 +18,18 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first R dims of x [B, H, T, D] by cos/sin [B, T, R] (rotate-half convention)."""
-    rot = cos.shape[-1]
-    cos, sin = cos[:, None], sin[:, None]
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    """Rotate the first R dims of x [B, H, T, D] by cos/sin [B, T, R] (rotate-half convention; the other dims
+    pass): x·c + x[perm]·s over all D, c = cos then 1s, s = (−sin[:R/2], sin[R/2:]) then 0s, perm swapping the
+    rotated halves. The same values as rotating x[..., :R] and concatenating x[..., R:] (x·1 and a product with 0
+    are exact), but one pointwise expression: inductor fuses it with the q/k norm before it instead of writing
+    the two parts of a cat (a kernel each) after a kernel for the norm's reduction."""
+    rot, D = cos.shape[-1], x.shape[-1]
     half = rot // 2
-    rotated = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)
-    return torch.cat([x_rot * cos + rotated * sin, x_pass], dim=-1)
+    d = torch.arange(D, device=x.device)
+    perm = torch.where(d < half, d + half, torch.where(d < rot, d - half, d))
+    c = F.pad(cos, (0, D - rot), value=1.0)[:, None]
+    s = F.pad(sin, (0, D - rot), value=0.0)[:, None] * torch.where(d < half, -1.0, 1.0).to(sin.dtype)
+    return x * c + x[..., perm] * s
 
 
 def write_kv(k_cache, v_cache, k, v, positions) -> None:
