@@ -2,6 +2,7 @@
 
 import contextlib
 import logging
+import os
 
 import torch
 from conftest import fresh, left_padded, run_in_triton_interpreter
@@ -148,37 +149,6 @@ def test_compiled_steps_are_cached_under_a_tag_of_the_ops_and_the_launch_table(m
 
 
 
-_DECODE_KERNELS = """
-import re, torch
-import torch.utils._triton as triton_utils
-import torch._inductor.config as inductor_config
-from torch._inductor.graph import GraphLowering
-from torch._inductor.runtime.triton_heuristics import CachingAutotuner
-from conftest import fresh
-import fastqwen
-
-# the Triton code inductor writes for a GPU, here for CPU tensors: the same scheduler and fusion decisions. No
-# Triton backend compiles for CPU, so the kernels are not compiled and running the step fails, after codegen.
-inductor_config.cpu_backend, inductor_config.fx_graph_cache = "triton", False
-triton_utils.triton_hash_with_backend = lambda: "cpu"  # (it asks the GPU driver)
-CachingAutotuner.precompile = lambda self, *args, **kwargs: None
-codes = []  # the Python source of each compiled graph, its kernels' included
-_codegen = GraphLowering.codegen
-def codegen(self):
-    result = _codegen(self)
-    codes.append(result[0].value)
-    return result
-GraphLowering.codegen = codegen
-engine = fastqwen.optimize(fresh("tiny").to(torch.bfloat16), max_seq_len=64, compile=True, kernels={"linears": "gemv"})
-try:
-    engine.generate(torch.randint(1, 500, (1, 9)), max_new_tokens=3, do_sample=False)
-except Exception:
-    pass
-code = next(c for c in codes if "split_kv_partials" in c)  # the decode step's graph
-print(sorted(set(re.findall(r"def (triton_\\w+)\\(", code))))
-"""
-
-
 def test_per_head_norms_compile_with_their_consumers_into_one_kernel():
     """In the decode step each per-head norm is one inductor kernel with what consumes it. The GDN gated
     RMSNorm (a reduction per head, then w·x̂·silu(z)): its output reaches out_proj's op per head
@@ -186,8 +156,10 @@ def test_per_head_norms_compile_with_their_consumers_into_one_kernel():
     op it ran as a reduction kernel and a pointwise one. The attention q and k norms with their rope (apply_rope
     as one pointwise expression), k's with its write into the cache: rotating and concatenating, they ran as a
     reduction kernel, then a kernel per part of the cat. Inductor's Triton codegen runs here on CPU tensors in a
-    subprocess (the kernels are not compiled)."""
-    names = eval(run_in_triton_interpreter(_DECODE_KERNELS, interpret=False).strip().splitlines()[-1])
+    subprocess (scripts/decode_kernels.py: the kernels are written, not compiled)."""
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "decode_kernels.py")
+    code = f"import runpy, sys; sys.argv = ['decode_kernels', '--names']; runpy.run_path({script!r}, run_name='__main__')"
+    names = eval(run_in_triton_interpreter(code, interpret=False).strip().splitlines()[-1])
     gated = [n for n in names if "rsqrt" in n and "silu" in n]
     assert gated and all(n.startswith(("triton_per_", "triton_red_")) for n in gated), names
     roped = [n for n in names if "rsqrt" in n and "cos" in n]  # q's and k's

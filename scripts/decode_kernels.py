@@ -1,0 +1,82 @@
+"""The kernels inductor writes for fastqwen's decode step on a GPU, listed without a GPU.
+
+    python scripts/decode_kernels.py --model tiny
+    python scripts/decode_kernels.py --model qwen3.5-9b --layers 4 --kernels conv=separate
+
+Needs Triton beside torch (on a CPU-only machine: a `pip install --target` directory on PYTHONPATH, as
+tests/conftest.py uses). Inductor's Triton backend is asked to compile the step for CPU tensors: the same
+graph passes, scheduler and fusion decisions as on a GPU, so the kernels and their launches per step are the
+GPU's (launch configs and autotuning aside). Triton has no CPU backend to compile them, so the kernels are not
+compiled and running the step fails after codegen; the script catches that. Prints the decode step's launches
+per step, then each inductor kernel with its launches; --names prints only the sorted kernel names (a Python
+list, for tests). Our own ops (weight streaming, GDN, conv, attention) run as the graph's extern calls and are
+not listed. Use it to check that a change removes launches before spending GPU time on timing it.
+"""
+
+import argparse
+import re
+
+import torch
+
+
+def decode_step_code(model: str, layers: int | None, kernels: dict) -> str:
+    """The Python source inductor generates for the decode step of `model` (a preset, bf16, random weights,
+    its first `layers` layers), its Triton kernels included."""
+    import torch._inductor.config as inductor_config
+    import torch.utils._triton as triton_utils
+    from torch._inductor.graph import GraphLowering
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    import fastqwen
+    from fastqwen import presets
+
+    inductor_config.cpu_backend, inductor_config.fx_graph_cache = "triton", False
+    triton_utils.triton_hash_with_backend = lambda: "cpu"  # (it asks the GPU driver)
+    CachingAutotuner.precompile = lambda self, *args, **kw: None  # (no Triton backend compiles for CPU)
+    codes = []
+    codegen = GraphLowering.codegen
+
+    def keep(self):
+        result = codegen(self)
+        codes.append(result[0].value)
+        return result
+
+    GraphLowering.codegen = keep
+    built = presets.build(model, dtype=torch.bfloat16, layers=layers)
+    engine = fastqwen.optimize(built, max_seq_len=64, compile=True, kernels=kernels)
+    try:
+        engine.generate(torch.randint(1, 500, (1, 9)), max_new_tokens=3, do_sample=False)
+    except Exception:  # (the uncompiled kernels: expected once the step's code exists)
+        pass
+    found = [c for c in codes if "split_kv_partials" in c or "gdn_decode" in c]  # the decode step's graph
+    if not found:
+        raise RuntimeError(f"no decode step among the {len(codes)} graphs compiled")
+    return found[0]
+
+
+def launches(code: str) -> dict[str, int]:
+    """Each Triton kernel defined in `code` → how many times its graph launches it."""
+    calls = re.findall(r"\n\s+(triton_\w+)\.run\(", code)
+    return {name: calls.count(name) for name in re.findall(r"def (triton_\w+)\(", code)}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny", help="a preset (fastqwen.presets)")
+    p.add_argument("--layers", type=int, help="keep only the first LAYERS decoder layers")
+    p.add_argument("--kernels", nargs="*", default=["linears=gemv"], metavar="OP=CHOICE",
+                   help="optimize's kernels option (default linears=gemv: on CPU 'auto' streams nothing)")
+    p.add_argument("--names", action="store_true", help="print only the sorted kernel names, as a Python list")
+    args = p.parse_args()
+    counts = launches(decode_step_code(args.model, args.layers, dict(kv.split("=", 1) for kv in args.kernels)))
+    if args.names:
+        print(sorted(counts))
+        return
+    print(f"{sum(counts.values())} inductor launches a decode step ({args.model}"
+          f"{f', {args.layers} layers' if args.layers else ''})")
+    for name, n in counts.items():
+        print(f"{n:4d}  {name}")
+
+
+if __name__ == "__main__":
+    main()
