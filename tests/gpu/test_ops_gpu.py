@@ -408,3 +408,31 @@ def test_a_cache_beyond_the_gpu_is_refused_and_one_that_fits_is_not():
     grown = torch.cuda.memory_allocated() - before  # (the allocator rounds each block up to 512 bytes)
     assert layout_bytes(bufs) <= grown <= layout_bytes(bufs) + 512 * len(bufs)
     del cache
+
+
+@pytest.mark.parametrize("scheme", [None, "fp8-weight", "int4"])
+@pytest.mark.parametrize("rows", [1, 16])
+def test_heads_gives_the_flat_product_to_the_bit(scheme, rows):
+    """Linears.heads (the GDN out_proj at decode and verify): the weight-streaming op given o [B, T, Hv, Dv] per
+    head (flattened inside wq_linear, or QuantLinear.partials with in_dims 2) returns bit for bit what the
+    flat [B, T, Hv·Dv] input gives, for a bf16 linear and QuantLinear, eager and compiled (as the decode step
+    runs it: the gated norm in front, one inductor kernel with the norm per head)."""
+    from fastqwen.linears import Linears
+    from fastqwen.ops.norm import gated_rms_norm
+    from fastqwen.quant.linear import QuantLinear
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(32 * 128, 4096, bias=False, device="cuda", dtype=torch.bfloat16)
+    module = linear if scheme is None else QuantLinear.from_linear(linear, scheme)
+    lin = Linears(gemv=True, pdl=True)
+    o = torch.randn(1, rows, 32, 128, device="cuda", dtype=torch.bfloat16)
+    z = torch.randn_like(o)
+    w = (torch.rand(128, device="cuda") + 0.5).bfloat16()
+    flat = lin(module, o.reshape(1, rows, -1))
+    assert flat.shape == (1, rows, 4096) and torch.equal(lin.heads(module, o), flat)
+
+    def step(o, z):
+        return lin.heads(module, gated_rms_norm(o, z, w, 1e-6))
+
+    want = lin(module, gated_rms_norm(o, z, w, 1e-6).reshape(1, rows, -1))
+    assert rel_err(torch.compile(step)(o, z), want) < 1e-2  # (inductor's fused norm rounds as it fuses)
