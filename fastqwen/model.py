@@ -206,8 +206,10 @@ class Forward:
 
         verify: leave the recurrent state for `commit` (T ≤ the cache's block).
         """
-        offsets = torch.arange(tokens.shape[1], device=tokens.device)
-        positions = self.cache.lengths[:, None] + offsets
+        T = tokens.shape[1]
+        # (one position: lengths itself, a view: computed, the positions were a kernel before each attention op)
+        lengths = self.cache.lengths[:, None]
+        positions = lengths if T == 1 else lengths + torch.arange(T, device=tokens.device)
         mode = "verify" if verify else "decode"
         h, taps = self._layers(tokens, positions, slice(None), mode, self._taps(features))
         h = self.final_norm(h)

@@ -149,14 +149,15 @@ def test_compiled_steps_are_cached_under_a_tag_of_the_ops_and_the_launch_table(m
 
 
 
-def test_per_head_norms_compile_with_their_consumers_into_one_kernel():
+def test_decode_step_norms_fuse_with_their_consumers():
     """In the decode step each per-head norm is one inductor kernel with what consumes it. The GDN gated
     RMSNorm (a reduction per head, then w·x̂·silu(z)): its output reaches out_proj's op per head
     (Linears.heads), so the pointwise tail indexes as the reduction does; reshaped to [rows, Hv·Dv] before the
     op it ran as a reduction kernel and a pointwise one. The attention q and k norms with their rope (apply_rope
     as one pointwise expression), k's with its write into the cache: rotating and concatenating, they ran as a
-    reduction kernel, then a kernel per part of the cat. Inductor's Triton codegen runs here on CPU tensors in a
-    subprocess (scripts/decode_kernels.py: the kernels are written, not compiled)."""
+    reduction kernel, then a kernel per part of the cat. The split-KV op reads a decode step's positions from
+    the cache's lengths (a kernel wrote them before each attention op). Inductor's Triton codegen runs here on
+    CPU tensors in a subprocess (scripts/decode_kernels.py: the kernels are written, not compiled)."""
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "decode_kernels.py")
     code = f"import runpy, sys; sys.argv = ['decode_kernels', '--names']; runpy.run_path({script!r}, run_name='__main__')"
     names = eval(run_in_triton_interpreter(code, interpret=False).strip().splitlines()[-1])
@@ -165,3 +166,5 @@ def test_per_head_norms_compile_with_their_consumers_into_one_kernel():
     roped = [n for n in names if "rsqrt" in n and "cos" in n]  # q's and k's
     assert len(roped) == 2 and all(n.startswith(("triton_per_", "triton_red_")) for n in roped), names
     assert sum("index_put" in n for n in roped) == 1, names  # k's, written into the cache by the same kernel
+    # one decode position is the cache's lengths itself (a view): no kernel writes positions for the attention op
+    assert not any("split_kv_partials" in n for n in names), names
