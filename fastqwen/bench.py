@@ -47,10 +47,13 @@ CANDIDATE_SYSTEMS = {"fastqwen+split-attention": {"attention": "split"},  # (the
 # combine's sum over a token's 9 expert outputs folds into the residual add and norm after it instead of a
 # launch of its own: inductor's default unrolls up to 8; inductor-pdl: inductor's own kernels launched with
 # programmatic dependent launch, as our GEMVs are, so the ~600 small fused kernels of a 35B step overlap their
-# launch with the kernel before)
+# launch with the kernel before; fuse-small-shared: inductor fuses kernels sharing any bytes (it needs 10 by
+# default), e.g. an attention layer's v cache write into its q or k norm kernel: a launch less a layer in
+# scripts/decode_kernels.py)
 OPTION_SYSTEMS = {"fastqwen+combo-kernels": {"combo_kernels": True},
                   "fastqwen+unroll-reductions-16": {"unroll_reductions_threshold": 16},
-                  "fastqwen+inductor-pdl": {"triton.enable_pdl": True}}
+                  "fastqwen+inductor-pdl": {"triton.enable_pdl": True},
+                  "fastqwen+fuse-small-shared": {"score_fusion_memory_threshold": 1}}
 DEFAULT_SYSTEMS = ("hf-eager", "hf-static-compile", "fastqwen")  # the others are asked for by name
 # a plain fastqwen decode's tok/s (from generate's wall times) and 1 / its step's device time agree this closely,
 # or the figure is marked suspect: prefill noise larger than the timed decode difference makes it meaningless

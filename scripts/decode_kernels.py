@@ -14,14 +14,16 @@ not listed. Use it to check that a change removes launches before spending GPU t
 """
 
 import argparse
+import ast
 import re
 
 import torch
 
 
-def decode_step_code(model: str, layers: int | None, kernels: dict) -> str:
+def decode_step_code(model: str, layers: int | None, kernels: dict, options: dict | None = None) -> str:
     """The Python source inductor generates for the decode step of `model` (a preset, bf16, random weights,
-    its first `layers` layers), its Triton kernels included."""
+    its first `layers` layers; `options`: inductor options, optimize's compile_options), its Triton kernels
+    included."""
     import torch._inductor.config as inductor_config
     import torch.utils._triton as triton_utils
     from torch._inductor.graph import GraphLowering
@@ -43,7 +45,7 @@ def decode_step_code(model: str, layers: int | None, kernels: dict) -> str:
 
     GraphLowering.codegen = keep
     built = presets.build(model, dtype=torch.bfloat16, layers=layers)
-    engine = fastqwen.optimize(built, max_seq_len=64, compile=True, kernels=kernels)
+    engine = fastqwen.optimize(built, max_seq_len=64, compile=True, kernels=kernels, compile_options=options)
     try:
         engine.generate(torch.randint(1, 500, (1, 9)), max_new_tokens=3, do_sample=False)
     except Exception:  # (the uncompiled kernels: expected once the step's code exists)
@@ -66,9 +68,13 @@ def main():
     p.add_argument("--layers", type=int, help="keep only the first LAYERS decoder layers")
     p.add_argument("--kernels", nargs="*", default=["linears=gemv"], metavar="OP=CHOICE",
                    help="optimize's kernels option (default linears=gemv: on CPU 'auto' streams nothing)")
+    p.add_argument("--inductor", nargs="*", default=[], metavar="OPTION=VALUE",
+                   help="inductor options (Python literals), e.g. score_fusion_memory_threshold=1")
     p.add_argument("--names", action="store_true", help="print only the sorted kernel names, as a Python list")
     args = p.parse_args()
-    counts = launches(decode_step_code(args.model, args.layers, dict(kv.split("=", 1) for kv in args.kernels)))
+    options = {k: ast.literal_eval(v) for k, v in (kv.split("=", 1) for kv in args.inductor)} or None
+    counts = launches(decode_step_code(args.model, args.layers, dict(kv.split("=", 1) for kv in args.kernels),
+                                       options))
     if args.names:
         print(sorted(counts))
         return
