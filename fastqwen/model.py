@@ -207,7 +207,7 @@ class Forward:
         verify: leave the recurrent state for `commit` (T ≤ the cache's block).
         """
         T = tokens.shape[1]
-        # (one position: lengths itself, a view: computed, the positions were a kernel before each attention op)
+        # one position: the lengths themselves, a view (lengths + arange was a kernel before each attention op)
         lengths = self.cache.lengths[:, None]
         positions = lengths if T == 1 else lengths + torch.arange(T, device=tokens.device)
         mode = "verify" if verify else "decode"

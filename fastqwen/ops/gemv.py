@@ -740,7 +740,7 @@ def wq_linear(x: torch.Tensor, fmt: int, w: torch.Tensor, scale: torch.Tensor | 
 
 @wq_linear.register_fake
 def _(x, fmt, w, scale, zero, act_fp8, out_features, pdl=False, fixup=False):
-    splits = linear_splits(fmt, out_features, x[0].numel(), x.shape[0]) if _on_kernel(x) and not fixup else 1
+    splits = linear_splits(fmt, out_features, x.shape[1:].numel(), x.shape[0]) if _on_kernel(x) and not fixup else 1
     return x.new_empty(splits, x.shape[0], out_features, dtype=torch.float32)
 
 
