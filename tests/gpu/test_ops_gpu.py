@@ -412,6 +412,7 @@ def test_a_cache_beyond_the_gpu_is_refused_and_one_that_fits_is_not():
 
 @pytest.mark.parametrize("scheme", [None, "fp8-weight", "int4"])
 @pytest.mark.parametrize("rows", [1, 16])
+@torch.no_grad()  # (as generate runs it: the bf16 weight is a Parameter, and the op has no backward)
 def test_heads_gives_the_flat_product_to_the_bit(scheme, rows):
     """Linears.heads (the GDN out_proj at decode and verify): the weight-streaming op given o [B, T, Hv, Dv] per
     head (flattened inside wq_linear, or QuantLinear.partials with in_dims 2) returns bit for bit what the
