@@ -76,7 +76,8 @@ def check_kernels(kernels: dict | None, cfg, device) -> dict:
     "block" or "unrolled"; a candidate: 0.94× the default on 35B-A3B, docs/BENCHMARKS.md). "expert_act": grouped
     experts' silu(gate)·up as a kernel of inductor's between the gate | up and the down launches ("separate")
     or computed by the down launch from the gate | up partials as it loads them ("fused": a launch less a MoE
-    layer; needs "experts" grouped or grouped-pdl and a SiLU MLP). "route": the grouped experts'
+    layer; bf16 and fp8 experts, while int4 ones keep the separate kernel; needs "experts" grouped or
+    grouped-pdl and a SiLU MLP). "route": the grouped experts'
     routing kernel's k rounds as a max then a min over the indices holding it, in 4 warps ("argmax"), or as one
     max over (logit, index) keys packed into an int64, in one warp ("packed": no shared memory, no barrier;
     same experts and weights; ops/router.py; needs "experts" grouped or grouped-pdl). Both "auto" (the default

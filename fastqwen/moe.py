@@ -99,9 +99,10 @@ def routed_moe(mlp, h: torch.Tensor, grouped: bool = False, lin: Linears | None 
                pdl: bool = False, fused_act: bool = False, packed_route: bool = False) -> torch.Tensor:
     """The MoE block on few tokens h [B, T, H]: each token's top-k experts only, plus the shared expert. pdl
     (with grouped): the routing and the expert launches with programmatic dependent launch. fused_act (with
-    grouped, bf16 experts whose act_fn is SiLU): the down launch computes silu(gate)·up from the gate | up
-    launch's partials as it loads them (ops/gemv.py expert_swiglu_gemv). packed_route (with grouped): the
-    routing kernel's one-warp packed-key rounds (ops/router.py)."""
+    grouped, experts whose act_fn is SiLU): the down launch computes silu(gate)·up from the gate | up launch's
+    partials as it loads them (ops/gemv.py expert_swiglu_gemv); quantized experts (QuantExperts.routed, their
+    own kernel launches on CUDA) do so in bf16 and fp8, while int4 ones keep a kernel for it. packed_route (with
+    grouped): the routing kernel's one-warp packed-key rounds (ops/router.py)."""
     shape = h.shape
     x = h.reshape(-1, shape[-1])
     stacked = mlp.__dict__.get("fastqwen_stacked") if grouped else None
@@ -114,14 +115,14 @@ def routed_moe(mlp, h: torch.Tensor, grouped: bool = False, lin: Linears | None 
                         else route_reference(lin.weight(x, router), mlp.gate.top_k, stacked is not None))
     weights = weights.to(x.dtype)
     if hasattr(mlp.experts, "routed"):  # quantized experts
-        out = mlp.experts.routed(x, experts)
+        out = mlp.experts.routed(x, experts, fused_act)
     elif grouped:
         gate_up, down = (mlp.experts.gate_up_proj, mlp.experts.down_proj) if stacked is None else stacked[:2]
         N, k = experts.shape
         pair_expert = experts.flatten().int()
         parts = expert_gemv(x, None, pair_expert, BF16, gate_up, None, None, gate_up.shape[1], pdl=pdl)  # k a token
         if fused_act:
-            out = expert_swiglu_gemv(parts, pair_expert, down, down.shape[1], pdl=pdl).sum(0)
+            out = expert_swiglu_gemv(parts, pair_expert, BF16, down, None, down.shape[1], x.dtype, pdl=pdl).sum(0)
         else:
             gate, up = parts.sum(0).chunk(2, -1)
             act = (mlp.experts.act_fn(gate) * up).to(x.dtype)  # [N·k, I]

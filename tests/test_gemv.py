@@ -68,24 +68,33 @@ def test_expert_reference_is_a_per_pair_matmul():
         expert_gemv(x[:2], None, exp, BF16, w, None, None, 24)
 
 
-def test_expert_swiglu_gemv_is_the_down_projection_of_the_activation():
+@pytest.mark.parametrize("fmt,act_fp8", [(BF16, False), (FP8_ROW, False), (FP8_BLOCK, True)])
+def test_expert_swiglu_gemv_is_the_down_projection_of_the_activation(fmt, act_fp8):
     """The fused-activation down projection on CPU: swiglu_reference of the summed gate | up partials, rounded
-    to the weight's dtype, then the per-pair matmul; the op passes opcheck."""
+    to the activations' dtype, then the per-pair matmul in the experts' format (bf16, or fp8 weights, with
+    the fp8 scheme's activation rounding); the op passes opcheck; int4 experts are refused."""
     parts = torch.randn(3, 4, 2 * 256)  # 3 split-K partials of 4 pairs' gate | up rows
-    w = torch.randn(5, 24, 256, dtype=torch.bfloat16)
     exp = torch.tensor([4, 0, 4, 2], dtype=torch.int32)
+    w, s, _ = (torch.randn(5, 24, 256, dtype=torch.bfloat16), None, None) if fmt == BF16 else expert_operands(fmt, 5, 24, 256)
     gate, up = parts.sum(0).chunk(2, dim=-1)
     act = (gate * torch.sigmoid(gate) * up).bfloat16()
     torch.testing.assert_close(swiglu_reference(parts, torch.bfloat16), act, rtol=0, atol=0)
-    y = expert_swiglu_gemv(parts, exp, w, 24)
-    assert y.shape == (1, 4, 24) and torch.allclose(y[0, 2], w[4].float() @ act[2].float(), rtol=1e-5, atol=1e-4)
-    torch.library.opcheck(expert_swiglu_gemv, (parts, exp, w, 24),
+    y = expert_swiglu_gemv(parts, exp, fmt, w, s, 24, torch.bfloat16, act_fp8)
+    want = expert_reference(act, None, exp, fmt, w, s, None, 24, act_fp8)
+    assert y.shape == (1, 4, 24) and torch.equal(y[0], want)
+    if fmt == BF16:
+        assert torch.allclose(y[0, 2], w[4].float() @ act[2].float(), rtol=1e-5, atol=1e-4)
+    # (test_schema left out, as for wq_linear: SchemaCheckMode cannot compare fp8 tensors)
+    torch.library.opcheck(expert_swiglu_gemv, (parts, exp, fmt, w, s, 24, torch.bfloat16, act_fp8),
                           test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))
+    w4, s4, _ = expert_operands(INT4, 5, 24, 256)
+    with pytest.raises(ValueError, match="int4 experts run the activation separately"):
+        expert_swiglu_gemv(parts, exp, INT4, w4, s4, 24, torch.bfloat16)
 
 
 _SWIGLU_INTERPRETED = """
 import torch
-from fastqwen.ops.gemv import BF16, FP8_ROW, _launch, expert_reference, reference, swiglu_reference
+from fastqwen.ops.gemv import BF16, FP8_BLOCK, FP8_ROW, INT4, _launch, expert_reference, reference, swiglu_reference
 from test_gemv import expert_operands
 E, N, I = 5, 136, 384
 exp = torch.tensor([4, 0, 2, 4, 1, 3], dtype=torch.int32)
@@ -101,25 +110,46 @@ for S, wdtype in ((1, torch.bfloat16), (3, torch.bfloat16), (2, torch.float32)):
     act = truncated(act) if wdtype == torch.bfloat16 else act
     ref = expert_reference(act, torch.arange(len(exp)), exp, BF16, w, None, None, N)
     for config in (None, (64, 2, 4, 2), (32, 1, 4, 3, 0, 2)):  # the default, K split in 2, steps of 256 columns
-        y = _launch(parts, BF16, w, None, None, False, N, len(exp), (exp, exp), config=config, swiglu=True)
+        y = _launch(parts, BF16, w, None, None, False, N, len(exp), (exp, exp), config=config, swiglu=wdtype)
         err = ((y - ref).norm() / ref.norm()).item()
         assert not y.isnan().any() and err < 1e-4, (S, wdtype, config, err)  # (silu's last bit may differ)
     for config in (None, (64, 2, 4, 2), (32, 4, 4, 3, 0, 2)):  # linear mode, one row (a dense MLP at decode)
         ref = reference(act[:1], BF16, w[0], None, None, False, N)
         for fixup in (False, True):
             y = _launch(parts[:, :1].contiguous(), BF16, w[0], None, None, False, N, 1, config=config, partials=True,
-                        fixup=fixup, swiglu=True)
+                        fixup=fixup, swiglu=wdtype)
             err = ((y.sum(0) - ref).norm() / ref.norm()).item()
             assert not y.isnan().any() and err < 1e-4 and (len(y) == 1 or not fixup), (S, config, fixup, err)
-w, s, z = expert_operands(FP8_ROW, E, N, I)
-for bad in (dict(fmt=FP8_ROW, w=w, s=s, parts=parts, pairs=(exp, exp)),
-            dict(fmt=BF16, w=w.float(), s=None, parts=parts[0], pairs=(exp, exp)),
-            dict(fmt=BF16, w=w[0].float(), s=None, parts=parts, pairs=None)):  # linear mode takes one row
+# fp8 experts (fp8-weight's per-row scales, fp8's 128-blocks), the activation rounded to bf16; a tuned config's
+# BITS is dropped (the SWIGLU load is in the conversion branch). (Not fp8's e4m3 activation rounding here: the
+# interpreter's fp32 -> e4m3 cast drops carries, see _INTERPRETED; tests/gpu covers it.)
+parts = torch.randn(2, len(exp), 2 * I) * 2
+act = truncated(swiglu_reference(parts, torch.float32))
+import fastqwen.ops.gemv as gemv
+for fmt in (FP8_ROW, FP8_BLOCK):
+    w, s, z = expert_operands(fmt, E, N, I)
+    ref = expert_reference(act, torch.arange(len(exp)), exp, fmt, w, s, None, N)
+    for config in (None, (32, 2, 4, 2), "tuned with BITS"):
+        if config == "tuned with BITS":
+            gemv.gpu_table, config = (lambda: {gemv.expert_key(fmt, N, I, len(exp)): [32, 1, 4, 3, 1]}), None
+        y = _launch(parts, fmt, w, s, None, False, N, len(exp), (exp, exp), config=config, swiglu=torch.bfloat16)
+        err = ((y - ref).norm() / ref.norm()).item()
+        assert not y.isnan().any() and err < 1e-4, (fmt, config, err)
+w, s, z = expert_operands(INT4, E, N, I)
+wf, sf, _ = expert_operands(FP8_ROW, E, N, I)
+for bad in (dict(fmt=INT4, w=w, s=s, parts=parts, pairs=(exp, exp), config=None, dtype=torch.bfloat16),
+            dict(fmt=FP8_ROW, w=wf, s=sf, parts=parts, pairs=(exp, exp), config=(32, 1, 4, 3, 1),  # asked for BITS
+                 dtype=torch.bfloat16),
+            dict(fmt=BF16, w=wf.float(), s=None, parts=parts, pairs=(exp, exp), config=None, dtype=torch.int32),
+            dict(fmt=BF16, w=wf.float(), s=None, parts=parts[0], pairs=(exp, exp), config=None, dtype=torch.float32),
+            dict(fmt=BF16, w=wf[0].float(), s=None, parts=parts, pairs=None, config=None,  # linear mode: one row
+                 dtype=torch.float32)):
     try:
-        _launch(bad["parts"], bad["fmt"], bad["w"], bad["s"], None, False, N, len(exp), bad["pairs"], swiglu=True)
-        raise AssertionError("swiglu took " + str(bad["fmt"]))
+        _launch(bad["parts"], bad["fmt"], bad["w"], bad["s"], z if bad["fmt"] == INT4 else None, False, N, len(exp),
+                bad["pairs"], config=bad["config"], swiglu=bad["dtype"])
+        raise AssertionError("swiglu took " + str(bad))
     except ValueError as e:
-        assert "swiglu takes the BF16 format" in str(e), e
+        assert "swiglu takes the BF16 or an fp8 format" in str(e), e
 print("swiglu ok")
 """
 
@@ -139,8 +169,9 @@ def test_swiglu_linear_is_the_down_projection_of_the_activation():
 
 def test_swiglu_on_load_matches_reference_in_the_triton_interpreter():
     """_row_kernel SWIGLU: the down projection's x computed from 1, 2 or 3 gate | up partials as it loads them,
-    16-bit and fp32 weights, split K and wide steps, grouped and one-row linear mode (with the fixup too); other
-    formats, a 2-D x and several rows in linear mode are refused."""
+    16-bit and fp32 weights, split K and wide steps, grouped and one-row linear mode (with the fixup too); fp8
+    experts (per-row and block scales, a tuned BITS dropped); int4, BITS asked for, a dtype Triton cannot round
+    to, a 2-D x and several rows in linear mode are refused."""
     assert run_in_triton_interpreter(_SWIGLU_INTERPRETED).strip().endswith("swiglu ok")
 
 
@@ -320,6 +351,7 @@ def test_grouped_configs_are_measured_per_pair_bucket(monkeypatch):
 
 _SM90 = """
 import re
+import triton.language as tl
 from sm90 import compile_sm90, count, cuobjdump, stack_bytes
 from fastqwen.ops import gemv
 
@@ -341,7 +373,8 @@ def row_kernel(fmt, bits, BN=128, pdl=False, fixup=0, grouped=False, swiglu=0, p
                w_estride="i32", s_estride="i32", k_per_split="i32", ONE="i32", cnt_ptr="*i32")
     acc_k = 128 // (8 if fmt == gemv.INT4 else 4) if bits else 64 if fmt == gemv.INT4 else 128
     consts = dict(FMT=fmt, ACT_FP8=False, GROUPED=grouped, FP8_LIMIT=448.0, BLOCK_N=BN, BLOCK_K=128, ACC_K=acc_k,
-                  STAGES=2, BITS=bits, PDL=pdl, FIXUP=fixup, SWIGLU=swiglu, PER_ROW=per_row)
+                  STAGES=2, BITS=bits, PDL=pdl, FIXUP=fixup, SWIGLU=swiglu, PER_ROW=per_row,
+                  ACT_DTYPE=tl.bfloat16)
     return compile_sm90(gemv._row_kernel, sig, consts, ALIGNED, num_stages=2)
 
 def sass(fmt, bits, BN=128):
@@ -411,14 +444,16 @@ for code in (row_kernel(gemv.FP8_ROW, False, 32, fixup=4).asm["ptx"], ptx(gemv.F
     assert code.rfind("bar.sync", 0, atom) > 0 and "ld.global.cg" in code[atom:], "fixup's ordering"
 assert "atom." not in row_kernel(gemv.FP8_ROW, False, 32).asm["ptx"] and "atom." not in ptx(gemv.FP8_ROW, 0, False)
 
-# SWIGLU (kernels={"expert_act": "fused"}, grouped; {"mlp_act": "fused"}, linear with PDL and the fixup as
-# decode runs it): the activation from 3 partials at the tile the sweeps took for the 35B expert and 9B down
-# projections; no spill, and the activation rounded to bf16 to nearest
-for swiglu, grouped, pdl, fixup in ((0, True, False, 0), (3, True, False, 0), (0, False, True, 4), (3, False, True, 4)):
-    kernel = row_kernel(gemv.BF16, False, 32, grouped=grouped, swiglu=swiglu, pdl=pdl, fixup=fixup)
-    assert stack_bytes(kernel) == 0, (swiglu, grouped, "spills")
+# SWIGLU (kernels={"expert_act": "fused"}, grouped, bf16 and fp8-weight experts; {"mlp_act": "fused"}, linear
+# with PDL and the fixup as decode runs it): the activation from 3 partials at the tile the sweeps took for the
+# 35B expert and 9B down projections; no spill, and the activation rounded to bf16 to nearest
+for fmt, swiglu, grouped, pdl, fixup in ((gemv.BF16, 0, True, False, 0), (gemv.BF16, 3, True, False, 0),
+                                         (gemv.BF16, 0, False, True, 4), (gemv.BF16, 3, False, True, 4),
+                                         (gemv.FP8_ROW, 0, True, False, 0), (gemv.FP8_ROW, 3, True, False, 0)):
+    kernel = row_kernel(fmt, False, 32, grouped=grouped, swiglu=swiglu, pdl=pdl, fixup=fixup)
+    assert stack_bytes(kernel) == 0, (fmt, swiglu, grouped, "spills")
     rounded = "ex2.approx" in kernel.asm["ptx"] and "cvt.rn.bf16.f32" in kernel.asm["ptx"]
-    assert rounded == bool(swiglu), (swiglu, "the activation is not computed here and rounded to bf16 to nearest")
+    assert rounded == bool(swiglu), (fmt, swiglu, "the activation is not computed here and rounded to bf16 to nearest")
 print("ok")
 """
 

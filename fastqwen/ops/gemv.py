@@ -67,6 +67,9 @@ except ImportError:  # CPU-only installs: the ops fall back to the reference
     triton = None
 
 FP8_ROW, FP8_BLOCK, INT4, BF16 = 0, 1, 2, 3
+# the dtypes a SWIGLU launch can round the activation to (the activations'), as Triton names them
+_TL_DTYPES = {} if triton is None else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
+                                        torch.float32: tl.float32}
 FORMATS = {"fp8-weight": FP8_ROW, "fp8": FP8_BLOCK, "int4": INT4}
 MAX_ROWS = 64  # the linear mode's largest BLOCK_M; more rows take the reference path (prefill: dequantize, GEMM)
 ROW_BUCKETS = (1, 4, 16, 64)  # launch configs are measured per bucket: the fewest rows of these that hold M
@@ -180,16 +183,17 @@ if triton is not None:
                     k_per_split, ONE, cnt_ptr, FMT: tl.constexpr, ACT_FP8: tl.constexpr, GROUPED: tl.constexpr,
                     FP8_LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACC_K: tl.constexpr,
                     STAGES: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr, FIXUP: tl.constexpr = 0,
-                    SWIGLU: tl.constexpr = 0, PER_ROW: tl.constexpr = 0):
+                    SWIGLU: tl.constexpr = 0, PER_ROW: tl.constexpr = 0, ACT_DTYPE: tl.constexpr = tl.bfloat16):
         """One row of x (decode at batch 1, or one (token, expert) pair): products accumulate elementwise in
         registers and are summed over K once, at the end (no per-step reduction, no tensor-core layout).
         BITS: the weight is read as int32 words and decoded by bit moves (_fp8_bits, _int4_unit) instead of
         conversion instructions; word column j of a step holds columns 4j … 4j+3 (fp8) or 8j … 8j+7 (int4).
         int4 with BITS: a step accumulates (1 + q/16) · x, one FFMA a weight after a shift and a LOP3; since
         Σ (q − zero) · x = 16 · Σ (1 + q/16) · x − (16 + zero) · Σ x, the group's 16 · scale multiplies the
-        step's partial products and scale · (16 + zero) · Σ x is subtracted per output. SWIGLU (grouped mode,
-        16-bit or fp32 weights by conversion): x is the gate | up projection's SWIGLU split-K partials
-        [SWIGLU, P, 2K] fp32 and pair p's row is their silu(gate)·up, computed as it loads (_swiglu_x)."""
+        step's partial products and scale · (16 + zero) · Σ x is subtracted per output. SWIGLU (16-bit, fp32 or
+        e4m3 weights decoded by conversion, not BITS): x is the gate | up projection's SWIGLU split-K partials
+        [SWIGLU, P, 2K] fp32 and pair p's row is their silu(gate)·up rounded to ACT_DTYPE, computed as it loads
+        (_swiglu_x)."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         split = tl.program_id(2)  # split-K: this program sums K columns [split·k_per_split, +k_per_split)
         y0_ptr = y_ptr
@@ -255,7 +259,7 @@ if triton is not None:
                 k = k0 + tl.arange(0, BLOCK_K)
                 k_ok = k < k_end
                 if SWIGLU:
-                    x = _swiglu_x(x_ptr, k, k_ok, K, tl.num_programs(1) * 2 * K, SWIGLU, w_ptr.dtype.element_ty)
+                    x = _swiglu_x(x_ptr, k, k_ok, K, tl.num_programs(1) * 2 * K, SWIGLU, ACT_DTYPE)
                 else:
                     x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
                 if ACT_FP8:
@@ -559,17 +563,17 @@ def linear_splits(fmt: int, N: int, K: int, rows: int) -> int:
 
 
 def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, config=None, partials=False,
-            pdl=False, fixup=False, swiglu=False):
+            pdl=False, fixup=False, swiglu=None):
     """fp32 y [rows, out_features]; `pairs` = (tok, exp) int32 [P] switches to grouped mode (rows = P, one x
     row each); `config` overrides gemv_config. Split-K writes per-split partials and sums them (deterministic);
     with `partials` they come back unsummed, [splits, rows, out_features] (split_plan). `fixup` (linear mode):
     the kernel sums them itself, the last program of each output tile in split order (_split_k_fixup), and
     `partials` gets [1, rows, out_features]. `pdl`: launch with programmatic dependent launch (Hopper+;
     _dependent_start; grouped mode waits before it reads its pairs, so it prefetches nothing: it only overlaps
-    its launch with the previous kernel). `swiglu` (BF16 format; grouped mode, or linear mode at one row): x is
-    a gate | up launch's partials [S, rows, 2K] fp32 and pair p's (the row's) x their silu(gate)·up (_row_kernel
-    SWIGLU; tok unread)."""
-    K = x.shape[-1] // 2 if swiglu else x.shape[1]
+    its launch with the previous kernel). `swiglu`, a dtype (BF16 or fp8 formats decoded by conversion; grouped
+    mode, or linear mode at one row): x is a gate | up launch's partials [S, rows, 2K] fp32 and pair p's (the
+    row's) x their silu(gate)·up rounded to that dtype, the activations' (_row_kernel SWIGLU; tok unread)."""
+    K = x.shape[-1] // 2 if swiglu is not None else x.shape[1]
     if K % STEP:
         raise ValueError(f"the weight-streaming kernel needs K divisible by {STEP}; got K={K}")
     N = out_features
@@ -579,10 +583,14 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
     config = config or gemv_config(fmt, N, K, M, rows if grouped else 1)
     bn, split, warps, stages, bits, kstep, lowp, swap = full_config(config)
     bits = bool(bits) and fmt != BF16
-    if swiglu and (fmt != BF16 or act_fp8 or x.dim() != 3 or x.shape[1] != rows or (not grouped and rows != 1)):
-        raise ValueError(f"swiglu takes the BF16 format, no fp8 activations, x the gate | up partials [S, {rows}, "
-                         f"2K] and grouped mode or one row; got format {fmt}, grouped {grouped}, fp8 activations "
-                         f"{act_fp8}, x {tuple(x.shape)}")
+    if swiglu is not None:
+        if (fmt == INT4 or (act_fp8 and fmt == BF16) or swiglu not in _TL_DTYPES or x.dim() != 3
+                or x.shape[1] != rows or (not grouped and rows != 1) or (bits and explicit)):
+            raise ValueError(f"swiglu takes the BF16 or an fp8 format decoded by conversion (no BITS), a 16-bit or "
+                             f"fp32 activation dtype, x the gate | up partials [S, {rows}, 2K] and grouped mode or "
+                             f"one row; got format {fmt}, BITS {int(bits)}, dtype {swiglu}, grouped {grouped}, x "
+                             f"{tuple(x.shape)}")
+        bits = False  # (a tuned config's BITS: the SWIGLU load is in the conversion branch)
     if swap and bits:
         if explicit:
             raise ValueError("SWAP takes the weight decoded by conversion: a config cannot set both SWAP and BITS")
@@ -629,7 +637,8 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
             x, w, scale, zero, y, tok, exp, N, K, s_stride, w_estride, s_estride,
             k_per_split, ONE_BITS, cnt, FMT=fmt, ACT_FP8=act_fp8, GROUPED=grouped, FP8_LIMIT=FP8_MAX, BLOCK_N=bn,
             BLOCK_K=block_k, ACC_K=acc_k, STAGES=stages, BITS=bits, PDL=pdl, FIXUP=fix,
-            SWIGLU=x.shape[0] if swiglu else 0, PER_ROW=per_row, num_warps=warps, launch_pdl=pdl)
+            SWIGLU=x.shape[0] if swiglu is not None else 0, PER_ROW=per_row,
+            ACT_DTYPE=_TL_DTYPES.get(swiglu, tl.bfloat16), num_warps=warps, launch_pdl=pdl)
     else:
         _gemv_kernel[(triton.cdiv(N, bn), 1, split)](
             x, w, scale, zero, y, M, N, K, s_stride, k_per_split, cnt, FMT=fmt,
@@ -777,18 +786,22 @@ def swiglu_reference(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 @torch.library.custom_op("fastqwen::expert_swiglu_gemv", mutates_args=())
-def expert_swiglu_gemv(parts: torch.Tensor, exp: torch.Tensor, w: torch.Tensor, out_features: int,
+def expert_swiglu_gemv(parts: torch.Tensor, exp: torch.Tensor, fmt: int, w: torch.Tensor, scale: torch.Tensor | None,
+                       out_features: int, act_dtype: torch.dtype, act_fp8: bool = False,
                        pdl: bool = False) -> torch.Tensor:
     """Routed experts' down projection on the activation of their gate | up projection: parts [S, P, 2I] fp32
-    (an expert_gemv's partials), exp [P] int32, w [E, out_features, I] unquantized → split-K partials
-    [S', P, out_features] fp32 whose sum over dim 0 has row p = swiglu_reference(parts)[p] · W[exp[p]]ᵀ. On
-    CUDA the kernel computes the activation as it loads it (_row_kernel SWIGLU): no launch of its own."""
+    (an expert_gemv's partials), exp [P] int32, w [E, out_features, I] in format fmt (BF16, FP8_ROW or
+    FP8_BLOCK, with scale [E, …]) → split-K partials [S', P, out_features] fp32 whose sum over dim 0 has row
+    p = swiglu_reference(parts, act_dtype)[p] · W[exp[p]]ᵀ (act_fp8: the activation rounded to e4m3 per 128
+    columns, as expert_gemv does). On CUDA the kernel computes the activation as it loads it (_row_kernel
+    SWIGLU): no launch of its own."""
+    if fmt == INT4:
+        raise ValueError("expert_swiglu_gemv takes bf16 or fp8 experts; int4 experts run the activation separately")
     if _on_kernel(parts):
-        return _launch(parts.contiguous(), BF16, w, None, None, False, out_features, parts.shape[1], (exp, exp),
-                       partials=True, pdl=pdl, swiglu=True)
-    P = parts.shape[1]
-    act = swiglu_reference(parts, w.dtype)
-    return expert_reference(act, None, exp, BF16, w, None, None, out_features)[None]
+        return _launch(parts.contiguous(), fmt, w, scale, None, act_fp8, out_features, parts.shape[1], (exp, exp),
+                       partials=True, pdl=pdl, swiglu=act_dtype)
+    act = swiglu_reference(parts, act_dtype)
+    return expert_reference(act, None, exp, fmt, w, scale, None, out_features, act_fp8)[None]
 
 
 @torch.library.custom_op("fastqwen::swiglu_linear", mutates_args=())
@@ -800,7 +813,7 @@ def swiglu_linear(parts: torch.Tensor, w: torch.Tensor, out_features: int, pdl: 
     On CUDA the kernel computes the activation as it loads it (_row_kernel SWIGLU): no launch of its own."""
     if _on_kernel(parts):
         return _launch(parts.contiguous(), BF16, w, None, None, False, out_features, 1, partials=True, pdl=pdl,
-                       fixup=fixup, swiglu=True)
+                       fixup=fixup, swiglu=w.dtype)
     return (swiglu_reference(parts, w.dtype).float() @ w.float().t())[None]
 
 
@@ -811,7 +824,7 @@ def _(parts, w, out_features, pdl=False, fixup=False):
 
 
 @expert_swiglu_gemv.register_fake
-def _(parts, exp, w, out_features, pdl=False):
+def _(parts, exp, fmt, w, scale, out_features, act_dtype, act_fp8=False, pdl=False):
     P, inter = parts.shape[1], parts.shape[2] // 2
-    splits = split_plan(inter, gemv_config(BF16, out_features, inter, 1, P))[1] if _on_kernel(parts) else 1
+    splits = split_plan(inter, gemv_config(fmt, out_features, inter, 1, P))[1] if _on_kernel(parts) else 1
     return parts.new_empty(splits, P, out_features)

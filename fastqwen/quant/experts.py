@@ -14,7 +14,7 @@ experts, so that `routed` runs it in the same two launches as the routed ones.
 import torch
 from torch import nn
 
-from ..ops.gemv import FORMATS, STEP, expert_gemv
+from ..ops.gemv import FORMATS, INT4, STEP, expert_gemv, expert_swiglu_gemv
 from .formats import dequantize_weight, fake_quantize_fp8_activations, quantize_weight
 
 _MATRICES = ("gate_up", "down")
@@ -148,21 +148,26 @@ class QuantExperts(nn.Module):
     def _kernel_fits(self) -> bool:
         return self.hidden % STEP == 0 and self.inter % STEP == 0 and (self.scheme != "int4" or self.group == STEP)
 
-    def routed(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """x [N, H], experts [N, k] → each pair's expert output [N, k, H] (unweighted), reading only those experts."""
+    def routed(self, x: torch.Tensor, experts: torch.Tensor, fused_act: bool = False) -> torch.Tensor:
+        """x [N, H], experts [N, k] → each pair's expert output [N, k, H] (unweighted), reading only those experts.
+        fused_act (act_fn SiLU; fp8 schemes): on CUDA the down launch computes silu(gate)·up from the gate | up
+        launch's partials as it loads them (expert_swiglu_gemv), a launch less; int4 keeps it separate."""
         N, k = experts.shape
         pair_expert = experts.flatten()
         if x.is_cuda and self._kernel_fits():
             fmt, act = FORMATS[self.scheme], self.scheme == "fp8"
             pe = pair_expert.int()  # (token-major pairs, k a token: expert_gemv's tok None)
-            gu = self.stored("gate_up")
-            gate, up = expert_gemv(x, None, pe, fmt, gu["qweight"], gu.get("scale_inv", gu.get("scale")),
-                                   gu.get("zero"), 2 * self.inter, act).sum(0).chunk(2, dim=-1)
-            h = (self.act_fn(gate) * up).to(x.dtype)
-            dn = self.stored("down")
-            y = expert_gemv(h, None, pe, fmt, dn["qweight"], dn.get("scale_inv", dn.get("scale")), dn.get("zero"),
-                            self.hidden, act).sum(0)
-            return y.view(N, k, self.hidden).to(x.dtype)
+            gu, dn = self.stored("gate_up"), self.stored("down")
+            parts = expert_gemv(x, None, pe, fmt, gu["qweight"], gu.get("scale_inv", gu.get("scale")),
+                                gu.get("zero"), 2 * self.inter, act)
+            down = dn["qweight"], dn.get("scale_inv", dn.get("scale"))
+            if fused_act and fmt != INT4:
+                y = expert_swiglu_gemv(parts, pe, fmt, *down, self.hidden, x.dtype, act)
+            else:
+                gate, up = parts.sum(0).chunk(2, dim=-1)
+                h = (self.act_fn(gate) * up).to(x.dtype)
+                y = expert_gemv(h, None, pe, fmt, *down, dn.get("zero"), self.hidden, act)
+            return y.sum(0).view(N, k, self.hidden).to(x.dtype)
         rows = []
         for p in range(N * k):  # the reference: one pair at a time (CPU, small N·k)
             e, xi = pair_expert[p], self._inputs(x[p // k])

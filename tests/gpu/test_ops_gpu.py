@@ -268,12 +268,15 @@ def test_expert_gemv_computes_token_major_rows_in_the_kernel():
             assert torch.equal(expert_gemv(x, None, exp, fmt, w, s, None, 2 * inter), want), (fmt, tokens)
 
 
+@pytest.mark.parametrize("scheme", [None, "fp8-weight", "fp8"])  # the down weight bf16, or in a quantized format
 @pytest.mark.parametrize("pairs", [9, 72])  # batch 1 and 8 at 35B-A3B's 8 routed experts + the shared one
-def test_expert_swiglu_gemv_matches_reference_real_shape(pairs):
+def test_expert_swiglu_gemv_matches_reference_real_shape(pairs, scheme):
     """The down projection that computes silu(gate)·up from the gate | up partials as it loads them, at
-    35B-A3B's expert shape: the activation rounds to bf16 to nearest even as the reference does (Triton's
-    interpreter truncates, so tests/test_gemv.py cannot check that rounding)."""
-    from fastqwen.ops.gemv import BF16, expert_gemv, expert_reference, expert_swiglu_gemv, swiglu_reference
+    35B-A3B's expert shape, bf16 or fp8 experts (fp8: the activation rounded to e4m3 too, by the hardware's
+    cast): the activation rounds to bf16 to nearest even as the reference does (Triton's interpreter
+    truncates, so tests/test_gemv.py cannot check that rounding)."""
+    from fastqwen.ops.gemv import (BF16, FORMATS, expert_gemv, expert_reference, expert_swiglu_gemv, stored_operands,
+                                   swiglu_reference)
 
     cfg = presets.config("qwen3.5-35b-a3b")
     E, H, inter = cfg.num_experts + 1, cfg.hidden_size, cfg.moe_intermediate_size
@@ -285,11 +288,16 @@ def test_expert_swiglu_gemv_matches_reference_real_shape(pairs):
     tok = torch.arange(tokens, device="cuda", dtype=torch.int32).repeat_interleave(9)
     exp = torch.randint(E, (pairs,), device="cuda", dtype=torch.int32)
     parts = expert_gemv(x, tok, exp, BF16, gate_up, None, None, 2 * inter)
+    fmt, scale, act_fp8 = BF16, None, scheme == "fp8"
+    if scheme is not None:
+        fmt = FORMATS[scheme]
+        stored = [stored_operands(fmt, down[e].float()) for e in range(E)]
+        down, scale = torch.stack([w for w, _, _ in stored]), torch.stack([s for _, s, _ in stored])
     poison_allocator((4, pairs, H), (2, pairs, H), dtype=torch.float32)  # (the output's split-K partials)
-    y = expert_swiglu_gemv(parts, exp, down, H)
+    y = expert_swiglu_gemv(parts, exp, fmt, down, scale, H, torch.bfloat16, act_fp8)
     pair = torch.arange(pairs, device="cuda", dtype=torch.int32)
-    ref = expert_reference(swiglu_reference(parts, torch.bfloat16), pair, exp, BF16, down, None, None, H)
-    assert y.shape[1:] == (pairs, H) and rel_err(y.sum(0), ref) < 1e-4
+    ref = expert_reference(swiglu_reference(parts, torch.bfloat16), pair, exp, fmt, down, scale, None, H, act_fp8)
+    assert y.shape[1:] == (pairs, H) and rel_err(y.sum(0), ref) < (2e-3 if act_fp8 else 1e-4)
 
 
 @pytest.mark.parametrize("preset,pdl,fixup", [("qwen3.5-9b", False, False), ("qwen3.5-9b", True, True),

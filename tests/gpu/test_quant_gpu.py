@@ -101,9 +101,11 @@ def test_grouped_expert_kernel_matches_reference_at_35b_shapes(fmt):
             assert err < 2e-3, f"format {fmt} {N}x{K} T={T}: relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("fused_act", [False, True])
 @pytest.mark.parametrize("scheme", ["fp8-weight", "fp8", "int4"])
-def test_quant_experts_routed_kernel_matches_the_prefill_loop(scheme, monkeypatch):
-    """QuantExperts at the 35B-A3B expert shape (32 of its 256 experts): decode's grouped kernel vs the
+def test_quant_experts_routed_kernel_matches_the_prefill_loop(scheme, fused_act, monkeypatch):
+    """QuantExperts at the 35B-A3B expert shape (32 of its 256 experts): decode's grouped kernels, with the
+    activation in a kernel of its own or (fused_act; fp8 schemes) computed by the down launch, vs the
     dequantize-then-grouped-matmul prefill transformers' contract runs (8 experts dequantized at a time)."""
     from types import SimpleNamespace
 
@@ -122,8 +124,10 @@ def test_quant_experts_routed_kernel_matches_the_prefill_loop(scheme, monkeypatc
         x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
         idx = torch.stack([torch.randperm(E, device="cuda")[:8] for _ in range(T)])
         w = torch.rand(T, 8, device="cuda", dtype=torch.bfloat16)
-        got = (q.routed(x, idx) * w[..., None]).sum(1)
+        got = (q.routed(x, idx, fused_act) * w[..., None]).sum(1)
         assert rel_err(got, q(x, idx, w)) < 2e-2
+        if fused_act:  # the same expert outputs as the separate activation's, but for silu's last bits
+            assert rel_err(q.routed(x, idx, True), q.routed(x, idx)) < (1e-2 if scheme == "fp8" else 1e-3)
 
 
 @pytest.mark.parametrize("scheme", ["fp8-weight", "fp8", "int4"])
@@ -143,3 +147,4 @@ def test_quantized_moe_block_with_the_shared_expert_stacked_matches_its_hf_forwa
         assert stack_shared_expert(block) and block.experts.stacks is not None
         f = torch.compile(routed_moe, fullgraph=True)
         assert rel_err(f(block, h, True), ref) < 2e-2
+        assert rel_err(f(block, h, True, fused_act=True), ref) < 2e-2  # (decode's default: expert_act "fused")
