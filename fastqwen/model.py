@@ -199,7 +199,7 @@ class Forward:
         rows = slice(first_row, first_row + tokens.shape[0])
         h, taps = self._layers(tokens, positions, rows, "prefill", self._taps(features), past=start)
         h = self.final_norm(h)
-        return self.lm_head(h[:, -1]).float(), self._features(features, h, taps)
+        return self.lin(self.lm_head, h[:, -1]).float(), self._features(features, h, taps)
 
     def step(self, tokens: torch.Tensor, verify: bool = False, features=None):
         """Run tokens [B, T] (B = cache batch) at positions lengths[b] + t; returns logits [B, T, V] fp32, or
@@ -214,7 +214,7 @@ class Forward:
         mode = "verify" if verify else "decode"
         h, taps = self._layers(tokens, positions, slice(None), mode, self._taps(features))
         h = self.final_norm(h)
-        logits = self.lm_head(h).float()
+        logits = self.lin(self.lm_head, h).float()  # (the policy's: cuBLAS unless the sweep timed the kernel faster)
         return logits if features is None else (logits, self._features(features, h, taps))
 
     @staticmethod

@@ -41,8 +41,11 @@ SHAPES = {
                      ("attn.k", 1024, 5120)],
     "9b": [("mlp.gate+up", 24576, 4096), ("mlp.down", 4096, 12288), ("attn.q+gate+k+v", 10240, 4096),
            ("gdn.qkv+z+b+a", 12352, 4096), ("gdn.out, attn.o", 4096, 4096), ("lm_head", 248320, 4096)],
-    # the 27B lm_head on its own (swept for fp8 only: quant_lm_head; bf16 stays cuBLAS's)
+    # the lm_heads on their own (fp8: quant_lm_head; bf16: the engine's lm_head takes the kernel where the sweep
+    # stores it faster than cuBLAS, as the other bf16 linears do under linears "auto")
     "27b-head": [("lm_head", 248320, 5120)],
+    "9b-head": [("lm_head", 248320, 4096)],
+    "35b-a3b-head": [("lm_head", 248320, 2048)],
     # the z-lab 27B DFlash draft (Qwen3 layers, fused projections as the engine runs them; 16 positions a round)
     "27b-draft": [("q+k+v", 6144, 5120), ("o", 5120, 4096), ("gate+up", 34816, 5120), ("down", 5120, 17408),
                   ("fc", 5120, 25600)],
@@ -156,12 +159,12 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT), lowp
     rows, best_of = [], {}
     for model in shapes:
         for layer, N, K in SHAPES[model]:
-            head = N > 65536  # an lm_head: swept only where it can be quantized (27b-head), with no split
+            head = N > 65536  # an lm_head: swept only as a shape set of its own (27b-head, …), with no split
             if head and not model.endswith("-head"):
                 continue
             w = torch.randn(N // SMALL, K // SMALL, device=DEV, dtype=torch.bfloat16) * 0.02
             N, K = w.shape
-            for name, fmt in ((f, getattr(gemv, SWEPT[f])) for f in formats if not head or f.startswith("fp8")):
+            for name, fmt in ((f, getattr(gemv, SWEPT[f])) for f in formats if not head or f != "int4"):
                 q, sc, z = gemv.stored_operands(fmt, w)
                 nbytes = sum(t.numel() * t.element_size() for t in (q, sc, z) if t is not None)
                 # copies of the weight, cycled through so that every call streams its weight from memory, as in a

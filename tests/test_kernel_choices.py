@@ -175,12 +175,13 @@ def test_bad_kernel_choices():
 
 def test_gemv_linears_take_the_decode_linears(monkeypatch):
     """kernels={"linears": "gemv"}: decode runs the bf16 linears (fused projections, out/o/down projections,
-    the MoE router, the shared expert) through wq_linear, prefill does not, and the tokens are the default's."""
+    the MoE router, the shared expert, lm_head) through wq_linear, prefill only its lm_head (on the last
+    position), and the tokens are the default's."""
     import fastqwen.linears as linears_module
 
     calls = []
     real = linears_module.wq_linear
-    monkeypatch.setattr(linears_module, "wq_linear", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    monkeypatch.setattr(linears_module, "wq_linear", lambda x, *a: calls.append((x.shape[0], a[5])) or real(x, *a))
     ids = torch.randint(1, 500, (1, 21))
     gen = dict(do_sample=False, max_new_tokens=6)
     default = fastqwen.optimize(fresh("tiny-moe"), max_seq_len=64, compile=False)
@@ -188,8 +189,10 @@ def test_gemv_linears_take_the_decode_linears(monkeypatch):
     assert torch.equal(other.generate(ids, **gen), default.generate(ids, **gen))
     layers = other.config.num_hidden_layers
     # 5 a layer (fused input projections, out/o projection, the router, shared expert gate+up and down) in each
-    # of the 5 decode steps; none in prefill (21 rows)
-    assert len(calls) == 5 * layers * 5 and set(calls) == {1}
+    # of the 5 decode steps, and lm_head's one row in those and in prefill (whose 21-row linears stay cuBLAS's)
+    vocab = other.config.vocab_size
+    heads = [c for c in calls if c[1] == vocab]
+    assert len(heads) == 6 and len(calls) == 5 * layers * 5 + 6 and {rows for rows, _ in calls} == {1}
 
 
 def test_decode_hands_the_gdn_op_a_and_b_as_split_k_partials(monkeypatch):
