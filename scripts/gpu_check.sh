@@ -36,7 +36,8 @@
 #            CAND_ARGS="--prompt-len 131072 --repeats 1": every call prefills 128K again; 27B, two systems ~6 min)
 #   commit   scripts/bench_commit.py: the speculative commit, all GDN layers in one launch vs one per layer
 #   sweep-gemv scripts/bench_quant.py --sweep: the weight-streaming kernel's launch configs (BITS decoding too) per
-#            layer of $SWEEP_SHAPES (default 27b; 35b-a3b) and row bucket ($SWEEP_M, default 1 4 16), formats
+#            layer of $SWEEP_SHAPES (default 27b; 35b-a3b; the lm_heads, bf16 and fp8: 9b-head 35b-a3b-head
+#            27b-head) and row bucket ($SWEEP_M, default 1 4 16), formats
 #            $SWEEP_FORMATS (default fp8-weight int4 bf16), written into fastqwen/ops/gemv_configs.json (copied to
 #            $OUT: commit it). All three formats on 27B is ~7 min: split it over calls by format, or over both GPUs
 #            with SWEEP_TAG=a / b (each writes only its results to gemv_configs_<tag>.json; merge them into the
