@@ -49,6 +49,24 @@ def test_kernel_matches_fp32_reference(N, K, name, fmt, act, bits):
         assert err < bound, f"{name} {N}x{K} M={M} config {config}: relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("K", [4096, 2048])  # the 9B's and the 35B-A3B's lm_head, 248320 rows
+@pytest.mark.parametrize("name,fmt", [("bf16", BF16), ("fp8-weight", FP8_ROW)])
+@pytest.mark.parametrize("pdl", [False, True])
+def test_lm_head_shapes_match_the_fp32_reference(K, name, fmt, pdl):
+    """The lm_head through the kernel (bf16 under the "auto" policy where the sweep stored it faster than cuBLAS;
+    fp8-weight with quant_lm_head) at one row, the tuned config of gemv_configs.json, with and without PDL:
+    7760 programs of 32 rows, every output written and within the format's bound."""
+    N = 248320
+    w = torch.randn(N, K, device="cuda") * 0.02
+    q, s, z = stored_operands(fmt, w)
+    x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+    poison_allocator((1, N), dtype=torch.float32)
+    y = wq_matmul(x, fmt, q, s, z, False, N, pdl=pdl)
+    assert not y.isnan().any(), f"{name} {N}x{K}: unwritten outputs"
+    err = rel_err(y, reference(x.float(), fmt, q, s, z, False, N))
+    assert err < 2e-3, f"{name} {N}x{K} config {gemv_config(fmt, N, K, 1)}: relative error {err:.2e}"
+
+
 def test_e4m3_dot_refuses_what_it_cannot_take():
     """LOWP 2 takes e4m3 weights and bf16 (or the fp8 scheme's e4m3) activations only: an explicit config for
     anything else is an error, a table entry falls back to the exact dot."""
