@@ -123,12 +123,12 @@ def expert_candidates(N: int, K: int, E: int = 256 if SMALL == 1 else 16, top: i
 SWEPT = {"fp8-weight": "FP8_ROW", "int4": "INT4", "bf16": "BF16"}  # formats the sweep tunes (name: gemv constant)
 
 
-def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT), lowps=None) -> list[dict]:
+def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT), lowps=None, ksteps=None) -> list[dict]:
     """Time the weight-streaming kernel over its launch configs (BLOCK_N, SPLIT_K, num_warps, num_stages, BITS:
     conversion instructions or bit moves to decode the weight, KSTEP: 128-column blocks a loop step, LOWP: 1 for
-    16-bit dot operands at M > 1, 2 for e4m3 ones (fp8 weights, any M), SWAP: the weight as the dot's first
-    operand; LOWP 3: fp16 operands for e4m3 weights) per layer, format and M (`lowps`: only configs with these
-    LOWP values, beside the config in use); print the default config's time beside the best one. The best is the
+    16-bit dot operands at M > 1 (int4 with BITS: at any M, its codes decoded in pairs), 2 for e4m3 ones (fp8
+    weights, any M), SWAP: the weight as the dot's first operand; LOWP 3: fp16 operands for e4m3 weights) per layer, format and M (`lowps`: only configs with these
+    LOWP values, beside the config in use; `ksteps` likewise for KSTEP); print the default config's time beside the best one. The best is the
     one cheapest for the step: kernel time plus
     the consumer's read of its fp32 split-K partials. With `table`, merge the best configs into that
     gemv_configs.json under this GPU's name (fastqwen.ops.gemv reads it at import). The kernel is timed without the
@@ -156,6 +156,12 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT), lowp
     # LOWP 3 (e4m3 weights, M > 1: the fp16 dot), without and with SWAP (64 or 128 rows for a wgmma)
     fp16 = [c for c in itertools.product((32, 64, 128), (1, 2, 4, 8), (4,), (2, 3, 4), (0,), (1, 2), (3,), (0, 1))
             if c[0] * 128 * c[5] <= 32768 and (c[0] >= 64 or not c[7])]
+    # int4 decoded two codes at a time into 16-bit dot operands (BITS with LOWP 1: the dot kernel at any M),
+    # without and with SWAP; 256 weight rows with 8 warps (4 would take ~250 registers a thread)
+    pairs = [c for c in itertools.product((64, 128, 256), (1, 2, 4, 8, 16), (4, 8), (2, 3), (1,), (1, 2), (1,), (0, 1))
+             if c[2] == (8 if c[0] == 256 else 4) and (c[5] == 1 or c[3] == 2)]
+    # int4 at one row by bit moves in steps of 2 or 4 groups (KSTEP): 256 or 512 columns of a row in flight a step
+    int4_wide = list(itertools.product((64, 128), (2, 4, 8, 16), (4,), (2, 3), (1,), (2, 4)))
     rows, best_of = [], {}
     for model in shapes:
         for layer, N, K in SHAPES[model]:
@@ -164,7 +170,7 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT), lowp
                 continue
             w = torch.randn(N // SMALL, K // SMALL, device=DEV, dtype=torch.bfloat16) * 0.02
             N, K = w.shape
-            for name, fmt in ((f, getattr(gemv, SWEPT[f])) for f in formats if not head or f != "int4"):
+            for name, fmt in ((f, getattr(gemv, SWEPT[f])) for f in formats):
                 q, sc, z = gemv.stored_operands(fmt, w)
                 nbytes = sum(t.numel() * t.element_size() for t in (q, sc, z) if t is not None)
                 # copies of the weight, cycled through so that every call streams its weight from memory, as in a
@@ -180,8 +186,12 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT), lowp
                     tried += [c for c in lowp + swap if m > 1 and kstep_ok(c)]
                     tried += [c for c in e4m3 if fmt in (gemv.FP8_ROW, gemv.FP8_BLOCK) and kstep_ok(c)]
                     tried += [c for c in fp16 if m > 1 and fmt in (gemv.FP8_ROW, gemv.FP8_BLOCK) and kstep_ok(c)]
+                    tried += [c for c in pairs if fmt == gemv.INT4]
+                    tried += [c for c in int4_wide if fmt == gemv.INT4 and m == 1]
                     if lowps is not None:
                         tried = [c for c in tried if gemv.full_config(c)[6] in lowps]
+                    if ksteps is not None:
+                        tried = [c for c in tried if gemv.full_config(c)[5] in ksteps]
                     if head:  # 248k rows are programs enough without splitting K
                         tried = [c for c in tried if c[1] == 1]
                     for cfg in [default] + [c for c in tried if K // (128 * c[5]) >= c[1]
@@ -310,6 +320,8 @@ def main():
     p.add_argument("--formats", nargs="+", default=list(SWEPT), choices=list(SWEPT), help="with --sweep: these only")
     p.add_argument("--lowp", type=int, nargs="+", help="with --sweep: only configs with these LOWP values (and "
                    "the config in use), e.g. 3 for the fp16 dot")
+    p.add_argument("--kstep", type=int, nargs="+", help="with --sweep: only configs with these KSTEP values (and the "
+                   "config in use), e.g. 2 4 for the wide steps")
     p.add_argument("--write-table", type=pathlib.Path, help="with --sweep: merge the best configs into this file "
                    "(fastqwen/ops/gemv_configs.json is the one the library reads)")
     p.add_argument("--merge-tables", nargs="+", type=pathlib.Path, metavar="TABLE",
@@ -325,7 +337,7 @@ def main():
            "rows": []}
     print(f"{res['hardware']}, copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     if args.sweep:
-        res["sweep"] = sweep(args.shapes, args.m, bw, args.write_table, args.formats, args.lowp)
+        res["sweep"] = sweep(args.shapes, args.m, bw, args.write_table, args.formats, args.lowp, args.kstep)
         if args.sweep_experts is not None:
             res["sweep_experts"] = sweep_experts(bw, args.write_table, args.formats, tuple(args.sweep_experts) or (1,))
         if args.json:

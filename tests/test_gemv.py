@@ -191,15 +191,21 @@ SWAP = ((32, 2, 4, 2, 0, 1, 0, 1), (16, 1, 4, 1, 0, 1, 1, 1))  # the weight as t
 SWAP_WIDE = ((16, 1, 4, 1, 0, 2, 1, 1),)  # with 16-bit operands and steps of 256 columns
 # fp16 dot operands (LOWP 3: e4m3 weights, x scaled by a power of 2 into fp16): alone, with KSTEP 2, with SWAP
 FP16 = ((32, 2, 4, 2, 0, 1, 3), (16, 1, 4, 1, 0, 2, 3), (16, 2, 4, 2, 0, 1, 3, 1))
+# int4 decoded two codes at a time into 16-bit dot operands (BITS with LOWP 1, any M): K split in 2, with SWAP
+PAIRS = ((32, 2, 4, 2, 1, 1, 1), (64, 1, 4, 1, 1, 1, 1, 1), (16, 3, 4, 2, 1, 1, 1, 1),
+         (32, 1, 4, 2, 1, 2, 1, 1))  # and steps of two groups (KSTEP 2: the second step half masked)
+INT4_WIDE = ((32, 1, 4, 2, 1, 2), (16, 2, 4, 1, 1, 4))  # one row decoded by bit moves, steps of 2 and 4 groups
 for fmt, act, configs, ms in [(FP8_ROW, False, CONFIGS + WIDE + LOWP + SWAP + SWAP_WIDE + FP16, (1, 3, 16, 20, 40)),
                               (FP8_BLOCK, False, CONFIGS + LOWP[:1] + SWAP + FP16[::2], (1, 3, 16)),
-                              (INT4, False, CONFIGS + LOWP[:1] + SWAP, (1, 3, 16, 33)),
+                              (INT4, False, CONFIGS + LOWP[:1] + SWAP + PAIRS + INT4_WIDE, (1, 3, 16, 33)),
                               (BF16, False, (None,) + WIDE + LOWP + SWAP + SWAP_WIDE, (1, 3, 16))]:
     for M in ms:  # (20, 33, 40: programs of 32 and 64 rows)
         N, K = 200, 384  # N not a multiple of the program width; K three steps
         w, s, z = operands(fmt, N, K, seed=M)
         x = torch.randn(M, K, dtype=torch.bfloat16)
         for config in configs:
+            if config in INT4_WIDE and M > 1:  # (refused: below)
+                continue
             # LOWP in fp16: the interpreter's bf16 dot multiplies raw bits (tests/gpu covers bf16 on hardware)
             x16 = x.half() if config and len(config) > 6 and config[6] == 1 else x
             if config and len(config) > 6 and config[6] == 3 and M == 3:  # rows far apart in scale (x/s stays exact)
@@ -294,6 +300,27 @@ for fmt, act in ((INT4, False), (FP8_BLOCK, True)):  # a scale inside the step: 
         raise AssertionError(f"format {fmt} took KSTEP 2")
     except ValueError as e:
         assert "KSTEP 2 needs" in str(e)
+w, s, z = operands(INT4, 200, 384)
+for M in (1, 3):  # int4's scale and zero group-major (QuantLinear's layout): the same products as row-major
+    x = torch.randn(M, 384, dtype=torch.float16)
+    s, z = s.contiguous(), z.contiguous()
+    from fastqwen.ops.gemv import group_major
+    sg, zg = group_major(s), group_major(z)
+    assert sg.stride() == (1, 200) and torch.equal(sg, s)
+    for config in ((32, 2, 4, 2), (32, 2, 4, 2, 1), (32, 1, 4, 2, 1, 2, 1, 1)) + ((16, 2, 4, 1, 1, 2),) * (M == 1):
+        assert torch.equal(_launch(x, INT4, w, sg, zg, False, 200, M, config=config),
+                           _launch(x, INT4, w, s, z, False, 200, M, config=config)), (M, config)
+try:  # zero laid out unlike scale
+    _launch(x, INT4, w, sg, z, False, 200, 3)
+    raise AssertionError("int4 took a zero laid out unlike its scale")
+except ValueError as e:
+    assert "one layout" in str(e)
+w, s, z = operands(INT4, 64, 256)
+try:  # int4 steps of several groups: one row, or the 16-bit pairs
+    _launch(x3, INT4, w, s, z, False, 64, 3, config=(32, 1, 4, 2, 1, 2))
+    raise AssertionError("KSTEP 2 with int4 bit moves took 3 rows")
+except ValueError as e:
+    assert "KSTEP 2 with int4" in str(e)
 from fastqwen.ops.gemv import _COUNTS
 for fmt, M, config in ((FP8_ROW, 1, (32, 4, 4, 2)), (INT4, 1, (64, 3, 4, 2, 1)), (FP8_BLOCK, 3, (64, 2, 4, 2)),
                        (BF16, 16, (64, 4, 4, 2))):  # split-K summed in the kernel: the last program of a tile adds
@@ -362,14 +389,15 @@ def w_type(fmt, bits):
 
 def ptx(fmt, lowp, swap, act=False, bits=False, pdl=False, fixup=0):  # the 16-row kernel
     sig = dict(x_ptr="*bf16", w_ptr=w_type(fmt, bits), s_ptr="*fp32", z_ptr="*fp32",
-               y_ptr="*fp32", M="i32", N="i32", K="i32", s_stride="i32", k_per_split="i32", cnt_ptr="*i32")
+               y_ptr="*fp32", M="i32", N="i32", K="i32", s_stride="i32", g_stride="i32", k_per_split="i32",
+               cnt_ptr="*i32")
     consts = dict(FMT=fmt, ACT_FP8=act, FP8_LIMIT=448.0, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, STAGES=4, BITS=bits,
                   LOWP=lowp, SWAP=swap, PDL=pdl, FIXUP=fixup)
     return compile_sm90(gemv._gemv_kernel, sig, consts, ALIGNED, num_stages=4).asm["ptx"]
 
 def row_kernel(fmt, bits, BN=128, pdl=False, fixup=0, grouped=False, swiglu=0, per_row=0):  # one-row kernel, 128-column steps
     sig = dict(x_ptr="*fp32" if swiglu else "*bf16", w_ptr=w_type(fmt, bits), s_ptr="*fp32",
-               z_ptr="*fp32", y_ptr="*fp32", tok_ptr="*i32", exp_ptr="*i32", N="i32", K="i32", s_stride="i32",
+               z_ptr="*fp32", y_ptr="*fp32", tok_ptr="*i32", exp_ptr="*i32", N="i32", K="i32", s_stride="i32", g_stride="i32",
                w_estride="i32", s_estride="i32", k_per_split="i32", ONE="i32", cnt_ptr="*i32")
     acc_k = 128 // (8 if fmt == gemv.INT4 else 4) if bits else 64 if fmt == gemv.INT4 else 128
     consts = dict(FMT=fmt, ACT_FP8=False, GROUPED=grouped, FP8_LIMIT=448.0, BLOCK_N=BN, BLOCK_K=128, ACC_K=acc_k,
@@ -413,6 +441,24 @@ for fmt in (gemv.FP8_ROW, gemv.FP8_BLOCK):
         assert "tf32" not in code and "cvt.rn.bf16" not in code, (fmt, swap)  # (x's bf16 → fp32 stays)
         assert code.count("cvt.rn.f16x2.e4m3x2") >= 32, (fmt, swap)  # [64, 128] weights / 128 threads, 2 a cvt
         assert "cvt.f32.f16" not in code, (fmt, swap, "the weight goes through fp32")
+
+# int4 decoded in 16-bit pairs (BITS with LOWP 1): no conversion instruction, one packed subtraction (HADD2) and one
+# LOP3 per two weights ([64, 128] weights / 128 threads: 32 each; ~43 more LOP3 do addresses and masks, where one a
+# weight would make them ≥ 107), bf16 dots; with SWAP a wgmma from registers
+for swap in (False, True):
+    consts = dict(FMT=gemv.INT4, ACT_FP8=False, FP8_LIMIT=448.0, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, STAGES=2,
+                  BITS=True, LOWP=1, SWAP=swap, PDL=False, FIXUP=0, ASM=True)
+    sig = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*fp32", z_ptr="*fp32", y_ptr="*fp32", M="i32", N="i32", K="i32",
+               s_stride="i32", g_stride="i32", k_per_split="i32", cnt_ptr="*i32")
+    kernel = compile_sm90(gemv._gemv_kernel, sig, consts, ALIGNED, num_stages=2)
+    code = cuobjdump(kernel, "-sass")
+    assert count(code, "I2F") == 0 and count(code, "F2F") <= 8, (swap, "conversions in the pair decode")  # (x's)
+    assert count(code, "HADD2") == 32 and count(code, "LOP3") < 96, (swap, count(code, "HADD2"), count(code, "LOP3"))
+    ptx_ = kernel.asm["ptx"]
+    assert "sub.rn.bf16x2" in ptx_ and re.search(r"mma\S*\.bf16\.bf16", ptx_), swap
+    if swap:
+        first = re.search(r"wgmma\.mma_async\S* \{[^}]*\}, (\S)", ptx_)
+        assert first and first.group(1) == "{", "with SWAP the decoded pairs should reach wgmma from registers"
 
 # programmatic dependent launch: every global read of the previous kernel's output comes after griddepcontrol.wait,
 # the weight's L2 prefetches before it; each format's weight layout, both kernels

@@ -24,12 +24,15 @@ the weight is the dot's first operand, accumulating yᵀ, so that Hopper's wgmma
 with LOWP 2 straight from shared memory).
 Either decodes the weight with conversion instructions or, with the launch config's BITS, by moving bits (fp8: sign,
 exponent and mantissa into fp32's places, a 2⁻¹²⁰-scaled value; int4: in the one-row kernel the code in
-1.0's top mantissa bits, 1 + q/16, one LOP3 and one FFMA a weight; in the dot kernel OR-ed into 2²³'s bits):
+1.0's top mantissa bits, 1 + q/16, one LOP3 and one FFMA a weight; in the dot kernel OR-ed into 2²³'s bits, or
+with LOWP 1 two codes at a time into the mantissas of a bf16 or fp16 pair, q − zero exact in 16 bits, for x's own
+dtype in the dot: _int4_pairs; that form takes the dot kernel at any M, one row included):
 conversions run at a fraction of the FMA rate (the M = 1 sweep found bit moves no faster for fp8: 62–76%
 of bandwidth either way). The sweep decides per shape. A program owns BLOCK_N output columns and walks its share of K in
 steps of 128 columns, or KSTEP × 128 (launch option; fp8-weight and bf16 without BITS, whose scales do not change
-inside a step): an fp8 step of 128 columns moves half the bytes of a bf16 one, and the M = 1 sweep found bf16 at
-88–97% of bandwidth where fp8 reached 62–76%. Split-K programs write partial sums that one add combines
+inside a step; int4 with BITS, a step of KSTEP groups, at one row or in 16-bit pairs): an fp8 step of 128
+columns moves half the bytes of a bf16 one, and the M = 1 sweep found bf16 at 88–97% of bandwidth where fp8
+reached 62–76%. Split-K programs write partial sums that one add combines
 (deterministic, no atomics). Launch
 configs come from gemv_configs.json, measured per GPU by scripts/bench_quant.py --sweep (a shape not yet swept
 takes the nearest measured N with the same K), else from a
@@ -134,6 +137,31 @@ if triton is not None:
         return (m | one).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _int4_pairs(u2, zz, s: tl.constexpr, dtype: tl.constexpr, ASM: tl.constexpr):
+        """Nibbles s and s + 4 of each int32 word, less the row's zero, as 16-bit pairs of `dtype` (bf16 or fp16):
+        q − zero, integers in −16 … 15, exact in either. u2 [BLOCK_N, 2W] holds each word twice (u2[:, 2j] =
+        u2[:, 2j + 1] = word j): element 2j gets nibble s, element 2j + 1 nibble s + 4. zz (int32): the 16-bit
+        pair B + zero, B = 128 (bf16) or 1024 (fp16), the number whose last mantissa bit is worth 1. With ASM,
+        two codes in three instructions and no conversion: a shift, a LOP3 that ORs both nibbles into B's
+        mantissas ((u >> 4s) & 0x000F000F | B B: the pair B + q) and one packed subtraction of zz. Without ASM
+        (Triton's interpreter runs no inline PTX) the same values by shifts and conversions."""
+        if ASM:
+            if dtype == tl.bfloat16:
+                r = tl.inline_asm_elementwise(
+                    f"{{ .reg .b32 t; shr.u32 t, $1, {4 * s}; lop3.b32 t, t, 0x000F000F, 0x43004300, 0xea; "
+                    "sub.rn.bf16x2 $0, t, $3; }", "=r,r,r,r,r", [u2, zz], dtype=tl.bfloat16, is_pure=True, pack=2)
+            else:
+                r = tl.inline_asm_elementwise(
+                    f"{{ .reg .b32 t; shr.u32 t, $1, {4 * s}; lop3.b32 t, t, 0x000F000F, 0x64006400, 0xea; "
+                    "sub.rn.f16x2 $0, t, $3; }", "=r,r,r,r,r", [u2, zz], dtype=tl.float16, is_pure=True, pack=2)
+        else:
+            odd = (tl.arange(0, u2.shape[1]) % 2)[None, :]
+            base = 128.0 if dtype == tl.bfloat16 else 1024.0
+            z = (zz & 0xFFFF).to(tl.int16).to(dtype, bitcast=True).to(tl.float32) - base
+            r = (((u2 >> (4 * s + 16 * odd)) & 0xF).to(tl.float32) - z).to(dtype)
+        return r
+
+    @triton.jit
     def _prefetch_l2(ptrs, ok):
         """prefetch.global.L2 of each address in `ptrs` where `ok` (one a 128-byte line is enough)."""
         tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
@@ -179,7 +207,7 @@ if triton is not None:
             tl.atomic_xchg(cnt_ptr + tile, 0)
 
     @triton.jit
-    def _row_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, tok_ptr, exp_ptr, N, K, s_stride, w_estride, s_estride,
+    def _row_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, tok_ptr, exp_ptr, N, K, s_stride, g_stride, w_estride, s_estride,
                     k_per_split, ONE, cnt_ptr, FMT: tl.constexpr, ACT_FP8: tl.constexpr, GROUPED: tl.constexpr,
                     FP8_LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACC_K: tl.constexpr,
                     STAGES: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr, FIXUP: tl.constexpr = 0,
@@ -213,20 +241,22 @@ if triton is not None:
             _dependent_start(w_ptr, n, n_ok, split * k_per_split, k_end, K, FMT, BITS, BLOCK_K)
         for k0 in tl.range(split * k_per_split, k_end, BLOCK_K, num_stages=STAGES):
             if BITS and FMT == 2:
-                wd = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-                wd_ok = wd < k_end // 8
-                u = tl.load(w_ptr + n[:, None] * (K // 8) + wd[None, :], mask=n_ok[:, None] & wd_ok[None, :], other=0)
-                g = k0 // BLOCK_K
-                part = tl.zeros((BLOCK_N, BLOCK_K // 8), tl.float32)
-                xsum = tl.zeros((BLOCK_K // 8,), tl.float32)
-                for i in tl.static_range(8):
-                    xi = tl.load(x_ptr + 8 * wd + i, mask=wd_ok, other=0.0).to(tl.float32)
-                    part += _int4_unit(u, i, ONE) * xi[None, :]  # (1 + q/16) · x
-                    xsum += xi
-                scale = tl.load(s_ptr + n * s_stride + g, mask=n_ok, other=0.0)
-                zero = tl.load(z_ptr + n * s_stride + g, mask=n_ok, other=0.0)
-                acc += part * (16.0 * scale)[:, None]
-                offset += scale * (16.0 + zero) * tl.sum(xsum, axis=0)
+                for sub in tl.static_range(BLOCK_K // 128):  # KSTEP groups of 128 columns, each with its scale
+                    wd = (k0 + 128 * sub) // 8 + tl.arange(0, 16)
+                    wd_ok = wd < k_end // 8
+                    u = tl.load(w_ptr + n[:, None] * (K // 8) + wd[None, :], mask=n_ok[:, None] & wd_ok[None, :],
+                                other=0)
+                    g = k0 // 128 + sub
+                    part = tl.zeros((BLOCK_N, 16), tl.float32)
+                    xsum = tl.zeros((16,), tl.float32)
+                    for i in tl.static_range(8):
+                        xi = tl.load(x_ptr + 8 * wd + i, mask=wd_ok, other=0.0).to(tl.float32)
+                        part += _int4_unit(u, i, ONE) * xi[None, :]  # (1 + q/16) · x
+                        xsum += xi
+                    scale = tl.load(s_ptr + n * s_stride + g * g_stride, mask=n_ok & (g < k_end // 128), other=0.0)
+                    zero = tl.load(z_ptr + n * s_stride + g * g_stride, mask=n_ok & (g < k_end // 128), other=0.0)
+                    acc += part * (16.0 * scale)[:, None]
+                    offset += scale * (16.0 + zero) * tl.sum(xsum, axis=0)
             elif BITS:  # fp8
                 wd = k0 // 4 + tl.arange(0, BLOCK_K // 4)
                 wd_ok = wd < k_end // 4
@@ -242,7 +272,8 @@ if triton is not None:
                         xi = (xi / xs).to(tl.float8e4nv).to(tl.float32) * xs
                     part += _fp8_bits(u, i) * xi[None, :]
                 if FMT == 1:
-                    part = part * tl.load(s_ptr + (n // BLOCK_K) * s_stride + k0 // BLOCK_K, mask=n_ok, other=0.0)[:, None]
+                    part = part * tl.load(s_ptr + (n // BLOCK_K) * s_stride + (k0 // BLOCK_K) * g_stride, mask=n_ok,
+                                          other=0.0)[:, None]
                 acc += part
             elif FMT == 2:  # byte j holds columns 2j (low nibble) and 2j + 1 (high)
                 j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
@@ -251,8 +282,8 @@ if triton is not None:
                 xo = tl.load(x_ptr + 2 * j + 1, mask=j_ok, other=0.0).to(tl.float32)
                 b = tl.load(w_ptr + n[:, None] * (K // 2) + j[None, :], mask=n_ok[:, None] & j_ok[None, :], other=0)
                 g = k0 // BLOCK_K
-                scale = tl.load(s_ptr + n * s_stride + g, mask=n_ok, other=0.0)[:, None]
-                zero = tl.load(z_ptr + n * s_stride + g, mask=n_ok, other=0.0)[:, None]
+                scale = tl.load(s_ptr + n * s_stride + g * g_stride, mask=n_ok, other=0.0)[:, None]
+                zero = tl.load(z_ptr + n * s_stride + g * g_stride, mask=n_ok, other=0.0)[:, None]
                 acc += ((b & 0xF).to(tl.float32) - zero) * scale * xe[None, :]
                 acc_odd += ((b >> 4).to(tl.float32) - zero) * scale * xo[None, :]
             else:
@@ -268,7 +299,8 @@ if triton is not None:
                 w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 w = w.to(tl.float32)
                 if FMT == 1:
-                    w = w * tl.load(s_ptr + (n // BLOCK_K) * s_stride + k0 // BLOCK_K, mask=n_ok, other=0.0)[:, None]
+                    w = w * tl.load(s_ptr + (n // BLOCK_K) * s_stride + (k0 // BLOCK_K) * g_stride, mask=n_ok,
+                                    other=0.0)[:, None]
                 acc += w * x[None, :]
         y = tl.sum(acc, axis=1)
         if FMT == 2 and not BITS:
@@ -318,10 +350,11 @@ if triton is not None:
         return r
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, s_stride, k_per_split, cnt_ptr, FMT: tl.constexpr,
+    def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, s_stride, g_stride, k_per_split, cnt_ptr,
+                     FMT: tl.constexpr,
                      ACT_FP8: tl.constexpr, FP8_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, STAGES: tl.constexpr, BITS: tl.constexpr, LOWP: tl.constexpr,
-                     SWAP: tl.constexpr, PDL: tl.constexpr, FIXUP: tl.constexpr = 0):
+                     SWAP: tl.constexpr, PDL: tl.constexpr, FIXUP: tl.constexpr = 0, ASM: tl.constexpr = 1):
         """2 … 64 rows of x: a tensor-core dot (fp32 operands, tf32) per 128-column step (BITS: as in
         _row_kernel, one dot per word position; int4's dots take q − zero, exact in tf32, and scale after).
         LOWP 1 (fp8, int4 and bf16 weights without BITS, x bf16 or fp16): the dot takes x's own 16-bit dtype
@@ -368,18 +401,41 @@ if triton is not None:
                 x = xq.to(tl.float32) * xs[:, None]
                 if LOWP == 1:
                     x16 = xq.to(x_ptr.dtype.element_ty)
-            if BITS and FMT == 2:
+            if BITS and FMT == 2 and LOWP:  # 16-bit dots of q − zero (_int4_pairs) and x as it is
+                dt: tl.constexpr = x_ptr.dtype.element_ty
+                c = tl.arange(0, 32)  # dot column c of a group: word c // 2, nibble s + 4 · (c % 2)
+                for sub in tl.static_range(BLOCK_K // 128):  # KSTEP groups of 128 columns, each with its scale
+                    g = k0 // 128 + sub
+                    wd = 16 * g + tl.arange(0, 16)
+                    wd_ok = wd < k_end // 8
+                    u = tl.load(w_ptr + n[:, None] * (K // 8) + wd[None, :], mask=n_ok[:, None] & wd_ok[None, :],
+                                other=0)
+                    u2 = tl.join(u, u).reshape(BLOCK_N, 32)
+                    g_ok = n_ok & (g < k_end // 128)
+                    zb = ((tl.load(z_ptr + n * s_stride + g * g_stride, mask=g_ok, other=0.0)
+                           + (128.0 if dt == tl.bfloat16 else 1024.0)).to(dt).to(tl.int16, bitcast=True).to(tl.int32)
+                          & 0xFFFF)
+                    zz = (zb | (zb << 16))[:, None]
+                    c_ok = (16 * g + c // 2) < k_end // 8
+                    part = tl.zeros(acc.shape, tl.float32)
+                    for sh in tl.static_range(4):
+                        col = 128 * g + 8 * (c // 2) + sh + 4 * (c % 2)
+                        xs_ = tl.load(x_ptr + m[:, None] * K + col[None, :], mask=m_ok[:, None] & c_ok[None, :],
+                                      other=0.0)
+                        part += _dot(xs_, _int4_pairs(u2, zz, sh, dt, ASM), SWAP)
+                    acc += part * _along_n(tl.load(s_ptr + n * s_stride + g * g_stride, mask=g_ok, other=0.0), SWAP)
+            elif BITS and FMT == 2:
                 wd = k0 // 8 + tl.arange(0, BLOCK_K // 8)
                 wd_ok = wd < k_end // 8
                 u = tl.load(w_ptr + n[:, None] * (K // 8) + wd[None, :], mask=n_ok[:, None] & wd_ok[None, :], other=0)
                 g = k0 // BLOCK_K
-                off = tl.load(z_ptr + n * s_stride + g, mask=n_ok, other=0.0)[:, None] + 8388608.0
+                off = tl.load(z_ptr + n * s_stride + g * g_stride, mask=n_ok, other=0.0)[:, None] + 8388608.0
                 part = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
                 for i in tl.static_range(8):
                     xi = tl.load(x_ptr + m[:, None] * K + 8 * wd[None, :] + i, mask=m_ok[:, None] & wd_ok[None, :],
                                  other=0.0).to(tl.float32)
                     part += tl.dot(xi, tl.trans(_int4_bits(u, i) - off))
-                acc += part * tl.load(s_ptr + n * s_stride + g, mask=n_ok, other=0.0)[None, :]
+                acc += part * tl.load(s_ptr + n * s_stride + g * g_stride, mask=n_ok, other=0.0)[None, :]
             elif BITS:  # fp8
                 wd = k0 // 4 + tl.arange(0, BLOCK_K // 4)
                 wd_ok = wd < k_end // 4
@@ -393,7 +449,8 @@ if triton is not None:
                     # back to the code's value before the dot: tensor cores may flush fp32 subnormals
                     part += tl.dot(xi, tl.trans(_fp8_bits(u, i) * 1.329227995784916e36))
                 if FMT == 1:
-                    part = part * tl.load(s_ptr + (n // BLOCK_K) * s_stride + k0 // BLOCK_K, mask=n_ok, other=0.0)[None, :]
+                    part = part * tl.load(s_ptr + (n // BLOCK_K) * s_stride + (k0 // BLOCK_K) * g_stride, mask=n_ok,
+                                          other=0.0)[None, :]
                 acc += part
             elif FMT == 2:
                 half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
@@ -401,8 +458,8 @@ if triton is not None:
                             mask=n_ok[:, None] & (half < k_end // 2)[None, :], other=0)
                 q = tl.join(b & 0xF, b >> 4).reshape(BLOCK_N, BLOCK_K).to(tl.float32)
                 g = k0 // BLOCK_K
-                scale = tl.load(s_ptr + n * s_stride + g, mask=n_ok, other=0.0)
-                zero = tl.load(z_ptr + n * s_stride + g, mask=n_ok, other=0.0)
+                scale = tl.load(s_ptr + n * s_stride + g * g_stride, mask=n_ok, other=0.0)
+                zero = tl.load(z_ptr + n * s_stride + g * g_stride, mask=n_ok, other=0.0)
                 if LOWP:  # q − zero: integers in −16 … 15, exact in 16 bits; the group's scale after the dot
                     part = _dot(x16, (q - zero[:, None]).to(x_ptr.dtype.element_ty), SWAP)
                     acc += part * _along_n(scale, SWAP)
@@ -433,8 +490,8 @@ if triton is not None:
                 else:
                     part = _dot(x, w.to(tl.float32), SWAP)
                 if FMT == 1:
-                    part = part * _along_n(tl.load(s_ptr + (n // BLOCK_K) * s_stride + k0 // BLOCK_K, mask=n_ok,
-                                                   other=0.0), SWAP)
+                    part = part * _along_n(tl.load(s_ptr + (n // BLOCK_K) * s_stride + (k0 // BLOCK_K) * g_stride,
+                                                   mask=n_ok, other=0.0), SWAP)
                 acc += part
         if FMT == 0:
             acc = acc * _along_n(tl.load(s_ptr + n, mask=n_ok, other=0.0), SWAP)
@@ -501,8 +558,8 @@ def gemv_config(fmt: int, N: int, K: int, rows: int, columns: int = 1) -> tuple[
     steps. One row of fp8 per-row weights (linear mode) takes what the H200 sweep found best on every 27B shape:
     BLOCK_N 32, 4 stages, steps of 256 columns (KSTEP 2). BITS (default 0) decodes the
     weight by bit moves instead of conversion instructions (see _fp8_bits); KSTEP (default 1) widens each step
-    to KSTEP × 128 columns (FP8_ROW and BF16 without BITS only); LOWP (default 0) has the M > 1 kernel's dot
-    take 16-bit operands (1: lowp_exact), e4m3 ones (2: fp8_dot_ok; at M = 1 too, in the dot kernel) or fp16
+    to KSTEP × 128 columns (FP8_ROW and BF16 without BITS; int4 with BITS, at one row or with LOWP 1); LOWP
+    (default 0) has the M > 1 kernel's dot take 16-bit operands (1: lowp_exact; int4 with BITS at any M), e4m3 ones (2: fp8_dot_ok; at M = 1 too, in the dot kernel) or fp16
     ones (3: fp16_dot_ok; fp8 weights, x scaled by a power of 2); SWAP
     (default 0) has it take the weight as its first operand (without BITS); the sweep tries them all."""
     tuned = (tuned_config(gpu_table(), fmt, N, K, rows) if columns == 1
@@ -526,12 +583,15 @@ def full_config(config) -> tuple[int, ...]:
 
 
 def lowp_exact(fmt: int, x_dtype, w_dtype, bits: bool) -> bool:
-    """Whether the M > 1 kernel's dot can take x's 16-bit dtype with no rounding (launch option LOWP): fp8
-    weights (exact in bf16 and fp16), int4 codes less their zero (integers in −16 … 15: every producer of int4
-    zeros, quantize_int4 and the GPTQ / AWQ loaders, stores integers) or weights already in x's dtype, decoded
-    by conversion (not BITS)."""
+    """Whether the dot kernel can take x's 16-bit dtype with no rounding (launch option LOWP 1): fp8 weights
+    (exact in bf16 and fp16), int4 codes less their zero (integers in −16 … 15: every producer of int4 zeros,
+    quantize_int4 and the GPTQ / AWQ loaders, stores integers) or weights already in x's dtype, decoded by
+    conversion (not BITS); int4 with BITS too, decoded two codes at a time by bit moves (_int4_pairs), then
+    at any M, one row included."""
     sixteen = x_dtype in (torch.bfloat16, torch.float16)
-    return sixteen and not bits and (fmt in (FP8_ROW, FP8_BLOCK, INT4) or (fmt == BF16 and w_dtype == x_dtype))
+    if fmt == INT4:
+        return sixteen
+    return sixteen and not bits and (fmt in (FP8_ROW, FP8_BLOCK) or (fmt == BF16 and w_dtype == x_dtype))
 
 
 def fp8_dot_ok(fmt: int, x_dtype, bits: bool, act_fp8: bool, grouped: bool = False) -> bool:
@@ -591,13 +651,9 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
                              f"one row; got format {fmt}, BITS {int(bits)}, dtype {swiglu}, grouped {grouped}, x "
                              f"{tuple(x.shape)}")
         bits = False  # (a tuned config's BITS: the SWIGLU load is in the conversion branch)
-    if swap and bits:
-        if explicit:
-            raise ValueError("SWAP takes the weight decoded by conversion: a config cannot set both SWAP and BITS")
-        swap = 0  # (a table entry the sweep cannot write; the default operand order is exact for any)
-    if kstep != 1 and (fmt not in (FP8_ROW, BF16) or bits or act_fp8):
-        raise ValueError(f"KSTEP {kstep} needs a format with no scale inside a step (FP8_ROW or BF16), no BITS and "
-                         "no fp8 activations")
+    if kstep != 1 and not (fmt == INT4 and bits) and (fmt not in (FP8_ROW, BF16) or bits or act_fp8):
+        raise ValueError(f"KSTEP {kstep} needs a format with no scale inside a step (FP8_ROW or BF16) and no BITS or "
+                         "fp8 activations, or int4 with BITS (a step of KSTEP groups)")
     if lowp == 2 and not fp8_dot_ok(fmt, x.dtype, bits, act_fp8, grouped):
         if explicit:
             raise ValueError(f"LOWP 2 (the e4m3 dot) needs e4m3 weights (fp8-weight or fp8) decoded by conversion (no "
@@ -611,9 +667,18 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
         lowp = 0
     if lowp == 1 and not lowp_exact(fmt, x.dtype, w.dtype, bits):
         if explicit:
-            raise ValueError(f"LOWP needs 16-bit activations and fp8, int4 (or same-dtype 16-bit) weights without "
-                             f"BITS; got format {fmt}, x {x.dtype}, w {w.dtype}, BITS {int(bits)}")
+            raise ValueError(f"LOWP needs 16-bit activations and fp8 (without BITS), int4 or same-dtype 16-bit "
+                             f"weights; got format {fmt}, x {x.dtype}, w {w.dtype}, BITS {int(bits)}")
         lowp = 0  # a measured config for bf16 activations, here given others: the fp32 dot, exact for any
+    if swap and bits and not (fmt == INT4 and lowp == 1):
+        if explicit:
+            raise ValueError("SWAP takes the weight decoded by conversion or int4's 16-bit pairs (BITS with LOWP 1): "
+                             f"a config cannot set both SWAP and BITS for format {fmt} at LOWP {lowp}")
+        swap = 0  # (a table entry the sweep cannot write; the default operand order is exact for any)
+    pair_dot = bits and fmt == INT4 and lowp == 1 and not grouped  # (the dot kernel, at any M)
+    if kstep != 1 and fmt == INT4 and M > 1 and not pair_dot:
+        raise ValueError(f"KSTEP {kstep} with int4 takes one row or the 16-bit pairs (BITS with LOWP 1); got {M} rows, "
+                         f"LOWP {lowp}")
     if bits:
         w = w.view(torch.int32)  # 4 fp8 codes or 8 int4 codes a word, in column order
     block_k = STEP * kstep
@@ -622,7 +687,11 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
     fix = split if fixup and split > 1 and not grouped else 0  # FIXUP: the number of partials a tile adds
     cnt = tile_counts(x.device, triton.cdiv(N, bn)) if fix else y  # (any pointer when not read)
     one = scale[0] if grouped and scale is not None else scale  # one expert's scales
-    s_stride = one.shape[1] if one is not None and one.dim() == 2 else 1
+    # a 2-D scale's strides (rows, groups): row-major, or group-major as QuantLinear keeps int4's (a program's rows of
+    # one group then lie side by side); int4's zero is laid out as its scale
+    s_stride, g_stride = one.stride() if one is not None and one.dim() == 2 else (1, 1)
+    if fmt == INT4 and zero.stride() != scale.stride():
+        raise ValueError(f"int4's zero and scale need one layout; got strides {zero.stride()} and {scale.stride()}")
     w_estride = w.stride(0) if grouped else 0
     s_estride = scale.stride(0) if grouped and scale is not None else 0
     tok, exp = pairs if grouped else (x, x)  # unused pointers outside grouped mode
@@ -631,20 +700,21 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
         per_row, tok = max(rows // max(x.shape[0], 1), 1), exp
     scale = w if scale is None else scale  # BF16 reads no scale; any pointer does
     zero = scale if zero is None else zero  # only INT4 reads a zero
-    if M == 1 and lowp != 2:
+    if M == 1 and lowp != 2 and not pair_dot:
         acc_k = STEP // (8 if fmt == INT4 else 4) if bits else STEP // 2 if fmt == INT4 else block_k
         _row_kernel[(triton.cdiv(N, bn), rows, split)](
-            x, w, scale, zero, y, tok, exp, N, K, s_stride, w_estride, s_estride,
+            x, w, scale, zero, y, tok, exp, N, K, s_stride, g_stride, w_estride, s_estride,
             k_per_split, ONE_BITS, cnt, FMT=fmt, ACT_FP8=act_fp8, GROUPED=grouped, FP8_LIMIT=FP8_MAX, BLOCK_N=bn,
             BLOCK_K=block_k, ACC_K=acc_k, STAGES=stages, BITS=bits, PDL=pdl, FIXUP=fix,
             SWIGLU=x.shape[0] if swiglu is not None else 0, PER_ROW=per_row,
             ACT_DTYPE=_TL_DTYPES.get(swiglu, tl.bfloat16), num_warps=warps, launch_pdl=pdl)
     else:
         _gemv_kernel[(triton.cdiv(N, bn), 1, split)](
-            x, w, scale, zero, y, M, N, K, s_stride, k_per_split, cnt, FMT=fmt,
+            x, w, scale, zero, y, M, N, K, s_stride, g_stride, k_per_split, cnt, FMT=fmt,
             ACT_FP8=act_fp8, FP8_LIMIT=FP8_MAX, BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=bn,
             BLOCK_K=block_k, STAGES=stages,
-            BITS=bits, LOWP=lowp, SWAP=bool(swap), PDL=pdl, FIXUP=fix, num_warps=warps, launch_pdl=pdl)
+            BITS=bits, LOWP=lowp, SWAP=bool(swap), PDL=pdl, FIXUP=fix, ASM=not triton.knobs.runtime.interpret,
+            num_warps=warps, launch_pdl=pdl)
     if fix:
         return y[:1] if partials else y[0]
     return y if partials else y[0] if split == 1 else y.sum(0)
@@ -675,8 +745,16 @@ def wq_matmul(x: torch.Tensor, fmt: int, w, scale, zero, act_fp8: bool, out_feat
                    fixup=fixup)
 
 
+def group_major(t: torch.Tensor) -> torch.Tensor:
+    """int4's scale or zero [N, K/group] (logical shape kept) stored group-major: a program's rows of one group
+    lie side by side, so its per-step load of BLOCK_N scales (and zeros) touches BLOCK_N / 8 sectors of 32 bytes
+    rather than BLOCK_N (row-major, one sector a row for 4 bytes). The kernels take either layout."""
+    return t.t().contiguous().t()
+
+
 def stored_operands(fmt: int, w: torch.Tensor):
-    """(w, scale, zero) of weight w [N, K] in format `fmt`'s stored layout, as the kernel takes them."""
+    """(w, scale, zero) of weight w [N, K] in format `fmt`'s stored layout, as the kernel takes them (int4's
+    scale and zero group-major, as QuantLinear keeps them)."""
     if fmt == FP8_ROW:
         return (*quantize_fp8_rows(w), None)
     if fmt == FP8_BLOCK:
@@ -684,7 +762,7 @@ def stored_operands(fmt: int, w: torch.Tensor):
     if fmt == BF16:
         return w, None, None
     q, s, z = quantize_int4(w, STEP)
-    return pack_int4(q), s, z
+    return pack_int4(q), group_major(s), group_major(z)
 
 
 def dequantized(fmt: int, w, scale, zero) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..model import text_model
-from ..ops.gemv import FORMATS, MAX_ROWS, STEP, wq_linear
+from ..ops.gemv import FORMATS, MAX_ROWS, STEP, group_major, wq_linear
 from .experts import QuantExperts
 from .formats import dequantize_weight, fake_quantize_fp8_activations, quantize_weight
 
@@ -31,6 +31,8 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.scheme, self.in_features, self.out_features, self.group = scheme, in_features, out_features, group
         for name, t in tensors.items():
+            if scheme == "int4" and name in ("scale", "zero"):  # the rows of one group side by side
+                t = group_major(t)
             self.register_buffer(name, t)
         self.bias = bias
 
