@@ -35,6 +35,9 @@
 #            CAND_ARGS="--max-seq-len 131072": a long cache under a 512-token context, or
 #            CAND_ARGS="--prompt-len 131072 --repeats 1": every call prefills 128K again; 27B, two systems ~6 min)
 #   commit   scripts/bench_commit.py: the speculative commit, all GDN layers in one launch vs one per layer
+#   ncu      Nsight Compute on one weight-streaming launch (scripts/gemv_once.py; $NCU_ARGS, default the 27B
+#            int4 gate | up at one row, e.g. NCU_ARGS="--format int4 --shape 5120 17408 --row-major"): throughput,
+#            memory workload and warp stall sections, to $OUT/ncu.txt (needs a machine whose ncu reads counters)
 #   sweep-gemv scripts/bench_quant.py --sweep: the weight-streaming kernel's launch configs (BITS decoding too) per
 #            layer of $SWEEP_SHAPES (default 27b; 35b-a3b; the lm_heads, bf16 and fp8: 9b-head 35b-a3b-head
 #            27b-head) and row bucket ($SWEEP_M, default 1 4 16), formats
@@ -100,6 +103,11 @@ case "$stage" in
   gdn) python scripts/bench_gdn.py --models ${GDN_MODELS:-qwen3.5-27b qwen3.5-9b} --T ${GDN_T:-4 8 16} ${GDN_ARGS:-} \
            --json "$out/bench_gdn.json" 2>&1 | grep "^|" ;;
   commit) python scripts/bench_commit.py --json "$out/bench_commit.json" 2>&1 | grep "^|" ;;
+  ncu) ncu --clock-control none --kernel-name regex:"_row_kernel|_gemv_kernel" --launch-skip 3 --launch-count 1 \
+           --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
+           --section WarpStateStats --section SchedulerStats --section Occupancy \
+           python scripts/gemv_once.py ${NCU_ARGS:-} > "$out/ncu.txt" 2>&1
+         grep -E "Throughput|Sectors|Stall|Issued|Occupancy|Duration|gemv_once" "$out/ncu.txt" | head -40 ;;
   sweep-gemv) t=${SWEEP_TAG:+_$SWEEP_TAG}; table=fastqwen/ops/gemv_configs$t.json
          [ -z "$t" ] || rm -f "$table"  # a tagged table holds only this sweep's results
          python scripts/bench_quant.py --sweep --shapes ${SWEEP_SHAPES:-27b} --m ${SWEEP_M:-1 4 16} \
