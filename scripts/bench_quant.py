@@ -127,7 +127,7 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT), lowp
     """Time the weight-streaming kernel over its launch configs (BLOCK_N, SPLIT_K, num_warps, num_stages, BITS:
     conversion instructions or bit moves to decode the weight, KSTEP: 128-column blocks a loop step, LOWP: 1 for
     16-bit dot operands at M > 1 (int4 with BITS: at any M, its codes decoded in pairs), 2 for e4m3 ones (fp8
-    weights, any M), SWAP: the weight as the dot's first operand; LOWP 3: fp16 operands for e4m3 weights) per layer, format and M (`lowps`: only configs with these
+    weights, any M), SWAP: the weight as the dot's first operand; LOWP 3: fp16 operands for e4m3 weights, fp16 pair arithmetic for int4 at one row) per layer, format and M (`lowps`: only configs with these
     LOWP values, beside the config in use; `ksteps` likewise for KSTEP); print the default config's time beside the best one. The best is the
     one cheapest for the step: kernel time plus
     the consumer's read of its fp32 split-K partials. With `table`, merge the best configs into that
@@ -162,6 +162,10 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT), lowp
              if c[2] == (8 if c[0] == 256 else 4) and (c[5] == 1 or c[3] == 2)]
     # int4 at one row by bit moves in steps of 2 or 4 groups (KSTEP): 256 or 512 columns of a row in flight a step
     int4_wide = list(itertools.product((64, 128), (2, 4, 8, 16), (4,), (2, 3), (1,), (2, 4)))
+    # int4 at one row in fp16 pair arithmetic (BITS with LOWP 3), steps of 1 or 2 groups, staged (cp.async) or not
+    # (512 rows with 8 or 16 warps: a program's x prologue shared by more rows)
+    half2 = [c for c in itertools.product((64, 128, 256, 512), (1, 4, 8, 16), (4, 8, 16), (1, 2), (1,), (1, 2), (3,))
+             if (c[0] < 256 and c[2] == 4) or (c[0] == 256 and c[2] < 16) or (c[0] == 512 and c[2] > 4)]
     rows, best_of = [], {}
     for model in shapes:
         for layer, N, K in SHAPES[model]:
@@ -187,7 +191,7 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT), lowp
                     tried += [c for c in e4m3 if fmt in (gemv.FP8_ROW, gemv.FP8_BLOCK) and kstep_ok(c)]
                     tried += [c for c in fp16 if m > 1 and fmt in (gemv.FP8_ROW, gemv.FP8_BLOCK) and kstep_ok(c)]
                     tried += [c for c in pairs if fmt == gemv.INT4]
-                    tried += [c for c in int4_wide if fmt == gemv.INT4 and m == 1]
+                    tried += [c for c in int4_wide + half2 if fmt == gemv.INT4 and m == 1]
                     if lowps is not None:
                         tried = [c for c in tried if gemv.full_config(c)[6] in lowps]
                     if ksteps is not None:

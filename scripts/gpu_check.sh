@@ -37,7 +37,7 @@
 #   commit   scripts/bench_commit.py: the speculative commit, all GDN layers in one launch vs one per layer
 #   ncu      Nsight Compute on one weight-streaming launch (scripts/gemv_once.py; $NCU_ARGS, default the 27B
 #            int4 gate | up at one row, e.g. NCU_ARGS="--format int4 --shape 5120 17408 --row-major"): throughput,
-#            memory workload and warp stall sections, to $OUT/ncu.txt (needs a machine whose ncu reads counters)
+#            memory workload and warp stall sections, stall reasons per issue, pipe use and instructions executed, to $OUT/ncu.txt (needs a machine whose ncu reads counters)
 #   sweep-gemv scripts/bench_quant.py --sweep: the weight-streaming kernel's launch configs (BITS decoding too) per
 #            layer of $SWEEP_SHAPES (default 27b; 35b-a3b; the lm_heads, bf16 and fp8: 9b-head 35b-a3b-head
 #            27b-head) and row bucket ($SWEEP_M, default 1 4 16), formats
@@ -46,7 +46,7 @@
 #            with SWEEP_TAG=a / b (each writes only its results to gemv_configs_<tag>.json; merge them into the
 #            committed table with python scripts/bench_quant.py --merge-tables A B). SWEEP_KSTEP="2 4": only wide steps (with the
 #            config in use). SWEEP_LOWP=3: only the
-#            fp16-dot configs, beside the one in use. SWEEP_EXPERTS="1 8 16": then the grouped kernel's configs for
+#            fp16-dot configs (fp8 at M > 1; int4 at one row: its fp16 pair arithmetic), beside the one in use. SWEEP_EXPERTS="1 8 16": then the grouped kernel's configs for
 #            the 35B-A3B routed experts at those token counts (9 pairs a token), in the same formats.
 #   suite    the pytest-benchmark suite (tests/benchmarks, 9B plain and MTP) saved as a baseline under
 #            tests/benchmarks/baselines (copied to $OUT: commit it); later runs compare against it
@@ -106,8 +106,9 @@ case "$stage" in
   ncu) ncu --clock-control none --kernel-name regex:"_row_kernel|_gemv_kernel" --launch-skip 3 --launch-count 1 \
            --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
            --section WarpStateStats --section SchedulerStats --section Occupancy \
+           --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active,smsp__inst_executed.sum,dram__bytes_read.sum" \
            python scripts/gemv_once.py ${NCU_ARGS:-} > "$out/ncu.txt" 2>&1
-         grep -E "Throughput|Sectors|Stall|Issued|Occupancy|Duration|gemv_once" "$out/ncu.txt" | head -40 ;;
+         grep -E "Throughput|Duration|config|inst_executed.sum|dram__bytes|stalled_(long|wait|math|lg|short|mio|not_sel|selected|barrier|dispatch|no_inst)|pipe_(alu|fma|lsu|fp16|uniform|xu|tensor).*pct" "$out/ncu.txt" | head -60 ;;
   sweep-gemv) t=${SWEEP_TAG:+_$SWEEP_TAG}; table=fastqwen/ops/gemv_configs$t.json
          [ -z "$t" ] || rm -f "$table"  # a tagged table holds only this sweep's results
          python scripts/bench_quant.py --sweep --shapes ${SWEEP_SHAPES:-27b} --m ${SWEEP_M:-1 4 16} \

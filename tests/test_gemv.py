@@ -195,16 +195,19 @@ FP16 = ((32, 2, 4, 2, 0, 1, 3), (16, 1, 4, 1, 0, 2, 3), (16, 2, 4, 2, 0, 1, 3, 1
 PAIRS = ((32, 2, 4, 2, 1, 1, 1), (64, 1, 4, 1, 1, 1, 1, 1), (16, 3, 4, 2, 1, 1, 1, 1),
          (32, 1, 4, 2, 1, 2, 1, 1))  # and steps of two groups (KSTEP 2: the second step half masked)
 INT4_WIDE = ((32, 1, 4, 2, 1, 2), (16, 2, 4, 1, 1, 4))  # one row decoded by bit moves, steps of 2 and 4 groups
+# int4 at one row in fp16 pair arithmetic (BITS with LOWP 3): K split in 2 (rows past N: 200 is no multiple of 32),
+# steps of two groups (the second step half masked), three splits unstaged
+HALF2 = ((32, 2, 4, 2, 1, 1, 3), (16, 1, 4, 1, 1, 2, 3), (64, 3, 4, 1, 1, 1, 3))
 for fmt, act, configs, ms in [(FP8_ROW, False, CONFIGS + WIDE + LOWP + SWAP + SWAP_WIDE + FP16, (1, 3, 16, 20, 40)),
                               (FP8_BLOCK, False, CONFIGS + LOWP[:1] + SWAP + FP16[::2], (1, 3, 16)),
-                              (INT4, False, CONFIGS + LOWP[:1] + SWAP + PAIRS + INT4_WIDE, (1, 3, 16, 33)),
+                              (INT4, False, CONFIGS + LOWP[:1] + SWAP + PAIRS + INT4_WIDE + HALF2, (1, 3, 16, 33)),
                               (BF16, False, (None,) + WIDE + LOWP + SWAP + SWAP_WIDE, (1, 3, 16))]:
     for M in ms:  # (20, 33, 40: programs of 32 and 64 rows)
         N, K = 200, 384  # N not a multiple of the program width; K three steps
         w, s, z = operands(fmt, N, K, seed=M)
         x = torch.randn(M, K, dtype=torch.bfloat16)
         for config in configs:
-            if config in INT4_WIDE and M > 1:  # (refused: below)
+            if (config in INT4_WIDE or config in HALF2) and M > 1:  # (refused: below)
                 continue
             # LOWP in fp16: the interpreter's bf16 dot multiplies raw bits (tests/gpu covers bf16 on hardware)
             x16 = x.half() if config and len(config) > 6 and config[6] == 1 else x
@@ -219,6 +222,12 @@ for fmt, act, configs, ms in [(FP8_ROW, False, CONFIGS + WIDE + LOWP + SWAP + SW
             assert y.shape == (M, N) and not y.isnan().any(), (fmt, M, config)
             assert err < 1e-5, f"format {fmt}, act_fp8 {act}, M={M}, config {config}: relative error {err:.2e}"
             worst = max(worst, err)
+w, s, z = operands(INT4, 200, 384, seed=7)
+for scale in (1e-6, 3e4):  # HALF2 scales x by a power of 2 into fp16's range: tiny and large rows stay exact
+    x = torch.randn(1, 384, dtype=torch.bfloat16) * scale
+    ref = reference(x.float(), INT4, w, s, z, False, 200)
+    err = ((_launch(x, INT4, w, s, z, False, 200, 1, config=HALF2[0]) - ref).norm() / ref.norm()).item()
+    assert err < 1e-5, (scale, err)
 from fastqwen.ops.gemv import BF16, expert_reference
 from test_gemv import expert_operands
 for fmt in (BF16, FP8_ROW, FP8_BLOCK, INT4):  # grouped mode: routed experts
@@ -264,6 +273,12 @@ for fmt, xdtype in ((INT4, torch.bfloat16), (FP8_ROW, torch.float32)):  # the fp
         raise AssertionError(f"format {fmt} with x {xdtype} took LOWP 3")
     except ValueError as e:
         assert "LOWP 3" in str(e)
+w, s, z = operands(INT4, 64, 256)
+try:  # int4's fp16 pair arithmetic takes one row
+    _launch(x3, INT4, w, s, z, False, 64, 3, config=(32, 1, 4, 2, 1, 1, 3))
+    raise AssertionError("int4 LOWP 3 at 3 rows was taken")
+except ValueError as e:
+    assert "takes one row" in str(e)
 w, s, z = operands(FP8_ROW, 64, 256)
 try:  # SWAP takes the weight decoded by conversion
     _launch(x3, FP8_ROW, w, s, z, False, 64, 3, config=(32, 1, 4, 2, 1, 1, 0, 1))
@@ -395,15 +410,16 @@ def ptx(fmt, lowp, swap, act=False, bits=False, pdl=False, fixup=0):  # the 16-r
                   LOWP=lowp, SWAP=swap, PDL=pdl, FIXUP=fixup)
     return compile_sm90(gemv._gemv_kernel, sig, consts, ALIGNED, num_stages=4).asm["ptx"]
 
-def row_kernel(fmt, bits, BN=128, pdl=False, fixup=0, grouped=False, swiglu=0, per_row=0):  # one-row kernel, 128-column steps
+def row_kernel(fmt, bits, BN=128, pdl=False, fixup=0, grouped=False, swiglu=0, per_row=0, half2=0, stages=2):
+    # one-row kernel, 128-column steps
     sig = dict(x_ptr="*fp32" if swiglu else "*bf16", w_ptr=w_type(fmt, bits), s_ptr="*fp32",
                z_ptr="*fp32", y_ptr="*fp32", tok_ptr="*i32", exp_ptr="*i32", N="i32", K="i32", s_stride="i32", g_stride="i32",
-               w_estride="i32", s_estride="i32", k_per_split="i32", ONE="i32", cnt_ptr="*i32")
+               w_estride="i32", s_estride="i32", k_per_split="i32", ONE="i32", cnt_ptr="*i32", xp_ptr="*i32")
     acc_k = 128 // (8 if fmt == gemv.INT4 else 4) if bits else 64 if fmt == gemv.INT4 else 128
     consts = dict(FMT=fmt, ACT_FP8=False, GROUPED=grouped, FP8_LIMIT=448.0, BLOCK_N=BN, BLOCK_K=128, ACC_K=acc_k,
-                  STAGES=2, BITS=bits, PDL=pdl, FIXUP=fixup, SWIGLU=swiglu, PER_ROW=per_row,
-                  ACT_DTYPE=tl.bfloat16)
-    return compile_sm90(gemv._row_kernel, sig, consts, ALIGNED, num_stages=2)
+                  STAGES=stages, BITS=bits, PDL=pdl, FIXUP=fixup, SWIGLU=swiglu, PER_ROW=per_row,
+                  ACT_DTYPE=tl.bfloat16, HALF2=half2, ASM=1)
+    return compile_sm90(gemv._row_kernel, sig, consts, ALIGNED + ("xp_ptr",), num_stages=stages)
 
 def sass(fmt, bits, BN=128):
     return cuobjdump(row_kernel(fmt, bits, BN), "-sass")
@@ -460,10 +476,22 @@ for swap in (False, True):
         first = re.search(r"wgmma\.mma_async\S* \{[^}]*\}, (\S)", ptx_)
         assert first and first.group(1) == "{", "with SWAP the decoded pairs should reach wgmma from registers"
 
+# int4 at one row in fp16 pair arithmetic (HALF2: BITS with LOWP 3), as the 27B sweep ships it (unstaged): 8 codes a
+# word in 4 LOP3, 2 HADD2 and 6 HFMA2 / HMUL2 (128 rows x 16 words / 128 threads: 16 words a thread a step), no
+# conversion instruction on the codes (x's F2F are the prologue's), no spill; unmasked weight rows (no predicate a row)
+kernel = row_kernel(gemv.INT4, True, 128, half2=1, stages=1)
+code = cuobjdump(kernel, "-sass")
+packed = count(code, "HFMA2") + count(code, "HMUL2")
+assert 6 * 16 <= packed <= 8 * 16 and 2 * 16 <= count(code, "HADD2") <= 5 * 16, (packed, count(code, "HADD2"))
+assert count(code, "I2F") == 0 and count(code, "LOP3") >= 4 * 16 and stack_bytes(kernel) == 0
+assert "fma.rn.f16x2" in kernel.asm["ptx"] and "bar.sync" in kernel.asm["ptx"]  # (the prologue's barrier)
+assert count(code, "SEL") < count(sass(gemv.INT4, True), "SEL"), "per-row predicates in the HALF2 loop"
+
 # programmatic dependent launch: every global read of the previous kernel's output comes after griddepcontrol.wait,
 # the weight's L2 prefetches before it; each format's weight layout, both kernels
-for fmt, bits in ((gemv.FP8_ROW, False), (gemv.FP8_ROW, True), (gemv.INT4, False), (gemv.INT4, True), (gemv.BF16, False)):
-    for code in (row_kernel(fmt, bits, 32, pdl=True).asm["ptx"], ptx(fmt, 0, False, bits=bits, pdl=True)):
+for fmt, bits, half2 in ((gemv.FP8_ROW, False, 0), (gemv.FP8_ROW, True, 0), (gemv.INT4, False, 0), (gemv.INT4, True, 0),
+                         (gemv.BF16, False, 0), (gemv.INT4, True, 1)):
+    for code in (row_kernel(fmt, bits, 32, pdl=True, half2=half2).asm["ptx"], ptx(fmt, 0, False, bits=bits, pdl=True)):
         wait = code.index("griddepcontrol.wait")
         reads = [m.start() for m in re.finditer(r"ld\\.global|cp\\.async\\.c", code)]
         assert reads and min(reads) > wait, (fmt, bits, "a global read before the wait")

@@ -26,7 +26,8 @@ Either decodes the weight with conversion instructions or, with the launch confi
 exponent and mantissa into fp32's places, a 2⁻¹²⁰-scaled value; int4: in the one-row kernel the code in
 1.0's top mantissa bits, 1 + q/16, one LOP3 and one FFMA a weight; in the dot kernel OR-ed into 2²³'s bits, or
 with LOWP 1 two codes at a time into the mantissas of a bf16 or fp16 pair, q − zero exact in 16 bits, for x's own
-dtype in the dot: _int4_pairs; that form takes the dot kernel at any M, one row included):
+dtype in the dot: _int4_pairs; that form takes the dot kernel at any M, one row included; with LOWP 3, one row on
+the CUDA cores in fp16 pair arithmetic, x scaled by a power of 2 into fp16: _int4_half2, 2 instructions a weight):
 conversions run at a fraction of the FMA rate (the M = 1 sweep found bit moves no faster for fp8: 62–76%
 of bandwidth either way). The sweep decides per shape. A program owns BLOCK_N output columns and walks its share of K in
 steps of 128 columns, or KSTEP × 128 (launch option; fp8-weight and bf16 without BITS, whose scales do not change
@@ -162,6 +163,69 @@ if triton is not None:
         return r
 
     @triton.jit
+    def _half2_bits(a, b):
+        """int32 words holding the fp16 pair (a, b), a in the low half, each rounded to nearest from fp32."""
+        lo = a.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        return lo | (b.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) << 16)
+
+    @triton.jit
+    def _half2_half(p, H: tl.constexpr):
+        """Half H (0: low, 1: high) of int32 fp16 pairs p, as fp32."""
+        return ((p >> (16 * H)) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _half2_pair_dot(u, p, j: tl.constexpr, z):
+        """(q_j − z) · x_j + (q_{j+4} − z) · x_{j+4} in fp32: nibbles j and j + 4 of words u, fp16 pair p of x."""
+        return ((((u >> (4 * j)) & 0xF).to(tl.float32) - z) * _half2_half(p, 0)
+                + (((u >> (4 * j + 16)) & 0xF).to(tl.float32) - z) * _half2_half(p, 1))
+
+    @triton.jit
+    def _int4_half2(u, x0, x1, x2, x3, zlo, zhi, ASM: tl.constexpr):
+        """Σ (q − zero) · x over the 8 int4 codes q of each int32 word u, in fp32 from fp16 pair arithmetic. xj
+        holds the fp16 pair (x[8w + j], x[8w + 4 + j]) of word w's columns (the low half first: nibbles j and
+        j + 4 of the word), zlo the pair 1024 + zero, zhi −(64 + zero). With ASM, 16 instructions for 8 weights:
+        a LOP3 ORs two codes into the mantissas of a 1024 pair (1024 + q; the odd nibbles, left in place, give
+        1024 + 16q), one packed subtraction (or FMA by 1/16) makes q − zero exact, one packed FMA accumulates two
+        products (|sum| ≤ 4 · 16 · 512 in each half: _half2_prologue's scale), and the two halves add in fp32.
+        Without ASM (Triton's interpreter runs no inline PTX) the same sum in fp32."""
+        if ASM:
+            r = tl.inline_asm_elementwise(
+                "{ .reg .b32 t, v, a, c; .reg .b16 l, h; .reg .f32 fl, fh; mov.b32 c, 0x2C002C00; "
+                "lop3.b32 t, $1, 0x000F000F, 0x64006400, 0xea; sub.rn.f16x2 t, t, $6; mul.rn.f16x2 a, t, $2; "
+                "lop3.b32 t, $1, 0x00F000F0, 0x64006400, 0xea; fma.rn.f16x2 t, t, c, $7; fma.rn.f16x2 a, t, $3, a; "
+                "shr.u32 v, $1, 8; "
+                "lop3.b32 t, v, 0x000F000F, 0x64006400, 0xea; sub.rn.f16x2 t, t, $6; fma.rn.f16x2 a, t, $4, a; "
+                "lop3.b32 t, v, 0x00F000F0, 0x64006400, 0xea; fma.rn.f16x2 t, t, c, $7; fma.rn.f16x2 a, t, $5, a; "
+                "mov.b32 {l, h}, a; cvt.f32.f16 fl, l; cvt.f32.f16 fh, h; add.f32 $0, fl, fh; }",
+                "=f,r,r,r,r,r,r,r", [u, x0, x1, x2, x3, zlo, zhi], dtype=tl.float32, is_pure=True, pack=1)
+        else:
+            z = _half2_half(zlo, 0) - 1024.0
+            r = (_half2_pair_dot(u, x0, 0, z) + _half2_pair_dot(u, x1, 1, z) + _half2_pair_dot(u, x2, 2, z)
+                 + _half2_pair_dot(u, x3, 3, z))
+        return r
+
+    @triton.jit
+    def _half2_prologue(x_ptr, xp_ptr, k_start, k_end, K):
+        """HALF2's x: columns [k_start, k_end) of the row, scaled by the power of 2 that puts the largest magnitude
+        in (256, 512], as fp16 pairs (x[8w + j], x[8w + 4 + j]) written to xp[j, w] ([4, K / 8] int32), the
+        operands _int4_half2 takes; returns the scale. Every program of a split writes the same values (a
+        benign race); a CTA barrier orders this program's writes before its threads read them."""
+        amax = tl.zeros((1024,), tl.float32)
+        for c in range(k_start, k_end, 1024):
+            k = c + tl.arange(0, 1024)
+            amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + k, mask=k < k_end, other=0.0).to(tl.float32)))
+        xs = 512.0 / _pow2_at_least(tl.maximum(tl.max(amax, axis=0), 1e-30))
+        for c in range(k_start // 8, k_end // 8, 128):
+            w = c + tl.arange(0, 128)
+            ok = w < k_end // 8
+            for j in tl.static_range(4):
+                a = tl.load(x_ptr + 8 * w + j, mask=ok, other=0.0).to(tl.float32) * xs
+                b = tl.load(x_ptr + 8 * w + 4 + j, mask=ok, other=0.0).to(tl.float32) * xs
+                tl.store(xp_ptr + j * (K // 8) + w, _half2_bits(a, b), mask=ok)
+        tl.debug_barrier()
+        return xs
+
+    @triton.jit
     def _prefetch_l2(ptrs, ok):
         """prefetch.global.L2 of each address in `ptrs` where `ok` (one a 128-byte line is enough)."""
         tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
@@ -208,10 +272,11 @@ if triton is not None:
 
     @triton.jit
     def _row_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, tok_ptr, exp_ptr, N, K, s_stride, g_stride, w_estride, s_estride,
-                    k_per_split, ONE, cnt_ptr, FMT: tl.constexpr, ACT_FP8: tl.constexpr, GROUPED: tl.constexpr,
-                    FP8_LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACC_K: tl.constexpr,
-                    STAGES: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr, FIXUP: tl.constexpr = 0,
-                    SWIGLU: tl.constexpr = 0, PER_ROW: tl.constexpr = 0, ACT_DTYPE: tl.constexpr = tl.bfloat16):
+                    k_per_split, ONE, cnt_ptr, xp_ptr, FMT: tl.constexpr, ACT_FP8: tl.constexpr,
+                    GROUPED: tl.constexpr, FP8_LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    ACC_K: tl.constexpr, STAGES: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr,
+                    FIXUP: tl.constexpr = 0, SWIGLU: tl.constexpr = 0, PER_ROW: tl.constexpr = 0,
+                    ACT_DTYPE: tl.constexpr = tl.bfloat16, HALF2: tl.constexpr = 0, ASM: tl.constexpr = 1):
         """One row of x (decode at batch 1, or one (token, expert) pair): products accumulate elementwise in
         registers and are summed over K once, at the end (no per-step reduction, no tensor-core layout).
         BITS: the weight is read as int32 words and decoded by bit moves (_fp8_bits, _int4_unit) instead of
@@ -221,7 +286,9 @@ if triton is not None:
         step's partial products and scale · (16 + zero) · Σ x is subtracted per output. SWIGLU (16-bit, fp32 or
         e4m3 weights decoded by conversion, not BITS): x is the gate | up projection's SWIGLU split-K partials
         [SWIGLU, P, 2K] fp32 and pair p's row is their silu(gate)·up rounded to ACT_DTYPE, computed as it loads
-        (_swiglu_x)."""
+        (_swiglu_x). HALF2 (int4 with BITS, launch option LOWP 3, linear mode): the program first writes its K
+        columns of x as scaled fp16 pairs to xp (_half2_prologue), then each word of 8 codes takes 16
+        instructions of fp16 pair arithmetic (_int4_half2) and one FFMA by its row's group scale."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         split = tl.program_id(2)  # split-K: this program sums K columns [split·k_per_split, +k_per_split)
         y0_ptr = y_ptr
@@ -239,8 +306,30 @@ if triton is not None:
         k_end = tl.minimum(K, (split + 1) * k_per_split)
         if PDL and not GROUPED:
             _dependent_start(w_ptr, n, n_ok, split * k_per_split, k_end, K, FMT, BITS, BLOCK_K)
+        if HALF2:
+            xs = _half2_prologue(x_ptr, xp_ptr, split * k_per_split, k_end, K)
         for k0 in tl.range(split * k_per_split, k_end, BLOCK_K, num_stages=STAGES):
-            if BITS and FMT == 2:
+            if HALF2:  # no row masks (rows past N repeat row N − 1, stored nowhere; words past the split are
+                # masked by column alone): no per-row predicates
+                n_in = tl.minimum(n, N - 1)
+                for sub in tl.static_range(BLOCK_K // 128):  # KSTEP groups of 128 columns, each with its scale
+                    wd = (k0 + 128 * sub) // 8 + tl.arange(0, 16)
+                    wd_ok = wd < k_end // 8
+                    u = tl.load(w_ptr + n_in[:, None] * (K // 8) + wd[None, :], mask=wd_ok[None, :], other=0)
+                    g = tl.minimum(k0 // 128 + sub, k_end // 128 - 1)  # (a step past the split: any group's)
+                    scale = tl.load(s_ptr + n_in * s_stride + g * g_stride)
+                    # the zero, an integer in 0 … 63 (every producer's: quantize_int4, GPTQ, AWQ give 0 … 16), as
+                    # the fp16 pairs 1024 + zero and −(64 + zero) by integer arithmetic (their bits)
+                    zi = tl.load(z_ptr + n_in * s_stride + g * g_stride).to(tl.int32)
+                    zlo = zi * 0x10001 + 0x64006400
+                    zhi = zi * 0x100010 - 0x2BFF2C00  # (0xD400D400: −64, −64)
+                    x0 = tl.load(xp_ptr + wd, mask=wd_ok, other=0)
+                    x1 = tl.load(xp_ptr + K // 8 + wd, mask=wd_ok, other=0)
+                    x2 = tl.load(xp_ptr + 2 * (K // 8) + wd, mask=wd_ok, other=0)
+                    x3 = tl.load(xp_ptr + 3 * (K // 8) + wd, mask=wd_ok, other=0)
+                    acc += _int4_half2(u, x0[None, :], x1[None, :], x2[None, :], x3[None, :], zlo[:, None],
+                                       zhi[:, None], ASM) * scale[:, None]
+            elif BITS and FMT == 2:
                 for sub in tl.static_range(BLOCK_K // 128):  # KSTEP groups of 128 columns, each with its scale
                     wd = (k0 + 128 * sub) // 8 + tl.arange(0, 16)
                     wd_ok = wd < k_end // 8
@@ -305,7 +394,9 @@ if triton is not None:
         y = tl.sum(acc, axis=1)
         if FMT == 2 and not BITS:
             y += tl.sum(acc_odd, axis=1)
-        if FMT == 2 and BITS:
+        if HALF2:
+            y = y / xs  # (a power of 2: exact)
+        elif FMT == 2 and BITS:
             y -= offset
         if BITS and FMT < 2:
             y = y * 1.329227995784916e36  # 2¹²⁰: _fp8_bits' codes were 2⁻¹²⁰ of their values
@@ -660,7 +751,13 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
                              f"BITS), bf16 or e4m3 activations and the linear mode; got format {fmt}, x {x.dtype}, "
                              f"BITS {int(bits)}, fp8 activations {act_fp8}, grouped {grouped}")
         lowp = 0
-    if lowp == 3 and not fp16_dot_ok(fmt, x.dtype, bits):
+    half2 = fmt == INT4 and bits and lowp == 3  # one row by fp16 pair arithmetic (_row_kernel HALF2)
+    if half2 and (M != 1 or grouped):
+        if explicit:
+            raise ValueError(f"LOWP 3 with int4 and BITS (fp16 pair arithmetic) takes one row in linear mode; got {M} "
+                             f"rows, grouped {grouped}: use LOWP 1 for int4 pairs at more rows")
+        half2, lowp = False, 0
+    if lowp == 3 and not half2 and not fp16_dot_ok(fmt, x.dtype, bits):
         if explicit:
             raise ValueError(f"LOWP 3 (the fp16 dot) needs e4m3 weights (fp8-weight or fp8) decoded by conversion (no "
                              f"BITS) and 16-bit activations; got format {fmt}, x {x.dtype}, BITS {int(bits)}")
@@ -701,13 +798,15 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
     scale = w if scale is None else scale  # BF16 reads no scale; any pointer does
     zero = scale if zero is None else zero  # only INT4 reads a zero
     if M == 1 and lowp != 2 and not pair_dot:
+        xp = torch.empty(K // 2, dtype=torch.int32, device=x.device) if half2 else y  # HALF2's x pairs [4, K / 8]
         acc_k = STEP // (8 if fmt == INT4 else 4) if bits else STEP // 2 if fmt == INT4 else block_k
         _row_kernel[(triton.cdiv(N, bn), rows, split)](
             x, w, scale, zero, y, tok, exp, N, K, s_stride, g_stride, w_estride, s_estride,
-            k_per_split, ONE_BITS, cnt, FMT=fmt, ACT_FP8=act_fp8, GROUPED=grouped, FP8_LIMIT=FP8_MAX, BLOCK_N=bn,
+            k_per_split, ONE_BITS, cnt, xp, FMT=fmt, ACT_FP8=act_fp8, GROUPED=grouped, FP8_LIMIT=FP8_MAX, BLOCK_N=bn,
             BLOCK_K=block_k, ACC_K=acc_k, STAGES=stages, BITS=bits, PDL=pdl, FIXUP=fix,
             SWIGLU=x.shape[0] if swiglu is not None else 0, PER_ROW=per_row,
-            ACT_DTYPE=_TL_DTYPES.get(swiglu, tl.bfloat16), num_warps=warps, launch_pdl=pdl)
+            ACT_DTYPE=_TL_DTYPES.get(swiglu, tl.bfloat16), HALF2=half2, ASM=not triton.knobs.runtime.interpret,
+            num_warps=warps, launch_pdl=pdl)
     else:
         _gemv_kernel[(triton.cdiv(N, bn), 1, split)](
             x, w, scale, zero, y, M, N, K, s_stride, g_stride, k_per_split, cnt, FMT=fmt,

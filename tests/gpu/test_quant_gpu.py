@@ -24,34 +24,37 @@ FORMATS = [("fp8-weight", FP8_ROW, False), ("fp8", FP8_BLOCK, True), ("int4", IN
 # the fp16 dot (LOWP 3, fp8 only), alone, with SWAP, with KSTEP 2; int4 decoded in 16-bit pairs (BITS with LOWP 1)
 # for bf16 x, for fp16 x, with SWAP under programmatic dependent launch, with steps of two groups (KSTEP 2); int4
 # by bit moves at one row in steps of two groups; int4's scale and zero row-major (stored_operands gives them
-# group-major, QuantLinear's layout) with the shipped config
+# group-major, QuantLinear's layout) with the shipped config; int4 at one row in fp16 pair arithmetic (BITS with
+# LOWP 3), alone and in steps of two groups under programmatic dependent launch
 @pytest.mark.parametrize("bits", [None, 0, 1, "wide", "lowp", "swap", "swap-lowp", "e4m3", "e4m3-wide", "pdl",
                                   "pdl-fixup", "fp16", "fp16-swap", "fp16-wide", "pairs", "pairs-fp16",
-                                  "pairs-swap-pdl", "pairs-wide", "bits-wide", "row-major"])
+                                  "pairs-swap-pdl", "pairs-wide", "bits-wide", "row-major", "half2",
+                                  "half2-wide-pdl"])
 def test_kernel_matches_fp32_reference(N, K, name, fmt, act, bits):
     if bits in ("wide", "e4m3-wide", "fp16-wide") and fmt not in (FP8_ROW, BF16):
         pytest.skip("KSTEP > 1 is for formats with no scale inside a step")
     if bits in ("e4m3", "e4m3-wide", "fp16", "fp16-swap", "fp16-wide") and fmt not in (FP8_ROW, FP8_BLOCK):
         pytest.skip("the e4m3 and fp16 dots take e4m3 weights")
-    if str(bits).startswith(("pairs", "bits-", "row-")) and fmt != INT4:
+    if str(bits).startswith(("pairs", "bits-", "row-", "half2")) and fmt != INT4:
         pytest.skip("16-bit pairs are int4's decode")
     w = torch.randn(N, K, device="cuda") * 0.02
     q, s, z = stored_operands(fmt, w.bfloat16() if fmt == BF16 and bits in ("lowp", "swap-lowp") else w)
     if bits == "row-major":
         s, z = s.contiguous(), z.contiguous()
-    for M in (1, 2, 4, 8, 16, 32, 64) if bits != "bits-wide" else (1,):  # 32, 64: verify of 2 or 4 rows x 16 positions
+    for M in (1, 2, 4, 8, 16, 32, 64) if not str(bits).startswith(("bits-wide", "half2")) else (1,):  # 32, 64: verify of 2 or 4 rows x 16 positions
         x = torch.randn(M, K, device="cuda", dtype=torch.float16 if bits == "pairs-fp16" else torch.bfloat16)
         poison_allocator((M, N), dtype=torch.float32)
         extra = {"wide": (0, 2), "lowp": (0, 1, 1), "swap": (0, 1, 0, 1), "swap-lowp": (0, 1, 1, 1), "e4m3": (0, 1, 2, 1),
                  "e4m3-wide": (0, 2, 2, 1), "fp16": (0, 1, 3), "fp16-swap": (0, 1, 3, 1),
                  "fp16-wide": (0, 2, 3), "pairs": (1, 1, 1), "pairs-fp16": (1, 1, 1),
-                 "pairs-swap-pdl": (1, 1, 1, 1), "pairs-wide": (1, 2, 1, 1), "bits-wide": (1, 2)}.get(bits, (bits,))
+                 "pairs-swap-pdl": (1, 1, 1, 1), "pairs-wide": (1, 2, 1, 1), "bits-wide": (1, 2), "half2": (1, 1, 3),
+                 "half2-wide-pdl": (1, 2, 3)}.get(bits, (bits,))
         config = None if bits in (None, "pdl", "pdl-fixup", "row-major") else (*gemv_config(fmt, N, K, M)[:4], *extra)
         if bits in ("e4m3", "e4m3-wide", "pairs-swap-pdl", "pairs-wide"):  # (M = 1 too: LOWP 2 and int4 pairs take the dot
             # kernel) 64 weight rows fill a wgmma
             config = (max(64, config[0]), *config[1:])
         y = (wq_matmul(x, fmt, q, s, z, act, N, pdl=str(bits).startswith("pdl"), fixup=bits == "pdl-fixup")
-             if config is None else _launch(x, fmt, q, s, z, act, N, M, config=config, pdl=bits == "pairs-swap-pdl"))
+             if config is None else _launch(x, fmt, q, s, z, act, N, M, config=config, pdl=str(bits).endswith("-pdl")))
         assert not y.isnan().any(), f"{name} M={M}: unwritten outputs"
         err = rel_err(y, reference(x.float(), fmt, q, s, z, act, N))
         # (fp16 products of exact operands leave fp32 sums only; the fp8 scheme's own x rounding may tie-break apart)
@@ -59,13 +62,16 @@ def test_kernel_matches_fp32_reference(N, K, name, fmt, act, bits):
         assert err < bound, f"{name} {N}x{K} M={M} config {config}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("K", [4096, 2048])  # the 9B's and the 35B-A3B's lm_head, 248320 rows
-@pytest.mark.parametrize("name,fmt", [("bf16", BF16), ("fp8-weight", FP8_ROW)])
+@pytest.mark.parametrize("K", [4096, 2048, 5120])  # the 9B's, the 35B-A3B's and the 27B's lm_head, 248320 rows
+@pytest.mark.parametrize("name,fmt", [("bf16", BF16), ("fp8-weight", FP8_ROW), ("int4", INT4)])
 @pytest.mark.parametrize("pdl", [False, True])
 def test_lm_head_shapes_match_the_fp32_reference(K, name, fmt, pdl):
     """The lm_head through the kernel (bf16 under the "auto" policy where the sweep stored it faster than cuBLAS;
-    fp8-weight with quant_lm_head) at one row, the tuned config of gemv_configs.json, with and without PDL:
-    7760 programs of 32 rows, every output written and within the format's bound."""
+    fp8-weight and int4 with quant_lm_head) at one row, the tuned config of gemv_configs.json (the 27B int4 head's:
+    fp16 pair arithmetic), with and without PDL: thousands of programs, every output written and within the
+    format's bound."""
+    if fmt == INT4 and K != 5120:
+        pytest.skip("the int4 head is swept on the 27B's")
     N = 248320
     w = torch.randn(N, K, device="cuda") * 0.02
     q, s, z = stored_operands(fmt, w)
