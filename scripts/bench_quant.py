@@ -166,6 +166,8 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT), lowp
     # (512 rows with 8 or 16 warps: a program's x prologue shared by more rows)
     half2 = [c for c in itertools.product((64, 128, 256, 512), (1, 4, 8, 16), (4, 8, 16), (1, 2), (1,), (1, 2), (3,))
              if (c[0] < 256 and c[2] == 4) or (c[0] == 256 and c[2] < 16) or (c[0] == 512 and c[2] > 4)]
+    # and 2 or 4 row tiles a program (TILES), its x prologue (an L2 round trip, a reduction, a barrier) paid once
+    half2 += list(itertools.product((128, 256), (4, 8, 16), (4,), (1,), (1,), (1, 2), (3,), (0,), (2, 4)))
     rows, best_of = [], {}
     for model in shapes:
         for layer, N, K in SHAPES[model]:

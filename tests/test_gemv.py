@@ -197,7 +197,8 @@ PAIRS = ((32, 2, 4, 2, 1, 1, 1), (64, 1, 4, 1, 1, 1, 1, 1), (16, 3, 4, 2, 1, 1, 
 INT4_WIDE = ((32, 1, 4, 2, 1, 2), (16, 2, 4, 1, 1, 4))  # one row decoded by bit moves, steps of 2 and 4 groups
 # int4 at one row in fp16 pair arithmetic (BITS with LOWP 3): K split in 2 (rows past N: 200 is no multiple of 32),
 # steps of two groups (the second step half masked), three splits unstaged
-HALF2 = ((32, 2, 4, 2, 1, 1, 3), (16, 1, 4, 1, 1, 2, 3), (64, 3, 4, 1, 1, 1, 3))
+HALF2 = ((32, 2, 4, 2, 1, 1, 3), (16, 1, 4, 1, 1, 2, 3), (64, 3, 4, 1, 1, 1, 3),
+         (32, 2, 4, 1, 1, 1, 3, 0, 2), (16, 1, 4, 1, 1, 2, 3, 0, 4))  # and 2 or 4 row tiles a program (TILES)
 for fmt, act, configs, ms in [(FP8_ROW, False, CONFIGS + WIDE + LOWP + SWAP + SWAP_WIDE + FP16, (1, 3, 16, 20, 40)),
                               (FP8_BLOCK, False, CONFIGS + LOWP[:1] + SWAP + FP16[::2], (1, 3, 16)),
                               (INT4, False, CONFIGS + LOWP[:1] + SWAP + PAIRS + INT4_WIDE + HALF2, (1, 3, 16, 33)),
@@ -279,6 +280,11 @@ try:  # int4's fp16 pair arithmetic takes one row
     raise AssertionError("int4 LOWP 3 at 3 rows was taken")
 except ValueError as e:
     assert "takes one row" in str(e)
+try:  # several row tiles a program: the fp16 pair arithmetic's option
+    _launch(x3[:1], INT4, w, s, z, False, 64, 1, config=(32, 1, 4, 2, 1, 1, 0, 0, 2))
+    raise AssertionError("TILES without LOWP 3 was taken")
+except ValueError as e:
+    assert "TILES 2" in str(e)
 w, s, z = operands(FP8_ROW, 64, 256)
 try:  # SWAP takes the weight decoded by conversion
     _launch(x3, FP8_ROW, w, s, z, False, 64, 3, config=(32, 1, 4, 2, 1, 1, 0, 1))
@@ -410,7 +416,7 @@ def ptx(fmt, lowp, swap, act=False, bits=False, pdl=False, fixup=0):  # the 16-r
                   LOWP=lowp, SWAP=swap, PDL=pdl, FIXUP=fixup)
     return compile_sm90(gemv._gemv_kernel, sig, consts, ALIGNED, num_stages=4).asm["ptx"]
 
-def row_kernel(fmt, bits, BN=128, pdl=False, fixup=0, grouped=False, swiglu=0, per_row=0, half2=0, stages=2):
+def row_kernel(fmt, bits, BN=128, pdl=False, fixup=0, grouped=False, swiglu=0, per_row=0, half2=0, stages=2, tiles=1):
     # one-row kernel, 128-column steps
     sig = dict(x_ptr="*fp32" if swiglu else "*bf16", w_ptr=w_type(fmt, bits), s_ptr="*fp32",
                z_ptr="*fp32", y_ptr="*fp32", tok_ptr="*i32", exp_ptr="*i32", N="i32", K="i32", s_stride="i32", g_stride="i32",
@@ -418,7 +424,7 @@ def row_kernel(fmt, bits, BN=128, pdl=False, fixup=0, grouped=False, swiglu=0, p
     acc_k = 128 // (8 if fmt == gemv.INT4 else 4) if bits else 64 if fmt == gemv.INT4 else 128
     consts = dict(FMT=fmt, ACT_FP8=False, GROUPED=grouped, FP8_LIMIT=448.0, BLOCK_N=BN, BLOCK_K=128, ACC_K=acc_k,
                   STAGES=stages, BITS=bits, PDL=pdl, FIXUP=fixup, SWIGLU=swiglu, PER_ROW=per_row,
-                  ACT_DTYPE=tl.bfloat16, HALF2=half2, ASM=1)
+                  ACT_DTYPE=tl.bfloat16, HALF2=half2, ASM=1, TILES=tiles)
     return compile_sm90(gemv._row_kernel, sig, consts, ALIGNED + ("xp_ptr",), num_stages=stages)
 
 def sass(fmt, bits, BN=128):
@@ -486,6 +492,12 @@ assert 6 * 16 <= packed <= 8 * 16 and 2 * 16 <= count(code, "HADD2") <= 5 * 16, 
 assert count(code, "I2F") == 0 and count(code, "LOP3") >= 4 * 16 and stack_bytes(kernel) == 0
 assert "fma.rn.f16x2" in kernel.asm["ptx"] and "bar.sync" in kernel.asm["ptx"]  # (the prologue's barrier)
 assert count(code, "SEL") < count(sass(gemv.INT4, True), "SEL"), "per-row predicates in the HALF2 loop"
+# two row tiles a program (TILES 2): one prologue (one barrier), twice the pair arithmetic, no spill
+two = row_kernel(gemv.INT4, True, 128, half2=1, stages=1, tiles=2)
+code2 = cuobjdump(two, "-sass")
+assert count(code2, "HFMA2") + count(code2, "HMUL2") >= 2 * 6 * 16 and stack_bytes(two) == 0
+prologue = lambda ptx: (len(re.findall(r"\\bmax\\.", ptx)), ptx.count("cvt.rn.f16"))  # x's largest magnitude, fp16 x  # noqa: E731
+assert prologue(two.asm["ptx"]) == prologue(kernel.asm["ptx"]), "a prologue a tile"
 
 # programmatic dependent launch: every global read of the previous kernel's output comes after griddepcontrol.wait,
 # the weight's L2 prefetches before it; each format's weight layout, both kernels

@@ -276,7 +276,8 @@ if triton is not None:
                     GROUPED: tl.constexpr, FP8_LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     ACC_K: tl.constexpr, STAGES: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr,
                     FIXUP: tl.constexpr = 0, SWIGLU: tl.constexpr = 0, PER_ROW: tl.constexpr = 0,
-                    ACT_DTYPE: tl.constexpr = tl.bfloat16, HALF2: tl.constexpr = 0, ASM: tl.constexpr = 1):
+                    ACT_DTYPE: tl.constexpr = tl.bfloat16, HALF2: tl.constexpr = 0, ASM: tl.constexpr = 1,
+                    TILES: tl.constexpr = 1):
         """One row of x (decode at batch 1, or one (token, expert) pair): products accumulate elementwise in
         registers and are summed over K once, at the end (no per-step reduction, no tensor-core layout).
         BITS: the weight is read as int32 words and decoded by bit moves (_fp8_bits, _int4_unit) instead of
@@ -288,8 +289,10 @@ if triton is not None:
         [SWIGLU, P, 2K] fp32 and pair p's row is their silu(gate)·up rounded to ACT_DTYPE, computed as it loads
         (_swiglu_x). HALF2 (int4 with BITS, launch option LOWP 3, linear mode): the program first writes its K
         columns of x as scaled fp16 pairs to xp (_half2_prologue), then each word of 8 codes takes 16
-        instructions of fp16 pair arithmetic (_int4_half2) and one FFMA by its row's group scale."""
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        instructions of fp16 pair arithmetic (_int4_half2) and one FFMA by its row's group scale. TILES (HALF2
+        only, launch option): a program computes TILES tiles of BLOCK_N rows one after another, so that one
+        prologue serves them all."""
+        n = tl.program_id(0) * TILES * BLOCK_N + tl.arange(0, BLOCK_N)  # (the first tile's rows)
         split = tl.program_id(2)  # split-K: this program sums K columns [split·k_per_split, +k_per_split)
         y0_ptr = y_ptr
         y_ptr += split.to(tl.int64) * tl.num_programs(1) * N
@@ -299,113 +302,117 @@ if triton is not None:
                 tl.extra.cuda.gdc_launch_dependents()
             x_ptr, w_ptr, s_ptr, z_ptr, y_ptr = _pair_pointers(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, tok_ptr, exp_ptr,
                                                                N, K, w_estride, s_estride, SWIGLU, PER_ROW)
-        n_ok = n < N
-        acc = tl.zeros((BLOCK_N, ACC_K), tl.float32)
-        acc_odd = tl.zeros((BLOCK_N, ACC_K), tl.float32)  # int4's odd columns
-        offset = tl.zeros((BLOCK_N,), tl.float32)  # int4 with BITS: Σ over groups of scale · (16 + zero) · Σ x
         k_end = tl.minimum(K, (split + 1) * k_per_split)
         if PDL and not GROUPED:
-            _dependent_start(w_ptr, n, n_ok, split * k_per_split, k_end, K, FMT, BITS, BLOCK_K)
+            _dependent_start(w_ptr, n, n < N, split * k_per_split, k_end, K, FMT, BITS, BLOCK_K)
         if HALF2:
-            xs = _half2_prologue(x_ptr, xp_ptr, split * k_per_split, k_end, K)
-        for k0 in tl.range(split * k_per_split, k_end, BLOCK_K, num_stages=STAGES):
-            if HALF2:  # no row masks (rows past N repeat row N − 1, stored nowhere; words past the split are
-                # masked by column alone): no per-row predicates
-                n_in = tl.minimum(n, N - 1)
-                for sub in tl.static_range(BLOCK_K // 128):  # KSTEP groups of 128 columns, each with its scale
-                    wd = (k0 + 128 * sub) // 8 + tl.arange(0, 16)
-                    wd_ok = wd < k_end // 8
-                    u = tl.load(w_ptr + n_in[:, None] * (K // 8) + wd[None, :], mask=wd_ok[None, :], other=0)
-                    g = tl.minimum(k0 // 128 + sub, k_end // 128 - 1)  # (a step past the split: any group's)
-                    scale = tl.load(s_ptr + n_in * s_stride + g * g_stride)
-                    # the zero, an integer in 0 … 63 (every producer's: quantize_int4, GPTQ, AWQ give 0 … 16), as
-                    # the fp16 pairs 1024 + zero and −(64 + zero) by integer arithmetic (their bits)
-                    zi = tl.load(z_ptr + n_in * s_stride + g * g_stride).to(tl.int32)
-                    zlo = zi * 0x10001 + 0x64006400
-                    zhi = zi * 0x100010 - 0x2BFF2C00  # (0xD400D400: −64, −64)
-                    x0 = tl.load(xp_ptr + wd, mask=wd_ok, other=0)
-                    x1 = tl.load(xp_ptr + K // 8 + wd, mask=wd_ok, other=0)
-                    x2 = tl.load(xp_ptr + 2 * (K // 8) + wd, mask=wd_ok, other=0)
-                    x3 = tl.load(xp_ptr + 3 * (K // 8) + wd, mask=wd_ok, other=0)
-                    acc += _int4_half2(u, x0[None, :], x1[None, :], x2[None, :], x3[None, :], zlo[:, None],
-                                       zhi[:, None], ASM) * scale[:, None]
-            elif BITS and FMT == 2:
-                for sub in tl.static_range(BLOCK_K // 128):  # KSTEP groups of 128 columns, each with its scale
-                    wd = (k0 + 128 * sub) // 8 + tl.arange(0, 16)
-                    wd_ok = wd < k_end // 8
-                    u = tl.load(w_ptr + n[:, None] * (K // 8) + wd[None, :], mask=n_ok[:, None] & wd_ok[None, :],
+            x_scale = _half2_prologue(x_ptr, xp_ptr, split * k_per_split, k_end, K)
+        for t in tl.static_range(TILES):  # TILES tiles of BLOCK_N rows, one after another (HALF2: one prologue)
+            n = (tl.program_id(0) * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_ok = n < N
+            acc = tl.zeros((BLOCK_N, ACC_K), tl.float32)
+            acc_odd = tl.zeros((BLOCK_N, ACC_K), tl.float32)  # int4's odd columns
+            offset = tl.zeros((BLOCK_N,), tl.float32)  # int4 with BITS: Σ over groups of scale · (16 + zero) · Σ x
+            for k0 in tl.range(split * k_per_split, k_end, BLOCK_K, num_stages=STAGES):
+                if HALF2:  # no row masks (rows past N repeat row N − 1, stored nowhere; words past the split are
+                    # masked by column alone): no per-row predicates
+                    n_in = tl.minimum(n, N - 1)
+                    for sub in tl.static_range(BLOCK_K // 128):  # KSTEP groups of 128 columns, each with its scale
+                        wd = (k0 + 128 * sub) // 8 + tl.arange(0, 16)
+                        wd_ok = wd < k_end // 8
+                        u = tl.load(w_ptr + n_in[:, None] * (K // 8) + wd[None, :], mask=wd_ok[None, :], other=0)
+                        g = tl.minimum(k0 // 128 + sub, k_end // 128 - 1)  # (a step past the split: any group's)
+                        scale = tl.load(s_ptr + n_in * s_stride + g * g_stride)
+                        # the zero, an integer in 0 … 63 (QuantLinear checks; quantize_int4, GPTQ, AWQ give
+                        # 0 … 16), as the fp16 pairs 1024 + zero and −(64 + zero) by integer arithmetic (their bits)
+                        zi = tl.load(z_ptr + n_in * s_stride + g * g_stride).to(tl.int32)
+                        zlo = zi * 0x10001 + 0x64006400
+                        zhi = zi * 0x100010 - 0x2BFF2C00  # (0xD400D400: −64, −64)
+                        x0 = tl.load(xp_ptr + wd, mask=wd_ok, other=0)
+                        x1 = tl.load(xp_ptr + K // 8 + wd, mask=wd_ok, other=0)
+                        x2 = tl.load(xp_ptr + 2 * (K // 8) + wd, mask=wd_ok, other=0)
+                        x3 = tl.load(xp_ptr + 3 * (K // 8) + wd, mask=wd_ok, other=0)
+                        acc += _int4_half2(u, x0[None, :], x1[None, :], x2[None, :], x3[None, :], zlo[:, None],
+                                           zhi[:, None], ASM) * scale[:, None]
+                elif BITS and FMT == 2:
+                    for sub in tl.static_range(BLOCK_K // 128):  # KSTEP groups of 128 columns, each with its scale
+                        wd = (k0 + 128 * sub) // 8 + tl.arange(0, 16)
+                        wd_ok = wd < k_end // 8
+                        u = tl.load(w_ptr + n[:, None] * (K // 8) + wd[None, :], mask=n_ok[:, None] & wd_ok[None, :],
+                                    other=0)
+                        g = k0 // 128 + sub
+                        part = tl.zeros((BLOCK_N, 16), tl.float32)
+                        xsum = tl.zeros((16,), tl.float32)
+                        for i in tl.static_range(8):
+                            xi = tl.load(x_ptr + 8 * wd + i, mask=wd_ok, other=0.0).to(tl.float32)
+                            part += _int4_unit(u, i, ONE) * xi[None, :]  # (1 + q/16) · x
+                            xsum += xi
+                        scale = tl.load(s_ptr + n * s_stride + g * g_stride, mask=n_ok & (g < k_end // 128), other=0.0)
+                        zero = tl.load(z_ptr + n * s_stride + g * g_stride, mask=n_ok & (g < k_end // 128), other=0.0)
+                        acc += part * (16.0 * scale)[:, None]
+                        offset += scale * (16.0 + zero) * tl.sum(xsum, axis=0)
+                elif BITS:  # fp8
+                    wd = k0 // 4 + tl.arange(0, BLOCK_K // 4)
+                    wd_ok = wd < k_end // 4
+                    u = tl.load(w_ptr + n[:, None] * (K // 4) + wd[None, :], mask=n_ok[:, None] & wd_ok[None, :],
                                 other=0)
-                    g = k0 // 128 + sub
-                    part = tl.zeros((BLOCK_N, 16), tl.float32)
-                    xsum = tl.zeros((16,), tl.float32)
-                    for i in tl.static_range(8):
-                        xi = tl.load(x_ptr + 8 * wd + i, mask=wd_ok, other=0.0).to(tl.float32)
-                        part += _int4_unit(u, i, ONE) * xi[None, :]  # (1 + q/16) · x
-                        xsum += xi
-                    scale = tl.load(s_ptr + n * s_stride + g * g_stride, mask=n_ok & (g < k_end // 128), other=0.0)
-                    zero = tl.load(z_ptr + n * s_stride + g * g_stride, mask=n_ok & (g < k_end // 128), other=0.0)
-                    acc += part * (16.0 * scale)[:, None]
-                    offset += scale * (16.0 + zero) * tl.sum(xsum, axis=0)
-            elif BITS:  # fp8
-                wd = k0 // 4 + tl.arange(0, BLOCK_K // 4)
-                wd_ok = wd < k_end // 4
-                u = tl.load(w_ptr + n[:, None] * (K // 4) + wd[None, :], mask=n_ok[:, None] & wd_ok[None, :], other=0)
-                if ACT_FP8:
-                    k = k0 + tl.arange(0, BLOCK_K)
-                    xs = tl.load(x_ptr + k, mask=k < k_end, other=0.0).to(tl.float32)
-                    xs = tl.maximum(tl.max(tl.abs(xs), axis=0) / FP8_LIMIT, 1e-12)
-                part = tl.zeros((BLOCK_N, BLOCK_K // 4), tl.float32)
-                for i in tl.static_range(4):
-                    xi = tl.load(x_ptr + 4 * wd + i, mask=wd_ok, other=0.0).to(tl.float32)
                     if ACT_FP8:
-                        xi = (xi / xs).to(tl.float8e4nv).to(tl.float32) * xs
-                    part += _fp8_bits(u, i) * xi[None, :]
-                if FMT == 1:
-                    part = part * tl.load(s_ptr + (n // BLOCK_K) * s_stride + (k0 // BLOCK_K) * g_stride, mask=n_ok,
-                                          other=0.0)[:, None]
-                acc += part
-            elif FMT == 2:  # byte j holds columns 2j (low nibble) and 2j + 1 (high)
-                j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-                j_ok = j < k_end // 2
-                xe = tl.load(x_ptr + 2 * j, mask=j_ok, other=0.0).to(tl.float32)
-                xo = tl.load(x_ptr + 2 * j + 1, mask=j_ok, other=0.0).to(tl.float32)
-                b = tl.load(w_ptr + n[:, None] * (K // 2) + j[None, :], mask=n_ok[:, None] & j_ok[None, :], other=0)
-                g = k0 // BLOCK_K
-                scale = tl.load(s_ptr + n * s_stride + g * g_stride, mask=n_ok, other=0.0)[:, None]
-                zero = tl.load(z_ptr + n * s_stride + g * g_stride, mask=n_ok, other=0.0)[:, None]
-                acc += ((b & 0xF).to(tl.float32) - zero) * scale * xe[None, :]
-                acc_odd += ((b >> 4).to(tl.float32) - zero) * scale * xo[None, :]
-            else:
-                k = k0 + tl.arange(0, BLOCK_K)
-                k_ok = k < k_end
-                if SWIGLU:
-                    x = _swiglu_x(x_ptr, k, k_ok, K, tl.num_programs(1) * 2 * K, SWIGLU, ACT_DTYPE)
+                        k = k0 + tl.arange(0, BLOCK_K)
+                        xs = tl.load(x_ptr + k, mask=k < k_end, other=0.0).to(tl.float32)
+                        xs = tl.maximum(tl.max(tl.abs(xs), axis=0) / FP8_LIMIT, 1e-12)
+                    part = tl.zeros((BLOCK_N, BLOCK_K // 4), tl.float32)
+                    for i in tl.static_range(4):
+                        xi = tl.load(x_ptr + 4 * wd + i, mask=wd_ok, other=0.0).to(tl.float32)
+                        if ACT_FP8:
+                            xi = (xi / xs).to(tl.float8e4nv).to(tl.float32) * xs
+                        part += _fp8_bits(u, i) * xi[None, :]
+                    if FMT == 1:
+                        part = part * tl.load(s_ptr + (n // BLOCK_K) * s_stride + (k0 // BLOCK_K) * g_stride, mask=n_ok,
+                                              other=0.0)[:, None]
+                    acc += part
+                elif FMT == 2:  # byte j holds columns 2j (low nibble) and 2j + 1 (high)
+                    j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+                    j_ok = j < k_end // 2
+                    xe = tl.load(x_ptr + 2 * j, mask=j_ok, other=0.0).to(tl.float32)
+                    xo = tl.load(x_ptr + 2 * j + 1, mask=j_ok, other=0.0).to(tl.float32)
+                    b = tl.load(w_ptr + n[:, None] * (K // 2) + j[None, :], mask=n_ok[:, None] & j_ok[None, :], other=0)
+                    g = k0 // BLOCK_K
+                    scale = tl.load(s_ptr + n * s_stride + g * g_stride, mask=n_ok, other=0.0)[:, None]
+                    zero = tl.load(z_ptr + n * s_stride + g * g_stride, mask=n_ok, other=0.0)[:, None]
+                    acc += ((b & 0xF).to(tl.float32) - zero) * scale * xe[None, :]
+                    acc_odd += ((b >> 4).to(tl.float32) - zero) * scale * xo[None, :]
                 else:
-                    x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-                if ACT_FP8:
-                    xs = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_LIMIT, 1e-12)
-                    x = (x / xs).to(tl.float8e4nv).to(tl.float32) * xs
-                w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                w = w.to(tl.float32)
-                if FMT == 1:
-                    w = w * tl.load(s_ptr + (n // BLOCK_K) * s_stride + (k0 // BLOCK_K) * g_stride, mask=n_ok,
-                                    other=0.0)[:, None]
-                acc += w * x[None, :]
-        y = tl.sum(acc, axis=1)
-        if FMT == 2 and not BITS:
-            y += tl.sum(acc_odd, axis=1)
-        if HALF2:
-            y = y / xs  # (a power of 2: exact)
-        elif FMT == 2 and BITS:
-            y -= offset
-        if BITS and FMT < 2:
-            y = y * 1.329227995784916e36  # 2¹²⁰: _fp8_bits' codes were 2⁻¹²⁰ of their values
-        if FMT == 0:
-            y = y * tl.load(s_ptr + n, mask=n_ok, other=0.0)
-        tl.store(y_ptr + n, y, mask=n_ok)
-        if FIXUP:  # (linear mode: program_id(1) is x's row)
-            _split_k_fixup(y0_ptr, tl.program_id(1) * N + n, n_ok, cnt_ptr,
-                           tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), tl.num_programs(1) * N, FIXUP)
+                    k = k0 + tl.arange(0, BLOCK_K)
+                    k_ok = k < k_end
+                    if SWIGLU:
+                        x = _swiglu_x(x_ptr, k, k_ok, K, tl.num_programs(1) * 2 * K, SWIGLU, ACT_DTYPE)
+                    else:
+                        x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+                    if ACT_FP8:
+                        xs = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_LIMIT, 1e-12)
+                        x = (x / xs).to(tl.float8e4nv).to(tl.float32) * xs
+                    w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                    w = w.to(tl.float32)
+                    if FMT == 1:
+                        w = w * tl.load(s_ptr + (n // BLOCK_K) * s_stride + (k0 // BLOCK_K) * g_stride, mask=n_ok,
+                                        other=0.0)[:, None]
+                    acc += w * x[None, :]
+            y = tl.sum(acc, axis=1)
+            if FMT == 2 and not BITS:
+                y += tl.sum(acc_odd, axis=1)
+            if HALF2:
+                y = y / x_scale  # (a power of 2: exact)
+            elif FMT == 2 and BITS:
+                y -= offset
+            if BITS and FMT < 2:
+                y = y * 1.329227995784916e36  # 2¹²⁰: _fp8_bits' codes were 2⁻¹²⁰ of their values
+            if FMT == 0:
+                y = y * tl.load(s_ptr + n, mask=n_ok, other=0.0)
+            tl.store(y_ptr + n, y, mask=n_ok)
+            if FIXUP:  # (linear mode: program_id(1) is x's row)
+                _split_k_fixup(y0_ptr, tl.program_id(1) * N + n, n_ok, cnt_ptr,
+                               (tl.program_id(0) * TILES + t) * tl.num_programs(1) + tl.program_id(1),
+                               tl.num_programs(1) * N, FIXUP)
 
     @triton.jit
     def _pow2_at_least(t):
@@ -669,8 +676,8 @@ def gemv_config(fmt: int, N: int, K: int, rows: int, columns: int = 1) -> tuple[
 
 def full_config(config) -> tuple[int, ...]:
     """A launch config with its optional elements filled in: (BLOCK_N, SPLIT_K, num_warps, num_stages, BITS = 0,
-    KSTEP = 1, LOWP = 0, SWAP = 0)."""
-    return (*config, *(0, 1, 0, 0)[len(config) - 4:])
+    KSTEP = 1, LOWP = 0, SWAP = 0, TILES = 1)."""
+    return (*config, *(0, 1, 0, 0, 1)[len(config) - 4:])
 
 
 def lowp_exact(fmt: int, x_dtype, w_dtype, bits: bool) -> bool:
@@ -732,7 +739,7 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
     M = 1 if grouped else rows
     explicit = config is not None
     config = config or gemv_config(fmt, N, K, M, rows if grouped else 1)
-    bn, split, warps, stages, bits, kstep, lowp, swap = full_config(config)
+    bn, split, warps, stages, bits, kstep, lowp, swap, tiles = full_config(config)
     bits = bool(bits) and fmt != BF16
     if swiglu is not None:
         if (fmt == INT4 or (act_fp8 and fmt == BF16) or swiglu not in _TL_DTYPES or x.dim() != 3
@@ -757,6 +764,11 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
             raise ValueError(f"LOWP 3 with int4 and BITS (fp16 pair arithmetic) takes one row in linear mode; got {M} "
                              f"rows, grouped {grouped}: use LOWP 1 for int4 pairs at more rows")
         half2, lowp = False, 0
+    if tiles != 1 and not half2:
+        if explicit:
+            raise ValueError(f"TILES {tiles} (several row tiles a program) takes int4's fp16 pair arithmetic at one row "
+                             f"(BITS with LOWP 3); got format {fmt}, BITS {int(bits)}, LOWP {lowp}, {M} rows")
+        tiles = 1
     if lowp == 3 and not half2 and not fp16_dot_ok(fmt, x.dtype, bits):
         if explicit:
             raise ValueError(f"LOWP 3 (the fp16 dot) needs e4m3 weights (fp8-weight or fp8) decoded by conversion (no "
@@ -800,13 +812,13 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
     if M == 1 and lowp != 2 and not pair_dot:
         xp = torch.empty(K // 2, dtype=torch.int32, device=x.device) if half2 else y  # HALF2's x pairs [4, K / 8]
         acc_k = STEP // (8 if fmt == INT4 else 4) if bits else STEP // 2 if fmt == INT4 else block_k
-        _row_kernel[(triton.cdiv(N, bn), rows, split)](
+        _row_kernel[(triton.cdiv(triton.cdiv(N, bn), tiles), rows, split)](
             x, w, scale, zero, y, tok, exp, N, K, s_stride, g_stride, w_estride, s_estride,
             k_per_split, ONE_BITS, cnt, xp, FMT=fmt, ACT_FP8=act_fp8, GROUPED=grouped, FP8_LIMIT=FP8_MAX, BLOCK_N=bn,
             BLOCK_K=block_k, ACC_K=acc_k, STAGES=stages, BITS=bits, PDL=pdl, FIXUP=fix,
             SWIGLU=x.shape[0] if swiglu is not None else 0, PER_ROW=per_row,
             ACT_DTYPE=_TL_DTYPES.get(swiglu, tl.bfloat16), HALF2=half2, ASM=not triton.knobs.runtime.interpret,
-            num_warps=warps, launch_pdl=pdl)
+            TILES=tiles, num_warps=warps, launch_pdl=pdl)
     else:
         _gemv_kernel[(triton.cdiv(N, bn), 1, split)](
             x, w, scale, zero, y, M, N, K, s_stride, g_stride, k_per_split, cnt, FMT=fmt,

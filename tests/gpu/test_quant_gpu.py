@@ -25,11 +25,11 @@ FORMATS = [("fp8-weight", FP8_ROW, False), ("fp8", FP8_BLOCK, True), ("int4", IN
 # for bf16 x, for fp16 x, with SWAP under programmatic dependent launch, with steps of two groups (KSTEP 2); int4
 # by bit moves at one row in steps of two groups; int4's scale and zero row-major (stored_operands gives them
 # group-major, QuantLinear's layout) with the shipped config; int4 at one row in fp16 pair arithmetic (BITS with
-# LOWP 3), alone and in steps of two groups under programmatic dependent launch
+# LOWP 3), alone, in steps of two groups under programmatic dependent launch, and two row tiles a program (TILES)
 @pytest.mark.parametrize("bits", [None, 0, 1, "wide", "lowp", "swap", "swap-lowp", "e4m3", "e4m3-wide", "pdl",
                                   "pdl-fixup", "fp16", "fp16-swap", "fp16-wide", "pairs", "pairs-fp16",
                                   "pairs-swap-pdl", "pairs-wide", "bits-wide", "row-major", "half2",
-                                  "half2-wide-pdl"])
+                                  "half2-wide-pdl", "half2-tiles"])
 def test_kernel_matches_fp32_reference(N, K, name, fmt, act, bits):
     if bits in ("wide", "e4m3-wide", "fp16-wide") and fmt not in (FP8_ROW, BF16):
         pytest.skip("KSTEP > 1 is for formats with no scale inside a step")
@@ -48,7 +48,7 @@ def test_kernel_matches_fp32_reference(N, K, name, fmt, act, bits):
                  "e4m3-wide": (0, 2, 2, 1), "fp16": (0, 1, 3), "fp16-swap": (0, 1, 3, 1),
                  "fp16-wide": (0, 2, 3), "pairs": (1, 1, 1), "pairs-fp16": (1, 1, 1),
                  "pairs-swap-pdl": (1, 1, 1, 1), "pairs-wide": (1, 2, 1, 1), "bits-wide": (1, 2), "half2": (1, 1, 3),
-                 "half2-wide-pdl": (1, 2, 3)}.get(bits, (bits,))
+                 "half2-wide-pdl": (1, 2, 3), "half2-tiles": (1, 1, 3, 0, 2)}.get(bits, (bits,))
         config = None if bits in (None, "pdl", "pdl-fixup", "row-major") else (*gemv_config(fmt, N, K, M)[:4], *extra)
         if bits in ("e4m3", "e4m3-wide", "pairs-swap-pdl", "pairs-wide"):  # (M = 1 too: LOWP 2 and int4 pairs take the dot
             # kernel) 64 weight rows fill a wgmma
