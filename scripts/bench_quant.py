@@ -127,7 +127,7 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT), lowp
     """Time the weight-streaming kernel over its launch configs (BLOCK_N, SPLIT_K, num_warps, num_stages, BITS:
     conversion instructions or bit moves to decode the weight, KSTEP: 128-column blocks a loop step, LOWP: 1 for
     16-bit dot operands at M > 1 (int4 with BITS: at any M, its codes decoded in pairs), 2 for e4m3 ones (fp8
-    weights, any M), SWAP: the weight as the dot's first operand; LOWP 3: fp16 operands for e4m3 weights, fp16 pair arithmetic for int4 at one row) per layer, format and M (`lowps`: only configs with these
+    weights, any M), SWAP: the weight as the dot's first operand; LOWP 3: fp16 operands for e4m3 weights, fp16 pair arithmetic for int4 at one row; LOWP 4: int4's pairs into mma.sync at one row) per layer, format and M (`lowps`: only configs with these
     LOWP values, beside the config in use; `ksteps` likewise for KSTEP); print the default config's time beside the best one. The best is the
     one cheapest for the step: kernel time plus
     the consumer's read of its fp32 split-K partials. With `table`, merge the best configs into that
@@ -168,6 +168,9 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT), lowp
              if (c[0] < 256 and c[2] == 4) or (c[0] == 256 and c[2] < 16) or (c[0] == 512 and c[2] > 4)]
     # and 2 or 4 row tiles a program (TILES), its x prologue (an L2 round trip, a reduction, a barrier) paid once
     half2 += list(itertools.product((128, 256), (4, 8, 16), (4,), (1,), (1,), (1, 2), (3,), (0,), (2, 4)))
+    # the same pairs into mma.sync (LOWP 4): at least 16 rows a warp
+    half2 += [c for c in itertools.product((64, 128, 256, 512), (1, 4, 8, 16), (4, 8), (1, 2), (1,), (1, 2), (4,))
+              if c[0] >= 16 * c[2] and c[0] // c[2] <= 64]
     rows, best_of = [], {}
     for model in shapes:
         for layer, N, K in SHAPES[model]:

@@ -199,6 +199,9 @@ INT4_WIDE = ((32, 1, 4, 2, 1, 2), (16, 2, 4, 1, 1, 4))  # one row decoded by bit
 # steps of two groups (the second step half masked), three splits unstaged
 HALF2 = ((32, 2, 4, 2, 1, 1, 3), (16, 1, 4, 1, 1, 2, 3), (64, 3, 4, 1, 1, 1, 3),
          (32, 2, 4, 1, 1, 1, 3, 0, 2), (16, 1, 4, 1, 1, 2, 3, 0, 4))  # and 2 or 4 row tiles a program (TILES)
+# the same pairs into mma.sync (BITS with LOWP 4; BLOCK_N ≥ 16 a warp): K split in 2, steps of two groups, 2 row tiles
+MMA = ((64, 2, 4, 2, 1, 1, 4), (64, 1, 4, 1, 1, 2, 4), (64, 3, 4, 1, 1, 1, 4, 0, 2))
+HALF2 += MMA
 for fmt, act, configs, ms in [(FP8_ROW, False, CONFIGS + WIDE + LOWP + SWAP + SWAP_WIDE + FP16, (1, 3, 16, 20, 40)),
                               (FP8_BLOCK, False, CONFIGS + LOWP[:1] + SWAP + FP16[::2], (1, 3, 16)),
                               (INT4, False, CONFIGS + LOWP[:1] + SWAP + PAIRS + INT4_WIDE + HALF2, (1, 3, 16, 33)),
@@ -336,6 +339,12 @@ try:  # zero laid out unlike scale
     raise AssertionError("int4 took a zero laid out unlike its scale")
 except ValueError as e:
     assert "one layout" in str(e)
+for config in ((32, 1, 4, 1, 1, 1, 4), (64, 1, 4, 1, 0, 1, 4)):  # mma.sync: 8 rows a warp of each half; BITS
+    try:
+        _launch(x[:1], INT4, w, s, z, False, 200, 1, config=config)
+        raise AssertionError(f"int4 took LOWP 4 with {config}")
+    except ValueError as e:
+        assert "LOWP 4" in str(e), e
 w, s, z = operands(INT4, 64, 256)
 try:  # int4 steps of several groups: one row, or the 16-bit pairs
     _launch(x3, INT4, w, s, z, False, 64, 3, config=(32, 1, 4, 2, 1, 2))
@@ -498,6 +507,15 @@ code2 = cuobjdump(two, "-sass")
 assert count(code2, "HFMA2") + count(code2, "HMUL2") >= 2 * 6 * 16 and stack_bytes(two) == 0
 prologue = lambda ptx: (len(re.findall(r"\\bmax\\.", ptx)), ptx.count("cvt.rn.f16"))  # x's largest magnitude, fp16 x  # noqa: E731
 assert prologue(two.asm["ptx"]) == prologue(kernel.asm["ptx"]), "a prologue a tile"
+# the pairs into mma.sync (LOWP 4): a 16-byte load a thread and row (the fragment layout, checked as _launch checks
+# it), one HMMA per 16 codes of the two rows a call takes (128 rows x 16 words / 128 threads: 16 words, 8 a row
+# set: 16 HMMA a step), no fp16 accumulation, no register moves to pair x for the B operand, no spill
+mma = row_kernel(gemv.INT4, True, 128, half2=2, stages=1)
+gemv.mma_layout_check(mma)
+code = cuobjdump(mma, "-sass")
+assert count(code, "HMMA") == 16 and stack_bytes(mma) == 0, count(code, "HMMA")
+assert count(code, "HFMA2") + count(code, "HADD2") <= 4 * 16 + 8, "pair arithmetic beyond the decode"
+assert count(code, "IMAD.MOV") < 2 * 16, count(code, "IMAD.MOV")  # (x's pairs by pair index took two a HMMA)
 
 # programmatic dependent launch: every global read of the previous kernel's output comes after griddepcontrol.wait,
 # the weight's L2 prefetches before it; each format's weight layout, both kernels

@@ -27,7 +27,8 @@ exponent and mantissa into fp32's places, a 2⁻¹²⁰-scaled value; int4: in t
 1.0's top mantissa bits, 1 + q/16, one LOP3 and one FFMA a weight; in the dot kernel OR-ed into 2²³'s bits, or
 with LOWP 1 two codes at a time into the mantissas of a bf16 or fp16 pair, q − zero exact in 16 bits, for x's own
 dtype in the dot: _int4_pairs; that form takes the dot kernel at any M, one row included; with LOWP 3, one row on
-the CUDA cores in fp16 pair arithmetic, x scaled by a power of 2 into fp16: _int4_half2, 2 instructions a weight):
+the CUDA cores in fp16 pair arithmetic, x scaled by a power of 2 into fp16: _int4_half2, 2 instructions a weight;
+with LOWP 4 the same pairs into warp-wide mma.sync, exact products summed in fp32: _int4_mma, ~1.7 a weight):
 conversions run at a fraction of the FMA rate (the M = 1 sweep found bit moves no faster for fp8: 62–76%
 of bandwidth either way). The sweep decides per shape. A program owns BLOCK_N output columns and walks its share of K in
 steps of 128 columns, or KSTEP × 128 (launch option; fp8-weight and bf16 without BITS, whose scales do not change
@@ -49,6 +50,7 @@ first weight steps into L2, and waits for that kernel before it reads x (_depend
 import json
 import math
 import pathlib
+import re
 
 import torch
 
@@ -83,7 +85,36 @@ STEP = 128  # BLOCK_K: one fp8 scale block or one int4 group per step
 # (_int4_unit) compiles to one LOP3 instead of two (a LOP3 takes one immediate)
 ONE_BITS = 0x3F800000
 
+
+def _int4_mma_asm() -> str:
+    """_int4_mma's PTX for one call (pack 4): operands $0-$3 out; ua $4-$7, ub $8-$11, x0 $12-$15, x1 $16-$19,
+    x2 $20-$23, x3 $24-$27, zla $28, zha $32, zlb $36, zhb $40, sa $44, sb $48 (4 copies each: the first is read).
+    Word e's codes decode to pairs j = 0 … 3 (q − zero for nibbles j and j + 4, as _int4_half2 pairs them with
+    x_j); one mma per pair j and two words e, e + 1 takes rows a and b of both as A (k slots 2c, 2c + 1: word e;
+    2c + 8, 2c + 9: word e + 1) and x_j of the same words as B, registers a 16-byte load left side by side."""
+    dec = ("lop3.b32 t, {u}, 0x000F000F, 0x64006400, 0xea; sub.rn.f16x2 {p}0, t, {zl}; "
+           "lop3.b32 t, {u}, 0x00F000F0, 0x64006400, 0xea; fma.rn.f16x2 {p}1, t, c, {zh}; "
+           "shr.u32 v, {u}, 8; "
+           "lop3.b32 t, v, 0x000F000F, 0x64006400, 0xea; sub.rn.f16x2 {p}2, t, {zl}; "
+           "lop3.b32 t, v, 0x00F000F0, 0x64006400, 0xea; fma.rn.f16x2 {p}3, t, c, {zh}; ")
+    body = []
+    for e in (0, 2):
+        for w in (e, e + 1):
+            body.append(dec.format(u=f"${4 + w}", zl="$28", zh="$32", p=f"a{w - e}"))
+            body.append(dec.format(u=f"${8 + w}", zl="$36", zh="$40", p=f"b{w - e}"))
+        for j in range(4):
+            body.append(f"mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{d0, d1, d2, d3}}, "
+                        f"{{a0{j}, b0{j}, a1{j}, b1{j}}}, {{${12 + 4 * j + e}, ${13 + 4 * j + e}}}, {{d0, d1, d2, d3}}; ")
+    pairs = ", ".join(f"{r}{w}{j}" for r in "ab" for w in range(2) for j in range(4))
+    return ("{ .reg .b32 t, v, c, " + pairs + "; .reg .f32 d0, d1, d2, d3; "
+            "mov.b32 c, 0x2C002C00; mov.f32 d0, 0f00000000; mov.f32 d1, 0f00000000; mov.f32 d2, 0f00000000; "
+            "mov.f32 d3, 0f00000000; " + "".join(body) +
+            "mul.f32 $0, d0, $44; mul.f32 $1, d2, $48; mov.f32 $2, 0f00000000; mov.f32 $3, 0f00000000; }")
+
+
 if triton is not None:
+    _INT4_MMA_ASM = tl.constexpr(_int4_mma_asm())
+    _INT4_MMA_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 4 + ["r"] * 40 + ["f"] * 8))
 
     @triton.jit
     def _pair_pointers(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, tok_ptr, exp_ptr, N, K, w_estride, s_estride,
@@ -205,6 +236,31 @@ if triton is not None:
         return r
 
     @triton.jit
+    def _int4_mma(ua, ub, x0, x1, x2, x3, zla, zha, zlb, zhb, sa, sb, ASM: tl.constexpr):
+        """Rows a and b of a group (128 columns) on the tensor cores: ua, ub [R, 16] int32 words of two row sets,
+        x0 … x3 the fp16 pairs of x as _int4_half2 takes them, zl / zh the zero pairs of each row set (as
+        _int4_half2's zlo / zhi), sa / sb their group scales. Returns [R, 16] fp32 whose columns 4c (c = 0 … 3)
+        each hold sa · Σ (q − zero) · x over row a's group, columns 4c + 1 the same for row b, and zeros elsewhere
+        (four copies of each sum: the caller takes a quarter of their total, exactly).
+        With ASM each call takes a thread's 4 words of one row of each set (pack 4) and runs a warp-wide
+        mma.sync.m16n8k16 (fp16 in, fp32 sums) per 2 words: the weight tile's layout puts lane l on row
+        l // 4 of its warp's 8 rows and words 4 (l % 4) … + 3, which is the A operand's fragment (rows a as the
+        mma's rows 0 … 7, rows b as 8 … 15) with the group's 128 columns permuted among the k slots; x's pairs
+        for the same words are the B operand (all 8 of its columns the same x, so every column of the product is
+        the row sum). _launch checks the layout (mma_layout_ok). The decode is _int4_half2's: a LOP3 and a
+        packed subtraction or FMA per two codes, q − zero exact in fp16."""
+        if ASM:
+            r = tl.inline_asm_elementwise(_INT4_MMA_ASM, _INT4_MMA_CONSTRAINTS,
+                                          [ua, ub, x0, x1, x2, x3, zla, zha, zlb, zhb, sa, sb], dtype=tl.float32,
+                                          is_pure=True, pack=4)
+        else:
+            col = tl.arange(0, 16)[None, :]
+            a = tl.sum(_int4_half2(ua, x0, x1, x2, x3, zla, zha, ASM), axis=1)[:, None] * sa
+            b = tl.sum(_int4_half2(ub, x0, x1, x2, x3, zlb, zhb, ASM), axis=1)[:, None] * sb
+            r = tl.where(col % 4 == 0, a, tl.where(col % 4 == 1, b, 0.0))
+        return r
+
+    @triton.jit
     def _half2_prologue(x_ptr, xp_ptr, k_start, k_end, K):
         """HALF2's x: columns [k_start, k_end) of the row, scaled by the power of 2 that puts the largest magnitude
         in (256, 512], as fp16 pairs (x[8w + j], x[8w + 4 + j]) written to xp[j, w] ([4, K / 8] int32), the
@@ -221,7 +277,7 @@ if triton is not None:
             for j in tl.static_range(4):
                 a = tl.load(x_ptr + 8 * w + j, mask=ok, other=0.0).to(tl.float32) * xs
                 b = tl.load(x_ptr + 8 * w + 4 + j, mask=ok, other=0.0).to(tl.float32) * xs
-                tl.store(xp_ptr + j * (K // 8) + w, _half2_bits(a, b), mask=ok)
+                tl.store(xp_ptr + j * (K // 128 * 16) + w, _half2_bits(a, b), mask=ok)
         tl.debug_barrier()
         return xs
 
@@ -230,6 +286,19 @@ if triton is not None:
         """prefetch.global.L2 of each address in `ptrs` where `ok` (one a 128-byte line is enough)."""
         tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
                                   "=r,l,r", [ptrs, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def _row_load(ptrs, ASM: tl.constexpr):
+        """fp32 values at `ptrs` (one a row of a weight tile), loaded in the layout `ptrs` has. A tl.load would be
+        laid out for coalescing and converted to the tile's row layout through shared memory, two CTA barriers
+        a conversion, every step; this asm load is elementwise, so it takes its operand's layout. The threads
+        that share a row read one address: one transaction. Without ASM (the interpreter): tl.load."""
+        if ASM:
+            r = tl.inline_asm_elementwise("ld.global.nc.f32 $0, [$1];", "=f,l", [ptrs], dtype=tl.float32, is_pure=True,
+                                          pack=1)
+        else:
+            r = tl.load(ptrs)
+        return r
 
     @triton.jit
     def _dependent_start(w_ptr, n, n_ok, k_start, k_end, K, FMT: tl.constexpr, BITS: tl.constexpr,
@@ -287,7 +356,8 @@ if triton is not None:
         step's partial products and scale · (16 + zero) · Σ x is subtracted per output. SWIGLU (16-bit, fp32 or
         e4m3 weights decoded by conversion, not BITS): x is the gate | up projection's SWIGLU split-K partials
         [SWIGLU, P, 2K] fp32 and pair p's row is their silu(gate)·up rounded to ACT_DTYPE, computed as it loads
-        (_swiglu_x). HALF2 (int4 with BITS, launch option LOWP 3, linear mode): the program first writes its K
+        (_swiglu_x). HALF2 (int4 with BITS, launch option LOWP 3, linear mode; 2: LOWP 4, the pairs into mma.sync,
+        _int4_mma, even and odd rows as the mma's two row sets): the program first writes its K
         columns of x as scaled fp16 pairs to xp (_half2_prologue), then each word of 8 codes takes 16
         instructions of fp16 pair arithmetic (_int4_half2) and one FFMA by its row's group scale. TILES (HALF2
         only, launch option): a program computes TILES tiles of BLOCK_N rows one after another, so that one
@@ -310,12 +380,40 @@ if triton is not None:
         for t in tl.static_range(TILES):  # TILES tiles of BLOCK_N rows, one after another (HALF2: one prologue)
             n = (tl.program_id(0) * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = n < N
-            acc = tl.zeros((BLOCK_N, ACC_K), tl.float32)
+            row = K // 128 * 16  # words a weight row holds (K // 8), as a multiple of 16: 16-byte loads
+            if HALF2 == 2:  # even and odd rows (past N: row N − 1, stored nowhere)
+                na = tl.minimum((tl.program_id(0) * TILES + t) * BLOCK_N + 2 * tl.arange(0, BLOCK_N // 2), N - 1)
+                nb = tl.minimum(na + 1, N - 1)
+                acc = tl.zeros((BLOCK_N // 2, ACC_K), tl.float32)
+            else:
+                acc = tl.zeros((BLOCK_N, ACC_K), tl.float32)
             acc_odd = tl.zeros((BLOCK_N, ACC_K), tl.float32)  # int4's odd columns
             offset = tl.zeros((BLOCK_N,), tl.float32)  # int4 with BITS: Σ over groups of scale · (16 + zero) · Σ x
             for k0 in tl.range(split * k_per_split, k_end, BLOCK_K, num_stages=STAGES):
-                if HALF2:  # no row masks (rows past N repeat row N − 1, stored nowhere; words past the split are
-                    # masked by column alone): no per-row predicates
+                if HALF2 == 2:  # the tensor cores (_int4_mma): even rows as the mma's rows a, odd rows as b
+                    for sub in tl.static_range(BLOCK_K // 128):
+                        g = k0 // 128 + sub
+                        g_ok = g < k_end // 128
+                        wd = g * 16 + tl.arange(0, 16)
+                        ua = tl.load(w_ptr + na[:, None] * row + wd[None, :], mask=g_ok, other=0)
+                        ub = tl.load(w_ptr + nb[:, None] * row + wd[None, :], mask=g_ok, other=0)
+                        g = tl.minimum(g, k_end // 128 - 1)
+                        sa = _row_load(s_ptr + na * s_stride + g * g_stride, ASM)
+                        sb = _row_load(s_ptr + nb * s_stride + g * g_stride, ASM)
+                        za = _row_load(z_ptr + na * s_stride + g * g_stride, ASM).to(tl.int32)
+                        zb = _row_load(z_ptr + nb * s_stride + g * g_stride, ASM).to(tl.int32)
+                        x0 = tl.load(xp_ptr + wd, mask=g_ok, other=0)
+                        x1 = tl.load(xp_ptr + row + wd, mask=g_ok, other=0)
+                        x2 = tl.load(xp_ptr + 2 * row + wd, mask=g_ok, other=0)
+                        x3 = tl.load(xp_ptr + 3 * row + wd, mask=g_ok, other=0)
+                        acc += _int4_mma(ua, ub, x0[None, :], x1[None, :], x2[None, :], x3[None, :],
+                                         (za * 0x10001 + 0x64006400)[:, None], (za * 0x100010 - 0x2BFF2C00)[:, None],
+                                         (zb * 0x10001 + 0x64006400)[:, None], (zb * 0x100010 - 0x2BFF2C00)[:, None],
+                                         sa[:, None], sb[:, None], ASM)
+                elif HALF2:  # no row masks (rows past N repeat row N − 1, stored nowhere; words past the split are
+                    # masked by column alone): no per-row predicates. (The row-major scale loads convert to the tile's
+                    # row layout through shared memory: loading them as _int4_mma does, with 16-byte weight loads,
+                    # measured 6-17% slower on the 27B's shapes, 2026-12-02)
                     n_in = tl.minimum(n, N - 1)
                     for sub in tl.static_range(BLOCK_K // 128):  # KSTEP groups of 128 columns, each with its scale
                         wd = (k0 + 128 * sub) // 8 + tl.arange(0, 16)
@@ -323,8 +421,8 @@ if triton is not None:
                         u = tl.load(w_ptr + n_in[:, None] * (K // 8) + wd[None, :], mask=wd_ok[None, :], other=0)
                         g = tl.minimum(k0 // 128 + sub, k_end // 128 - 1)  # (a step past the split: any group's)
                         scale = tl.load(s_ptr + n_in * s_stride + g * g_stride)
-                        # the zero, an integer in 0 … 63 (QuantLinear checks; quantize_int4, GPTQ, AWQ give
-                        # 0 … 16), as the fp16 pairs 1024 + zero and −(64 + zero) by integer arithmetic (their bits)
+                        # the zero, an integer in 0 … 16 (QuantLinear checks), as the fp16 pairs 1024 + zero and
+                        # −(64 + zero) by integer arithmetic (their bits)
                         zi = tl.load(z_ptr + n_in * s_stride + g * g_stride).to(tl.int32)
                         zlo = zi * 0x10001 + 0x64006400
                         zhi = zi * 0x100010 - 0x2BFF2C00  # (0xD400D400: −64, −64)
@@ -397,7 +495,13 @@ if triton is not None:
                         w = w * tl.load(s_ptr + (n // BLOCK_K) * s_stride + (k0 // BLOCK_K) * g_stride, mask=n_ok,
                                         other=0.0)[:, None]
                     acc += w * x[None, :]
-            y = tl.sum(acc, axis=1)
+            if HALF2 == 2:  # rows a (even) at columns 4c, b (odd) at 4c + 1, four copies each
+                quarter = tl.arange(0, ACC_K)[None, :] % 4
+                ya = tl.sum(tl.where(quarter == 0, acc, 0.0), axis=1)
+                yb = tl.sum(tl.where(quarter == 1, acc, 0.0), axis=1)
+                y = tl.reshape(tl.join(ya, yb), (BLOCK_N,)) * 0.25
+            else:
+                y = tl.sum(acc, axis=1)
             if FMT == 2 and not BITS:
                 y += tl.sum(acc_odd, axis=1)
             if HALF2:
@@ -658,7 +762,8 @@ def gemv_config(fmt: int, N: int, K: int, rows: int, columns: int = 1) -> tuple[
     weight by bit moves instead of conversion instructions (see _fp8_bits); KSTEP (default 1) widens each step
     to KSTEP × 128 columns (FP8_ROW and BF16 without BITS; int4 with BITS, at one row or with LOWP 1); LOWP
     (default 0) has the M > 1 kernel's dot take 16-bit operands (1: lowp_exact; int4 with BITS at any M), e4m3 ones (2: fp8_dot_ok; at M = 1 too, in the dot kernel) or fp16
-    ones (3: fp16_dot_ok; fp8 weights, x scaled by a power of 2); SWAP
+    ones (3: fp16_dot_ok; fp8 weights, x scaled by a power of 2; int4 at one row: fp16 pair arithmetic; 4: int4 at one
+    row, its pairs into mma.sync); SWAP
     (default 0) has it take the weight as its first operand (without BITS); the sweep tries them all."""
     tuned = (tuned_config(gpu_table(), fmt, N, K, rows) if columns == 1
              else gpu_table().get(expert_key(fmt, N, K, columns)))
@@ -758,12 +863,18 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
                              f"BITS), bf16 or e4m3 activations and the linear mode; got format {fmt}, x {x.dtype}, "
                              f"BITS {int(bits)}, fp8 activations {act_fp8}, grouped {grouped}")
         lowp = 0
-    half2 = fmt == INT4 and bits and lowp == 3  # one row by fp16 pair arithmetic (_row_kernel HALF2)
-    if half2 and (M != 1 or grouped):
+    # int4 at one row (_row_kernel HALF2): LOWP 3 fp16 pair arithmetic, LOWP 4 the pairs into mma.sync (_int4_mma)
+    half2 = {3: 1, 4: 2}.get(lowp, 0) if fmt == INT4 and bits else 0
+    if lowp == 4 and not half2 and explicit:
+        raise ValueError(f"LOWP 4 (int4 pairs into mma.sync at one row) needs int4 with BITS; got format {fmt}, BITS "
+                         f"{int(bits)}")
+    if half2 and (M != 1 or grouped or (half2 == 2 and bn < 16 * warps)):
         if explicit:
-            raise ValueError(f"LOWP 3 with int4 and BITS (fp16 pair arithmetic) takes one row in linear mode; got {M} "
-                             f"rows, grouped {grouped}: use LOWP 1 for int4 pairs at more rows")
-        half2, lowp = False, 0
+            raise ValueError(f"LOWP {lowp} with int4 and BITS (fp16 pairs) takes one row in linear mode (LOWP 4: "
+                             f"BLOCK_N ≥ 16 a warp); got {M} rows, grouped {grouped}, BLOCK_N {bn}, {warps} warps: use "
+                             "LOWP 1 for int4 pairs at more rows")
+        half2, lowp = 0, 0
+    lowp = 0 if lowp == 4 else lowp
     if tiles != 1 and not half2:
         if explicit:
             raise ValueError(f"TILES {tiles} (several row tiles a program) takes int4's fp16 pair arithmetic at one row "
@@ -812,13 +923,15 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
     if M == 1 and lowp != 2 and not pair_dot:
         xp = torch.empty(K // 2, dtype=torch.int32, device=x.device) if half2 else y  # HALF2's x pairs [4, K / 8]
         acc_k = STEP // (8 if fmt == INT4 else 4) if bits else STEP // 2 if fmt == INT4 else block_k
-        _row_kernel[(triton.cdiv(triton.cdiv(N, bn), tiles), rows, split)](
+        kernel = _row_kernel[(triton.cdiv(triton.cdiv(N, bn), tiles), rows, split)](
             x, w, scale, zero, y, tok, exp, N, K, s_stride, g_stride, w_estride, s_estride,
             k_per_split, ONE_BITS, cnt, xp, FMT=fmt, ACT_FP8=act_fp8, GROUPED=grouped, FP8_LIMIT=FP8_MAX, BLOCK_N=bn,
             BLOCK_K=block_k, ACC_K=acc_k, STAGES=stages, BITS=bits, PDL=pdl, FIXUP=fix,
             SWIGLU=x.shape[0] if swiglu is not None else 0, PER_ROW=per_row,
             ACT_DTYPE=_TL_DTYPES.get(swiglu, tl.bfloat16), HALF2=half2, ASM=not triton.knobs.runtime.interpret,
             TILES=tiles, num_warps=warps, launch_pdl=pdl)
+        if half2 == 2 and not triton.knobs.runtime.interpret:
+            mma_layout_check(kernel)
     else:
         _gemv_kernel[(triton.cdiv(N, bn), 1, split)](
             x, w, scale, zero, y, M, N, K, s_stride, g_stride, k_per_split, cnt, FMT=fmt,
@@ -829,6 +942,27 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
     if fix:
         return y[:1] if partials else y[0]
     return y if partials else y[0] if split == 1 else y.sum(0)
+
+
+_MMA_LAYOUT = "sizePerThread = [1, 4], threadsPerWarp = [8, 4]"
+_MMA_CHECKED = set()
+
+
+def mma_layout_check(kernel) -> None:
+    """_int4_mma's fragments assume Triton laid the weight tile out with 4 words a thread along a row and lanes
+    4g … 4g + 3 on one row (_MMA_LAYOUT, each word load 16 bytes). Checked once per compiled kernel, in its
+    Triton GPU IR: another layout would mix rows in the mma, so it is an error, not a slow path."""
+    if id(kernel) in _MMA_CHECKED:
+        return
+    ir = kernel.asm["ttgir"]
+    tiles = [line for line in ir.splitlines()  # the tile's loads, or with STAGES > 1 its reads from shared memory
+             if ("tt.load" in line and "x16x!tt.ptr<i32>" in line) or ("ttg.local_load" in line and "x16xi32" in line)]
+    layouts = {m.group(1) for line in tiles for m in [re.search(r"x16x(?:!tt\.ptr<i32>|i32), #(blocked\d*)>", line)] if m}
+    defs = dict(re.findall(r"^#(blocked\d*) = #ttg\.blocked<\{(.*)\}>", ir, re.M))
+    if not tiles or not layouts or any(_MMA_LAYOUT not in defs.get(name, "") for name in layouts):
+        raise RuntimeError(f"int4 LOWP 4 (mma.sync) needs the weight tile laid out as {_MMA_LAYOUT}; Triton chose "
+                           f"{[defs.get(name) for name in layouts]}: use LOWP 3 for this config")
+    _MMA_CHECKED.add(id(kernel))
 
 
 _COUNTS = {}  # device -> int32 counts of split-K fixups (zero between launches: each last program resets its own)

@@ -32,9 +32,10 @@ class QuantLinear(nn.Module):
         self.scheme, self.in_features, self.out_features, self.group = scheme, in_features, out_features, group
         zero = tensors.get("zero")
         if scheme == "int4" and zero is not None and zero.numel() and not zero.is_meta and not (
-                bool((zero == zero.round()).all()) and zero.min() >= 0 and zero.max() <= 63):
-            raise ValueError(f"int4 zeros must be integers in 0…63 (quantize_int4, GPTQ and AWQ give 0…16): the one- and "
-                             f"few-row kernels decode q − zero exactly in 16 bits; got values from {zero.min().item():g} "
+                bool((zero == zero.round()).all()) and zero.min() >= 0 and zero.max() <= 16):
+            raise ValueError(f"int4 zeros must be integers in 0…16, as quantize_int4, GPTQ and AWQ give: the one- and "
+                             f"few-row kernels decode q − zero exactly in 16 bits and bound fp16 sums by |q − zero| ≤ 16; "
+                             f"got values from {zero.min().item():g} "
                              f"to {zero.max().item():g}{'' if bool((zero == zero.round()).all()) else ', not all integers'}")
         for name, t in tensors.items():
             if scheme == "int4" and name in ("scale", "zero"):  # the rows of one group side by side

@@ -25,40 +25,44 @@ FORMATS = [("fp8-weight", FP8_ROW, False), ("fp8", FP8_BLOCK, True), ("int4", IN
 # for bf16 x, for fp16 x, with SWAP under programmatic dependent launch, with steps of two groups (KSTEP 2); int4
 # by bit moves at one row in steps of two groups; int4's scale and zero row-major (stored_operands gives them
 # group-major, QuantLinear's layout) with the shipped config; int4 at one row in fp16 pair arithmetic (BITS with
-# LOWP 3), alone, in steps of two groups under programmatic dependent launch, and two row tiles a program (TILES)
+# LOWP 3), alone, in steps of two groups under programmatic dependent launch, and two row tiles a program (TILES);
+# the same three with the pairs into mma.sync (LOWP 4: exact products, fp32 sums)
 @pytest.mark.parametrize("bits", [None, 0, 1, "wide", "lowp", "swap", "swap-lowp", "e4m3", "e4m3-wide", "pdl",
                                   "pdl-fixup", "fp16", "fp16-swap", "fp16-wide", "pairs", "pairs-fp16",
                                   "pairs-swap-pdl", "pairs-wide", "bits-wide", "row-major", "half2",
-                                  "half2-wide-pdl", "half2-tiles"])
+                                  "half2-wide-pdl", "half2-tiles", "mma", "mma-wide-pdl", "mma-tiles"])
 def test_kernel_matches_fp32_reference(N, K, name, fmt, act, bits):
     if bits in ("wide", "e4m3-wide", "fp16-wide") and fmt not in (FP8_ROW, BF16):
         pytest.skip("KSTEP > 1 is for formats with no scale inside a step")
     if bits in ("e4m3", "e4m3-wide", "fp16", "fp16-swap", "fp16-wide") and fmt not in (FP8_ROW, FP8_BLOCK):
         pytest.skip("the e4m3 and fp16 dots take e4m3 weights")
-    if str(bits).startswith(("pairs", "bits-", "row-", "half2")) and fmt != INT4:
+    if str(bits).startswith(("pairs", "bits-", "row-", "half2", "mma")) and fmt != INT4:
         pytest.skip("16-bit pairs are int4's decode")
     w = torch.randn(N, K, device="cuda") * 0.02
     q, s, z = stored_operands(fmt, w.bfloat16() if fmt == BF16 and bits in ("lowp", "swap-lowp") else w)
     if bits == "row-major":
         s, z = s.contiguous(), z.contiguous()
-    for M in (1, 2, 4, 8, 16, 32, 64) if not str(bits).startswith(("bits-wide", "half2")) else (1,):  # 32, 64: verify of 2 or 4 rows x 16 positions
+    for M in (1, 2, 4, 8, 16, 32, 64) if not str(bits).startswith(("bits-wide", "half2", "mma")) else (1,):  # 32, 64: verify of 2 or 4 rows x 16 positions
         x = torch.randn(M, K, device="cuda", dtype=torch.float16 if bits == "pairs-fp16" else torch.bfloat16)
         poison_allocator((M, N), dtype=torch.float32)
         extra = {"wide": (0, 2), "lowp": (0, 1, 1), "swap": (0, 1, 0, 1), "swap-lowp": (0, 1, 1, 1), "e4m3": (0, 1, 2, 1),
                  "e4m3-wide": (0, 2, 2, 1), "fp16": (0, 1, 3), "fp16-swap": (0, 1, 3, 1),
                  "fp16-wide": (0, 2, 3), "pairs": (1, 1, 1), "pairs-fp16": (1, 1, 1),
                  "pairs-swap-pdl": (1, 1, 1, 1), "pairs-wide": (1, 2, 1, 1), "bits-wide": (1, 2), "half2": (1, 1, 3),
-                 "half2-wide-pdl": (1, 2, 3), "half2-tiles": (1, 1, 3, 0, 2)}.get(bits, (bits,))
+                 "half2-wide-pdl": (1, 2, 3), "half2-tiles": (1, 1, 3, 0, 2), "mma": (1, 1, 4),
+                 "mma-wide-pdl": (1, 2, 4), "mma-tiles": (1, 1, 4, 0, 2)}.get(bits, (bits,))
         config = None if bits in (None, "pdl", "pdl-fixup", "row-major") else (*gemv_config(fmt, N, K, M)[:4], *extra)
         if bits in ("e4m3", "e4m3-wide", "pairs-swap-pdl", "pairs-wide"):  # (M = 1 too: LOWP 2 and int4 pairs take the dot
             # kernel) 64 weight rows fill a wgmma
             config = (max(64, config[0]), *config[1:])
+        if str(bits).startswith("mma"):  # 8 rows a warp of each of the mma's two row sets
+            config = (max(16 * config[2], config[0]), *config[1:])
         y = (wq_matmul(x, fmt, q, s, z, act, N, pdl=str(bits).startswith("pdl"), fixup=bits == "pdl-fixup")
              if config is None else _launch(x, fmt, q, s, z, act, N, M, config=config, pdl=str(bits).endswith("-pdl")))
         assert not y.isnan().any(), f"{name} M={M}: unwritten outputs"
         err = rel_err(y, reference(x.float(), fmt, q, s, z, act, N))
         # (fp16 products of exact operands leave fp32 sums only; the fp8 scheme's own x rounding may tie-break apart)
-        bound = 1e-4 if str(bits).startswith(("fp16", "pairs")) and not act else 2e-3
+        bound = 1e-4 if str(bits).startswith(("fp16", "pairs", "mma")) and not act else 2e-3
         assert err < bound, f"{name} {N}x{K} M={M} config {config}: relative error {err:.2e}"
 
 
