@@ -8,7 +8,7 @@ weight-streaming kernel (ops/gemv.py) for bf16 linears at decode and verify.
 
 import torch
 
-from .ops.gemv import BF16, STEP, gemv_beats_cublas, gpu_table, swiglu_linear, wq_linear
+from .ops.gemv import BF16, STEP, TILE_ROWS, gemv_beats_cublas, gpu_table, swiglu_linear, untile_int4, wq_linear
 
 MLP_IN = ("gate_proj", "up_proj")  # a gated MLP's input projections
 
@@ -46,6 +46,8 @@ def fuse_linears(module, names) -> None:
                        first.named_buffers(recurse=False)}
             fused = type(first)(first.scheme, first.in_features, sum(lin.out_features for lin in linears), tensors,
                                 group=first.group)
+            if fused.qweight.dim() != first.qweight.dim():  # int4 parts in row order (a part's rows no multiple of 16)
+                fused._buffers["qweight"] = untile_int4(fused.qweight)
     start = 0
     for lin in linears:
         n = lin.out_features
@@ -54,7 +56,8 @@ def fuse_linears(module, names) -> None:
         else:
             for name, t in fused.named_buffers(recurse=False):
                 rows = (slice(start // STEP, -(-(start + n) // STEP)) if name == "scale_inv" and lin.scheme == "fp8"
-                        else slice(start, start + n))
+                        else slice(start // TILE_ROWS, (start + n) // TILE_ROWS) if name == "qweight" and t.dim() == 4
+                        else slice(start, start + n))  # (int4 codes tiled by 16 rows: tile_int4)
                 lin._buffers[name] = t[rows]
         start += n
     for t in (*fused.parameters(), *fused.buffers()):
@@ -73,8 +76,8 @@ def _fusable(linears) -> bool:
         return False
     whole_blocks = linears[0].scheme != "fp8" or all(lin.scale_inv.shape[0] * STEP == lin.out_features
                                                      for lin in linears[:-1])
-    return whole_blocks and len({(lin.scheme, lin.group, lin.in_features, lin.qweight.device)
-                                 for lin in linears}) == 1
+    return whole_blocks and len({(lin.scheme, lin.group, lin.in_features, lin.qweight.device, lin.qweight.dim())
+                                 for lin in linears}) == 1  # (int4 tiled or not: tile_int4)
 
 
 def _main_weight(linear):

@@ -40,3 +40,13 @@ def count(sass: str, op: str) -> int:
 def stack_bytes(kernel) -> int:
     """Bytes of stack a thread uses (spilled registers) per cuobjdump -res-usage."""
     return int(re.search(r"STACK:(\d+)", cuobjdump(kernel, "-res-usage")).group(1))
+
+
+def main_loop(sass: str) -> str:
+    """The SASS lines of the longest loop (the span of the longest backward branch): a kernel's K walk."""
+    lines = [line for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]+\*/", line)]
+    addr = [int(re.match(r"\s+/\*([0-9a-f]+)\*/", line).group(1), 16) for line in lines]
+    spans = [(a - int(m.group(1), 16), int(m.group(1), 16), a) for line, a in zip(lines, addr)
+             for m in [re.search(r"BRA (0x[0-9a-f]+)", line)] if m and int(m.group(1), 16) < a]
+    _, start, end = max(spans)
+    return "\n".join(line for line, a in zip(lines, addr) if start <= a <= end)

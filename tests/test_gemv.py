@@ -16,9 +16,9 @@ from fastqwen.ops.gemv import (BF16, FP8_BLOCK, FP8_ROW, INT4, expert_gemv, expe
                                tuned_config, wq_linear)
 
 
-def operands(fmt, N, K, seed=0):
-    """(w, scale, zero) in the stored format of a random weight [N, K]."""
-    return stored_operands(fmt, torch.randn(N, K, generator=torch.Generator().manual_seed(seed)) * 0.05)
+def operands(fmt, N, K, seed=0, tiled=True):
+    """(w, scale, zero) in the stored format of a random weight [N, K] (int4 tiled where N allows: tile_int4)."""
+    return stored_operands(fmt, torch.randn(N, K, generator=torch.Generator().manual_seed(seed)) * 0.05, tiled)
 
 
 def test_int4_packing_round_trips():
@@ -44,7 +44,7 @@ def test_registered_op_passes_opcheck_on_cpu(fmt, act):
 
 def expert_operands(fmt, E, N, K, seed=0):
     """Per-expert stored operands stacked on a leading expert dimension."""
-    parts = [operands(fmt, N, K, seed=seed + e) for e in range(E)]
+    parts = [operands(fmt, N, K, seed=seed + e, tiled=False) for e in range(E)]
     return tuple(None if p[0] is None else torch.stack(p) for p in zip(*parts))
 
 
@@ -226,6 +226,23 @@ for fmt, act, configs, ms in [(FP8_ROW, False, CONFIGS + WIDE + LOWP + SWAP + SW
             assert y.shape == (M, N) and not y.isnan().any(), (fmt, M, config)
             assert err < 1e-5, f"format {fmt}, act_fp8 {act}, M={M}, config {config}: relative error {err:.2e}"
             worst = max(worst, err)
+from fastqwen.ops.gemv import tile_int4, untile_int4
+w, s, z = operands(INT4, 208, 384, seed=5, tiled=False)  # int4 tiled by 16 rows x a group (tile_int4): the same products
+wt = tile_int4(w)
+assert wt.shape == (13, 3, 16, 64) and torch.equal(untile_int4(wt), w) and tile_int4(wt) is wt
+for M in (1, 3, 16):
+    x = torch.randn(M, 384, dtype=torch.bfloat16)
+    for config in CONFIGS + LOWP[:1] + SWAP + PAIRS + INT4_WIDE + HALF2:
+        if (config in INT4_WIDE or config in HALF2) and M > 1:
+            continue
+        x16 = x.half() if config and len(config) > 6 and config[6] == 1 else x
+        assert torch.equal(_launch(x16, INT4, wt, s, z, False, 208, M, config=config),
+                           _launch(x16, INT4, w, s, z, False, 208, M, config=config)), (M, config)
+try:  # tiled codes of another shape
+    _launch(x[:1], INT4, wt, s, z, False, 192, 1)
+    raise AssertionError("a tiled weight of 208 rows took N = 192")
+except ValueError as e:
+    assert "tiled int4" in str(e)
 w, s, z = operands(INT4, 200, 384, seed=7)
 for scale in (1e-6, 3e4):  # HALF2 scales x by a power of 2 into fp16's range: tiny and large rows stay exact
     x = torch.randn(1, 384, dtype=torch.bfloat16) * scale
@@ -409,7 +426,7 @@ def test_grouped_configs_are_measured_per_pair_bucket(monkeypatch):
 _SM90 = """
 import re
 import triton.language as tl
-from sm90 import compile_sm90, count, cuobjdump, stack_bytes
+from sm90 import compile_sm90, count, cuobjdump, main_loop, stack_bytes
 from fastqwen.ops import gemv
 
 ALIGNED = ("x_ptr", "w_ptr", "s_ptr", "z_ptr", "y_ptr", "N", "K", "k_per_split")
@@ -510,12 +527,26 @@ assert prologue(two.asm["ptx"]) == prologue(kernel.asm["ptx"]), "a prologue a ti
 # the pairs into mma.sync (LOWP 4): a 16-byte load a thread and row (the fragment layout, checked as _launch checks
 # it), one HMMA per 16 codes of the two rows a call takes (128 rows x 16 words / 128 threads: 16 words, 8 a row
 # set: 16 HMMA a step), no fp16 accumulation, no register moves to pair x for the B operand, no spill
-mma = row_kernel(gemv.INT4, True, 128, half2=2, stages=1)
+mma = row_kernel(gemv.INT4, True, 128, pdl=True, half2=2, stages=1)  # (Hopper's launch: "auto" is PDL)
 gemv.mma_layout_check(mma)
 code = cuobjdump(mma, "-sass")
-assert count(code, "HMMA") == 16 and stack_bytes(mma) == 0, count(code, "HMMA")
+assert count(main_loop(code), "HMMA") == 16 and stack_bytes(mma) == 0, count(main_loop(code), "HMMA")
 assert count(code, "HFMA2") + count(code, "HADD2") <= 4 * 16 + 8, "pair arithmetic beyond the decode"
 assert count(code, "IMAD.MOV") < 2 * 16, count(code, "IMAD.MOV")  # (x's pairs by pair index took two a HMMA)
+# int4 codes tiled by 16 rows x a group (tile_int4): both one-row pair kernels read 16 bytes a load (128 rows x 16
+# words / 128 threads / 4 words a load: 4 loads a step, and 4 for x's pairs)
+for half2 in (1, 2):
+    sig = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*fp32", z_ptr="*fp32", y_ptr="*fp32", tok_ptr="*i32", exp_ptr="*i32",
+               N="i32", K="i32", s_stride="i32", g_stride="i32", w_estride="i32", s_estride="i32", k_per_split="i32",
+               ONE="i32", cnt_ptr="*i32", xp_ptr="*i32")
+    consts = dict(FMT=gemv.INT4, ACT_FP8=False, GROUPED=False, FP8_LIMIT=448.0, BLOCK_N=128, BLOCK_K=128, ACC_K=16,
+                  STAGES=1, BITS=True, PDL=True, FIXUP=0, SWIGLU=0, PER_ROW=0, ACT_DTYPE=tl.bfloat16, HALF2=half2, ASM=1,
+                  TILES=1, TILED=1)
+    tiled = compile_sm90(gemv._row_kernel, sig, consts, ALIGNED + ("xp_ptr",), num_stages=1)
+    loop = main_loop(cuobjdump(tiled, "-sass"))
+    assert count(loop, "LDG.E.128") == 8 and count(loop, "BAR") == 0, (half2, count(loop, "LDG.E.128"))
+    if half2 == 2:
+        gemv.mma_layout_check(tiled)
 
 # programmatic dependent launch: every global read of the previous kernel's output comes after griddepcontrol.wait,
 # the weight's L2 prefetches before it; each format's weight layout, both kernels

@@ -288,6 +288,17 @@ if triton is not None:
                                   "=r,l,r", [ptrs, ok.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
+    def _int4_at(n, i, K, UNIT: tl.constexpr, TILED: tl.constexpr):
+        """Offset of unit i (UNIT 16: int32 words of 8 codes; 64: bytes of 2) of int4 weight row n, row-major
+        ([N, K/8] words) or TILED: 16 rows × one group of 128 columns contiguous (1 KB), tiles in row-tile-major,
+        then group order (tile_int4). Broadcasts n against i."""
+        if TILED:
+            r = ((n // 16) * (K // 128) + i // UNIT) * (16 * UNIT) + (n % 16) * UNIT + i % UNIT
+        else:
+            r = n * (K // 128 * UNIT) + i
+        return r
+
+    @triton.jit
     def _row_load(ptrs, ASM: tl.constexpr):
         """fp32 values at `ptrs` (one a row of a weight tile), loaded in the layout `ptrs` has. A tl.load would be
         laid out for coalescing and converted to the tile's row layout through shared memory, two CTA barriers
@@ -302,7 +313,7 @@ if triton is not None:
 
     @triton.jit
     def _dependent_start(w_ptr, n, n_ok, k_start, k_end, K, FMT: tl.constexpr, BITS: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+                         BLOCK_K: tl.constexpr, TILED: tl.constexpr = 0):
         """Programmatic dependent launch (launch_pdl): while the previous kernel in the stream finishes, pull
         this program's first two steps of weight rows into L2 (the weight is no kernel's output), then wait
         for that kernel (x is its output) and let the next one launch. Columns [k_start, k_end) of K."""
@@ -319,8 +330,14 @@ if triton is not None:
         else:  # e4m3
             row, first, last, line = K, k_start, k_end, 128
             lines: tl.constexpr = 2 * BLOCK_K // 128
-        col = first + tl.arange(0, lines) * line
-        _prefetch_l2(w_ptr + n[:, None].to(tl.int64) * row + col[None, :], n_ok[:, None] & (col < last)[None, :])
+        if TILED:  # int4 in 16-row tiles of a group: each row's 64 bytes of the first two steps' groups
+            unit: tl.constexpr = 16 if BITS else 64
+            grp = k_start // 128 + tl.arange(0, 2 * BLOCK_K // 128)
+            _prefetch_l2(w_ptr + _int4_at(n[:, None], grp[None, :] * unit, K, unit, TILED),
+                         n_ok[:, None] & (grp * 128 < k_end)[None, :])
+        else:
+            col = first + tl.arange(0, lines) * line
+            _prefetch_l2(w_ptr + n[:, None].to(tl.int64) * row + col[None, :], n_ok[:, None] & (col < last)[None, :])
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -346,7 +363,7 @@ if triton is not None:
                     ACC_K: tl.constexpr, STAGES: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr,
                     FIXUP: tl.constexpr = 0, SWIGLU: tl.constexpr = 0, PER_ROW: tl.constexpr = 0,
                     ACT_DTYPE: tl.constexpr = tl.bfloat16, HALF2: tl.constexpr = 0, ASM: tl.constexpr = 1,
-                    TILES: tl.constexpr = 1):
+                    TILES: tl.constexpr = 1, TILED: tl.constexpr = 0):
         """One row of x (decode at batch 1, or one (token, expert) pair): products accumulate elementwise in
         registers and are summed over K once, at the end (no per-step reduction, no tensor-core layout).
         BITS: the weight is read as int32 words and decoded by bit moves (_fp8_bits, _int4_unit) instead of
@@ -374,7 +391,7 @@ if triton is not None:
                                                                N, K, w_estride, s_estride, SWIGLU, PER_ROW)
         k_end = tl.minimum(K, (split + 1) * k_per_split)
         if PDL and not GROUPED:
-            _dependent_start(w_ptr, n, n < N, split * k_per_split, k_end, K, FMT, BITS, BLOCK_K)
+            _dependent_start(w_ptr, n, n < N, split * k_per_split, k_end, K, FMT, BITS, BLOCK_K, TILED)
         if HALF2:
             x_scale = _half2_prologue(x_ptr, xp_ptr, split * k_per_split, k_end, K)
         for t in tl.static_range(TILES):  # TILES tiles of BLOCK_N rows, one after another (HALF2: one prologue)
@@ -395,8 +412,8 @@ if triton is not None:
                         g = k0 // 128 + sub
                         g_ok = g < k_end // 128
                         wd = g * 16 + tl.arange(0, 16)
-                        ua = tl.load(w_ptr + na[:, None] * row + wd[None, :], mask=g_ok, other=0)
-                        ub = tl.load(w_ptr + nb[:, None] * row + wd[None, :], mask=g_ok, other=0)
+                        ua = tl.load(w_ptr + _int4_at(na[:, None], wd[None, :], K, 16, TILED), mask=g_ok, other=0)
+                        ub = tl.load(w_ptr + _int4_at(nb[:, None], wd[None, :], K, 16, TILED), mask=g_ok, other=0)
                         g = tl.minimum(g, k_end // 128 - 1)
                         sa = _row_load(s_ptr + na * s_stride + g * g_stride, ASM)
                         sb = _row_load(s_ptr + nb * s_stride + g * g_stride, ASM)
@@ -410,6 +427,23 @@ if triton is not None:
                                          (za * 0x10001 + 0x64006400)[:, None], (za * 0x100010 - 0x2BFF2C00)[:, None],
                                          (zb * 0x10001 + 0x64006400)[:, None], (zb * 0x100010 - 0x2BFF2C00)[:, None],
                                          sa[:, None], sb[:, None], ASM)
+                elif HALF2 and TILED:  # tiled weights: 16-byte loads, scale and zero loaded as _int4_mma loads them
+                    n_in = tl.minimum(n, N - 1)  # (no row masks: rows past N repeat row N − 1, stored nowhere)
+                    for sub in tl.static_range(BLOCK_K // 128):  # KSTEP groups of 128 columns, each with its scale
+                        g = k0 // 128 + sub
+                        g_ok = g < k_end // 128
+                        wd = g * 16 + tl.arange(0, 16)
+                        u = tl.load(w_ptr + _int4_at(n_in[:, None], wd[None, :], K, 16, TILED), mask=g_ok, other=0)
+                        g = tl.minimum(g, k_end // 128 - 1)  # (a step past the split: any group's)
+                        scale = _row_load(s_ptr + n_in * s_stride + g * g_stride, ASM)
+                        zi = _row_load(z_ptr + n_in * s_stride + g * g_stride, ASM).to(tl.int32)
+                        x0 = tl.load(xp_ptr + wd, mask=g_ok, other=0)
+                        x1 = tl.load(xp_ptr + row + wd, mask=g_ok, other=0)
+                        x2 = tl.load(xp_ptr + 2 * row + wd, mask=g_ok, other=0)
+                        x3 = tl.load(xp_ptr + 3 * row + wd, mask=g_ok, other=0)
+                        acc += _int4_half2(u, x0[None, :], x1[None, :], x2[None, :], x3[None, :],
+                                           (zi * 0x10001 + 0x64006400)[:, None], (zi * 0x100010 - 0x2BFF2C00)[:, None],
+                                           ASM) * scale[:, None]
                 elif HALF2:  # no row masks (rows past N repeat row N − 1, stored nowhere; words past the split are
                     # masked by column alone): no per-row predicates. (The row-major scale loads convert to the tile's
                     # row layout through shared memory: loading them as _int4_mma does, with 16-byte weight loads,
@@ -434,10 +468,10 @@ if triton is not None:
                                            zhi[:, None], ASM) * scale[:, None]
                 elif BITS and FMT == 2:
                     for sub in tl.static_range(BLOCK_K // 128):  # KSTEP groups of 128 columns, each with its scale
-                        wd = (k0 + 128 * sub) // 8 + tl.arange(0, 16)
+                        wd = (k0 // 128 + sub) * 16 + tl.arange(0, 16)
                         wd_ok = wd < k_end // 8
-                        u = tl.load(w_ptr + n[:, None] * (K // 8) + wd[None, :], mask=n_ok[:, None] & wd_ok[None, :],
-                                    other=0)
+                        u = tl.load(w_ptr + _int4_at(n[:, None], wd[None, :], K, 16, TILED),
+                                    mask=n_ok[:, None] & wd_ok[None, :], other=0)
                         g = k0 // 128 + sub
                         part = tl.zeros((BLOCK_N, 16), tl.float32)
                         xsum = tl.zeros((16,), tl.float32)
@@ -469,11 +503,12 @@ if triton is not None:
                                               other=0.0)[:, None]
                     acc += part
                 elif FMT == 2:  # byte j holds columns 2j (low nibble) and 2j + 1 (high)
-                    j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+                    j = k0 // 128 * 64 + tl.arange(0, BLOCK_K // 2)  # (BLOCK_K 128)
                     j_ok = j < k_end // 2
                     xe = tl.load(x_ptr + 2 * j, mask=j_ok, other=0.0).to(tl.float32)
                     xo = tl.load(x_ptr + 2 * j + 1, mask=j_ok, other=0.0).to(tl.float32)
-                    b = tl.load(w_ptr + n[:, None] * (K // 2) + j[None, :], mask=n_ok[:, None] & j_ok[None, :], other=0)
+                    b = tl.load(w_ptr + _int4_at(n[:, None], j[None, :], K, 64, TILED), mask=n_ok[:, None] & j_ok[None, :],
+                                other=0)
                     g = k0 // BLOCK_K
                     scale = tl.load(s_ptr + n * s_stride + g * g_stride, mask=n_ok, other=0.0)[:, None]
                     zero = tl.load(z_ptr + n * s_stride + g * g_stride, mask=n_ok, other=0.0)[:, None]
@@ -556,7 +591,8 @@ if triton is not None:
                      FMT: tl.constexpr,
                      ACT_FP8: tl.constexpr, FP8_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, STAGES: tl.constexpr, BITS: tl.constexpr, LOWP: tl.constexpr,
-                     SWAP: tl.constexpr, PDL: tl.constexpr, FIXUP: tl.constexpr = 0, ASM: tl.constexpr = 1):
+                     SWAP: tl.constexpr, PDL: tl.constexpr, FIXUP: tl.constexpr = 0, ASM: tl.constexpr = 1,
+                     TILED: tl.constexpr = 0):
         """2 … 64 rows of x: a tensor-core dot (fp32 operands, tf32) per 128-column step (BITS: as in
         _row_kernel, one dot per word position; int4's dots take q − zero, exact in tf32, and scale after).
         LOWP 1 (fp8, int4 and bf16 weights without BITS, x bf16 or fp16): the dot takes x's own 16-bit dtype
@@ -591,7 +627,7 @@ if triton is not None:
             acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         k_end = tl.minimum(K, (split + 1) * k_per_split)
         if PDL:
-            _dependent_start(w_ptr, n, n_ok, split * k_per_split, k_end, K, FMT, BITS, BLOCK_K)
+            _dependent_start(w_ptr, n, n_ok, split * k_per_split, k_end, K, FMT, BITS, BLOCK_K, TILED)
         for k0 in tl.range(split * k_per_split, k_end, BLOCK_K, num_stages=STAGES):
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = k < k_end
@@ -610,8 +646,8 @@ if triton is not None:
                     g = k0 // 128 + sub
                     wd = 16 * g + tl.arange(0, 16)
                     wd_ok = wd < k_end // 8
-                    u = tl.load(w_ptr + n[:, None] * (K // 8) + wd[None, :], mask=n_ok[:, None] & wd_ok[None, :],
-                                other=0)
+                    u = tl.load(w_ptr + _int4_at(n[:, None], wd[None, :], K, 16, TILED),
+                                mask=n_ok[:, None] & wd_ok[None, :], other=0)
                     u2 = tl.join(u, u).reshape(BLOCK_N, 32)
                     g_ok = n_ok & (g < k_end // 128)
                     zb = ((tl.load(z_ptr + n * s_stride + g * g_stride, mask=g_ok, other=0.0)
@@ -627,9 +663,10 @@ if triton is not None:
                         part += _dot(xs_, _int4_pairs(u2, zz, sh, dt, ASM), SWAP)
                     acc += part * _along_n(tl.load(s_ptr + n * s_stride + g * g_stride, mask=g_ok, other=0.0), SWAP)
             elif BITS and FMT == 2:
-                wd = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+                wd = k0 // 128 * 16 + tl.arange(0, BLOCK_K // 8)  # (BLOCK_K 128)
                 wd_ok = wd < k_end // 8
-                u = tl.load(w_ptr + n[:, None] * (K // 8) + wd[None, :], mask=n_ok[:, None] & wd_ok[None, :], other=0)
+                u = tl.load(w_ptr + _int4_at(n[:, None], wd[None, :], K, 16, TILED), mask=n_ok[:, None] & wd_ok[None, :],
+                            other=0)
                 g = k0 // BLOCK_K
                 off = tl.load(z_ptr + n * s_stride + g * g_stride, mask=n_ok, other=0.0)[:, None] + 8388608.0
                 part = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -655,8 +692,8 @@ if triton is not None:
                                           other=0.0)[None, :]
                 acc += part
             elif FMT == 2:
-                half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-                b = tl.load(w_ptr + n[:, None] * (K // 2) + half[None, :],
+                half = k0 // 128 * 64 + tl.arange(0, BLOCK_K // 2)  # (BLOCK_K 128)
+                b = tl.load(w_ptr + _int4_at(n[:, None], half[None, :], K, 64, TILED),
                             mask=n_ok[:, None] & (half < k_end // 2)[None, :], other=0)
                 q = tl.join(b & 0xF, b >> 4).reshape(BLOCK_N, BLOCK_K).to(tl.float32)
                 g = k0 // BLOCK_K
@@ -899,6 +936,11 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
     if kstep != 1 and fmt == INT4 and M > 1 and not pair_dot:
         raise ValueError(f"KSTEP {kstep} with int4 takes one row or the 16-bit pairs (BITS with LOWP 1); got {M} rows, "
                          f"LOWP {lowp}")
+    tiled = fmt == INT4 and w.dim() == 4  # tile_int4's layout
+    if tiled and (grouped or tuple(w.shape) != (N // TILE_ROWS, K // STEP, TILE_ROWS, STEP // 2) or N % TILE_ROWS
+                  or not w.is_contiguous()):
+        raise ValueError(f"a tiled int4 weight (tile_int4) takes linear mode and shape [N/16, K/128, 16, 64] for N={N}, "
+                         f"K={K}; got {tuple(w.shape)}, grouped {grouped}, contiguous {w.is_contiguous()}")
     if bits:
         w = w.view(torch.int32)  # 4 fp8 codes or 8 int4 codes a word, in column order
     block_k = STEP * kstep
@@ -929,7 +971,7 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
             BLOCK_K=block_k, ACC_K=acc_k, STAGES=stages, BITS=bits, PDL=pdl, FIXUP=fix,
             SWIGLU=x.shape[0] if swiglu is not None else 0, PER_ROW=per_row,
             ACT_DTYPE=_TL_DTYPES.get(swiglu, tl.bfloat16), HALF2=half2, ASM=not triton.knobs.runtime.interpret,
-            TILES=tiles, num_warps=warps, launch_pdl=pdl)
+            TILES=tiles, TILED=tiled, num_warps=warps, launch_pdl=pdl)
         if half2 == 2 and not triton.knobs.runtime.interpret:
             mma_layout_check(kernel)
     else:
@@ -938,7 +980,7 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
             ACT_FP8=act_fp8, FP8_LIMIT=FP8_MAX, BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=bn,
             BLOCK_K=block_k, STAGES=stages,
             BITS=bits, LOWP=lowp, SWAP=bool(swap), PDL=pdl, FIXUP=fix, ASM=not triton.knobs.runtime.interpret,
-            num_warps=warps, launch_pdl=pdl)
+            TILED=tiled, num_warps=warps, launch_pdl=pdl)
     if fix:
         return y[:1] if partials else y[0]
     return y if partials else y[0] if split == 1 else y.sum(0)
@@ -997,9 +1039,10 @@ def group_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
-def stored_operands(fmt: int, w: torch.Tensor):
+def stored_operands(fmt: int, w: torch.Tensor, tiled: bool = True):
     """(w, scale, zero) of weight w [N, K] in format `fmt`'s stored layout, as the kernel takes them (int4's
-    scale and zero group-major, as QuantLinear keeps them)."""
+    scale and zero group-major and, with `tiled`, its codes in 16-row tiles where N allows: tile_int4, as
+    QuantLinear keeps them; an expert's codes stay in row order, tiled False)."""
     if fmt == FP8_ROW:
         return (*quantize_fp8_rows(w), None)
     if fmt == FP8_BLOCK:
@@ -1007,7 +1050,29 @@ def stored_operands(fmt: int, w: torch.Tensor):
     if fmt == BF16:
         return w, None, None
     q, s, z = quantize_int4(w, STEP)
-    return pack_int4(q), group_major(s), group_major(z)
+    return tile_int4(pack_int4(q)) if tiled else pack_int4(q), group_major(s), group_major(z)
+
+
+TILE_ROWS = 16  # int4 weights are stored in tiles of 16 rows × one group (128 columns): 1 KB contiguous
+
+
+def tile_int4(q: torch.Tensor) -> torch.Tensor:
+    """Packed int4 codes [N, K/2] uint8 in the layout the kernels stream fastest: [N/16, K/128, 16, 64], each 16
+    rows × 128 columns one contiguous KB (a one-row step of a program then reads whole KBs: 10-18% faster on
+    the 27B's layers than 64-byte pieces of rows 2.5 KB apart, the int4 lm_head 262 → 215 µs, H200 2026-12-02).
+    Returned unchanged where N is no multiple of 16 or K of 128, or already tiled."""
+    if q.dim() != 2 or q.shape[0] % TILE_ROWS or q.shape[1] % (STEP // 2):
+        return q
+    N, half = q.shape
+    return q.reshape(N // TILE_ROWS, TILE_ROWS, half // (STEP // 2), STEP // 2).transpose(1, 2).contiguous()
+
+
+def untile_int4(q: torch.Tensor) -> torch.Tensor:
+    """tile_int4's inverse: packed codes [N, K/2] in row order (q not tiled, not 4-D, is returned as it is)."""
+    if q.dim() != 4:
+        return q
+    tiles, groups, rows, half = q.shape
+    return q.transpose(1, 2).reshape(tiles * rows, groups * half)
 
 
 def dequantized(fmt: int, w, scale, zero) -> torch.Tensor:
@@ -1018,7 +1083,7 @@ def dequantized(fmt: int, w, scale, zero) -> torch.Tensor:
         return dequantize_fp8_block(w, scale, (STEP, STEP))
     if fmt == BF16:
         return w.float()
-    q = unpack_int4(w)
+    q = unpack_int4(untile_int4(w))
     N, K = q.shape
     return ((q.float().view(N, -1, STEP) - zero[..., None]) * scale[..., None]).view(N, K)
 

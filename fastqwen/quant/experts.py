@@ -14,7 +14,7 @@ experts, so that `routed` runs it in the same two launches as the routed ones.
 import torch
 from torch import nn
 
-from ..ops.gemv import FORMATS, INT4, STEP, expert_gemv, expert_swiglu_gemv
+from ..ops.gemv import FORMATS, INT4, STEP, expert_gemv, expert_swiglu_gemv, untile_int4
 from .formats import dequantize_weight, fake_quantize_fp8_activations, quantize_weight
 
 _MATRICES = ("gate_up", "down")
@@ -79,13 +79,15 @@ class QuantExperts(nn.Module):
             for m, parts in (("gate_up", (shared.gate_proj, shared.up_proj)), ("down", (shared.down_proj,))):
                 self.stacks[m] = {}
                 for key in self.keys:
-                    whole = torch.cat([getattr(self, f"{m}_{key}"), torch.cat([getattr(p, key) for p in parts])[None]])
+                    rows_of = untile_int4 if key == "qweight" else (lambda t: t)  # (QuantLinear tiles int4 codes)
+                    whole = torch.cat([getattr(self, f"{m}_{key}"),
+                                       torch.cat([rows_of(getattr(p, key)) for p in parts])[None]])
                     torch._dynamo.mark_static_address(whole)
                     self.stacks[m][key] = whole
                     setattr(self, f"{m}_{key}", whole[:E])
                     start = 0
                     for p in parts:
-                        rows = getattr(p, key).shape[0]
+                        rows = rows_of(getattr(p, key)).shape[0]
                         setattr(p, key, whole[E, start:start + rows])
                         start += rows
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..model import text_model
-from ..ops.gemv import FORMATS, MAX_ROWS, STEP, group_major, wq_linear
+from ..ops.gemv import FORMATS, MAX_ROWS, STEP, group_major, tile_int4, untile_int4, wq_linear
 from .experts import QuantExperts
 from .formats import dequantize_weight, fake_quantize_fp8_activations, quantize_weight
 
@@ -24,8 +24,9 @@ _MIN_OUT_FEATURES = 16  # tiny projections (shared-expert gate: 1 row) stay in t
 
 
 class QuantLinear(nn.Module):
-    """y = x·Wᵀ (+ b) with W held in `scheme`'s format (see formats.py; int4 codes packed by `pack_int4`,
-    an act-order permutation in the `perm` buffer); buffers keep the state dict."""
+    """y = x·Wᵀ (+ b) with W held in `scheme`'s format (see formats.py; int4 codes packed by `pack_int4` and, where
+    out_features is a multiple of 16, tiled by 16 rows × a group (ops/gemv.py tile_int4: the kernels stream
+    whole KBs), an act-order permutation in the `perm` buffer); buffers keep the state dict."""
 
     def __init__(self, scheme: str, in_features: int, out_features: int, tensors: dict, bias=None, group: int = 128):
         super().__init__()
@@ -40,6 +41,8 @@ class QuantLinear(nn.Module):
         for name, t in tensors.items():
             if scheme == "int4" and name in ("scale", "zero"):  # the rows of one group side by side
                 t = group_major(t)
+            if scheme == "int4" and name == "qweight" and not t.is_meta:  # 16 rows x a group contiguous (N % 16 == 0)
+                t = tile_int4(t)
             self.register_buffer(name, t)
         self.bias = bias
 
@@ -51,7 +54,10 @@ class QuantLinear(nn.Module):
     def dequantized(self) -> torch.Tensor:
         """The weight [N, K] this layer multiplies by, in fp32."""
         names = ("qweight", "scale_inv", "scale", "zero", "perm")
-        return dequantize_weight(self.scheme, {n: getattr(self, n) for n in names if hasattr(self, n)}, self.group)
+        tensors = {n: getattr(self, n) for n in names if hasattr(self, n)}
+        if self.scheme == "int4":
+            tensors["qweight"] = untile_int4(tensors["qweight"])
+        return dequantize_weight(self.scheme, tensors, self.group)
 
     def forward(self, x: torch.Tensor, pdl: bool = False, fixup: bool = False) -> torch.Tensor:
         """x [..., in_features] → [..., out_features]; pdl: the kernel with programmatic dependent launch;

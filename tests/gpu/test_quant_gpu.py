@@ -6,7 +6,7 @@ import torch
 from conftest import moe_block_35b, poison_allocator, rel_err
 
 from fastqwen.ops.gemv import (BF16, FP8_BLOCK, FP8_ROW, INT4, _launch, expert_gemv, expert_reference, gemv_config,
-                               reference, stored_operands, wq_matmul)
+                               reference, stored_operands, untile_int4, wq_matmul)
 from fastqwen.quant.formats import fake_quantize_fp8_activations
 from fastqwen.quant.linear import QuantLinear
 
@@ -40,8 +40,8 @@ def test_kernel_matches_fp32_reference(N, K, name, fmt, act, bits):
         pytest.skip("16-bit pairs are int4's decode")
     w = torch.randn(N, K, device="cuda") * 0.02
     q, s, z = stored_operands(fmt, w.bfloat16() if fmt == BF16 and bits in ("lowp", "swap-lowp") else w)
-    if bits == "row-major":
-        s, z = s.contiguous(), z.contiguous()
+    if bits == "row-major":  # (and the codes in row order: a shape whose rows are no multiple of 16)
+        q, s, z = (untile_int4(q) if fmt == INT4 else q), s.contiguous(), z.contiguous()
     for M in (1, 2, 4, 8, 16, 32, 64) if not str(bits).startswith(("bits-wide", "half2", "mma")) else (1,):  # 32, 64: verify of 2 or 4 rows x 16 positions
         x = torch.randn(M, K, device="cuda", dtype=torch.float16 if bits == "pairs-fp16" else torch.bfloat16)
         poison_allocator((M, N), dtype=torch.float32)
@@ -125,7 +125,7 @@ def test_grouped_expert_kernel_matches_reference_at_35b_shapes(fmt):
     """Routed experts of 35B-A3B: 256 experts, gate_up [2·512, 2048] and down [2048, 512]; 1 and 4 tokens × top-8."""
     torch.manual_seed(0)
     for N, K in ((1024, 2048), (2048, 512)):
-        parts = [stored_operands(fmt, torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02)
+        parts = [stored_operands(fmt, torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02, tiled=False)
                  for _ in range(16)]  # 16 distinct experts, tiled to 256 (memory)
         w, s, z = (None if p[0] is None else torch.stack(p).repeat(16, *[1] * p[0].dim()) for p in zip(*parts))
         for T in (1, 4):
