@@ -123,7 +123,8 @@ def expert_candidates(N: int, K: int, E: int = 256 if SMALL == 1 else 16, top: i
 SWEPT = {"fp8-weight": "FP8_ROW", "int4": "INT4", "bf16": "BF16"}  # formats the sweep tunes (name: gemv constant)
 
 
-def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT), lowps=None, ksteps=None) -> list[dict]:
+def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT), lowps=None, ksteps=None,
+          row_order=False) -> list[dict]:
     """Time the weight-streaming kernel over its launch configs (BLOCK_N, SPLIT_K, num_warps, num_stages, BITS:
     conversion instructions or bit moves to decode the weight, KSTEP: 128-column blocks a loop step, LOWP: 1 for
     16-bit dot operands at M > 1 (int4 with BITS: at any M, its codes decoded in pairs), 2 for e4m3 ones (fp8
@@ -180,7 +181,7 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT), lowp
             w = torch.randn(N // SMALL, K // SMALL, device=DEV, dtype=torch.bfloat16) * 0.02
             N, K = w.shape
             for name, fmt in ((f, getattr(gemv, SWEPT[f])) for f in formats):
-                q, sc, z = gemv.stored_operands(fmt, w)
+                q, sc, z = gemv.stored_operands(fmt, w, tiled=not row_order)  # (int4: tile_int4 unless row_order)
                 nbytes = sum(t.numel() * t.element_size() for t in (q, sc, z) if t is not None)
                 # copies of the weight, cycled through so that every call streams its weight from memory, as in a
                 # step (one weight, called 20 times, partly sits in L2: a 5120x6144 fp8 weight is 31 MB)
@@ -331,6 +332,9 @@ def main():
                    "the config in use), e.g. 3 for the fp16 dot")
     p.add_argument("--kstep", type=int, nargs="+", help="with --sweep: only configs with these KSTEP values (and the "
                    "config in use), e.g. 2 4 for the wide steps")
+    p.add_argument("--int4-row-order", action="store_true", help="with --sweep: int4 codes in row order (as experts and "
+                   "layers of rows no multiple of 16 keep them) instead of QuantLinear's 16-row tiles (tile_int4); "
+                   "writes no table")
     p.add_argument("--write-table", type=pathlib.Path, help="with --sweep: merge the best configs into this file "
                    "(fastqwen/ops/gemv_configs.json is the one the library reads)")
     p.add_argument("--merge-tables", nargs="+", type=pathlib.Path, metavar="TABLE",
@@ -346,7 +350,8 @@ def main():
            "rows": []}
     print(f"{res['hardware']}, copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     if args.sweep:
-        res["sweep"] = sweep(args.shapes, args.m, bw, args.write_table, args.formats, args.lowp, args.kstep)
+        table = None if args.int4_row_order else args.write_table  # (the table's configs are the tiled codes')
+        res["sweep"] = sweep(args.shapes, args.m, bw, table, args.formats, args.lowp, args.kstep, args.int4_row_order)
         if args.sweep_experts is not None:
             res["sweep_experts"] = sweep_experts(bw, args.write_table, args.formats, tuple(args.sweep_experts) or (1,))
         if args.json:
