@@ -113,7 +113,7 @@ def expert_candidates(N: int, K: int, E: int = 256 if SMALL == 1 else 16, top: i
     out = {"gather+einsum bf16": (lambda x: torch.einsum("mk,mtnk->mtn", x, w[exp[: x.shape[0] * top].view(-1, top)]),
                                   top * N * K * 2)}
     for name, fmt, nbytes in (("bf16", BF16, 2), ("fp8-weight", FP8_ROW, 1), ("int4", INT4, 0.5)):
-        parts = [stored_operands(fmt, w[e], tiled=False) for e in range(E)]
+        parts = [stored_operands(fmt, w[e]) for e in range(E)]
         ws, ss, zs = (None if p[0] is None else torch.stack(p) for p in zip(*parts))
         run = lambda x, ws=ws, ss=ss, zs=zs, fmt=fmt: expert_gemv(x, *pairs(x), fmt, ws, ss, zs, N).sum(0)  # noqa: E731
         out[f"expert_gemv {name}"] = (run, int(top * N * K * nbytes))
@@ -270,7 +270,7 @@ def sweep_experts(bw, table: pathlib.Path | None, formats=("bf16",), tokens=(1,)
                  for _ in range(16 * T)]
         variants = [(x, tok, torch.cat(draws[i * T:(i + 1) * T]).to(DEV, torch.int32)) for i in range(16)]
         fmt = getattr(gemv, SWEPT[name])
-        parts = [gemv.stored_operands(fmt, w[e], tiled=False) for e in range(E)]
+        parts = [gemv.stored_operands(fmt, w[e]) for e in range(E)]
         q, sc, z = (None if t[0] is None else torch.stack(t) for t in zip(*parts))
         nbytes = pairs * sum(t[0].numel() * t.element_size() for t in (q, sc, z) if t is not None)
         default = gemv.full_config(gemv.gemv_config(fmt, N, K, 1, pairs))

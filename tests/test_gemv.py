@@ -44,7 +44,7 @@ def test_registered_op_passes_opcheck_on_cpu(fmt, act):
 
 def expert_operands(fmt, E, N, K, seed=0):
     """Per-expert stored operands stacked on a leading expert dimension."""
-    parts = [operands(fmt, N, K, seed=seed + e, tiled=False) for e in range(E)]
+    parts = [operands(fmt, N, K, seed=seed + e, tiled=False) for e in range(E)]  # (row order: tile_int4 tests both)
     return tuple(None if p[0] is None else torch.stack(p) for p in zip(*parts))
 
 
@@ -266,6 +266,12 @@ for fmt in (BF16, FP8_ROW, FP8_BLOCK, INT4):  # grouped mode: routed experts
         worst = max(worst, err)
         # tok None: token-major pairs, two a token (tok's own pattern), the row computed in the kernel
         assert torch.equal(_launch(x, fmt, w, s, z, False, N, len(tok), (None, exp), config=config), y), config
+w, s, z = expert_operands(INT4, 5, 144, 256)  # int4 experts of 144 rows: tiled (tile_int4), the same products
+wt = tile_int4(w, experts=True)
+assert wt.shape == (5, 9, 2, 16, 64) and torch.equal(untile_int4(wt), w)
+for config in (None, (64, 2, 4, 2), (64, 2, 4, 2, 1), (16, 1, 4, 1, 1, 2)):
+    assert torch.equal(_launch(x, INT4, wt, s, z, False, 144, len(tok), (tok, exp), config=config),
+                       _launch(x, INT4, w, s, z, False, 144, len(tok), (tok, exp), config=config)), config
 codes = torch.arange(256).to(torch.uint8)
 codes = codes[(codes & 0x7F) != 0x7F]  # every e4m3 code but the NaNs, subnormals and ±0 included
 q = torch.zeros(len(codes), 128, dtype=torch.uint8)

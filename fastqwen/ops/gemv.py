@@ -56,6 +56,7 @@ import torch
 
 from ..quant.formats import (
     FP8_MAX,
+    TILE_ROWS,
     dequantize_fp8_block,
     dequantize_fp8_rows,
     fake_quantize_fp8_activations,
@@ -63,7 +64,9 @@ from ..quant.formats import (
     quantize_fp8_block,
     quantize_fp8_rows,
     quantize_int4,
+    tile_int4,
     unpack_int4,
+    untile_int4,
 )
 
 try:
@@ -936,11 +939,11 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
     if kstep != 1 and fmt == INT4 and M > 1 and not pair_dot:
         raise ValueError(f"KSTEP {kstep} with int4 takes one row or the 16-bit pairs (BITS with LOWP 1); got {M} rows, "
                          f"LOWP {lowp}")
-    tiled = fmt == INT4 and w.dim() == 4  # tile_int4's layout
-    if tiled and (grouped or tuple(w.shape) != (N // TILE_ROWS, K // STEP, TILE_ROWS, STEP // 2) or N % TILE_ROWS
-                  or not w.is_contiguous()):
-        raise ValueError(f"a tiled int4 weight (tile_int4) takes linear mode and shape [N/16, K/128, 16, 64] for N={N}, "
-                         f"K={K}; got {tuple(w.shape)}, grouped {grouped}, contiguous {w.is_contiguous()}")
+    tiled = fmt == INT4 and w.dim() == 4 + grouped  # tile_int4's layout ([E, …] in grouped mode)
+    if tiled and (tuple(w.shape[grouped:]) != (N // TILE_ROWS, K // STEP, TILE_ROWS, STEP // 2) or N % TILE_ROWS
+                  or not (w[0] if grouped else w).is_contiguous()):
+        raise ValueError(f"a tiled int4 weight (tile_int4) takes shape [N/16, K/128, 16, 64] for N={N}, K={K} "
+                         f"([E, …] in grouped mode), each one contiguous; got {tuple(w.shape)}, grouped {grouped}")
     if bits:
         w = w.view(torch.int32)  # 4 fp8 codes or 8 int4 codes a word, in column order
     block_k = STEP * kstep
@@ -1051,28 +1054,6 @@ def stored_operands(fmt: int, w: torch.Tensor, tiled: bool = True):
         return w, None, None
     q, s, z = quantize_int4(w, STEP)
     return tile_int4(pack_int4(q)) if tiled else pack_int4(q), group_major(s), group_major(z)
-
-
-TILE_ROWS = 16  # int4 weights are stored in tiles of 16 rows × one group (128 columns): 1 KB contiguous
-
-
-def tile_int4(q: torch.Tensor) -> torch.Tensor:
-    """Packed int4 codes [N, K/2] uint8 in the layout the kernels stream fastest: [N/16, K/128, 16, 64], each 16
-    rows × 128 columns one contiguous KB (a one-row step of a program then reads whole KBs: 10-18% faster on
-    the 27B's layers than 64-byte pieces of rows 2.5 KB apart, the int4 lm_head 262 → 215 µs, H200 2026-12-02).
-    Returned unchanged where N is no multiple of 16 or K of 128, or already tiled."""
-    if q.dim() != 2 or q.shape[0] % TILE_ROWS or q.shape[1] % (STEP // 2):
-        return q
-    N, half = q.shape
-    return q.reshape(N // TILE_ROWS, TILE_ROWS, half // (STEP // 2), STEP // 2).transpose(1, 2).contiguous()
-
-
-def untile_int4(q: torch.Tensor) -> torch.Tensor:
-    """tile_int4's inverse: packed codes [N, K/2] in row order (q not tiled, not 4-D, is returned as it is)."""
-    if q.dim() != 4:
-        return q
-    tiles, groups, rows, half = q.shape
-    return q.transpose(1, 2).reshape(tiles * rows, groups * half)
 
 
 def dequantized(fmt: int, w, scale, zero) -> torch.Tensor:

@@ -20,7 +20,6 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from .experts import QuantExperts
-from ..ops.gemv import untile_int4
 from .formats import pack_int4
 from .gptq import from_awq, from_gptq
 from .linear import QuantLinear
@@ -128,10 +127,9 @@ def _experts(method: str, qc: dict, prefix: str, meta, per_expert: dict, marker:
         raise ValueError(f"{prefix}: act-order (desc_act) GPTQ experts are not supported; quantize the experts "
                          f"without act-order, or load the bf16 checkpoint and optimize(model, quant='int4')")
     keys = [k for k in ("qweight", "scale_inv", "scale", "zero") if hasattr(first, k)]
-    rows = lambda lin, k: untile_int4(getattr(lin, k)) if k == "qweight" else getattr(lin, k)  # noqa: E731 (row order)
-    stored = {"gate_up": {k: torch.stack([torch.cat([rows(x["gate_proj"], k), rows(x["up_proj"], k)])
+    stored = {"gate_up": {k: torch.stack([torch.cat([getattr(x["gate_proj"], k), getattr(x["up_proj"], k)])
                                           for x in layers]) for k in keys},
-              "down": {k: torch.stack([rows(x["down_proj"], k) for x in layers]) for k in keys}}
+              "down": {k: torch.stack([getattr(x["down_proj"], k) for x in layers]) for k in keys}}
     return QuantExperts(meta, first.scheme, first.group, stored=stored), None
 
 

@@ -14,8 +14,8 @@ experts, so that `routed` runs it in the same two launches as the routed ones.
 import torch
 from torch import nn
 
-from ..ops.gemv import FORMATS, INT4, STEP, expert_gemv, expert_swiglu_gemv, untile_int4
-from .formats import dequantize_weight, fake_quantize_fp8_activations, quantize_weight
+from ..ops.gemv import FORMATS, INT4, STEP, expert_gemv, expert_swiglu_gemv
+from .formats import dequantize_weight, fake_quantize_fp8_activations, quantize_weight, tile_int4
 
 _MATRICES = ("gate_up", "down")
 # experts dequantized at once in prefill: 32 of 35B-A3B's (3 · 512 · 2048 weights each) take 200 MB in bf16
@@ -30,6 +30,11 @@ def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.T
         return grouped(x, w.transpose(-2, -1), offs=offs)
     ends = offs.tolist()
     return torch.cat([x[a:b] @ w[g].t() for g, (a, b) in enumerate(zip([0] + ends[:-1], ends))])
+
+
+def _experts_rows(q: torch.Tensor) -> tuple[int, int]:
+    """(experts, rows) of stacked codes [E, N, …], or of int4 codes tiled [E, N/16, K/128, 16, 64]."""
+    return (q.shape[0], q.shape[1] * q.shape[3]) if q.dim() == 5 else tuple(q.shape[:2])
 
 
 class QuantExperts(nn.Module):
@@ -48,9 +53,11 @@ class QuantExperts(nn.Module):
                 w = getattr(experts, f"{m}_proj").detach()
                 parts = [quantize_weight(w[e], scheme, group) for e in range(w.shape[0])]
                 stored[m] = {key: torch.stack([p[key] for p in parts]) for key in parts[0]}
+        if scheme == "int4":  # codes tiled by 16 rows × a group where the rows allow (tile_int4), as QuantLinear's
+            stored = {m: {**stored[m], "qweight": tile_int4(stored[m]["qweight"], experts=True)} for m in _MATRICES}
         self.keys = tuple(stored["down"])
-        self.num_experts, self.hidden = stored["down"]["qweight"].shape[:2]
-        self.inter = stored["gate_up"]["qweight"].shape[1] // 2
+        self.num_experts, self.hidden = _experts_rows(stored["down"]["qweight"])
+        self.inter = _experts_rows(stored["gate_up"]["qweight"])[1] // 2
         for m in _MATRICES:
             for key in self.keys:
                 self.register_buffer(f"{m}_{key}", stored[m][key])
@@ -79,15 +86,13 @@ class QuantExperts(nn.Module):
             for m, parts in (("gate_up", (shared.gate_proj, shared.up_proj)), ("down", (shared.down_proj,))):
                 self.stacks[m] = {}
                 for key in self.keys:
-                    rows_of = untile_int4 if key == "qweight" else (lambda t: t)  # (QuantLinear tiles int4 codes)
-                    whole = torch.cat([getattr(self, f"{m}_{key}"),
-                                       torch.cat([rows_of(getattr(p, key)) for p in parts])[None]])
+                    whole = torch.cat([getattr(self, f"{m}_{key}"), torch.cat([getattr(p, key) for p in parts])[None]])
                     torch._dynamo.mark_static_address(whole)
                     self.stacks[m][key] = whole
                     setattr(self, f"{m}_{key}", whole[:E])
                     start = 0
                     for p in parts:
-                        rows = rows_of(getattr(p, key)).shape[0]
+                        rows = getattr(p, key).shape[0]  # (int4 codes tiled alike: in tiles of 16 rows)
                         setattr(p, key, whole[E, start:start + rows])
                         start += rows
 

