@@ -246,11 +246,11 @@ if triton is not None:
         each hold sa · Σ (q − zero) · x over row a's group, columns 4c + 1 the same for row b, and zeros elsewhere
         (four copies of each sum: the caller takes a quarter of their total, exactly).
         With ASM each call takes a thread's 4 words of one row of each set (pack 4) and runs a warp-wide
-        mma.sync.m16n8k16 (fp16 in, fp32 sums) per 2 words: the weight tile's layout puts lane l on row
+        mma.sync.m16n8k16 (fp16 in, fp32 sums) per 2 words and pair index: the weight tile's layout puts lane l on row
         l // 4 of its warp's 8 rows and words 4 (l % 4) … + 3, which is the A operand's fragment (rows a as the
         mma's rows 0 … 7, rows b as 8 … 15) with the group's 128 columns permuted among the k slots; x's pairs
         for the same words are the B operand (all 8 of its columns the same x, so every column of the product is
-        the row sum). _launch checks the layout (mma_layout_ok). The decode is _int4_half2's: a LOP3 and a
+        the row sum). _launch checks the layout (mma_layout_check). The decode is _int4_half2's: a LOP3 and a
         packed subtraction or FMA per two codes, q − zero exact in fp16."""
         if ASM:
             r = tl.inline_asm_elementwise(_INT4_MMA_ASM, _INT4_MMA_CONSTRAINTS,
