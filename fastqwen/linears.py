@@ -8,12 +8,10 @@ weight-streaming kernel (ops/gemv.py) for bf16 linears at decode and verify.
 
 import torch
 
-from .ops.gemv import (BF16, FORMATS, MAX_ROWS, STEP, TILE_ROWS, gemv_beats_cublas, gpu_table, prefetch_region,
-                       swiglu_linear, untile_int4, wq_linear)
+from .ops.gemv import BF16, STEP, TILE_ROWS, gemv_beats_cublas, gpu_table, swiglu_linear, untile_int4, wq_linear
 
 MLP_IN = ("gate_proj", "up_proj")  # a gated MLP's input projections
 
-PREFETCH_BYTES = 32 << 20  # kernels={"prefetch": "l2"}: at most this much of the next launch's weight into L2 (of ~50 MB)
 GEMV_ROWS = 16  # bf16 at more rows stays with cuBLAS (the kernel's bf16 configs are swept at ≤ 16 rows)
 
 
@@ -98,16 +96,6 @@ def _views_of(fused, linears) -> bool:
     return start == whole.shape[0]
 
 
-def chain_prefetch(launches) -> None:
-    """Give each linear of `launches` (a step's weight-streaming linears in launch order, the last followed by the
-    first: the next step's; None where the chain breaks, e.g. routed experts) the one after it as the launch whose
-    first weight reads it prefetches into L2 as it ends (Linears with `prefetch`). Kept in the module's __dict__:
-    no submodule, no state-dict entry."""
-    for linear, after in zip(launches, launches[1:] + launches[:1]):
-        if linear is not None:
-            linear.__dict__["fastqwen_next"] = after
-
-
 class Linears:
     """How the compiled steps run the model's linears. `fused`: a module's input projections as one matmul by
     the fused linear fuse_linears gave it (else one call each). `gemv` True: a bias-free floating-point
@@ -118,47 +106,30 @@ class Linears:
     launches with programmatic dependent launch; `fixup`: it sums its split-K partials itself (wq_linear).
     `fused_act`: a SiLU-gated MLP on one row whose fused gate | up and down weights both take the kernel runs
     its down projection on the gate | up partials, computing silu(gate)·up as it loads them (swiglu_linear):
-    no activation kernel between the two. `prefetch` (bytes, 0: off): a linear's weight-streaming launch, as it
-    ends, pulls up to that many of the first weight bytes its chain_prefetch successor reads into L2, so that
-    they stream from HBM during the kernels between the two, which leave it idle (gemv.prefetch_region)."""
+    no activation kernel between the two."""
 
     def __init__(self, fused: bool = False, gemv: bool | str = False, pdl: bool = False, fixup: bool = False,
-                 fused_act: bool = False, prefetch: int = 0, sms: int = 132):
+                 fused_act: bool = False):
         from .quant.linear import QuantLinear  # (here: quant.linear imports model, which imports this module)
 
         self.fused, self.gemv, self.pdl, self.fixup, self.quant_linear = fused, gemv, pdl, fixup, QuantLinear
-        self.fused_act, self.prefetch, self.sms = fused_act, prefetch, sms
+        self.fused_act = fused_act
         self.table = gpu_table() if gemv == "auto" else {}  # read here: not inside a traced step
 
     def __call__(self, module, x: torch.Tensor) -> torch.Tensor:
         if type(module) is torch.nn.Linear and module.bias is None:
-            return self.weight(x, module.weight, self.next_reads(module, x.numel() // x.shape[-1]))
+            return self.weight(x, module.weight)
         if isinstance(module, self.quant_linear):
-            return module(x, pdl=self.pdl, fixup=self.fixup, prefetch=self.next_reads(module, x.numel() // x.shape[-1]))
+            return module(x, pdl=self.pdl, fixup=self.fixup)
         return module(x)
 
-    def next_reads(self, module, rows: int) -> tuple:
-        """(weight, region): what module's launch on `rows` rows prefetches for its chain_prefetch successor, the
-        successor's stored weight and gemv.prefetch_region's bytes of it; (None, None) for nothing."""
-        after = module.__dict__.get("fastqwen_next") if self.prefetch else None
-        if isinstance(after, self.quant_linear):
-            fmt, w, streamed = FORMATS[after.scheme], after.qweight, rows <= MAX_ROWS
-        elif type(after) is torch.nn.Linear:
-            fmt, w = BF16, after.weight
-            streamed = self._streams(w, *w.shape, rows)
-        else:
-            return None, None
-        region = prefetch_region(fmt, w, after.out_features, after.in_features, rows, self.prefetch, streamed,
-                                 self.sms)
-        return (w, region) if region else (None, None)
-
-    def weight(self, x: torch.Tensor, w: torch.Tensor, prefetch: tuple = (None, None)) -> torch.Tensor:
+    def weight(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x @ wᵀ for a floating-point weight w [N, K] (a bias-free linear's, or a raw one: the MoE router's):
-        the weight-streaming kernel where the policy says so (prefetching `prefetch`: next_reads), else F.linear."""
+        the weight-streaming kernel where the policy says so, else F.linear."""
         rows, (N, K) = x.numel() // x.shape[-1], w.shape
         if not self._streams(x, N, K, rows):
             return torch.nn.functional.linear(x, w)
-        y = wq_linear(x.reshape(rows, -1), BF16, w, None, None, False, N, self.pdl, self.fixup, *prefetch).sum(0)
+        y = wq_linear(x.reshape(rows, -1), BF16, w, None, None, False, N, self.pdl, self.fixup).sum(0)
         return y.to(x.dtype).view(*x.shape[:-1], N)
 
     def weight_partials(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -179,14 +150,12 @@ class Linears:
         """A bias-free linear's (or a QuantLinear's) product on x as the weight-streaming kernel's split-K
         partials [S, ..., N] fp32 (their sum, in x's dtype, is the output), or None where the policy does not
         stream it."""
-        rows = x.numel() // x.shape[-1]
         if isinstance(module, self.quant_linear) and module.bias is None:
-            return module.partials(x, self.pdl, self.fixup, prefetch=self.next_reads(module, rows))
+            return module.partials(x, self.pdl, self.fixup)
         if type(module) is torch.nn.Linear and module.bias is None:
-            N, K = module.weight.shape
+            rows, (N, K) = x.numel() // x.shape[-1], module.weight.shape
             if self._streams(x, N, K, rows):
-                parts = wq_linear(x.reshape(rows, -1), BF16, module.weight, None, None, False, N, self.pdl, self.fixup,
-                                  *self.next_reads(module, rows))
+                parts = wq_linear(x.reshape(rows, -1), BF16, module.weight, None, None, False, N, self.pdl, self.fixup)
                 return parts.view(parts.shape[0], *x.shape[:-1], N)
         return None
 
@@ -217,12 +186,12 @@ class Linears:
         not match the reduction's and they run as two."""
         lead, rows = o.shape[:2], o.shape[:2].numel()
         if isinstance(module, self.quant_linear) and module.bias is None:
-            parts = module.partials(o, self.pdl, self.fixup, in_dims=2, prefetch=self.next_reads(module, rows))
+            parts = module.partials(o, self.pdl, self.fixup, in_dims=2)
             if parts is not None:
                 return parts.sum(0).to(o.dtype)
         elif type(module) is torch.nn.Linear and module.bias is None and self._streams(o, *module.weight.shape, rows):
             parts = wq_linear(o.reshape(rows, *o.shape[2:]), BF16, module.weight, None, None, False,
-                              module.weight.shape[0], self.pdl, self.fixup, *self.next_reads(module, rows))
+                              module.weight.shape[0], self.pdl, self.fixup)
             return parts.sum(0).to(o.dtype).view(*lead, -1)
         return self(module, o.reshape(*lead, -1))
 

@@ -16,7 +16,7 @@ import torch
 from .cache import HybridCache
 from .ops.attention import apply_rope, attend_cache, attend_causal, attend_prefix, rope_cos_sin, write_kv
 from .ops.decode_attention import attend_cache_split_op
-from .linears import MLP_IN, PREFETCH_BYTES, Linears, chain_prefetch, fuse_linears
+from .linears import MLP_IN, Linears, fuse_linears
 from .moe import routed_moe, stack_shared_expert
 from .ops.conv import commit_window, conv_decode, conv_step
 from .ops.gemv import tile_counts
@@ -37,7 +37,7 @@ KERNELS = {"attention": ("split", "sdpa"), "experts": ("auto", "gather", "groupe
            "gdn": ("block", "unrolled", "fla"), "launch": ("auto", "serial", "pdl"),
            "splitk": ("sum", "fixup"), "gdn_norm": ("separate", "fused"),
            "expert_act": ("auto", "separate", "fused"), "route": ("auto", "argmax", "packed"),
-           "mlp_act": ("separate", "fused"), "conv": ("fused", "separate"), "prefetch": ("off", "l2")}  # first: the default
+           "mlp_act": ("separate", "fused"), "conv": ("fused", "separate")}  # first: the default
 
 
 def check_kernels(kernels: dict | None, cfg, device) -> dict:
@@ -92,10 +92,7 @@ def check_kernels(kernels: dict | None, cfg, device) -> dict:
     write into the cache, the output: three launches) or as one kernel of ours that also advances the cached
     window in place and sums the input projection's split-K partials as it loads them ("fused":
     ops/conv.py conv_decode; the default since 2026-12-02: a 9B step 4486–4487 µs of device time against 4529,
-    a 35B-A3B step 2721 against 2739, each in a process of its own). "prefetch": each weight-streaming launch of
-    the decoder's linears, as it ends, pulls the first weight bytes the next one reads (up to
-    linears.PREFETCH_BYTES) into L2 ("l2"), so that HBM streams them during the norms, conv, recurrence and
-    attention between the two, where it idles otherwise; or nothing ("off"; a candidate)."""
+    a 35B-A3B step 2721 against 2739, each in a process of its own)."""
     kernels = dict(kernels or {})
     unknown = set(kernels) - set(KERNELS)
     if unknown:
@@ -167,20 +164,14 @@ class Forward:
         self.fused_norm = self.kernels["gdn_norm"] == "fused"
         self.fused_conv = self.kernels["conv"] == "fused"
         self.pdl = self.kernels["launch"] == "pdl"
-        device = cache.lengths.device
         self.lin = Linears(fused=self.kernels["projections"] == "fused",
                            gemv={"torch": False, "gemv": True, "auto": "auto"}[self.kernels["linears"]],
                            pdl=self.pdl, fixup=self.kernels["splitk"] == "fixup",
-                           fused_act=self.kernels["mlp_act"] == "fused",
-                           prefetch=PREFETCH_BYTES if self.kernels["prefetch"] == "l2" else 0,
-                           sms=torch.cuda.get_device_properties(device).multi_processor_count
-                           if device.type == "cuda" else 132)
+                           fused_act=self.kernels["mlp_act"] == "fused")
         if cache.lengths.device.type == "cuda" and (self.lin.fixup or self.fused_norm):
             tile_counts(cache.lengths.device, 0)  # the kernels' arrival counts, allocated before any capture
         for layer in self.layers:
             self.prepare_layer(layer)
-        if self.lin.prefetch:
-            chain_prefetch(self.launch_order())
 
     def prepare_layer(self, layer) -> None:
         """Give a decoder layer (the model's, or an MTP head's) this forward's kernel layout: the shared expert
@@ -195,25 +186,6 @@ class Forward:
             fuse_linears(layer.self_attn, ATTN_IN)
         if not stacked:  # (a stacked shared expert runs inside the grouped expert launch)
             fuse_linears(getattr(layer.mlp, "shared_expert", layer.mlp), MLP_IN)
-
-    def launch_order(self) -> list:
-        """The decoder's linears in the order a step launches them (a fused projection as its fused linear), then
-        lm_head; None for a MoE layer's experts (launched by routed pairs: no weight known ahead)."""
-        order = []
-        for i, layer in enumerate(self.layers):
-            if self.cfg.layer_types[i] == "linear_attention":
-                order += self._inputs(layer.linear_attn, _GDN_IN) + [layer.linear_attn.out_proj]
-            else:
-                order += self._inputs(layer.self_attn, ATTN_IN) + [layer.self_attn.o_proj]
-            mlp = layer.mlp
-            order += [None] if hasattr(mlp, "experts") else self._inputs(mlp, MLP_IN) + [mlp.down_proj]
-        return order + [self.lm_head]
-
-    def _inputs(self, module, names) -> list:
-        """module's input projections `names` as Linears.project launches them: its fused linear first, if any."""
-        fused = module.__dict__.get("fastqwen_fused") if self.lin.fused else None
-        done = len(module.__dict__["fastqwen_fused_sizes"]) if fused is not None else 0
-        return ([fused] if fused is not None else []) + [getattr(module, n) for n in names[done:]]
 
     # ----- entry points -------------------------------------------------------------------------------
     def prefill(self, first_row: int, tokens: torch.Tensor, features=None, start: int = 0):

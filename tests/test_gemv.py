@@ -414,35 +414,6 @@ def test_auto_linears_take_the_kernel_only_where_the_sweep_measured_it_faster():
     assert tuned_config(table, BF16, 5120, 6144, 1) == [64, 4, 4, 4] and tuned_config(table, BF16, 12288, 6144, 1) is None
 
 
-def test_prefetch_region_is_the_first_wave_of_the_next_launch(monkeypatch):
-    """prefetch_region: the bytes the next launch's first wave of programs reads first, at most the budget. The
-    27B fp8 gate | up at one row (32-row programs, K in 4 splits of 1280 columns: 1088 programs a split, more than
-    the first wave) gives every row the first 3 of its split-0 steps of 128 columns that 16 MiB holds; the tiled int4
-    down projection (40 programs a split, 16 splits) the first 14 splits' first 7 groups of every 16-row tile in
-    32 MiB; a weight that fits is whole; a budget under one step of every row takes the first rows' first step;
-    a consumer that is not the kernel (cuBLAS) gets the whole weight or nothing."""
-    import fastqwen.ops.gemv as gemv
-
-    table = {"0:34816x5120:M1": [32, 4, 4, 4, 0, 2], "2:5120x17408:M1": [128, 16, 4, 1, 1, 1, 4]}
-    monkeypatch.setattr(gemv, "gpu_table", lambda: table)
-    mib, meta = 1 << 20, dict(device="meta")
-    up = torch.empty(34816, 5120, dtype=torch.float8_e4m3fn, **meta)
-    down = torch.empty(320, 136, 16, 64, dtype=torch.uint8, **meta)  # tile_int4's [N/16, K/128, 16, 64]
-    region = lambda *a, **kw: gemv.prefetch_region(*a, sms=132, **kw)  # noqa: E731
-    assert region(FP8_ROW, up, 34816, 5120, 1, 16 * mib) == [34816, 5120, 1, 1280, 3 * 128]
-    assert region(INT4, down, 5120, 17408, 1, 32 * mib) == [320, 17408 * 8, 14, 1152 * 8, 7 * 1024]
-    o = torch.empty(5120, 6144, dtype=torch.float8_e4m3fn, **meta)
-    assert region(FP8_ROW, o, 5120, 6144, 1, 32 * mib) == [5120, 6144, 1, 0, 6144]  # 31.5 MB: all of it
-    assert region(FP8_ROW, up, 34816, 5120, 1, mib) == [8192, 5120, 1, 0, 128]
-    assert region(FP8_ROW, up, 34816, 5120, 1, 32 * mib, streamed=False) is None
-    assert region(FP8_ROW, o, 5120, 6144, 1, 32 * mib, streamed=False) == [5120, 6144, 1, 0, 6144]
-    assert region(BF16, torch.empty(64, 200, **meta), 64, 200, 1, mib) is None  # (K no multiple of 128)
-    for w, N, K, fmt in ((up, 34816, 5120, FP8_ROW), (down, 5120, 17408, INT4), (o, 5120, 6144, FP8_ROW)):
-        for budget in (2 * mib, 8 * mib, 24 * mib):
-            units, _, splits, _, run = region(fmt, w, N, K, 1, budget)
-            assert units * splits * run <= budget and run % 16 == 0, (N, K, budget)
-
-
 def test_grouped_configs_are_measured_per_pair_bucket(monkeypatch):
     """Grouped mode takes the expert sweep's config for its pair-count bucket (expert_key), never a linear-mode
     entry of the same shape, and its heuristic where the sweep has not measured."""
@@ -465,30 +436,27 @@ from sm90 import compile_sm90, count, cuobjdump, main_loop, stack_bytes
 from fastqwen.ops import gemv
 
 ALIGNED = ("x_ptr", "w_ptr", "s_ptr", "z_ptr", "y_ptr", "N", "K", "k_per_split")
-# the next launch's weight bytes to prefetch (PREFETCH): the arguments after cnt_ptr (xp_ptr in the one-row kernel)
-PF = dict(pf_ptr="*u8", pf_units="i32", pf_ustride="i32", pf_splits="i32", pf_sstride="i32", pf_run="i32")
 
 def w_type(fmt, bits):
     return "*i32" if bits else "*u8" if fmt == gemv.INT4 else "*bf16" if fmt == gemv.BF16 else "*fp8e4nv"
 
-def ptx(fmt, lowp, swap, act=False, bits=False, pdl=False, fixup=0, prefetch=0):  # the 16-row kernel
+def ptx(fmt, lowp, swap, act=False, bits=False, pdl=False, fixup=0):  # the 16-row kernel
     sig = dict(x_ptr="*bf16", w_ptr=w_type(fmt, bits), s_ptr="*fp32", z_ptr="*fp32",
                y_ptr="*fp32", M="i32", N="i32", K="i32", s_stride="i32", g_stride="i32", k_per_split="i32",
-               cnt_ptr="*i32", **PF)
+               cnt_ptr="*i32")
     consts = dict(FMT=fmt, ACT_FP8=act, FP8_LIMIT=448.0, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, STAGES=4, BITS=bits,
-                  LOWP=lowp, SWAP=swap, PDL=pdl, FIXUP=fixup, PREFETCH=prefetch, PF_LANES=128)
+                  LOWP=lowp, SWAP=swap, PDL=pdl, FIXUP=fixup)
     return compile_sm90(gemv._gemv_kernel, sig, consts, ALIGNED, num_stages=4).asm["ptx"]
 
-def row_kernel(fmt, bits, BN=128, pdl=False, fixup=0, grouped=False, swiglu=0, per_row=0, half2=0, stages=2, tiles=1,
-               prefetch=0):
+def row_kernel(fmt, bits, BN=128, pdl=False, fixup=0, grouped=False, swiglu=0, per_row=0, half2=0, stages=2, tiles=1):
     # one-row kernel, 128-column steps
     sig = dict(x_ptr="*fp32" if swiglu else "*bf16", w_ptr=w_type(fmt, bits), s_ptr="*fp32",
                z_ptr="*fp32", y_ptr="*fp32", tok_ptr="*i32", exp_ptr="*i32", N="i32", K="i32", s_stride="i32", g_stride="i32",
-               w_estride="i32", s_estride="i32", k_per_split="i32", ONE="i32", cnt_ptr="*i32", xp_ptr="*i32", **PF)
+               w_estride="i32", s_estride="i32", k_per_split="i32", ONE="i32", cnt_ptr="*i32", xp_ptr="*i32")
     acc_k = 128 // (8 if fmt == gemv.INT4 else 4) if bits else 64 if fmt == gemv.INT4 else 128
     consts = dict(FMT=fmt, ACT_FP8=False, GROUPED=grouped, FP8_LIMIT=448.0, BLOCK_N=BN, BLOCK_K=128, ACC_K=acc_k,
                   STAGES=stages, BITS=bits, PDL=pdl, FIXUP=fixup, SWIGLU=swiglu, PER_ROW=per_row,
-                  ACT_DTYPE=tl.bfloat16, HALF2=half2, ASM=1, TILES=tiles, PREFETCH=prefetch, PF_LANES=32 * 4)
+                  ACT_DTYPE=tl.bfloat16, HALF2=half2, ASM=1, TILES=tiles)
     return compile_sm90(gemv._row_kernel, sig, consts, ALIGNED + ("xp_ptr",), num_stages=stages)
 
 def sass(fmt, bits, BN=128):
@@ -535,7 +503,7 @@ for swap in (False, True):
     consts = dict(FMT=gemv.INT4, ACT_FP8=False, FP8_LIMIT=448.0, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, STAGES=2,
                   BITS=True, LOWP=1, SWAP=swap, PDL=False, FIXUP=0, ASM=True)
     sig = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*fp32", z_ptr="*fp32", y_ptr="*fp32", M="i32", N="i32", K="i32",
-               s_stride="i32", g_stride="i32", k_per_split="i32", cnt_ptr="*i32", **PF)
+               s_stride="i32", g_stride="i32", k_per_split="i32", cnt_ptr="*i32")
     kernel = compile_sm90(gemv._gemv_kernel, sig, consts, ALIGNED, num_stages=2)
     code = cuobjdump(kernel, "-sass")
     assert count(code, "I2F") == 0 and count(code, "F2F") <= 8, (swap, "conversions in the pair decode")  # (x's)
@@ -576,7 +544,7 @@ assert count(code, "IMAD.MOV") < 2 * 16, count(code, "IMAD.MOV")  # (x's pairs b
 for half2 in (1, 2):
     sig = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*fp32", z_ptr="*fp32", y_ptr="*fp32", tok_ptr="*i32", exp_ptr="*i32",
                N="i32", K="i32", s_stride="i32", g_stride="i32", w_estride="i32", s_estride="i32", k_per_split="i32",
-               ONE="i32", cnt_ptr="*i32", xp_ptr="*i32", **PF)
+               ONE="i32", cnt_ptr="*i32", xp_ptr="*i32")
     consts = dict(FMT=gemv.INT4, ACT_FP8=False, GROUPED=False, FP8_LIMIT=448.0, BLOCK_N=128, BLOCK_K=128, ACC_K=16,
                   STAGES=1, BITS=True, PDL=True, FIXUP=0, SWIGLU=0, PER_ROW=0, ACT_DTYPE=tl.bfloat16, HALF2=half2, ASM=1,
                   TILES=1, TILED=1)
@@ -627,21 +595,6 @@ for fmt, swiglu, grouped, pdl, fixup in ((gemv.BF16, 0, True, False, 0), (gemv.B
     assert stack_bytes(kernel) == 0, (fmt, swiglu, grouped, "spills")
     rounded = "ex2.approx" in kernel.asm["ptx"] and "cvt.rn.bf16.f32" in kernel.asm["ptx"]
     assert rounded == bool(swiglu), (fmt, swiglu, "the activation is not computed here and rounded to bf16 to nearest")
-
-# the next launch's first weight bytes into L2 as a launch ends (PREFETCH, kernels={"prefetch": "l2"}): after the
-# output's last store, one bulk prefetch a piece (2) or a line prefetch a lane (1), the one-row kernels as the 27B
-# fp8 and int4 sweeps ship them and the dot kernel; no spill; nothing without PREFETCH
-for mode, op in ((1, "prefetch.global.L2 "), (2, "cp.async.bulk.prefetch.L2.global")):
-    for kernel in (row_kernel(gemv.FP8_ROW, False, 32, pdl=True, prefetch=mode),
-                   row_kernel(gemv.INT4, True, 128, pdl=True, half2=1, stages=1, prefetch=mode),
-                   row_kernel(gemv.INT4, True, 128, pdl=True, half2=2, stages=1, prefetch=mode)):
-        code = kernel.asm["ptx"]
-        assert code.rfind(op) > code.rfind("st.global") > 0 and stack_bytes(kernel) == 0, (mode, "prefetch")
-    code = ptx(gemv.FP8_ROW, 0, False, pdl=True, prefetch=mode)
-    assert code.rfind(op) > code.rfind("st.global") > 0, (mode, "prefetch in the dot kernel")
-assert "prefetch" not in row_kernel(gemv.FP8_ROW, False, 32).asm["ptx"]
-code = ptx(gemv.FP8_ROW, 0, False, pdl=True)  # (PDL's own prefetches only, before the wait)
-assert "cp.async.bulk.prefetch" not in code and code.rfind("prefetch.global.L2") < code.index("griddepcontrol.wait")
 print("ok")
 """
 

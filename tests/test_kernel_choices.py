@@ -38,7 +38,6 @@ ALL = {"attention": "sdpa", "experts": "grouped", "projections": "separate", "li
                                                   ("tiny", {"conv": "separate"}, True),
                                                   ("tiny", {"conv": "fused", "linears": "gemv", "gdn": "fla"}, True),
                                                   ("tiny", {"linears": "gemv", "mlp_act": "fused"}, True),
-                                                  ("tiny", {"linears": "gemv", "prefetch": "l2"}, True),
                                                   ("tiny-moe", {"linears": "gemv", "mlp_act": "fused"}, False),
                                                   ("tiny-moe", ALL, False),
                                                   ("tiny-moe", {"experts": "grouped-pdl", "launch": "pdl"}, True),
@@ -52,7 +51,7 @@ def test_alternative_kernels_give_the_default_tokens(name, kernels, compile):
     assert other._fastqwen.forward.kernels == {"attention": "split", "experts": "gather", "projections": "fused",
                                                "linears": "auto", "gdn": "block", "launch": "serial", "splitk": "sum", "gdn_norm": "separate",
                                                "expert_act": "separate", "route": "argmax", "mlp_act": "separate",
-                                               "conv": "fused", "prefetch": "off", **grouped_auto, **kernels}
+                                               "conv": "fused", **grouped_auto, **kernels}
     ids, mask = left_padded([torch.randint(1, 500, (n,)) for n in (17, 5)])
     assert torch.equal(other.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16),
                        default.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16))
@@ -117,8 +116,8 @@ def test_programmatic_dependent_launch_reaches_inductor_and_the_weight_streaming
     flags = []  # (pdl, fixup) of each weight-streaming call
     real_linear, real_forward = linears_module.wq_linear, quant_linear_module.QuantLinear.forward
     monkeypatch.setattr(linears_module, "wq_linear", lambda *a: flags.append(a[7:9]) or real_linear(*a))
-    monkeypatch.setattr(quant_linear_module.QuantLinear, "forward", lambda self, x, pdl=False, fixup=False, **kw:
-                        flags.append((pdl, fixup)) or real_forward(self, x, pdl, fixup, **kw))
+    monkeypatch.setattr(quant_linear_module.QuantLinear, "forward", lambda self, x, pdl=False, fixup=False:
+                        flags.append((pdl, fixup)) or real_forward(self, x, pdl, fixup))
     for quant in (None, "fp8-weight"):  # the bf16 linears through the kernel; the quantized ones
         for splitk in ("sum", "fixup"):  # (and the split-K choice with them)
             m = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=96, compile=False, quant=quant,
@@ -194,43 +193,6 @@ def test_gemv_linears_take_the_decode_linears(monkeypatch):
     vocab = other.config.vocab_size
     heads = [c for c in calls if c[1] == vocab]
     assert len(heads) == 6 and len(calls) == 5 * layers * 5 + 6 and {rows for rows, _ in calls} == {1}
-
-
-def test_prefetch_hands_each_launch_the_weight_of_the_next(monkeypatch):
-    """kernels={"prefetch": "l2"}: every weight-streaming launch hands wq_linear the weight of the launch after it
-    in the step (lm_head the first layer's input projection: the next step's first launch) with prefetch_region's
-    bytes of it, prefill's lm_head included; without the option none does. A MoE layer's routed experts break the
-    chain (their weights are known only once routed): its attention's output projection prefetches nothing. The
-    tokens are the default's."""
-    import fastqwen.linears as linears_module
-    from fastqwen.linears import PREFETCH_BYTES
-    from fastqwen.ops.gemv import BF16, prefetch_region
-
-    calls = []
-    real = linears_module.wq_linear
-    monkeypatch.setattr(linears_module, "wq_linear", lambda x, *a: calls.append((a[1], a[8:])) or real(x, *a))
-    ids = torch.randint(1, 500, (1, 21))
-    gen = dict(do_sample=False, max_new_tokens=4)
-    build = lambda name: fresh(name, hidden_size=128, linear_value_head_dim=32)  # noqa: E731 (every K: 128·n)
-    want = fastqwen.optimize(build("tiny"), max_seq_len=64, compile=False, kernels={"linears": "gemv"}).generate(
-        ids, **gen)
-    assert calls and all(nxt is None for _, (nxt, _) in calls)
-    calls.clear()
-    model = fastqwen.optimize(build("tiny"), max_seq_len=64, compile=False,
-                              kernels={"linears": "gemv", "prefetch": "l2"})
-    assert torch.equal(model.generate(ids, **gen), want)
-    layers = model.config.num_hidden_layers
-    assert len(calls) == 1 + 3 * (4 * layers + 1)  # prefill's lm_head, then 3 decode steps of 4 a layer + lm_head
-    weights = [w for w, _ in calls] + [calls[1][0]]  # (after the last lm_head: the next step's first launch)
-    for (w, (nxt, region)), after in zip(calls, weights[1:]):
-        assert nxt is after, "a launch prefetches another weight than the next launch's"
-        assert region == prefetch_region(BF16, after, *after.shape, 1, PREFETCH_BYTES, sms=132)
-    moe = fastqwen.optimize(build("tiny-moe"), max_seq_len=64, compile=False,
-                            kernels={"linears": "gemv", "prefetch": "l2"})
-    order = moe._fastqwen.forward.launch_order()
-    assert order.count(None) == layers and order[-1] is moe.lm_head
-    for i, linear in enumerate(order[:-1]):
-        assert linear is None or linear.__dict__["fastqwen_next"] is order[i + 1]
 
 
 def test_decode_hands_the_gdn_op_a_and_b_as_split_k_partials(monkeypatch):

@@ -345,33 +345,6 @@ if triton is not None:
         tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
-    def _prefetch_next(pf_ptr, pf_units, pf_ustride, pf_splits, pf_sstride, pf_run, MODE: tl.constexpr,
-                       LANES: tl.constexpr):
-        """After its own work, a program pulls its share of the next weight-streaming launch's first reads into
-        L2 (prefetch_region: for each of `pf_units` row units and each of its first `pf_splits` K-splits,
-        `pf_run` bytes from the split's start), so that they stream from HBM during the kernels between the two
-        launches, which leave it idle. MODE 1: prefetch.global.L2, a 128-byte line a lane; 2: one
-        cp.async.bulk.prefetch.L2 (the copy engine; nothing to wait for) per piece of up to 4 KB. Pieces are
-        numbered units fastest, then splits, then place in the run: every unit's first piece is asked for first."""
-        piece: tl.constexpr = 128 if MODE == 1 else 4096
-        total = pf_units * pf_splits * tl.cdiv(pf_run, piece)
-        q = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0)
-        stride = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2) * LANES
-        for i0 in range(q * LANES, total, stride):
-            i = i0 + tl.arange(0, LANES)
-            rest = i // pf_units
-            j = rest // pf_splits
-            off = ((i % pf_units).to(tl.int64) * pf_ustride + (rest % pf_splits).to(tl.int64) * pf_sstride
-                   + j.to(tl.int64) * piece)
-            if MODE == 1:
-                _prefetch_l2(pf_ptr + off, i < total)
-            else:
-                tl.inline_asm_elementwise(
-                    "{ .reg .pred p; setp.ne.s32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-                    "=r,l,r,r", [pf_ptr + off, tl.minimum(pf_run - j * piece, piece), (i < total).to(tl.int32)],
-                    dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
     def _split_k_fixup(y0_ptr, offs, ok, cnt_ptr, tile, slot, SPLITS: tl.constexpr):
         """Split-K summed in the kernel (FIXUP): once its partial is stored (at y0 + split · slot + offs), a
         program counts itself in on its output tile; the last to arrive adds the tile's SPLITS partials in split
@@ -388,14 +361,12 @@ if triton is not None:
 
     @triton.jit
     def _row_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, tok_ptr, exp_ptr, N, K, s_stride, g_stride, w_estride, s_estride,
-                    k_per_split, ONE, cnt_ptr, xp_ptr, pf_ptr, pf_units, pf_ustride, pf_splits, pf_sstride, pf_run,
-                    FMT: tl.constexpr, ACT_FP8: tl.constexpr,
+                    k_per_split, ONE, cnt_ptr, xp_ptr, FMT: tl.constexpr, ACT_FP8: tl.constexpr,
                     GROUPED: tl.constexpr, FP8_LIMIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     ACC_K: tl.constexpr, STAGES: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr,
                     FIXUP: tl.constexpr = 0, SWIGLU: tl.constexpr = 0, PER_ROW: tl.constexpr = 0,
                     ACT_DTYPE: tl.constexpr = tl.bfloat16, HALF2: tl.constexpr = 0, ASM: tl.constexpr = 1,
-                    TILES: tl.constexpr = 1, TILED: tl.constexpr = 0, PREFETCH: tl.constexpr = 0,
-                    PF_LANES: tl.constexpr = 128):
+                    TILES: tl.constexpr = 1, TILED: tl.constexpr = 0):
         """One row of x (decode at batch 1, or one (token, expert) pair): products accumulate elementwise in
         registers and are summed over K once, at the end (no per-step reduction, no tensor-core layout).
         BITS: the weight is read as int32 words and decoded by bit moves (_fp8_bits, _int4_unit) instead of
@@ -410,8 +381,7 @@ if triton is not None:
         columns of x as scaled fp16 pairs to xp (_half2_prologue), then each word of 8 codes takes 16
         instructions of fp16 pair arithmetic (_int4_half2) and one FFMA by its row's group scale. TILES (HALF2
         only, launch option): a program computes TILES tiles of BLOCK_N rows one after another, so that one
-        prologue serves them all. PREFETCH (linear mode; _prefetch_next's MODE): once done, the program pulls its
-        share of the next weight-streaming launch's first reads into L2 (PF_LANES: its threads)."""
+        prologue serves them all."""
         n = tl.program_id(0) * TILES * BLOCK_N + tl.arange(0, BLOCK_N)  # (the first tile's rows)
         split = tl.program_id(2)  # split-K: this program sums K columns [split·k_per_split, +k_per_split)
         y0_ptr = y_ptr
@@ -585,8 +555,6 @@ if triton is not None:
                 _split_k_fixup(y0_ptr, tl.program_id(1) * N + n, n_ok, cnt_ptr,
                                (tl.program_id(0) * TILES + t) * tl.num_programs(1) + tl.program_id(1),
                                tl.num_programs(1) * N, FIXUP)
-        if PREFETCH:  # (linear mode) the next launch's first weight reads into L2
-            _prefetch_next(pf_ptr, pf_units, pf_ustride, pf_splits, pf_sstride, pf_run, PREFETCH, PF_LANES)
 
     @triton.jit
     def _pow2_at_least(t):
@@ -623,11 +591,11 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, s_stride, g_stride, k_per_split, cnt_ptr,
-                     pf_ptr, pf_units, pf_ustride, pf_splits, pf_sstride, pf_run, FMT: tl.constexpr,
+                     FMT: tl.constexpr,
                      ACT_FP8: tl.constexpr, FP8_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, STAGES: tl.constexpr, BITS: tl.constexpr, LOWP: tl.constexpr,
                      SWAP: tl.constexpr, PDL: tl.constexpr, FIXUP: tl.constexpr = 0, ASM: tl.constexpr = 1,
-                     TILED: tl.constexpr = 0, PREFETCH: tl.constexpr = 0, PF_LANES: tl.constexpr = 128):
+                     TILED: tl.constexpr = 0):
         """2 … 64 rows of x: a tensor-core dot (fp32 operands, tf32) per 128-column step (BITS: as in
         _row_kernel, one dot per word position; int4's dots take q − zero, exact in tf32, and scale after).
         LOWP 1 (fp8, int4 and bf16 weights without BITS, x bf16 or fp16): the dot takes x's own 16-bit dtype
@@ -649,7 +617,7 @@ if triton is not None:
         tensor-core instructions (at M = 16 the tf32 mma.sync alone needs about as long as the weight bytes).
         SWAP (without BITS) accumulates yᵀ [BLOCK_N, BLOCK_M] = W · xᵀ: the weight becomes the
         dot's first operand, which Hopper's wgmma takes from registers (decoded) or shared memory (LOWP 2);
-        x, the small one, is the staged second operand. PREFETCH: as in _row_kernel."""
+        x, the small one, is the staged second operand."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
         split = tl.program_id(2)
@@ -776,8 +744,6 @@ if triton is not None:
         tl.store(y_ptr + offs, acc, mask=ok)
         if FIXUP:
             _split_k_fixup(y0_ptr, offs, ok, cnt_ptr, tl.program_id(0), M * N, FIXUP)
-        if PREFETCH:
-            _prefetch_next(pf_ptr, pf_units, pf_ustride, pf_splits, pf_sstride, pf_run, PREFETCH, PF_LANES)
 
 
 _TUNED = json.loads((pathlib.Path(__file__).with_name("gemv_configs.json")).read_text())
@@ -894,53 +860,13 @@ def split_plan(K: int, config) -> tuple[int, int]:
     return k_per_split, -(-K // k_per_split)
 
 
-PREFETCH_MODE = 2  # _prefetch_next's MODE for prefetch_region's regions: the bulk prefetch
-RESIDENT_WARPS = 16  # warps of a weight-streaming launch resident per SM, as prefetch_region estimates its first wave
-
-
-def prefetch_region(fmt: int, w: torch.Tensor, N: int, K: int, rows: int, budget: int, streamed: bool = True,
-                    sms: int | None = None) -> list[int] | None:
-    """The first bytes the linear-mode launch on `rows` rows of the stored weight w ([N, K] in format fmt)
-    reads, at most `budget` of them, as [units, unit_stride, splits, split_stride, run] in bytes: for each of
-    the first `splits` K-splits of each of `units` row units (weight rows; 16-row tiles of tiled int4),
-    `run` bytes from the split's start (_prefetch_next pulls them into L2). The whole weight where it fits;
-    else, of each split its first wave of programs reaches at once (programs are launched row tiles first:
-    the launch config's programs per split against ~RESIDENT_WARPS warps an SM on `sms` SMs), as many whole
-    steps of 128 columns as fit, each unit alike; the first units only where even one step of every unit does
-    not. `streamed` False (a consumer that is not this kernel: cuBLAS): the whole weight or nothing. None:
-    nothing to prefetch (K not a multiple of 128)."""
-    if K % STEP:
-        return None
-    tiled = fmt == INT4 and w.dim() == 4
-    units = N // TILE_ROWS if tiled else N
-    per_column = 8 if tiled else 0.5 if fmt == INT4 else w.element_size()  # bytes a column of a unit
-    row = int(K * per_column)
-    if units * row <= budget:
-        return [units, row, 1, 0, row]
-    if not streamed:
-        return None
-    bn, split, warps, *_, tiles = full_config(gemv_config(fmt, N, K, rows))
-    k_per_split, splits = split_plan(K, gemv_config(fmt, N, K, rows))
-    if sms is None:
-        sms = torch.cuda.get_device_properties(w.device).multi_processor_count if w.is_cuda else 132
-    programs = -(-(-(-N // bn)) // (tiles if rows == 1 else 1))  # a split's programs (TILES: one-row kernel)
-    first = min(splits, -(-sms * max(1, RESIDENT_WARPS // warps) // programs))
-    step = int(STEP * per_column)  # bytes of a unit's 128-column step
-    steps = budget // (units * first * step)
-    if steps == 0:  # the first split alone, then the first units alone
-        first, steps = 1, budget // (units * step)
-    if steps == 0:
-        return [budget // step, row, 1, 0, step]
-    return [units, row, first, int(k_per_split * per_column), min(steps, k_per_split // STEP) * step]
-
-
 def linear_splits(fmt: int, N: int, K: int, rows: int) -> int:
     """How many partial sums the linear mode's default launch writes for this shape (wq_linear's dim 0)."""
     return split_plan(K, gemv_config(fmt, N, K, rows))[1]
 
 
 def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, config=None, partials=False,
-            pdl=False, fixup=False, swiglu=None, prefetch=None, prefetch_mode=None):
+            pdl=False, fixup=False, swiglu=None):
     """fp32 y [rows, out_features]; `pairs` = (tok, exp) int32 [P] switches to grouped mode (rows = P, one x
     row each); `config` overrides gemv_config. Split-K writes per-split partials and sums them (deterministic);
     with `partials` they come back unsummed, [splits, rows, out_features] (split_plan). `fixup` (linear mode):
@@ -949,10 +875,7 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
     _dependent_start; grouped mode waits before it reads its pairs, so it prefetches nothing: it only overlaps
     its launch with the previous kernel). `swiglu`, a dtype (BF16 or fp8 formats decoded by conversion; grouped
     mode, or linear mode at one row): x is a gate | up launch's partials [S, rows, 2K] fp32 and pair p's (the
-    row's) x their silu(gate)·up rounded to that dtype, the activations' (_row_kernel SWIGLU; tok unread).
-    `prefetch` (linear mode): (tensor, region), the next launch's weight and prefetch_region's list for it: once
-    done, each program pulls its share of those bytes into L2 (_prefetch_next; `prefetch_mode` its MODE, by
-    default PREFETCH_MODE)."""
+    row's) x their silu(gate)·up rounded to that dtype, the activations' (_row_kernel SWIGLU; tok unread)."""
     K = x.shape[-1] // 2 if swiglu is not None else x.shape[1]
     if K % STEP:
         raise ValueError(f"the weight-streaming kernel needs K divisible by {STEP}; got K={K}")
@@ -1042,29 +965,25 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
         per_row, tok = max(rows // max(x.shape[0], 1), 1), exp
     scale = w if scale is None else scale  # BF16 reads no scale; any pointer does
     zero = scale if zero is None else zero  # only INT4 reads a zero
-    pf, region = (None, None) if prefetch is None or grouped else prefetch
-    mode = (PREFETCH_MODE if prefetch_mode is None else prefetch_mode) if region and not triton.knobs.runtime.interpret else 0
-    pf = pf.view(torch.uint8) if mode else y  # (any pointer when not read: the region is in bytes)
-    pf_args = region if mode else (0, 0, 0, 0, 0)
     if M == 1 and lowp != 2 and not pair_dot:
         xp = torch.empty(K // 2, dtype=torch.int32, device=x.device) if half2 else y  # HALF2's x pairs [4, K / 8]
         acc_k = STEP // (8 if fmt == INT4 else 4) if bits else STEP // 2 if fmt == INT4 else block_k
         kernel = _row_kernel[(triton.cdiv(triton.cdiv(N, bn), tiles), rows, split)](
             x, w, scale, zero, y, tok, exp, N, K, s_stride, g_stride, w_estride, s_estride,
-            k_per_split, ONE_BITS, cnt, xp, pf, *pf_args, FMT=fmt, ACT_FP8=act_fp8, GROUPED=grouped, FP8_LIMIT=FP8_MAX, BLOCK_N=bn,
+            k_per_split, ONE_BITS, cnt, xp, FMT=fmt, ACT_FP8=act_fp8, GROUPED=grouped, FP8_LIMIT=FP8_MAX, BLOCK_N=bn,
             BLOCK_K=block_k, ACC_K=acc_k, STAGES=stages, BITS=bits, PDL=pdl, FIXUP=fix,
             SWIGLU=x.shape[0] if swiglu is not None else 0, PER_ROW=per_row,
             ACT_DTYPE=_TL_DTYPES.get(swiglu, tl.bfloat16), HALF2=half2, ASM=not triton.knobs.runtime.interpret,
-            TILES=tiles, TILED=tiled, PREFETCH=mode, PF_LANES=32 * warps, num_warps=warps, launch_pdl=pdl)
+            TILES=tiles, TILED=tiled, num_warps=warps, launch_pdl=pdl)
         if half2 == 2 and not triton.knobs.runtime.interpret:
             mma_layout_check(kernel)
     else:
         _gemv_kernel[(triton.cdiv(N, bn), 1, split)](
-            x, w, scale, zero, y, M, N, K, s_stride, g_stride, k_per_split, cnt, pf, *pf_args, FMT=fmt,
+            x, w, scale, zero, y, M, N, K, s_stride, g_stride, k_per_split, cnt, FMT=fmt,
             ACT_FP8=act_fp8, FP8_LIMIT=FP8_MAX, BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=bn,
             BLOCK_K=block_k, STAGES=stages,
             BITS=bits, LOWP=lowp, SWAP=bool(swap), PDL=pdl, FIXUP=fix, ASM=not triton.knobs.runtime.interpret,
-            TILED=tiled, PREFETCH=mode, PF_LANES=32 * warps, num_warps=warps, launch_pdl=pdl)
+            TILED=tiled, num_warps=warps, launch_pdl=pdl)
     if fix:
         return y[:1] if partials else y[0]
     return y if partials else y[0] if split == 1 else y.sum(0)
@@ -1106,16 +1025,14 @@ def tile_counts(device, tiles: int) -> torch.Tensor:
 
 
 def wq_matmul(x: torch.Tensor, fmt: int, w, scale, zero, act_fp8: bool, out_features: int,
-              partials: bool = False, pdl: bool = False, fixup: bool = False, prefetch=None,
-              prefetch_mode: int | None = None) -> torch.Tensor:
+              partials: bool = False, pdl: bool = False, fixup: bool = False) -> torch.Tensor:
     """The kernel in linear mode: x [M ≤ 64, K] (contiguous, any float dtype) → fp32 y [M, out_features], or
     with `partials` its split-K partial sums [linear_splits(…), M, out_features] ([1, …] with `fixup`: summed in
-    the kernel); `pdl`: programmatic dependent launch; `prefetch`: (the next launch's weight, its
-    prefetch_region), pulled into L2 as this launch ends."""
+    the kernel); `pdl`: programmatic dependent launch."""
     if x.shape[0] > MAX_ROWS:
         raise ValueError(f"wq_matmul takes at most {MAX_ROWS} rows; got {x.shape[0]}")
     return _launch(x, fmt, w, scale, zero, act_fp8, out_features, x.shape[0], partials=partials, pdl=pdl,
-                   fixup=fixup, prefetch=prefetch, prefetch_mode=prefetch_mode)
+                   fixup=fixup)
 
 
 def group_major(t: torch.Tensor) -> torch.Tensor:
@@ -1183,8 +1100,7 @@ def _on_kernel(x: torch.Tensor) -> bool:
 
 @torch.library.custom_op("fastqwen::wq_linear", mutates_args=())
 def wq_linear(x: torch.Tensor, fmt: int, w: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None,
-              act_fp8: bool, out_features: int, pdl: bool = False, fixup: bool = False,
-              prefetch: torch.Tensor | None = None, prefetch_region: list[int] | None = None) -> torch.Tensor:
+              act_fp8: bool, out_features: int, pdl: bool = False, fixup: bool = False) -> torch.Tensor:
     """x [M, K] · Wᵀ as split-K partial sums [S, M, out_features] fp32, whose sum over dim 0 is the product
     (x may also be [M, …], each row's trailing dims flattened here to its K columns: see Linears.heads):
     the kernel on CUDA (S = linear_splits(…)), the reference elsewhere (S = 1). The caller sums, so that inside a
@@ -1192,19 +1108,16 @@ def wq_linear(x: torch.Tensor, fmt: int, w: torch.Tensor, scale: torch.Tensor | 
     small) instead of a launch of their own after every split-K matmul (~200 launches a 27B fp8 decode step).
     pdl: launch with programmatic dependent launch (kernels={"launch": "pdl"}; Hopper and later). fixup: the
     kernel sums its partials itself (S = 1; kernels={"splitk": "fixup"}), where a consumer that cannot take
-    the add (a custom op's input) would otherwise launch a sum of its own. prefetch, prefetch_region: the next
-    weight-streaming launch's weight and the bytes of it to pull into L2 as this launch ends (prefetch_region;
-    kernels={"prefetch": "l2"}); a hint, no effect on the result, none off the kernel."""
+    the add (a custom op's input) would otherwise launch a sum of its own."""
     x = x.reshape(x.shape[0], -1)
     if _on_kernel(x):
-        nxt = None if prefetch is None or not prefetch_region else (prefetch, prefetch_region)
         return wq_matmul(x.contiguous(), fmt, w, scale, zero, act_fp8, out_features, partials=True, pdl=pdl,
-                         fixup=fixup, prefetch=nxt)
+                         fixup=fixup)
     return reference(x, fmt, w, scale, zero, act_fp8, out_features)[None]
 
 
 @wq_linear.register_fake
-def _(x, fmt, w, scale, zero, act_fp8, out_features, pdl=False, fixup=False, prefetch=None, prefetch_region=None):
+def _(x, fmt, w, scale, zero, act_fp8, out_features, pdl=False, fixup=False):
     splits = linear_splits(fmt, out_features, x.shape[1:].numel(), x.shape[0]) if _on_kernel(x) and not fixup else 1
     return x.new_empty(splits, x.shape[0], out_features, dtype=torch.float32)
 

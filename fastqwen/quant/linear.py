@@ -59,12 +59,10 @@ class QuantLinear(nn.Module):
             tensors["qweight"] = untile_int4(tensors["qweight"])
         return dequantize_weight(self.scheme, tensors, self.group)
 
-    def forward(self, x: torch.Tensor, pdl: bool = False, fixup: bool = False,
-                prefetch: tuple = (None, None)) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pdl: bool = False, fixup: bool = False) -> torch.Tensor:
         """x [..., in_features] → [..., out_features]; pdl: the kernel with programmatic dependent launch;
-        fixup: it sums its split-K partials itself; prefetch: (weight, region) it pulls into L2 as it ends
-        (ops/gemv.py wq_linear; linears.Linears.next_reads)."""
-        parts = self.partials(x, pdl, fixup, prefetch=prefetch)
+        fixup: it sums its split-K partials itself (ops/gemv.py wq_linear)."""
+        parts = self.partials(x, pdl, fixup)
         if parts is not None:
             y = parts.sum(0).to(x.dtype)
             return y if self.bias is None else y + self.bias
@@ -72,13 +70,12 @@ class QuantLinear(nn.Module):
             x = fake_quantize_fp8_activations(x, STEP)
         return F.linear(x, self.dequantized().to(x.dtype), self.bias)
 
-    def partials(self, x: torch.Tensor, pdl: bool = False, fixup: bool = False, in_dims: int = 1,
-                 prefetch: tuple = (None, None)) -> torch.Tensor | None:
+    def partials(self, x: torch.Tensor, pdl: bool = False, fixup: bool = False,
+                 in_dims: int = 1) -> torch.Tensor | None:
         """The weight-streaming kernel's split-K partials [S, ..., out_features] fp32 of x [..., in_features]
         (bias not added; their sum, in x's dtype, is the product), or None where the kernel does not take x
         (off CUDA, too many rows, a shape it cannot stream). in_dims: x's last in_dims dims (their product
-        in_features) are flattened inside the op (Linears.heads). prefetch: (weight, region) the launch pulls into L2
-        as it ends (Linears.next_reads)."""
+        in_features) are flattened inside the op (Linears.heads)."""
         rows = x.shape[:-in_dims].numel()
         if not (x.is_cuda and rows <= MAX_ROWS and self.in_features % STEP == 0 and (
                 self.scheme != "int4" or self.group == STEP)):
@@ -88,7 +85,7 @@ class QuantLinear(nn.Module):
             x2 = x2.reshape(rows, -1).index_select(1, self.perm)  # the stored column order
         scale = self.scale_inv if self.scheme == "fp8" else self.scale
         parts = wq_linear(x2, FORMATS[self.scheme], self.qweight, scale, getattr(self, "zero", None),
-                          self.scheme == "fp8", self.out_features, pdl, fixup, *prefetch)
+                          self.scheme == "fp8", self.out_features, pdl, fixup)
         return parts.view(parts.shape[0], *x.shape[:-in_dims], self.out_features)
 
     def extra_repr(self) -> str:
