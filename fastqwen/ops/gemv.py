@@ -315,6 +315,72 @@ if triton is not None:
         return r
 
     @triton.jit
+    def _half2_rows(tile, N, BLOCK_N: tl.constexpr, HALF2: tl.constexpr):
+        """The weight rows of row tile `tile` for the one-row pair kernels, past N clamped to row N − 1 (computed,
+        stored nowhere: no row masks): HALF2 1, its BLOCK_N rows twice; HALF2 2 (_int4_mma's two row sets), its
+        even rows and their odd neighbours, BLOCK_N / 2 each."""
+        if HALF2 == 2:
+            ra = tl.minimum(tile * BLOCK_N + 2 * tl.arange(0, BLOCK_N // 2), N - 1)
+            rb = tl.minimum(ra + 1, N - 1)
+        else:
+            ra = tl.minimum(tile * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
+            rb = ra
+        return ra, rb
+
+    @triton.jit
+    def _int4_group(w_ptr, s_ptr, z_ptr, rows, g, g_end, K, s_stride, g_stride, ASM: tl.constexpr,
+                    TILED: tl.constexpr):
+        """Group g's operands for rows [R] < N: codes [R, 16] int32 words (16-byte loads; zero at g ≥ g_end), scales
+        [R] fp32 and zeros [R] int32 (at g ≥ g_end group g_end − 1's: any group's), the latter two loaded in the
+        codes' row layout (_row_load)."""
+        wd = g * 16 + tl.arange(0, 16)
+        u = tl.load(w_ptr + _int4_at(rows[:, None], wd[None, :], K, 16, TILED), mask=g < g_end, other=0)
+        g = tl.minimum(g, g_end - 1)
+        scale = _row_load(s_ptr + rows * s_stride + g * g_stride, ASM)
+        zero = _row_load(z_ptr + rows * s_stride + g * g_stride, ASM).to(tl.int32)
+        return u, scale, zero
+
+    @triton.jit
+    def _half2_weights(w_ptr, s_ptr, z_ptr, ra, rb, g, g_end, K, s_stride, g_stride, HALF2: tl.constexpr,
+                       ASM: tl.constexpr, TILED: tl.constexpr):
+        """Group g's weight operands for the pair kernels' rows (_half2_rows): HALF2 1, (codes, scales, zeros) of
+        rows ra (_int4_group); HALF2 2, those of rows ra then of rows rb."""
+        if HALF2 == 2:
+            ua, sa, za = _int4_group(w_ptr, s_ptr, z_ptr, ra, g, g_end, K, s_stride, g_stride, ASM, TILED)
+            ub, sb, zb = _int4_group(w_ptr, s_ptr, z_ptr, rb, g, g_end, K, s_stride, g_stride, ASM, TILED)
+            ops = (ua, sa, za, ub, sb, zb)
+        else:
+            ops = _int4_group(w_ptr, s_ptr, z_ptr, ra, g, g_end, K, s_stride, g_stride, ASM, TILED)
+        return ops
+
+    @triton.jit
+    def _half2_x(xp_ptr, g, g_end, K):
+        """Group g's fp16 pairs of x (x0, x1, x2, x3: [16] int32 each, zero at g ≥ g_end) from _half2_prologue's
+        scratch [4, K / 8]."""
+        row = K // 128 * 16  # (K / 8 as a multiple of 16: 16-byte loads)
+        wd = g * 16 + tl.arange(0, 16)
+        ok = g < g_end
+        return (tl.load(xp_ptr + wd, mask=ok, other=0), tl.load(xp_ptr + row + wd, mask=ok, other=0),
+                tl.load(xp_ptr + 2 * row + wd, mask=ok, other=0), tl.load(xp_ptr + 3 * row + wd, mask=ok, other=0))
+
+    @triton.jit
+    def _half2_products(ops, xs, HALF2: tl.constexpr, ASM: tl.constexpr):
+        """One group of the pair kernels from its operands (_half2_weights, _half2_x), to add to the accumulator:
+        HALF2 1, scale · Σ (q − zero) · x per word ([BLOCK_N, 16]: _int4_half2); HALF2 2, _int4_mma's sums."""
+        x0, x1, x2, x3 = xs
+        if HALF2 == 2:
+            ua, sa, za, ub, sb, zb = ops
+            r = _int4_mma(ua, ub, x0[None, :], x1[None, :], x2[None, :], x3[None, :],
+                          (za * 0x10001 + 0x64006400)[:, None], (za * 0x100010 - 0x2BFF2C00)[:, None],
+                          (zb * 0x10001 + 0x64006400)[:, None], (zb * 0x100010 - 0x2BFF2C00)[:, None],
+                          sa[:, None], sb[:, None], ASM)
+        else:  # the zero, an integer in 0 … 16 (QuantLinear checks), as the fp16 pairs 1024 + zero and −(64 + zero)
+            u, scale, zi = ops  # by integer arithmetic on their bits (0xD400D400: −64, −64)
+            r = _int4_half2(u, x0[None, :], x1[None, :], x2[None, :], x3[None, :], (zi * 0x10001 + 0x64006400)[:, None],
+                            (zi * 0x100010 - 0x2BFF2C00)[:, None], ASM) * scale[:, None]
+        return r
+
+    @triton.jit
     def _dependent_start(w_ptr, n, n_ok, k_start, k_end, K, FMT: tl.constexpr, BITS: tl.constexpr,
                          BLOCK_K: tl.constexpr, TILED: tl.constexpr = 0):
         """Programmatic dependent launch (launch_pdl): while the previous kernel in the stream finishes, pull
@@ -366,7 +432,7 @@ if triton is not None:
                     ACC_K: tl.constexpr, STAGES: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr,
                     FIXUP: tl.constexpr = 0, SWIGLU: tl.constexpr = 0, PER_ROW: tl.constexpr = 0,
                     ACT_DTYPE: tl.constexpr = tl.bfloat16, HALF2: tl.constexpr = 0, ASM: tl.constexpr = 1,
-                    TILES: tl.constexpr = 1, TILED: tl.constexpr = 0):
+                    TILES: tl.constexpr = 1, TILED: tl.constexpr = 0, PREFETCH: tl.constexpr = 0):
         """One row of x (decode at batch 1, or one (token, expert) pair): products accumulate elementwise in
         registers and are summed over K once, at the end (no per-step reduction, no tensor-core layout).
         BITS: the weight is read as int32 words and decoded by bit moves (_fp8_bits, _int4_unit) instead of
@@ -381,7 +447,12 @@ if triton is not None:
         columns of x as scaled fp16 pairs to xp (_half2_prologue), then each word of 8 codes takes 16
         instructions of fp16 pair arithmetic (_int4_half2) and one FFMA by its row's group scale. TILES (HALF2
         only, launch option): a program computes TILES tiles of BLOCK_N rows one after another, so that one
-        prologue serves them all."""
+        prologue serves them all. PREFETCH (HALF2, launch option, 1 or 2): the walk goes group by group and loads
+        each group's operands PREFETCH groups ahead into registers (the codes, scale and zero of the first groups
+        before the prologue, and before PDL's wait), so that a program's loads overlap its prologue and its
+        arithmetic; without it a step's loads wait for the step's math before them (the sweeps found Triton's
+        shared-memory staging, STAGES > 1, slower for these kernels). The same products in the same order: the
+        same bits as KSTEP 1 or 2 without it."""
         n = tl.program_id(0) * TILES * BLOCK_N + tl.arange(0, BLOCK_N)  # (the first tile's rows)
         split = tl.program_id(2)  # split-K: this program sums K columns [split·k_per_split, +k_per_split)
         y0_ptr = y_ptr
@@ -393,6 +464,14 @@ if triton is not None:
             x_ptr, w_ptr, s_ptr, z_ptr, y_ptr = _pair_pointers(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, tok_ptr, exp_ptr,
                                                                N, K, w_estride, s_estride, SWIGLU, PER_ROW)
         k_end = tl.minimum(K, (split + 1) * k_per_split)
+        g_first, g_end = split * k_per_split // 128, k_end // 128  # (HALF2: the groups of this split)
+        if PREFETCH:  # the first tile's first groups: the weight is no kernel's output, so it loads before PDL's wait
+            # and before the prologue, whose latency it hides
+            ra, rb = _half2_rows(tl.program_id(0) * TILES, N, BLOCK_N, HALF2)
+            w1 = _half2_weights(w_ptr, s_ptr, z_ptr, ra, rb, g_first, g_end, K, s_stride, g_stride, HALF2, ASM, TILED)
+            if PREFETCH == 2:
+                w2 = _half2_weights(w_ptr, s_ptr, z_ptr, ra, rb, g_first + 1, g_end, K, s_stride, g_stride, HALF2, ASM,
+                                    TILED)
         if PDL and not GROUPED:
             _dependent_start(w_ptr, n, n < N, split * k_per_split, k_end, K, FMT, BITS, BLOCK_K, TILED)
         if HALF2:
@@ -400,139 +479,134 @@ if triton is not None:
         for t in tl.static_range(TILES):  # TILES tiles of BLOCK_N rows, one after another (HALF2: one prologue)
             n = (tl.program_id(0) * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = n < N
-            row = K // 128 * 16  # words a weight row holds (K // 8), as a multiple of 16: 16-byte loads
-            if HALF2 == 2:  # even and odd rows (past N: row N − 1, stored nowhere)
-                na = tl.minimum((tl.program_id(0) * TILES + t) * BLOCK_N + 2 * tl.arange(0, BLOCK_N // 2), N - 1)
-                nb = tl.minimum(na + 1, N - 1)
+            if HALF2:
+                ra, rb = _half2_rows(tl.program_id(0) * TILES + t, N, BLOCK_N, HALF2)
+            if HALF2 == 2:  # even and odd rows as the mma's two row sets
                 acc = tl.zeros((BLOCK_N // 2, ACC_K), tl.float32)
             else:
                 acc = tl.zeros((BLOCK_N, ACC_K), tl.float32)
             acc_odd = tl.zeros((BLOCK_N, ACC_K), tl.float32)  # int4's odd columns
             offset = tl.zeros((BLOCK_N,), tl.float32)  # int4 with BITS: Σ over groups of scale · (16 + zero) · Σ x
-            for k0 in tl.range(split * k_per_split, k_end, BLOCK_K, num_stages=STAGES):
-                if HALF2 == 2:  # the tensor cores (_int4_mma): even rows as the mma's rows a, odd rows as b
-                    for sub in tl.static_range(BLOCK_K // 128):
-                        g = k0 // 128 + sub
-                        g_ok = g < k_end // 128
-                        wd = g * 16 + tl.arange(0, 16)
-                        ua = tl.load(w_ptr + _int4_at(na[:, None], wd[None, :], K, 16, TILED), mask=g_ok, other=0)
-                        ub = tl.load(w_ptr + _int4_at(nb[:, None], wd[None, :], K, 16, TILED), mask=g_ok, other=0)
-                        g = tl.minimum(g, k_end // 128 - 1)
-                        sa = _row_load(s_ptr + na * s_stride + g * g_stride, ASM)
-                        sb = _row_load(s_ptr + nb * s_stride + g * g_stride, ASM)
-                        za = _row_load(z_ptr + na * s_stride + g * g_stride, ASM).to(tl.int32)
-                        zb = _row_load(z_ptr + nb * s_stride + g * g_stride, ASM).to(tl.int32)
-                        x0 = tl.load(xp_ptr + wd, mask=g_ok, other=0)
-                        x1 = tl.load(xp_ptr + row + wd, mask=g_ok, other=0)
-                        x2 = tl.load(xp_ptr + 2 * row + wd, mask=g_ok, other=0)
-                        x3 = tl.load(xp_ptr + 3 * row + wd, mask=g_ok, other=0)
-                        acc += _int4_mma(ua, ub, x0[None, :], x1[None, :], x2[None, :], x3[None, :],
-                                         (za * 0x10001 + 0x64006400)[:, None], (za * 0x100010 - 0x2BFF2C00)[:, None],
-                                         (zb * 0x10001 + 0x64006400)[:, None], (zb * 0x100010 - 0x2BFF2C00)[:, None],
-                                         sa[:, None], sb[:, None], ASM)
-                elif HALF2 and TILED:  # tiled weights: 16-byte loads, scale and zero loaded as _int4_mma loads them
-                    n_in = tl.minimum(n, N - 1)  # (no row masks: rows past N repeat row N − 1, stored nowhere)
-                    for sub in tl.static_range(BLOCK_K // 128):  # KSTEP groups of 128 columns, each with its scale
-                        g = k0 // 128 + sub
-                        g_ok = g < k_end // 128
-                        wd = g * 16 + tl.arange(0, 16)
-                        u = tl.load(w_ptr + _int4_at(n_in[:, None], wd[None, :], K, 16, TILED), mask=g_ok, other=0)
-                        g = tl.minimum(g, k_end // 128 - 1)  # (a step past the split: any group's)
-                        scale = _row_load(s_ptr + n_in * s_stride + g * g_stride, ASM)
-                        zi = _row_load(z_ptr + n_in * s_stride + g * g_stride, ASM).to(tl.int32)
-                        x0 = tl.load(xp_ptr + wd, mask=g_ok, other=0)
-                        x1 = tl.load(xp_ptr + row + wd, mask=g_ok, other=0)
-                        x2 = tl.load(xp_ptr + 2 * row + wd, mask=g_ok, other=0)
-                        x3 = tl.load(xp_ptr + 3 * row + wd, mask=g_ok, other=0)
-                        acc += _int4_half2(u, x0[None, :], x1[None, :], x2[None, :], x3[None, :],
-                                           (zi * 0x10001 + 0x64006400)[:, None], (zi * 0x100010 - 0x2BFF2C00)[:, None],
-                                           ASM) * scale[:, None]
-                elif HALF2:  # no row masks (rows past N repeat row N − 1, stored nowhere; words past the split are
-                    # masked by column alone): no per-row predicates. (The row-major scale loads convert to the tile's
-                    # row layout through shared memory: loading them as _int4_mma does, with 16-byte weight loads,
-                    # measured 6-17% slower on the 27B's shapes, 2026-12-02)
-                    n_in = tl.minimum(n, N - 1)
-                    for sub in tl.static_range(BLOCK_K // 128):  # KSTEP groups of 128 columns, each with its scale
-                        wd = (k0 + 128 * sub) // 8 + tl.arange(0, 16)
-                        wd_ok = wd < k_end // 8
-                        u = tl.load(w_ptr + n_in[:, None] * (K // 8) + wd[None, :], mask=wd_ok[None, :], other=0)
-                        g = tl.minimum(k0 // 128 + sub, k_end // 128 - 1)  # (a step past the split: any group's)
-                        scale = tl.load(s_ptr + n_in * s_stride + g * g_stride)
-                        # the zero, an integer in 0 … 16 (QuantLinear checks), as the fp16 pairs 1024 + zero and
-                        # −(64 + zero) by integer arithmetic (their bits)
-                        zi = tl.load(z_ptr + n_in * s_stride + g * g_stride).to(tl.int32)
-                        zlo = zi * 0x10001 + 0x64006400
-                        zhi = zi * 0x100010 - 0x2BFF2C00  # (0xD400D400: −64, −64)
-                        x0 = tl.load(xp_ptr + wd, mask=wd_ok, other=0)
-                        x1 = tl.load(xp_ptr + K // 8 + wd, mask=wd_ok, other=0)
-                        x2 = tl.load(xp_ptr + 2 * (K // 8) + wd, mask=wd_ok, other=0)
-                        x3 = tl.load(xp_ptr + 3 * (K // 8) + wd, mask=wd_ok, other=0)
-                        acc += _int4_half2(u, x0[None, :], x1[None, :], x2[None, :], x3[None, :], zlo[:, None],
-                                           zhi[:, None], ASM) * scale[:, None]
-                elif BITS and FMT == 2:
-                    for sub in tl.static_range(BLOCK_K // 128):  # KSTEP groups of 128 columns, each with its scale
-                        wd = (k0 // 128 + sub) * 16 + tl.arange(0, 16)
-                        wd_ok = wd < k_end // 8
-                        u = tl.load(w_ptr + _int4_at(n[:, None], wd[None, :], K, 16, TILED),
-                                    mask=n_ok[:, None] & wd_ok[None, :], other=0)
-                        g = k0 // 128 + sub
-                        part = tl.zeros((BLOCK_N, 16), tl.float32)
-                        xsum = tl.zeros((16,), tl.float32)
-                        for i in tl.static_range(8):
-                            xi = tl.load(x_ptr + 8 * wd + i, mask=wd_ok, other=0.0).to(tl.float32)
-                            part += _int4_unit(u, i, ONE) * xi[None, :]  # (1 + q/16) · x
-                            xsum += xi
-                        scale = tl.load(s_ptr + n * s_stride + g * g_stride, mask=n_ok & (g < k_end // 128), other=0.0)
-                        zero = tl.load(z_ptr + n * s_stride + g * g_stride, mask=n_ok & (g < k_end // 128), other=0.0)
-                        acc += part * (16.0 * scale)[:, None]
-                        offset += scale * (16.0 + zero) * tl.sum(xsum, axis=0)
-                elif BITS:  # fp8
-                    wd = k0 // 4 + tl.arange(0, BLOCK_K // 4)
-                    wd_ok = wd < k_end // 4
-                    u = tl.load(w_ptr + n[:, None] * (K // 4) + wd[None, :], mask=n_ok[:, None] & wd_ok[None, :],
-                                other=0)
-                    if ACT_FP8:
-                        k = k0 + tl.arange(0, BLOCK_K)
-                        xs = tl.load(x_ptr + k, mask=k < k_end, other=0.0).to(tl.float32)
-                        xs = tl.maximum(tl.max(tl.abs(xs), axis=0) / FP8_LIMIT, 1e-12)
-                    part = tl.zeros((BLOCK_N, BLOCK_K // 4), tl.float32)
-                    for i in tl.static_range(4):
-                        xi = tl.load(x_ptr + 4 * wd + i, mask=wd_ok, other=0.0).to(tl.float32)
-                        if ACT_FP8:
-                            xi = (xi / xs).to(tl.float8e4nv).to(tl.float32) * xs
-                        part += _fp8_bits(u, i) * xi[None, :]
-                    if FMT == 1:
-                        part = part * tl.load(s_ptr + (n // BLOCK_K) * s_stride + (k0 // BLOCK_K) * g_stride, mask=n_ok,
-                                              other=0.0)[:, None]
-                    acc += part
-                elif FMT == 2:  # byte j holds columns 2j (low nibble) and 2j + 1 (high)
-                    j = k0 // 128 * 64 + tl.arange(0, BLOCK_K // 2)  # (BLOCK_K 128)
-                    j_ok = j < k_end // 2
-                    xe = tl.load(x_ptr + 2 * j, mask=j_ok, other=0.0).to(tl.float32)
-                    xo = tl.load(x_ptr + 2 * j + 1, mask=j_ok, other=0.0).to(tl.float32)
-                    b = tl.load(w_ptr + _int4_at(n[:, None], j[None, :], K, 64, TILED), mask=n_ok[:, None] & j_ok[None, :],
-                                other=0)
-                    g = k0 // BLOCK_K
-                    scale = tl.load(s_ptr + n * s_stride + g * g_stride, mask=n_ok, other=0.0)[:, None]
-                    zero = tl.load(z_ptr + n * s_stride + g * g_stride, mask=n_ok, other=0.0)[:, None]
-                    acc += ((b & 0xF).to(tl.float32) - zero) * scale * xe[None, :]
-                    acc_odd += ((b >> 4).to(tl.float32) - zero) * scale * xo[None, :]
-                else:
-                    k = k0 + tl.arange(0, BLOCK_K)
-                    k_ok = k < k_end
-                    if SWIGLU:
-                        x = _swiglu_x(x_ptr, k, k_ok, K, tl.num_programs(1) * 2 * K, SWIGLU, ACT_DTYPE)
+            if PREFETCH:  # group by group, each group's operands loaded PREFETCH groups ahead, into registers
+                if t > 0:
+                    w1 = _half2_weights(w_ptr, s_ptr, z_ptr, ra, rb, g_first, g_end, K, s_stride, g_stride, HALF2, ASM,
+                                        TILED)
+                    if PREFETCH == 2:
+                        w2 = _half2_weights(w_ptr, s_ptr, z_ptr, ra, rb, g_first + 1, g_end, K, s_stride, g_stride,
+                                            HALF2, ASM, TILED)
+                x1 = _half2_x(xp_ptr, g_first, g_end, K)
+                if PREFETCH == 2:
+                    x2 = _half2_x(xp_ptr, g_first + 1, g_end, K)
+                for g in tl.range(g_first, g_end, num_stages=1):
+                    w, x = w1, x1
+                    if PREFETCH == 2:
+                        w1, x1 = w2, x2
+                        w2 = _half2_weights(w_ptr, s_ptr, z_ptr, ra, rb, g + 2, g_end, K, s_stride, g_stride, HALF2,
+                                            ASM, TILED)
+                        x2 = _half2_x(xp_ptr, g + 2, g_end, K)
                     else:
-                        x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-                    if ACT_FP8:
-                        xs = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_LIMIT, 1e-12)
-                        x = (x / xs).to(tl.float8e4nv).to(tl.float32) * xs
-                    w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                    w = w.to(tl.float32)
-                    if FMT == 1:
-                        w = w * tl.load(s_ptr + (n // BLOCK_K) * s_stride + (k0 // BLOCK_K) * g_stride, mask=n_ok,
-                                        other=0.0)[:, None]
-                    acc += w * x[None, :]
+                        w1 = _half2_weights(w_ptr, s_ptr, z_ptr, ra, rb, g + 1, g_end, K, s_stride, g_stride, HALF2,
+                                            ASM, TILED)
+                        x1 = _half2_x(xp_ptr, g + 1, g_end, K)
+                    if x_scale > 0:  # (always true: a block boundary, which ptxas does not schedule across, so the
+                        # loads above issue before this group's math; without it they sank below most of it)
+                        acc += _half2_products(w, x, HALF2, ASM)
+            else:
+                for k0 in tl.range(split * k_per_split, k_end, BLOCK_K, num_stages=STAGES):
+                    if HALF2 == 2 or (HALF2 and TILED):  # tiled codes, or the tensor cores (_int4_mma): 16-byte
+                        # loads, scale and zero loaded in the codes' row layout; KSTEP groups a step, each its scale
+                        for sub in tl.static_range(BLOCK_K // 128):
+                            g = k0 // 128 + sub
+                            acc += _half2_products(
+                                _half2_weights(w_ptr, s_ptr, z_ptr, ra, rb, g, g_end, K, s_stride, g_stride, HALF2, ASM,
+                                               TILED), _half2_x(xp_ptr, g, g_end, K), HALF2, ASM)
+                    elif HALF2:  # no row masks (rows past N repeat row N − 1, stored nowhere; words past the split
+                        # are masked by column alone): no per-row predicates. (The row-major scale loads convert to the
+                        # tile's row layout through shared memory: loading them as _int4_mma does, with 16-byte weight
+                        # loads, measured 6-17% slower on the 27B's shapes, 2026-12-02)
+                        n_in = tl.minimum(n, N - 1)
+                        for sub in tl.static_range(BLOCK_K // 128):  # KSTEP groups of 128 columns, each with its scale
+                            wd = (k0 + 128 * sub) // 8 + tl.arange(0, 16)
+                            wd_ok = wd < k_end // 8
+                            u = tl.load(w_ptr + n_in[:, None] * (K // 8) + wd[None, :], mask=wd_ok[None, :], other=0)
+                            g = tl.minimum(k0 // 128 + sub, k_end // 128 - 1)  # (a step past the split: any group's)
+                            scale = tl.load(s_ptr + n_in * s_stride + g * g_stride)
+                            # the zero, an integer in 0 … 16 (QuantLinear checks), as the fp16 pairs 1024 + zero and
+                            # −(64 + zero) by integer arithmetic (their bits)
+                            zi = tl.load(z_ptr + n_in * s_stride + g * g_stride).to(tl.int32)
+                            zlo = zi * 0x10001 + 0x64006400
+                            zhi = zi * 0x100010 - 0x2BFF2C00  # (0xD400D400: −64, −64)
+                            x0 = tl.load(xp_ptr + wd, mask=wd_ok, other=0)
+                            x1 = tl.load(xp_ptr + K // 8 + wd, mask=wd_ok, other=0)
+                            x2 = tl.load(xp_ptr + 2 * (K // 8) + wd, mask=wd_ok, other=0)
+                            x3 = tl.load(xp_ptr + 3 * (K // 8) + wd, mask=wd_ok, other=0)
+                            acc += _int4_half2(u, x0[None, :], x1[None, :], x2[None, :], x3[None, :], zlo[:, None],
+                                               zhi[:, None], ASM) * scale[:, None]
+                    elif BITS and FMT == 2:
+                        for sub in tl.static_range(BLOCK_K // 128):  # KSTEP groups of 128 columns, each with its scale
+                            wd = (k0 // 128 + sub) * 16 + tl.arange(0, 16)
+                            wd_ok = wd < k_end // 8
+                            u = tl.load(w_ptr + _int4_at(n[:, None], wd[None, :], K, 16, TILED),
+                                        mask=n_ok[:, None] & wd_ok[None, :], other=0)
+                            g = k0 // 128 + sub
+                            part = tl.zeros((BLOCK_N, 16), tl.float32)
+                            xsum = tl.zeros((16,), tl.float32)
+                            for i in tl.static_range(8):
+                                xi = tl.load(x_ptr + 8 * wd + i, mask=wd_ok, other=0.0).to(tl.float32)
+                                part += _int4_unit(u, i, ONE) * xi[None, :]  # (1 + q/16) · x
+                                xsum += xi
+                            g_ok = n_ok & (g < k_end // 128)
+                            scale = tl.load(s_ptr + n * s_stride + g * g_stride, mask=g_ok, other=0.0)
+                            zero = tl.load(z_ptr + n * s_stride + g * g_stride, mask=g_ok, other=0.0)
+                            acc += part * (16.0 * scale)[:, None]
+                            offset += scale * (16.0 + zero) * tl.sum(xsum, axis=0)
+                    elif BITS:  # fp8
+                        wd = k0 // 4 + tl.arange(0, BLOCK_K // 4)
+                        wd_ok = wd < k_end // 4
+                        u = tl.load(w_ptr + n[:, None] * (K // 4) + wd[None, :], mask=n_ok[:, None] & wd_ok[None, :],
+                                    other=0)
+                        if ACT_FP8:
+                            k = k0 + tl.arange(0, BLOCK_K)
+                            xs = tl.load(x_ptr + k, mask=k < k_end, other=0.0).to(tl.float32)
+                            xs = tl.maximum(tl.max(tl.abs(xs), axis=0) / FP8_LIMIT, 1e-12)
+                        part = tl.zeros((BLOCK_N, BLOCK_K // 4), tl.float32)
+                        for i in tl.static_range(4):
+                            xi = tl.load(x_ptr + 4 * wd + i, mask=wd_ok, other=0.0).to(tl.float32)
+                            if ACT_FP8:
+                                xi = (xi / xs).to(tl.float8e4nv).to(tl.float32) * xs
+                            part += _fp8_bits(u, i) * xi[None, :]
+                        if FMT == 1:
+                            part = part * tl.load(s_ptr + (n // BLOCK_K) * s_stride + (k0 // BLOCK_K) * g_stride,
+                                                  mask=n_ok, other=0.0)[:, None]
+                        acc += part
+                    elif FMT == 2:  # byte j holds columns 2j (low nibble) and 2j + 1 (high)
+                        j = k0 // 128 * 64 + tl.arange(0, BLOCK_K // 2)  # (BLOCK_K 128)
+                        j_ok = j < k_end // 2
+                        xe = tl.load(x_ptr + 2 * j, mask=j_ok, other=0.0).to(tl.float32)
+                        xo = tl.load(x_ptr + 2 * j + 1, mask=j_ok, other=0.0).to(tl.float32)
+                        b = tl.load(w_ptr + _int4_at(n[:, None], j[None, :], K, 64, TILED),
+                                    mask=n_ok[:, None] & j_ok[None, :], other=0)
+                        g = k0 // BLOCK_K
+                        scale = tl.load(s_ptr + n * s_stride + g * g_stride, mask=n_ok, other=0.0)[:, None]
+                        zero = tl.load(z_ptr + n * s_stride + g * g_stride, mask=n_ok, other=0.0)[:, None]
+                        acc += ((b & 0xF).to(tl.float32) - zero) * scale * xe[None, :]
+                        acc_odd += ((b >> 4).to(tl.float32) - zero) * scale * xo[None, :]
+                    else:
+                        k = k0 + tl.arange(0, BLOCK_K)
+                        k_ok = k < k_end
+                        if SWIGLU:
+                            x = _swiglu_x(x_ptr, k, k_ok, K, tl.num_programs(1) * 2 * K, SWIGLU, ACT_DTYPE)
+                        else:
+                            x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+                        if ACT_FP8:
+                            xs = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_LIMIT, 1e-12)
+                            x = (x / xs).to(tl.float8e4nv).to(tl.float32) * xs
+                        w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                        w = w.to(tl.float32)
+                        if FMT == 1:
+                            w = w * tl.load(s_ptr + (n // BLOCK_K) * s_stride + (k0 // BLOCK_K) * g_stride, mask=n_ok,
+                                            other=0.0)[:, None]
+                        acc += w * x[None, :]
             if HALF2 == 2:  # rows a (even) at columns 4c, b (odd) at 4c + 1, four copies each
                 quarter = tl.arange(0, ACC_K)[None, :] % 4
                 ya = tl.sum(tl.where(quarter == 0, acc, 0.0), axis=1)
@@ -821,8 +895,8 @@ def gemv_config(fmt: int, N: int, K: int, rows: int, columns: int = 1) -> tuple[
 
 def full_config(config) -> tuple[int, ...]:
     """A launch config with its optional elements filled in: (BLOCK_N, SPLIT_K, num_warps, num_stages, BITS = 0,
-    KSTEP = 1, LOWP = 0, SWAP = 0, TILES = 1)."""
-    return (*config, *(0, 1, 0, 0, 1)[len(config) - 4:])
+    KSTEP = 1, LOWP = 0, SWAP = 0, TILES = 1, PREFETCH = 0)."""
+    return (*config, *(0, 1, 0, 0, 1, 0)[len(config) - 4:])
 
 
 def lowp_exact(fmt: int, x_dtype, w_dtype, bits: bool) -> bool:
@@ -884,7 +958,7 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
     M = 1 if grouped else rows
     explicit = config is not None
     config = config or gemv_config(fmt, N, K, M, rows if grouped else 1)
-    bn, split, warps, stages, bits, kstep, lowp, swap, tiles = full_config(config)
+    bn, split, warps, stages, bits, kstep, lowp, swap, tiles, prefetch = full_config(config)
     bits = bool(bits) and fmt != BF16
     if swiglu is not None:
         if (fmt == INT4 or (act_fp8 and fmt == BF16) or swiglu not in _TL_DTYPES or x.dim() != 3
@@ -944,6 +1018,12 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
                   or not (w[0] if grouped else w).is_contiguous()):
         raise ValueError(f"a tiled int4 weight (tile_int4) takes shape [N/16, K/128, 16, 64] for N={N}, K={K} "
                          f"([E, …] in grouped mode), each one contiguous; got {tuple(w.shape)}, grouped {grouped}")
+    if prefetch and not (prefetch in (1, 2) and half2 and kstep == 1):
+        if explicit:
+            raise ValueError(f"PREFETCH {prefetch} (1 or 2 groups loaded ahead) takes int4's pair kernels at one row "
+                             f"(BITS with LOWP 3 or 4) in steps of one group (KSTEP 1); got format {fmt}, BITS "
+                             f"{int(bits)}, LOWP {lowp}, KSTEP {kstep}, {M} rows")
+        prefetch = 0
     if bits:
         w = w.view(torch.int32)  # 4 fp8 codes or 8 int4 codes a word, in column order
     block_k = STEP * kstep
@@ -974,7 +1054,7 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
             BLOCK_K=block_k, ACC_K=acc_k, STAGES=stages, BITS=bits, PDL=pdl, FIXUP=fix,
             SWIGLU=x.shape[0] if swiglu is not None else 0, PER_ROW=per_row,
             ACT_DTYPE=_TL_DTYPES.get(swiglu, tl.bfloat16), HALF2=half2, ASM=not triton.knobs.runtime.interpret,
-            TILES=tiles, TILED=tiled, num_warps=warps, launch_pdl=pdl)
+            TILES=tiles, TILED=tiled, PREFETCH=prefetch, num_warps=warps, launch_pdl=pdl)
         if half2 == 2 and not triton.knobs.runtime.interpret:
             mma_layout_check(kernel)
     else:
