@@ -866,7 +866,7 @@ def gpu_table() -> dict:
 
 
 def gemv_config(fmt: int, N: int, K: int, rows: int, columns: int = 1) -> tuple[int, ...]:
-    """(BLOCK_N, SPLIT_K, num_warps, num_stages[, BITS[, KSTEP[, LOWP[, SWAP]]]]) for `rows` rows of an [N, K] weight in
+    """(BLOCK_N, SPLIT_K, num_warps, num_stages[, BITS[, KSTEP[, LOWP[, SWAP[, TILES[, PREFETCH]]]]]]) for `rows` rows of an [N, K] weight in
     format `fmt`, with `columns` independent copies of the grid (expert pairs in grouped mode). Both modes take
     scripts/bench_quant.py --sweep's measured best for this GPU when gemv_configs.json has it (grouped mode: per
     pair-count bucket, expert_key); otherwise enough programs that short K walks keep many loads in flight: BLOCK_N 64 (128 for int4, whose
@@ -878,7 +878,8 @@ def gemv_config(fmt: int, N: int, K: int, rows: int, columns: int = 1) -> tuple[
     (default 0) has the M > 1 kernel's dot take 16-bit operands (1: lowp_exact; int4 with BITS at any M), e4m3 ones (2: fp8_dot_ok; at M = 1 too, in the dot kernel) or fp16
     ones (3: fp16_dot_ok; fp8 weights, x scaled by a power of 2; int4 at one row: fp16 pair arithmetic; 4: int4 at one
     row, its pairs into mma.sync); SWAP
-    (default 0) has it take the weight as its first operand (without BITS); the sweep tries them all."""
+    (default 0) has it take the weight as its first operand (without BITS); TILES (default 1) and PREFETCH (default 0)
+    are int4's one-row pair kernels' (_row_kernel); the sweep tries them all."""
     tuned = (tuned_config(gpu_table(), fmt, N, K, rows) if columns == 1
              else gpu_table().get(expert_key(fmt, N, K, columns)))
     if tuned:
