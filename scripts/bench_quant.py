@@ -248,7 +248,8 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT), lowp
                     row = {"model": model, "layer": layer, "N": N, "K": K, "format": name, "M": m,
                            "default": default, "default_us": times[default] * 1e6, "best": best,
                            "best_us": times[best] * 1e6, "best_bw": nbytes / bw / times[best],
-                           "default_cost_us": cost[default] * 1e6, "best_cost_us": cost[best] * 1e6}
+                           "default_cost_us": cost[default] * 1e6, "best_cost_us": cost[best] * 1e6,
+                           "times_us": [[list(c), round(t * 1e6, 2)] for c, t in times.items()]}  # (every config's)
                     rows.append(row)
                     print(f"| sweep | {layer} {N}x{K} | {name} M={m} | default {default} {row['default_us']:.1f} µs "
                           f"({nbytes / bw / times[default]:.0%}) | best {best} {row['best_us']:.1f} µs "
