@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import fresh
+from conftest import assert_greedy_matches_up_to_a_near_tie, fresh
 from safetensors.torch import save_file
 from test_quant_formats import pack_gptq
 
@@ -157,14 +157,19 @@ def test_a_quantized_shared_expert_stacks_onto_the_quantized_experts(scheme, tmp
 
 def test_quantized_experts_stack_only_a_shared_expert_that_fits():
     """fp8 block scales cover 128 rows, so a shared expert of 32 rows cannot join the experts' stacks: no stack,
-    and decode still equals transformers' (the shared expert runs on its own)."""
+    and decode still equals transformers' (the shared expert runs on its own): token for token, up to a near-tie
+    that the fp8 scheme's activation rounding can flip (with transformers 5.24's initialisation, seed 0, the
+    tokens part at the 7th, where transformers' top-2 logits are 0.027 apart; without the shared expert the
+    first token already differs)."""
     model = fresh("tiny-moe")
     fastqwen.optimize(model, compile=False, max_seq_len=64, quant="fp8", kernels={"experts": "grouped"})
     assert all(layer.mlp.experts.stacks is None and "fastqwen_stacked" not in layer.mlp.__dict__
                for layer in model.model.layers)
     ids = torch.randint(1, 500, (1, 11))
     expected = type(model).generate(model, ids, max_new_tokens=8, do_sample=False)
-    assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False), expected)
+    got = model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert torch.equal(got[:, :ids.shape[1] + 3], expected[:, :ids.shape[1] + 3])
+    assert_greedy_matches_up_to_a_near_tie(model, ids, got, expected, gap=0.05)
 
 
 def test_quantization_errors(tmp_path):
