@@ -123,26 +123,13 @@ def expert_candidates(N: int, K: int, E: int = 256 if SMALL == 1 else 16, top: i
 SWEPT = {"fp8-weight": "FP8_ROW", "int4": "INT4", "bf16": "BF16"}  # formats the sweep tunes (name: gemv constant)
 
 
-# inductor unrolls a sum of at most this many split-K partials into its consumer's kernel (its
-# unroll_reductions_threshold); more take a reduction kernel of their own, 2.3 µs each in the 27B int4 step's profile
-# (triton_per_fused_sum_view_2, docs/profile-27b-int4-16layers-serial-h200-2026-12-02.json)
-FOLDED_SPLITS, SUM_KERNEL_S = 8, 2.3e-6
-
-
-def partials_cost(splits: int, outputs: int, bw: float) -> float:
-    """Seconds a step pays beyond the kernel for `splits` fp32 partial sums of `outputs` values each: the consumer
-    reads them all, and past FOLDED_SPLITS a sum kernel runs between the two."""
-    return splits * outputs * 4 / bw + (SUM_KERNEL_S if splits > FOLDED_SPLITS else 0.0)
-
-
 def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT), lowps=None, ksteps=None,
-          row_order=False, prefetches=None) -> list[dict]:
+          row_order=False) -> list[dict]:
     """Time the weight-streaming kernel over its launch configs (BLOCK_N, SPLIT_K, num_warps, num_stages, BITS:
     conversion instructions or bit moves to decode the weight, KSTEP: 128-column blocks a loop step, LOWP: 1 for
     16-bit dot operands at M > 1 (int4 with BITS: at any M, its codes decoded in pairs), 2 for e4m3 ones (fp8
     weights, any M), SWAP: the weight as the dot's first operand; LOWP 3: fp16 operands for e4m3 weights, fp16 pair arithmetic for int4 at one row; LOWP 4: int4's pairs into mma.sync at one row) per layer, format and M (`lowps`: only configs with these
-    LOWP values, beside the config in use; `ksteps` likewise for KSTEP, `prefetches` for PREFETCH: int4's pair
-    kernels loading each group's operands 1 or 2 groups ahead); print the default config's time beside the best one. The best is the
+    LOWP values, beside the config in use; `ksteps` likewise for KSTEP); print the default config's time beside the best one. The best is the
     one cheapest for the step: kernel time plus
     the consumer's read of its fp32 split-K partials. With `table`, merge the best configs into that
     gemv_configs.json under this GPU's name (fastqwen.ops.gemv reads it at import). The kernel is timed without the
@@ -185,9 +172,6 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT), lowp
     # the same pairs into mma.sync (LOWP 4): at least 16 rows a warp
     half2 += [c for c in itertools.product((64, 128, 256, 512), (1, 4, 8, 16), (4, 8), (1, 2), (1,), (1, 2), (4,))
               if c[0] >= 16 * c[2] and c[0] // c[2] <= 64]
-    # either, each group's operands loaded 1 or 2 groups ahead into registers (PREFETCH), one group a step
-    half2 += [c for c in itertools.product((64, 128, 256), (1, 2, 4, 8, 16), (4, 8), (1,), (1,), (1,), (3, 4), (0,),
-                                           (1, 2), (1, 2)) if c[2] == (8 if c[0] == 256 else 4)]
     rows, best_of = [], {}
     for model in shapes:
         for layer, N, K in SHAPES[model]:
@@ -218,8 +202,6 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT), lowp
                         tried = [c for c in tried if gemv.full_config(c)[6] in lowps]
                     if ksteps is not None:
                         tried = [c for c in tried if gemv.full_config(c)[5] in ksteps]
-                    if prefetches is not None:
-                        tried = [c for c in tried if gemv.full_config(c)[9] in prefetches]
                     if head:  # 248k rows are programs enough without splitting K
                         tried = [c for c in tried if c[1] == 1]
                     for cfg in [default] + [c for c in tried if K // (128 * c[5]) >= c[1]
@@ -233,9 +215,8 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT), lowp
                         except Exception as e:  # out of resources (shared memory) for the largest tiles
                             print(f"  {cfg}: {type(e).__name__}", flush=True)
                     # what the step pays: the kernel, and the consumer's read of its fp32 partial sums (at M = 16 and
-                    # 8 splits, 8% of a 27B MLP's time: a split that wins the kernel by less loses the step), and a
-                    # kernel of their own to sum more than inductor folds into the consumer
-                    cost = {c: t + partials_cost(gemv.split_plan(K, c)[1], m * N, bw) for c, t in times.items()}
+                    # 8 splits, 8% of a 27B MLP's time: a split that wins the kernel by less loses the step)
+                    cost = {c: t + gemv.split_plan(K, c)[1] * m * N * 4 / bw for c, t in times.items()}
                     best = min(cost, key=cost.get)
                     best_of[gemv.tuned_key(fmt, N, K, m)] = best
                     if fmt == gemv.BF16:  # for kernels={"linears": "auto"}: is the kernel worth it over cuBLAS here?
@@ -304,7 +285,7 @@ def sweep_experts(bw, table: pathlib.Path | None, formats=("bf16",), tokens=(1,)
                                                               config=cfg, partials=True), variants=variants)
             except Exception as e:  # out of resources (shared memory) for the largest tiles
                 print(f"  {cfg}: {type(e).__name__}", flush=True)
-        cost = {c: t + partials_cost(gemv.split_plan(K, c)[1], pairs * N, bw) for c, t in times.items()}
+        cost = {c: t + gemv.split_plan(K, c)[1] * pairs * N * 4 / bw for c, t in times.items()}
         best = min(cost, key=cost.get)
         best_of[gemv.expert_key(fmt, N, K, pairs)] = best
         row = {"model": "35b-a3b", "layer": layer, "N": N, "K": K, "format": name, "pairs": pairs,
@@ -352,8 +333,6 @@ def main():
                    "the config in use), e.g. 3 for the fp16 dot")
     p.add_argument("--kstep", type=int, nargs="+", help="with --sweep: only configs with these KSTEP values (and the "
                    "config in use), e.g. 2 4 for the wide steps")
-    p.add_argument("--prefetch", type=int, nargs="+", help="with --sweep: only configs with these PREFETCH values (and "
-                   "the config in use), e.g. 1 2 for int4's pair kernels loading 1 or 2 groups ahead")
     p.add_argument("--int4-row-order", action="store_true", help="with --sweep: int4 codes in row order (as experts and "
                    "layers of rows no multiple of 16 keep them) instead of QuantLinear's 16-row tiles (tile_int4); "
                    "writes no table")
@@ -373,8 +352,7 @@ def main():
     print(f"{res['hardware']}, copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     if args.sweep:
         table = None if args.int4_row_order else args.write_table  # (the table's configs are the tiled codes')
-        res["sweep"] = sweep(args.shapes, args.m, bw, table, args.formats, args.lowp, args.kstep, args.int4_row_order,
-                             args.prefetch)
+        res["sweep"] = sweep(args.shapes, args.m, bw, table, args.formats, args.lowp, args.kstep, args.int4_row_order)
         if args.sweep_experts is not None:
             res["sweep_experts"] = sweep_experts(bw, args.write_table, args.formats, tuple(args.sweep_experts) or (1,))
         if args.json:

@@ -47,8 +47,7 @@
 #            committed table with python scripts/bench_quant.py --merge-tables A B). SWEEP_KSTEP="2 4": only wide steps (with the
 #            config in use). SWEEP_LOWP=3: only the
 #            fp16-dot configs (fp8 at M > 1; int4 at one row: its fp16 pair arithmetic), beside the one in use;
-#            SWEEP_LOWP="3 4" adds int4's mma.sync configs. SWEEP_PREFETCH="1 2": only int4 pair-kernel configs loading 1 or 2 groups ahead (with the config in use).
-#            SWEEP_ROW_ORDER=1: int4 codes in row order, not tiled. SWEEP_EXPERTS="1 8 16": then the grouped kernel's configs for
+#            SWEEP_LOWP="3 4" adds int4's mma.sync configs. SWEEP_ROW_ORDER=1: int4 codes in row order, not tiled. SWEEP_EXPERTS="1 8 16": then the grouped kernel's configs for
 #            the 35B-A3B routed experts at those token counts (9 pairs a token), in the same formats.
 #   suite    the pytest-benchmark suite (tests/benchmarks, 9B plain and MTP) saved as a baseline under
 #            tests/benchmarks/baselines (copied to $OUT: commit it); later runs compare against it
@@ -114,7 +113,7 @@ case "$stage" in
   sweep-gemv) t=${SWEEP_TAG:+_$SWEEP_TAG}; table=fastqwen/ops/gemv_configs$t.json
          [ -z "$t" ] || rm -f "$table"  # a tagged table holds only this sweep's results
          python scripts/bench_quant.py --sweep --shapes ${SWEEP_SHAPES:-27b} --m ${SWEEP_M:-1 4 16} \
-           --formats ${SWEEP_FORMATS:-fp8-weight int4 bf16} ${SWEEP_ROW_ORDER:+--int4-row-order} ${SWEEP_LOWP:+--lowp $SWEEP_LOWP} ${SWEEP_KSTEP:+--kstep $SWEEP_KSTEP} ${SWEEP_PREFETCH:+--prefetch $SWEEP_PREFETCH} ${SWEEP_EXPERTS:+--sweep-experts $SWEEP_EXPERTS} \
+           --formats ${SWEEP_FORMATS:-fp8-weight int4 bf16} ${SWEEP_ROW_ORDER:+--int4-row-order} ${SWEEP_LOWP:+--lowp $SWEEP_LOWP} ${SWEEP_KSTEP:+--kstep $SWEEP_KSTEP} ${SWEEP_EXPERTS:+--sweep-experts $SWEEP_EXPERTS} \
            --write-table "$table" --json "$out/gemv_sweep$t.json" 2>&1 | grep -E "^\||^  \(.*: [A-Za-z]+"  # (+ failed configs)
          cp "$table" "$out/" ;;
   suite) python -m pytest -q -p no:warnings tests/benchmarks --benchmark-only --no-autotune \

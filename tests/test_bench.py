@@ -299,24 +299,6 @@ def test_bench_quant_merges_sweep_tables(tmp_path):
         "B200": {"0:1x128:M1": [32, 2, 4, 4]}}
 
 
-def test_bench_quant_sweep_charges_a_sum_kernel_past_the_folded_splits():
-    """The sweep's cost of split-K partials: the consumer's read of them all, and a sum kernel of its own once
-    there are more than inductor folds into the consumer (FOLDED_SPLITS)."""
-    import importlib.util
-
-    path = pathlib.Path(__file__).parents[1] / "scripts" / "bench_quant.py"
-    spec = importlib.util.spec_from_file_location("bench_quant", path)
-    bq = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bq)
-    bw, outputs = 4e12, 5120
-    read = lambda splits: splits * outputs * 4 / bw  # noqa: E731
-    assert bq.partials_cost(bq.FOLDED_SPLITS, outputs, bw) == pytest.approx(read(bq.FOLDED_SPLITS))
-    assert bq.partials_cost(16, outputs, bw) == pytest.approx(read(16) + bq.SUM_KERNEL_S)
-    import torch._inductor.config as inductor_config  # (what the compiled steps run under: the engine keeps its default)
-
-    assert bq.FOLDED_SPLITS == inductor_config.unroll_reductions_threshold and bq.SUM_KERNEL_S > 0
-
-
 def test_quant_quality_calibrates_its_logit_error_with_weight_noise(tmp_path):
     """scripts/quant_quality.py on the tiny model: a scheme's row and a noise row, each with the per-linear error
     it was built to have (the noise row exactly ε, fp8-weight e4m3's few percent) and a logit error above it."""

@@ -201,11 +201,7 @@ HALF2 = ((32, 2, 4, 2, 1, 1, 3), (16, 1, 4, 1, 1, 2, 3), (64, 3, 4, 1, 1, 1, 3),
          (32, 2, 4, 1, 1, 1, 3, 0, 2), (16, 1, 4, 1, 1, 2, 3, 0, 4))  # and 2 or 4 row tiles a program (TILES)
 # the same pairs into mma.sync (BITS with LOWP 4; BLOCK_N ≥ 16 a warp): K split in 2, steps of two groups, 2 row tiles
 MMA = ((64, 2, 4, 2, 1, 1, 4), (64, 1, 4, 1, 1, 2, 4), (64, 3, 4, 1, 1, 1, 4, 0, 2))
-# either, each group's operands loaded 1 or 2 groups ahead (PREFETCH): K split in 2 (2 groups a split: the loads
-# ahead run past the split), 2 row tiles, 3 splits (one group each)
-PREFETCH = ((32, 2, 4, 1, 1, 1, 3, 0, 1, 1), (16, 1, 4, 1, 1, 1, 3, 0, 2, 2), (64, 2, 4, 1, 1, 1, 4, 0, 1, 2),
-            (64, 3, 4, 1, 1, 1, 4, 0, 2, 1))
-HALF2 += MMA + PREFETCH
+HALF2 += MMA
 for fmt, act, configs, ms in [(FP8_ROW, False, CONFIGS + WIDE + LOWP + SWAP + SWAP_WIDE + FP16, (1, 3, 16, 20, 40)),
                               (FP8_BLOCK, False, CONFIGS + LOWP[:1] + SWAP + FP16[::2], (1, 3, 16)),
                               (INT4, False, CONFIGS + LOWP[:1] + SWAP + PAIRS + INT4_WIDE + HALF2, (1, 3, 16, 33)),
@@ -247,18 +243,6 @@ try:  # tiled codes of another shape
     raise AssertionError("a tiled weight of 208 rows took N = 192")
 except ValueError as e:
     assert "tiled int4" in str(e)
-x = torch.randn(1, 384, dtype=torch.bfloat16)
-for config in PREFETCH:  # the same products in the same order as without it: the same bits, codes tiled or not
-    plain = config[:6] + (config[6], 0, config[8])
-    for weight in (w, wt):
-        assert torch.equal(_launch(x, INT4, weight, s, z, False, 208, 1, config=config),
-                           _launch(x, INT4, weight, s, z, False, 208, 1, config=plain)), config
-for config in ((32, 2, 4, 1, 1, 2, 3, 0, 1, 1), (32, 2, 4, 1, 1, 1, 3, 0, 1, 3), (32, 2, 4, 1, 1, 1, 0, 0, 1, 1)):
-    try:  # steps of two groups, three groups ahead, no pair arithmetic: refused
-        _launch(x, INT4, wt, s, z, False, 208, 1, config=config)
-        raise AssertionError(f"PREFETCH took {config}")
-    except ValueError as e:
-        assert "PREFETCH" in str(e), e
 w, s, z = operands(INT4, 200, 384, seed=7)
 for scale in (1e-6, 3e4):  # HALF2 scales x by a power of 2 into fp16's range: tiny and large rows stay exact
     x = torch.randn(1, 384, dtype=torch.bfloat16) * scale
@@ -569,23 +553,6 @@ for half2 in (1, 2):
     assert count(loop, "LDG.E.128") == 8 and count(loop, "BAR") == 0, (half2, count(loop, "LDG.E.128"))
     if half2 == 2:
         gemv.mma_layout_check(tiled)
-    # each group's operands loaded PREFETCH groups ahead: the first groups' codes, scales and zeros before PDL's wait
-    # (nothing else: x is the previous kernel's output), and in the walk every load issued before the group's math,
-    # no spill
-    for prefetch in (1, 2):
-        ahead = compile_sm90(gemv._row_kernel, sig, {**consts, "BLOCK_N": 64, "PREFETCH": prefetch},
-                             ALIGNED + ("xp_ptr",), num_stages=1)
-        ptx_ = ahead.asm["ptx"]
-        wait = ptx_.index("griddepcontrol.wait")
-        early = re.findall(r"ld\\.global\\S*", ptx_[:wait])
-        # a group: 64 rows x 16 words / 128 threads = two 16-byte loads of codes a thread, a scale and a zero a row
-        assert sorted(early) == sorted(prefetch * (["ld.global.v4.b32"] * 2 + ["ld.global.nc.f32"] * 4)), early
-        lines = [l for l in main_loop(cuobjdump(ahead, "-sass")).splitlines()]
-        last_load = max(i for i, l in enumerate(lines) if "LDG" in l)
-        first_math = min(i for i, l in enumerate(lines) if re.search(r"\\bHMMA|\\bHFMA2", l))
-        assert last_load < first_math and stack_bytes(ahead) == 0, (half2, prefetch, last_load, first_math)
-        if half2 == 2:
-            gemv.mma_layout_check(ahead)
 
 # programmatic dependent launch: every global read of the previous kernel's output comes after griddepcontrol.wait,
 # the weight's L2 prefetches before it; each format's weight layout, both kernels

@@ -432,7 +432,7 @@ if triton is not None:
                     ACC_K: tl.constexpr, STAGES: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr,
                     FIXUP: tl.constexpr = 0, SWIGLU: tl.constexpr = 0, PER_ROW: tl.constexpr = 0,
                     ACT_DTYPE: tl.constexpr = tl.bfloat16, HALF2: tl.constexpr = 0, ASM: tl.constexpr = 1,
-                    TILES: tl.constexpr = 1, TILED: tl.constexpr = 0, PREFETCH: tl.constexpr = 0):
+                    TILES: tl.constexpr = 1, TILED: tl.constexpr = 0):
         """One row of x (decode at batch 1, or one (token, expert) pair): products accumulate elementwise in
         registers and are summed over K once, at the end (no per-step reduction, no tensor-core layout).
         BITS: the weight is read as int32 words and decoded by bit moves (_fp8_bits, _int4_unit) instead of
@@ -447,12 +447,7 @@ if triton is not None:
         columns of x as scaled fp16 pairs to xp (_half2_prologue), then each word of 8 codes takes 16
         instructions of fp16 pair arithmetic (_int4_half2) and one FFMA by its row's group scale. TILES (HALF2
         only, launch option): a program computes TILES tiles of BLOCK_N rows one after another, so that one
-        prologue serves them all. PREFETCH (HALF2, launch option, 1 or 2): the walk goes group by group and loads
-        each group's operands PREFETCH groups ahead into registers (the codes, scale and zero of the first groups
-        before the prologue, and before PDL's wait), so that a program's loads overlap its prologue and its
-        arithmetic; without it a step's loads wait for the step's math before them (the sweeps found Triton's
-        shared-memory staging, STAGES > 1, slower for these kernels). The same products in the same order: the
-        same bits as KSTEP 1 or 2 without it."""
+        prologue serves them all."""
         n = tl.program_id(0) * TILES * BLOCK_N + tl.arange(0, BLOCK_N)  # (the first tile's rows)
         split = tl.program_id(2)  # split-K: this program sums K columns [split·k_per_split, +k_per_split)
         y0_ptr = y_ptr
@@ -464,14 +459,7 @@ if triton is not None:
             x_ptr, w_ptr, s_ptr, z_ptr, y_ptr = _pair_pointers(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, tok_ptr, exp_ptr,
                                                                N, K, w_estride, s_estride, SWIGLU, PER_ROW)
         k_end = tl.minimum(K, (split + 1) * k_per_split)
-        g_first, g_end = split * k_per_split // 128, k_end // 128  # (HALF2: the groups of this split)
-        if PREFETCH:  # the first tile's first groups: the weight is no kernel's output, so it loads before PDL's wait
-            # and before the prologue, whose latency it hides
-            ra, rb = _half2_rows(tl.program_id(0) * TILES, N, BLOCK_N, HALF2)
-            w1 = _half2_weights(w_ptr, s_ptr, z_ptr, ra, rb, g_first, g_end, K, s_stride, g_stride, HALF2, ASM, TILED)
-            if PREFETCH == 2:
-                w2 = _half2_weights(w_ptr, s_ptr, z_ptr, ra, rb, g_first + 1, g_end, K, s_stride, g_stride, HALF2, ASM,
-                                    TILED)
+        g_end = k_end // 128  # (HALF2: the end of this split's groups)
         if PDL and not GROUPED:
             _dependent_start(w_ptr, n, n < N, split * k_per_split, k_end, K, FMT, BITS, BLOCK_K, TILED)
         if HALF2:
@@ -487,126 +475,101 @@ if triton is not None:
                 acc = tl.zeros((BLOCK_N, ACC_K), tl.float32)
             acc_odd = tl.zeros((BLOCK_N, ACC_K), tl.float32)  # int4's odd columns
             offset = tl.zeros((BLOCK_N,), tl.float32)  # int4 with BITS: Σ over groups of scale · (16 + zero) · Σ x
-            if PREFETCH:  # group by group, each group's operands loaded PREFETCH groups ahead, into registers
-                if t > 0:
-                    w1 = _half2_weights(w_ptr, s_ptr, z_ptr, ra, rb, g_first, g_end, K, s_stride, g_stride, HALF2, ASM,
-                                        TILED)
-                    if PREFETCH == 2:
-                        w2 = _half2_weights(w_ptr, s_ptr, z_ptr, ra, rb, g_first + 1, g_end, K, s_stride, g_stride,
-                                            HALF2, ASM, TILED)
-                x1 = _half2_x(xp_ptr, g_first, g_end, K)
-                if PREFETCH == 2:
-                    x2 = _half2_x(xp_ptr, g_first + 1, g_end, K)
-                for g in tl.range(g_first, g_end, num_stages=1):
-                    w, x = w1, x1
-                    if PREFETCH == 2:
-                        w1, x1 = w2, x2
-                        w2 = _half2_weights(w_ptr, s_ptr, z_ptr, ra, rb, g + 2, g_end, K, s_stride, g_stride, HALF2,
-                                            ASM, TILED)
-                        x2 = _half2_x(xp_ptr, g + 2, g_end, K)
-                    else:
-                        w1 = _half2_weights(w_ptr, s_ptr, z_ptr, ra, rb, g + 1, g_end, K, s_stride, g_stride, HALF2,
-                                            ASM, TILED)
-                        x1 = _half2_x(xp_ptr, g + 1, g_end, K)
-                    if x_scale > 0:  # (always true: a block boundary, which ptxas does not schedule across, so the
-                        # loads above issue before this group's math; without it they sank below most of it)
-                        acc += _half2_products(w, x, HALF2, ASM)
-            else:
-                for k0 in tl.range(split * k_per_split, k_end, BLOCK_K, num_stages=STAGES):
-                    if HALF2 == 2 or (HALF2 and TILED):  # tiled codes, or the tensor cores (_int4_mma): 16-byte
-                        # loads, scale and zero loaded in the codes' row layout; KSTEP groups a step, each its scale
-                        for sub in tl.static_range(BLOCK_K // 128):
-                            g = k0 // 128 + sub
-                            acc += _half2_products(
-                                _half2_weights(w_ptr, s_ptr, z_ptr, ra, rb, g, g_end, K, s_stride, g_stride, HALF2, ASM,
-                                               TILED), _half2_x(xp_ptr, g, g_end, K), HALF2, ASM)
-                    elif HALF2:  # no row masks (rows past N repeat row N − 1, stored nowhere; words past the split
-                        # are masked by column alone): no per-row predicates. (The row-major scale loads convert to the
-                        # tile's row layout through shared memory: loading them as _int4_mma does, with 16-byte weight
-                        # loads, measured 6-17% slower on the 27B's shapes, 2026-12-02)
-                        n_in = tl.minimum(n, N - 1)
-                        for sub in tl.static_range(BLOCK_K // 128):  # KSTEP groups of 128 columns, each with its scale
-                            wd = (k0 + 128 * sub) // 8 + tl.arange(0, 16)
-                            wd_ok = wd < k_end // 8
-                            u = tl.load(w_ptr + n_in[:, None] * (K // 8) + wd[None, :], mask=wd_ok[None, :], other=0)
-                            g = tl.minimum(k0 // 128 + sub, k_end // 128 - 1)  # (a step past the split: any group's)
-                            scale = tl.load(s_ptr + n_in * s_stride + g * g_stride)
-                            # the zero, an integer in 0 … 16 (QuantLinear checks), as the fp16 pairs 1024 + zero and
-                            # −(64 + zero) by integer arithmetic (their bits)
-                            zi = tl.load(z_ptr + n_in * s_stride + g * g_stride).to(tl.int32)
-                            zlo = zi * 0x10001 + 0x64006400
-                            zhi = zi * 0x100010 - 0x2BFF2C00  # (0xD400D400: −64, −64)
-                            x0 = tl.load(xp_ptr + wd, mask=wd_ok, other=0)
-                            x1 = tl.load(xp_ptr + K // 8 + wd, mask=wd_ok, other=0)
-                            x2 = tl.load(xp_ptr + 2 * (K // 8) + wd, mask=wd_ok, other=0)
-                            x3 = tl.load(xp_ptr + 3 * (K // 8) + wd, mask=wd_ok, other=0)
-                            acc += _int4_half2(u, x0[None, :], x1[None, :], x2[None, :], x3[None, :], zlo[:, None],
-                                               zhi[:, None], ASM) * scale[:, None]
-                    elif BITS and FMT == 2:
-                        for sub in tl.static_range(BLOCK_K // 128):  # KSTEP groups of 128 columns, each with its scale
-                            wd = (k0 // 128 + sub) * 16 + tl.arange(0, 16)
-                            wd_ok = wd < k_end // 8
-                            u = tl.load(w_ptr + _int4_at(n[:, None], wd[None, :], K, 16, TILED),
-                                        mask=n_ok[:, None] & wd_ok[None, :], other=0)
-                            g = k0 // 128 + sub
-                            part = tl.zeros((BLOCK_N, 16), tl.float32)
-                            xsum = tl.zeros((16,), tl.float32)
-                            for i in tl.static_range(8):
-                                xi = tl.load(x_ptr + 8 * wd + i, mask=wd_ok, other=0.0).to(tl.float32)
-                                part += _int4_unit(u, i, ONE) * xi[None, :]  # (1 + q/16) · x
-                                xsum += xi
-                            g_ok = n_ok & (g < k_end // 128)
-                            scale = tl.load(s_ptr + n * s_stride + g * g_stride, mask=g_ok, other=0.0)
-                            zero = tl.load(z_ptr + n * s_stride + g * g_stride, mask=g_ok, other=0.0)
-                            acc += part * (16.0 * scale)[:, None]
-                            offset += scale * (16.0 + zero) * tl.sum(xsum, axis=0)
-                    elif BITS:  # fp8
-                        wd = k0 // 4 + tl.arange(0, BLOCK_K // 4)
-                        wd_ok = wd < k_end // 4
-                        u = tl.load(w_ptr + n[:, None] * (K // 4) + wd[None, :], mask=n_ok[:, None] & wd_ok[None, :],
-                                    other=0)
-                        if ACT_FP8:
-                            k = k0 + tl.arange(0, BLOCK_K)
-                            xs = tl.load(x_ptr + k, mask=k < k_end, other=0.0).to(tl.float32)
-                            xs = tl.maximum(tl.max(tl.abs(xs), axis=0) / FP8_LIMIT, 1e-12)
-                        part = tl.zeros((BLOCK_N, BLOCK_K // 4), tl.float32)
-                        for i in tl.static_range(4):
-                            xi = tl.load(x_ptr + 4 * wd + i, mask=wd_ok, other=0.0).to(tl.float32)
-                            if ACT_FP8:
-                                xi = (xi / xs).to(tl.float8e4nv).to(tl.float32) * xs
-                            part += _fp8_bits(u, i) * xi[None, :]
-                        if FMT == 1:
-                            part = part * tl.load(s_ptr + (n // BLOCK_K) * s_stride + (k0 // BLOCK_K) * g_stride,
-                                                  mask=n_ok, other=0.0)[:, None]
-                        acc += part
-                    elif FMT == 2:  # byte j holds columns 2j (low nibble) and 2j + 1 (high)
-                        j = k0 // 128 * 64 + tl.arange(0, BLOCK_K // 2)  # (BLOCK_K 128)
-                        j_ok = j < k_end // 2
-                        xe = tl.load(x_ptr + 2 * j, mask=j_ok, other=0.0).to(tl.float32)
-                        xo = tl.load(x_ptr + 2 * j + 1, mask=j_ok, other=0.0).to(tl.float32)
-                        b = tl.load(w_ptr + _int4_at(n[:, None], j[None, :], K, 64, TILED),
-                                    mask=n_ok[:, None] & j_ok[None, :], other=0)
-                        g = k0 // BLOCK_K
-                        scale = tl.load(s_ptr + n * s_stride + g * g_stride, mask=n_ok, other=0.0)[:, None]
-                        zero = tl.load(z_ptr + n * s_stride + g * g_stride, mask=n_ok, other=0.0)[:, None]
-                        acc += ((b & 0xF).to(tl.float32) - zero) * scale * xe[None, :]
-                        acc_odd += ((b >> 4).to(tl.float32) - zero) * scale * xo[None, :]
-                    else:
+            for k0 in tl.range(split * k_per_split, k_end, BLOCK_K, num_stages=STAGES):
+                if HALF2 == 2 or (HALF2 and TILED):  # tiled codes, or the tensor cores (_int4_mma): 16-byte
+                    # loads, scale and zero loaded in the codes' row layout; KSTEP groups a step, each its scale
+                    for sub in tl.static_range(BLOCK_K // 128):
+                        g = k0 // 128 + sub
+                        acc += _half2_products(
+                            _half2_weights(w_ptr, s_ptr, z_ptr, ra, rb, g, g_end, K, s_stride, g_stride, HALF2, ASM,
+                                           TILED), _half2_x(xp_ptr, g, g_end, K), HALF2, ASM)
+                elif HALF2:  # no row masks (rows past N repeat row N − 1, stored nowhere; words past the split
+                    # are masked by column alone): no per-row predicates. (The row-major scale loads convert to the
+                    # tile's row layout through shared memory: loading them as _int4_mma does, with 16-byte weight
+                    # loads, measured 6-17% slower on the 27B's shapes, 2026-12-02)
+                    n_in = tl.minimum(n, N - 1)
+                    for sub in tl.static_range(BLOCK_K // 128):  # KSTEP groups of 128 columns, each with its scale
+                        wd = (k0 + 128 * sub) // 8 + tl.arange(0, 16)
+                        wd_ok = wd < k_end // 8
+                        u = tl.load(w_ptr + n_in[:, None] * (K // 8) + wd[None, :], mask=wd_ok[None, :], other=0)
+                        g = tl.minimum(k0 // 128 + sub, k_end // 128 - 1)  # (a step past the split: any group's)
+                        scale = tl.load(s_ptr + n_in * s_stride + g * g_stride)
+                        # the zero, an integer in 0 … 16 (QuantLinear checks), as the fp16 pairs 1024 + zero and
+                        # −(64 + zero) by integer arithmetic (their bits)
+                        zi = tl.load(z_ptr + n_in * s_stride + g * g_stride).to(tl.int32)
+                        zlo = zi * 0x10001 + 0x64006400
+                        zhi = zi * 0x100010 - 0x2BFF2C00  # (0xD400D400: −64, −64)
+                        x0 = tl.load(xp_ptr + wd, mask=wd_ok, other=0)
+                        x1 = tl.load(xp_ptr + K // 8 + wd, mask=wd_ok, other=0)
+                        x2 = tl.load(xp_ptr + 2 * (K // 8) + wd, mask=wd_ok, other=0)
+                        x3 = tl.load(xp_ptr + 3 * (K // 8) + wd, mask=wd_ok, other=0)
+                        acc += _int4_half2(u, x0[None, :], x1[None, :], x2[None, :], x3[None, :], zlo[:, None],
+                                           zhi[:, None], ASM) * scale[:, None]
+                elif BITS and FMT == 2:
+                    for sub in tl.static_range(BLOCK_K // 128):  # KSTEP groups of 128 columns, each with its scale
+                        wd = (k0 // 128 + sub) * 16 + tl.arange(0, 16)
+                        wd_ok = wd < k_end // 8
+                        u = tl.load(w_ptr + _int4_at(n[:, None], wd[None, :], K, 16, TILED),
+                                    mask=n_ok[:, None] & wd_ok[None, :], other=0)
+                        g = k0 // 128 + sub
+                        part = tl.zeros((BLOCK_N, 16), tl.float32)
+                        xsum = tl.zeros((16,), tl.float32)
+                        for i in tl.static_range(8):
+                            xi = tl.load(x_ptr + 8 * wd + i, mask=wd_ok, other=0.0).to(tl.float32)
+                            part += _int4_unit(u, i, ONE) * xi[None, :]  # (1 + q/16) · x
+                            xsum += xi
+                        g_ok = n_ok & (g < k_end // 128)
+                        scale = tl.load(s_ptr + n * s_stride + g * g_stride, mask=g_ok, other=0.0)
+                        zero = tl.load(z_ptr + n * s_stride + g * g_stride, mask=g_ok, other=0.0)
+                        acc += part * (16.0 * scale)[:, None]
+                        offset += scale * (16.0 + zero) * tl.sum(xsum, axis=0)
+                elif BITS:  # fp8
+                    wd = k0 // 4 + tl.arange(0, BLOCK_K // 4)
+                    wd_ok = wd < k_end // 4
+                    u = tl.load(w_ptr + n[:, None] * (K // 4) + wd[None, :], mask=n_ok[:, None] & wd_ok[None, :],
+                                other=0)
+                    if ACT_FP8:
                         k = k0 + tl.arange(0, BLOCK_K)
-                        k_ok = k < k_end
-                        if SWIGLU:
-                            x = _swiglu_x(x_ptr, k, k_ok, K, tl.num_programs(1) * 2 * K, SWIGLU, ACT_DTYPE)
-                        else:
-                            x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+                        xs = tl.load(x_ptr + k, mask=k < k_end, other=0.0).to(tl.float32)
+                        xs = tl.maximum(tl.max(tl.abs(xs), axis=0) / FP8_LIMIT, 1e-12)
+                    part = tl.zeros((BLOCK_N, BLOCK_K // 4), tl.float32)
+                    for i in tl.static_range(4):
+                        xi = tl.load(x_ptr + 4 * wd + i, mask=wd_ok, other=0.0).to(tl.float32)
                         if ACT_FP8:
-                            xs = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_LIMIT, 1e-12)
-                            x = (x / xs).to(tl.float8e4nv).to(tl.float32) * xs
-                        w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                        w = w.to(tl.float32)
-                        if FMT == 1:
-                            w = w * tl.load(s_ptr + (n // BLOCK_K) * s_stride + (k0 // BLOCK_K) * g_stride, mask=n_ok,
-                                            other=0.0)[:, None]
-                        acc += w * x[None, :]
+                            xi = (xi / xs).to(tl.float8e4nv).to(tl.float32) * xs
+                        part += _fp8_bits(u, i) * xi[None, :]
+                    if FMT == 1:
+                        part = part * tl.load(s_ptr + (n // BLOCK_K) * s_stride + (k0 // BLOCK_K) * g_stride,
+                                              mask=n_ok, other=0.0)[:, None]
+                    acc += part
+                elif FMT == 2:  # byte j holds columns 2j (low nibble) and 2j + 1 (high)
+                    j = k0 // 128 * 64 + tl.arange(0, BLOCK_K // 2)  # (BLOCK_K 128)
+                    j_ok = j < k_end // 2
+                    xe = tl.load(x_ptr + 2 * j, mask=j_ok, other=0.0).to(tl.float32)
+                    xo = tl.load(x_ptr + 2 * j + 1, mask=j_ok, other=0.0).to(tl.float32)
+                    b = tl.load(w_ptr + _int4_at(n[:, None], j[None, :], K, 64, TILED),
+                                mask=n_ok[:, None] & j_ok[None, :], other=0)
+                    g = k0 // BLOCK_K
+                    scale = tl.load(s_ptr + n * s_stride + g * g_stride, mask=n_ok, other=0.0)[:, None]
+                    zero = tl.load(z_ptr + n * s_stride + g * g_stride, mask=n_ok, other=0.0)[:, None]
+                    acc += ((b & 0xF).to(tl.float32) - zero) * scale * xe[None, :]
+                    acc_odd += ((b >> 4).to(tl.float32) - zero) * scale * xo[None, :]
+                else:
+                    k = k0 + tl.arange(0, BLOCK_K)
+                    k_ok = k < k_end
+                    if SWIGLU:
+                        x = _swiglu_x(x_ptr, k, k_ok, K, tl.num_programs(1) * 2 * K, SWIGLU, ACT_DTYPE)
+                    else:
+                        x = tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+                    if ACT_FP8:
+                        xs = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_LIMIT, 1e-12)
+                        x = (x / xs).to(tl.float8e4nv).to(tl.float32) * xs
+                    w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                    w = w.to(tl.float32)
+                    if FMT == 1:
+                        w = w * tl.load(s_ptr + (n // BLOCK_K) * s_stride + (k0 // BLOCK_K) * g_stride, mask=n_ok,
+                                        other=0.0)[:, None]
+                    acc += w * x[None, :]
             if HALF2 == 2:  # rows a (even) at columns 4c, b (odd) at 4c + 1, four copies each
                 quarter = tl.arange(0, ACC_K)[None, :] % 4
                 ya = tl.sum(tl.where(quarter == 0, acc, 0.0), axis=1)
@@ -866,8 +829,8 @@ def gpu_table() -> dict:
 
 
 def gemv_config(fmt: int, N: int, K: int, rows: int, columns: int = 1) -> tuple[int, ...]:
-    """(BLOCK_N, SPLIT_K, num_warps, num_stages[, BITS[, KSTEP[, LOWP[, SWAP[, TILES[, PREFETCH]]]]]]) for `rows` rows of an [N, K] weight in
-    format `fmt`, with `columns` independent copies of the grid (expert pairs in grouped mode). Both modes take
+    """(BLOCK_N, SPLIT_K, num_warps, num_stages[, BITS[, KSTEP[, LOWP[, SWAP[, TILES]]]]]) for `rows` rows of an
+    [N, K] weight in format `fmt`, with `columns` independent copies of the grid (expert pairs in grouped mode). Both modes take
     scripts/bench_quant.py --sweep's measured best for this GPU when gemv_configs.json has it (grouped mode: per
     pair-count bucket, expert_key); otherwise enough programs that short K walks keep many loads in flight: BLOCK_N 64 (128 for int4, whose
     rows are half as wide; above 16 rows half that, 8 warps and 2 stages), K split in up to 8 parts of at least 4
@@ -878,8 +841,8 @@ def gemv_config(fmt: int, N: int, K: int, rows: int, columns: int = 1) -> tuple[
     (default 0) has the M > 1 kernel's dot take 16-bit operands (1: lowp_exact; int4 with BITS at any M), e4m3 ones (2: fp8_dot_ok; at M = 1 too, in the dot kernel) or fp16
     ones (3: fp16_dot_ok; fp8 weights, x scaled by a power of 2; int4 at one row: fp16 pair arithmetic; 4: int4 at one
     row, its pairs into mma.sync); SWAP
-    (default 0) has it take the weight as its first operand (without BITS); TILES (default 1) and PREFETCH (default 0)
-    are int4's one-row pair kernels' (_row_kernel); the sweep tries them all."""
+    (default 0) has it take the weight as its first operand (without BITS); TILES (default 1) is int4's one-row pair
+    kernels' (_row_kernel); the sweep tries them all."""
     tuned = (tuned_config(gpu_table(), fmt, N, K, rows) if columns == 1
              else gpu_table().get(expert_key(fmt, N, K, columns)))
     if tuned:
@@ -896,8 +859,8 @@ def gemv_config(fmt: int, N: int, K: int, rows: int, columns: int = 1) -> tuple[
 
 def full_config(config) -> tuple[int, ...]:
     """A launch config with its optional elements filled in: (BLOCK_N, SPLIT_K, num_warps, num_stages, BITS = 0,
-    KSTEP = 1, LOWP = 0, SWAP = 0, TILES = 1, PREFETCH = 0)."""
-    return (*config, *(0, 1, 0, 0, 1, 0)[len(config) - 4:])
+    KSTEP = 1, LOWP = 0, SWAP = 0, TILES = 1)."""
+    return (*config, *(0, 1, 0, 0, 1)[len(config) - 4:])
 
 
 def lowp_exact(fmt: int, x_dtype, w_dtype, bits: bool) -> bool:
@@ -959,7 +922,7 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
     M = 1 if grouped else rows
     explicit = config is not None
     config = config or gemv_config(fmt, N, K, M, rows if grouped else 1)
-    bn, split, warps, stages, bits, kstep, lowp, swap, tiles, prefetch = full_config(config)
+    bn, split, warps, stages, bits, kstep, lowp, swap, tiles = full_config(config)
     bits = bool(bits) and fmt != BF16
     if swiglu is not None:
         if (fmt == INT4 or (act_fp8 and fmt == BF16) or swiglu not in _TL_DTYPES or x.dim() != 3
@@ -1019,12 +982,6 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
                   or not (w[0] if grouped else w).is_contiguous()):
         raise ValueError(f"a tiled int4 weight (tile_int4) takes shape [N/16, K/128, 16, 64] for N={N}, K={K} "
                          f"([E, …] in grouped mode), each one contiguous; got {tuple(w.shape)}, grouped {grouped}")
-    if prefetch and not (prefetch in (1, 2) and half2 and kstep == 1):
-        if explicit:
-            raise ValueError(f"PREFETCH {prefetch} (1 or 2 groups loaded ahead) takes int4's pair kernels at one row "
-                             f"(BITS with LOWP 3 or 4) in steps of one group (KSTEP 1); got format {fmt}, BITS "
-                             f"{int(bits)}, LOWP {lowp}, KSTEP {kstep}, {M} rows")
-        prefetch = 0
     if bits:
         w = w.view(torch.int32)  # 4 fp8 codes or 8 int4 codes a word, in column order
     block_k = STEP * kstep
@@ -1055,7 +1012,7 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
             BLOCK_K=block_k, ACC_K=acc_k, STAGES=stages, BITS=bits, PDL=pdl, FIXUP=fix,
             SWIGLU=x.shape[0] if swiglu is not None else 0, PER_ROW=per_row,
             ACT_DTYPE=_TL_DTYPES.get(swiglu, tl.bfloat16), HALF2=half2, ASM=not triton.knobs.runtime.interpret,
-            TILES=tiles, TILED=tiled, PREFETCH=prefetch, num_warps=warps, launch_pdl=pdl)
+            TILES=tiles, TILED=tiled, num_warps=warps, launch_pdl=pdl)
         if half2 == 2 and not triton.knobs.runtime.interpret:
             mma_layout_check(kernel)
     else:
