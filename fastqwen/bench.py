@@ -70,7 +70,10 @@ def compile_options(no_autotune: bool, cuda: bool, extra=()) -> dict | None:
         pairs = [kv.split("=", 1) for kv in extra]
         opts = {**(opts or (CUDA_COMPILE_OPTIONS if cuda else {})), **{k: ast.literal_eval(v) for k, v in pairs}}
     return opts
-SYSTEMS = DEFAULT_SYSTEMS + tuple(CANDIDATE_SYSTEMS) + tuple(OPTION_SYSTEMS) + QUANT_SYSTEMS
+# a quantized system with an alternative kernel, e.g. "fastqwen-int4+splitk-fixup": (quantized system, kernels),
+# measured against that quantized system in the same process (one scheme a process)
+QUANT_VARIANTS = {q + c.removeprefix("fastqwen"): (q, k) for q in QUANT_SYSTEMS for c, k in CANDIDATE_SYSTEMS.items()}
+SYSTEMS = DEFAULT_SYSTEMS + tuple(CANDIDATE_SYSTEMS) + tuple(OPTION_SYSTEMS) + QUANT_SYSTEMS + tuple(QUANT_VARIANTS)
 
 
 class OracleProposer:
@@ -528,10 +531,10 @@ def run(
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
         raise ValueError(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
-    quant = [q for q in QUANT_SYSTEMS if q in systems]
-    if len(quant) > 1 or (quant and model is not None):
-        raise ValueError(f"{quant}: a quantized system quantizes the model in place, so a run takes at most one, "
-                         "on a model it builds itself (run one process per scheme)")
+    quant = [s for s in systems if s in QUANT_SYSTEMS or s in QUANT_VARIANTS]  # (in the order asked)
+    if len({QUANT_VARIANTS.get(s, (s,))[0] for s in quant}) > 1 or (quant and model is not None):
+        raise ValueError(f"{quant}: a quantized system quantizes the model in place, so a run takes one scheme "
+                         "(with or without alternative kernels), on a model it builds itself (run one process per scheme)")
     needed = prompt_len + n_long + 64
     if max_seq_len is not None and max_seq_len < needed:
         raise ValueError(f"max_seq_len={max_seq_len} < prompt_len + n_long + 64 = {needed}")
@@ -590,13 +593,14 @@ def run(
         res["systems"][system] = _measure(f"{label} {system}", lambda h=variants[system]: fastqwen_setup(**h), ids,
                                           (n_short, n_long), say, mask, repeats)
         _time_steps(f"{label} {system}", model, res["systems"][system], say)
-    for system in quant:  # last: it quantizes the model in place
+    for system in quant:  # last: it quantizes the model in place (a second system of the scheme: already done)
         _drop_engine(model, device)
-        scheme = system.removeprefix("fastqwen-")
-        res["systems"][system] = _measure(f"{label} {system}", lambda: fastqwen_setup(scheme), ids,
+        base, own = QUANT_VARIANTS.get(system, (system, None))
+        scheme = base.removeprefix("fastqwen-")
+        res["systems"][system] = _measure(f"{label} {system}", lambda: fastqwen_setup(scheme, own), ids,
                                           (n_short, n_long), say, mask, repeats)
         _time_steps(f"{label} {system}", model, res["systems"][system], say)
-        res[f"{system}_roofline_tok_s"] = res["copy_bandwidth_Bps"] / step_bytes(model, batch_size, context)
+        res[f"{base}_roofline_tok_s"] = res["copy_bandwidth_Bps"] / step_bytes(model, batch_size, context)
     add_ratios(res)
     _drop_engine(model, device)
     if built_here:
@@ -607,16 +611,19 @@ def run(
 
 def add_ratios(res: dict) -> dict:
     """Set a `run` result's ratios from its systems' tok/s (None where a side is missing or failed):
-    ``<candidate>_vs_fastqwen``, ``<quantized>_vs_bf16``, ``fastqwen_vs_hf_static``, ``fastqwen_vs_roofline``.
-    Returns res."""
+    ``<candidate>_vs_fastqwen``, ``<quantized>_vs_bf16`` (variants too), ``<variant>_vs_<quantized>``,
+    ``fastqwen_vs_hf_static``, ``fastqwen_vs_roofline``. Returns res."""
     tok_s = {system: out.get("tok_s") for system, out in res["systems"].items()}
     ratio = lambda a, b: a / b if a and b else None  # noqa: E731
     for system in (*CANDIDATE_SYSTEMS, *OPTION_SYSTEMS):
         if system in tok_s:
             res[f"{system}_vs_fastqwen"] = ratio(tok_s[system], tok_s.get("fastqwen"))
-    for system in QUANT_SYSTEMS:
+    for system in (*QUANT_SYSTEMS, *QUANT_VARIANTS):
         if system in tok_s:
             res[f"{system}_vs_bf16"] = ratio(tok_s[system], tok_s.get("fastqwen"))
+        if system in tok_s and system in QUANT_VARIANTS:
+            base = QUANT_VARIANTS[system][0]
+            res[f"{system}_vs_{base}"] = ratio(tok_s[system], tok_s.get(base))
     res["fastqwen_vs_hf_static"] = ratio(tok_s.get("fastqwen"), tok_s.get("hf-static-compile"))
     res["fastqwen_vs_roofline"] = ratio(tok_s.get("fastqwen"), res.get("roofline_tok_s"))
     return res
@@ -633,16 +640,24 @@ def _tok_s(out: dict) -> str:
 
 
 def _quant_cell(r: dict) -> str:
-    """"scheme tok/s (ratio×)" of a run's quantized system, if it had one."""
-    for system in QUANT_SYSTEMS:
+    """"scheme tok/s (ratio×)" of each quantized system a run measured (a variant also × its scheme's), or an em
+    dash."""
+    cells = []
+    for system in (*QUANT_SYSTEMS, *QUANT_VARIANTS):
         out = r.get("systems", {}).get(system)
-        if out is not None:
-            if "error" in out:
-                return f"{system.removeprefix('fastqwen-')}: error"
-            ratio, roof = r.get(f"{system}_vs_bf16"), r.get(f"{system}_roofline_tok_s")
-            notes = ([f"{ratio:.2f}×"] if ratio else []) + ([f"{out['tok_s'] / roof:.0%} of its roofline"] if roof else [])
-            return f"{system.removeprefix('fastqwen-')} {_tok_s(out)}" + (f" ({', '.join(notes)})" if notes else "")
-    return "—"
+        if out is None:
+            continue
+        name = system.removeprefix("fastqwen-")
+        if "error" in out:
+            cells.append(f"{name}: error")
+            continue
+        base = QUANT_VARIANTS.get(system, (system,))[0]
+        ratio, roof = r.get(f"{system}_vs_bf16"), r.get(f"{base}_roofline_tok_s")
+        notes = ([f"{ratio:.2f}×"] if ratio else []) + ([f"{out['tok_s'] / roof:.0%} of its roofline"] if roof else [])
+        if system != base and r.get(f"{system}_vs_{base}"):
+            notes.append(f"{r[f'{system}_vs_{base}']:.3f}× {base.removeprefix('fastqwen-')}")
+        cells.append(f"{name} {_tok_s(out)}" + (f" ({', '.join(notes)})" if notes else ""))
+    return "; ".join(cells) or "—"
 
 
 def _candidate_cell(r: dict) -> str:

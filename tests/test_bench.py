@@ -177,6 +177,27 @@ def test_run_gives_a_quantized_system_the_roofline_of_its_own_bytes():
     assert "of its roofline" in bench.format_table([r])
 
 
+def test_run_times_a_quantized_system_under_an_alternative_kernel(monkeypatch):
+    """A quantized variant ("fastqwen-fp8-weight+serial-launch") reaches optimize with its scheme and its own
+    kernels, after the plain quantized system, on the same (already quantized) model, and is reported against it;
+    two schemes in one run are refused."""
+    import fastqwen
+
+    seen = []
+    real = fastqwen.optimize
+    monkeypatch.setattr(fastqwen, "optimize", lambda *a, **k: seen.append((k["quant"], k["kernels"])) or real(*a, **k))
+    systems = ("fastqwen", "fastqwen-fp8-weight", "fastqwen-fp8-weight+serial-launch")
+    r = bench.run("tiny", systems=systems, prompt_len=16, n_short=2, n_long=6, dtype=torch.bfloat16, device="cpu",
+                  compile=False, progress=None)
+    assert seen == [(None, {}), ("fp8-weight", {}), ("fp8-weight", {"launch": "serial"})]
+    variant = r["systems"]["fastqwen-fp8-weight+serial-launch"]["tok_s"]
+    assert r["fastqwen-fp8-weight+serial-launch_vs_fastqwen-fp8-weight"] == (
+        variant / r["systems"]["fastqwen-fp8-weight"]["tok_s"])
+    assert "fp8-weight+serial-launch" in bench.format_table([r])
+    with pytest.raises(ValueError, match="one scheme"):
+        bench.run("tiny", systems=("fastqwen-int4", "fastqwen-fp8-weight+serial-launch"), device="cpu")
+
+
 def test_bench_spec_times_candidate_kernels_against_the_default(tmp_path):
     """scripts/bench_spec.py on the tiny CPU model: a DFlash run, then verify + commit re-timed under another
     GDN kernel in the same process, each with its ratio to the default's."""
