@@ -440,8 +440,11 @@ ALIGNED = ("x_ptr", "w_ptr", "s_ptr", "z_ptr", "y_ptr", "N", "K", "k_per_split")
 def w_type(fmt, bits):
     return "*i32" if bits else "*u8" if fmt == gemv.INT4 else "*bf16" if fmt == gemv.BF16 else "*fp8e4nv"
 
+def sz_types(fmt):  # scale and zero: int4's fp16 and uint8 (formats.INT4_SCALE, INT4_ZERO), the fp8 formats' fp32
+    return dict(s_ptr="*fp16", z_ptr="*u8") if fmt == gemv.INT4 else dict(s_ptr="*fp32", z_ptr="*fp32")
+
 def ptx(fmt, lowp, swap, act=False, bits=False, pdl=False, fixup=0):  # the 16-row kernel
-    sig = dict(x_ptr="*bf16", w_ptr=w_type(fmt, bits), s_ptr="*fp32", z_ptr="*fp32",
+    sig = dict(x_ptr="*bf16", w_ptr=w_type(fmt, bits), **sz_types(fmt),
                y_ptr="*fp32", M="i32", N="i32", K="i32", s_stride="i32", g_stride="i32", k_per_split="i32",
                cnt_ptr="*i32")
     consts = dict(FMT=fmt, ACT_FP8=act, FP8_LIMIT=448.0, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, STAGES=4, BITS=bits,
@@ -450,8 +453,8 @@ def ptx(fmt, lowp, swap, act=False, bits=False, pdl=False, fixup=0):  # the 16-r
 
 def row_kernel(fmt, bits, BN=128, pdl=False, fixup=0, grouped=False, swiglu=0, per_row=0, half2=0, stages=2, tiles=1):
     # one-row kernel, 128-column steps
-    sig = dict(x_ptr="*fp32" if swiglu else "*bf16", w_ptr=w_type(fmt, bits), s_ptr="*fp32",
-               z_ptr="*fp32", y_ptr="*fp32", tok_ptr="*i32", exp_ptr="*i32", N="i32", K="i32", s_stride="i32", g_stride="i32",
+    sig = dict(x_ptr="*fp32" if swiglu else "*bf16", w_ptr=w_type(fmt, bits), **sz_types(fmt),
+               y_ptr="*fp32", tok_ptr="*i32", exp_ptr="*i32", N="i32", K="i32", s_stride="i32", g_stride="i32",
                w_estride="i32", s_estride="i32", k_per_split="i32", ONE="i32", cnt_ptr="*i32", xp_ptr="*i32")
     acc_k = 128 // (8 if fmt == gemv.INT4 else 4) if bits else 64 if fmt == gemv.INT4 else 128
     consts = dict(FMT=fmt, ACT_FP8=False, GROUPED=grouped, FP8_LIMIT=448.0, BLOCK_N=BN, BLOCK_K=128, ACC_K=acc_k,
@@ -462,11 +465,12 @@ def row_kernel(fmt, bits, BN=128, pdl=False, fixup=0, grouped=False, swiglu=0, p
 def sass(fmt, bits, BN=128):
     return cuobjdump(row_kernel(fmt, bits, BN), "-sass")
 
-# bit-move decoding: no conversion instruction touches the weights (x's bf16 -> fp32 is a shift, an IMAD.U32);
-# int4: one and-or LOP3 per weight (128 rows x 128 columns / 128 threads = 128 weights a thread a step)
+# bit-move decoding: no conversion instruction touches the weights (x's bf16 -> fp32 is a shift, an IMAD.U32; int4's
+# one I2F is its row's uint8 zero); int4: one and-or LOP3 per weight (128 rows x 128 columns / 128 threads = 128
+# weights a thread a step)
 for fmt in (gemv.FP8_ROW, gemv.INT4):
     code = sass(fmt, True)
-    assert count(code, "I2F") == 0 and count(code, "F2F") == 0, (fmt, "conversions in the bit-move decode")
+    assert count(code, "I2F") <= (fmt == gemv.INT4) and count(code, "F2F") == 0, (fmt, "conversions in the bit-move decode")
 assert count(sass(gemv.INT4, False), "I2F") >= 128  # (the conversion decode, for contrast)
 assert count(sass(gemv.INT4, True), "LOP3") <= 1.25 * 128
 
@@ -502,12 +506,13 @@ for fmt in (gemv.FP8_ROW, gemv.FP8_BLOCK):
 for swap in (False, True):
     consts = dict(FMT=gemv.INT4, ACT_FP8=False, FP8_LIMIT=448.0, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, STAGES=2,
                   BITS=True, LOWP=1, SWAP=swap, PDL=False, FIXUP=0, ASM=True)
-    sig = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*fp32", z_ptr="*fp32", y_ptr="*fp32", M="i32", N="i32", K="i32",
+    sig = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*fp16", z_ptr="*u8", y_ptr="*fp32", M="i32", N="i32", K="i32",
                s_stride="i32", g_stride="i32", k_per_split="i32", cnt_ptr="*i32")
     kernel = compile_sm90(gemv._gemv_kernel, sig, consts, ALIGNED, num_stages=2)
     code = cuobjdump(kernel, "-sass")
     assert count(code, "I2F") == 0 and count(code, "F2F") <= 8, (swap, "conversions in the pair decode")  # (x's)
-    assert count(code, "HADD2") == 32 and count(code, "LOP3") < 96, (swap, count(code, "HADD2"), count(code, "LOP3"))
+    hadd2 = count(code, "HADD2") - count(code, "HADD2.F32")  # (HADD2.F32: the fp16 scales' conversions to fp32)
+    assert hadd2 == 32 and count(code, "LOP3") < 96, (swap, hadd2, count(code, "LOP3"))
     ptx_ = kernel.asm["ptx"]
     assert "sub.rn.bf16x2" in ptx_ and re.search(r"mma\S*\.bf16\.bf16", ptx_), swap
     if swap:
@@ -542,7 +547,7 @@ assert count(code, "IMAD.MOV") < 2 * 16, count(code, "IMAD.MOV")  # (x's pairs b
 # int4 codes tiled by 16 rows x a group (tile_int4): both one-row pair kernels read 16 bytes a load (128 rows x 16
 # words / 128 threads / 4 words a load: 4 loads a step, and 4 for x's pairs)
 for half2 in (1, 2):
-    sig = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*fp32", z_ptr="*fp32", y_ptr="*fp32", tok_ptr="*i32", exp_ptr="*i32",
+    sig = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*fp16", z_ptr="*u8", y_ptr="*fp32", tok_ptr="*i32", exp_ptr="*i32",
                N="i32", K="i32", s_stride="i32", g_stride="i32", w_estride="i32", s_estride="i32", k_per_split="i32",
                ONE="i32", cnt_ptr="*i32", xp_ptr="*i32")
     consts = dict(FMT=gemv.INT4, ACT_FP8=False, GROUPED=False, FP8_LIMIT=448.0, BLOCK_N=128, BLOCK_K=128, ACC_K=16,

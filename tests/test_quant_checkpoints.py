@@ -183,7 +183,7 @@ def test_quantization_errors(tmp_path):
     tensors = QuantLinear.from_linear(torch.nn.Linear(128, 32, bias=False), "int4").state_dict()
     for zero, message in ((0.5, "not all integers"), (-1.0, "from -1"), (17.0, "to 17")):  # the kernels' exact decode
         with pytest.raises(ValueError, match=rf"int4 zeros must be integers in 0…16.*{message}"):
-            QuantLinear("int4", 128, 32, {**tensors, "zero": torch.full_like(tensors["zero"], zero)})
+            QuantLinear("int4", 128, 32, {**tensors, "zero": torch.full(tensors["zero"].shape, zero)})
     with pytest.warns(UserWarning, match=r"kept .*in_features 64 not divisible by 48"):
         quantize(fresh("tiny"), "int4", group_size=48)
     for first, again, others in (("fp8-weight", ("fp8-weight", 64), [("int4", 128), ("fp8", 128)]),

@@ -35,11 +35,33 @@ def test_fp8_rows_and_activations_round_trip():
 
 
 def test_int4_round_trip_within_half_a_step():
-    w = torch.randn(96, 512)
+    # rows of very different magnitudes: fp16 scales down to its subnormals, and an all-zero row
+    w = torch.randn(96, 512) * torch.logspace(-7, 1, 96)[:, None]
+    w[5] = 0
     q, scale, zero = quantize_int4(w, group=128)
     assert q.dtype == torch.uint8 and int(q.max()) <= 15
+    assert scale.dtype == torch.float16 and zero.dtype == torch.uint8 and bool((scale > 0).all())
     err = (dequantize_int4(q, scale, zero, 128) - w).abs()
-    assert (err <= scale.repeat_interleave(128, 1) * 0.5 + 1e-6).all()
+    assert (err <= scale.float().repeat_interleave(128, 1) * 0.5 * (1 + 1e-6)).all()
+    assert not dequantize_int4(q, scale, zero, 128)[5].any()
+
+
+def test_int4_scales_are_stored_in_fp16_and_zeros_in_uint8():
+    """QuantLinear stores any int4 scale as fp16 and zero as uint8 (3 bytes a group, the kernels' dtypes), refuses a
+    scale outside fp16's range by name, and its stored bytes are half a byte a weight plus 3 a group."""
+    from fastqwen.quant.linear import QuantLinear
+
+    q, scale, zero = quantize_int4(torch.randn(32, 256), group=128)
+    tensors = {"qweight": QuantLinear.from_linear(torch.nn.Linear(256, 32), "int4").qweight.clone(),
+               "scale": scale.float(), "zero": zero.float()}
+    layer = QuantLinear("int4", 256, 32, tensors)
+    assert layer.scale.dtype == torch.float16 and layer.zero.dtype == torch.uint8
+    assert torch.equal(layer.scale, scale) and torch.equal(layer.zero, zero)
+    stored = sum(t.numel() * t.element_size() for t in (layer.qweight, layer.scale, layer.zero))
+    assert stored == 32 * 256 // 2 + 32 * 2 * 3
+    for bad in (1e6, 1e-9):
+        with pytest.raises(ValueError, match="int4 scales must lie in fp16's range"):
+            QuantLinear("int4", 256, 32, {**tensors, "scale": torch.full_like(tensors["scale"], bad)})
 
 
 def pack_gptq(q, zeros, *, zero_offset=1):

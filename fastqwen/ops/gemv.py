@@ -9,7 +9,7 @@ Two Triton kernels, four formats (constexpr FMT):
   FP8_ROW    w e4m3 [N, K], scale [N]: acc · scale[n] at the end.
   FP8_BLOCK  w e4m3 [N, K], scale_inv [⌈N/128⌉, ⌈K/128⌉]: each 128-column step adds (x·wᵀ) · scale_inv[n/128, k/128];
              with ACT_FP8, x is first rounded per row and 128 columns to e4m3 (the "fp8" scheme's numerics).
-  INT4       w uint8 [N, K/2], two codes a byte (low nibble = even column), scale and zero [N, K/128]:
+  INT4       w uint8 [N, K/2], two codes a byte (low nibble = even column), scale fp16 and zero uint8 [N, K/128]:
              w = (q − zero) · scale (quant/formats.py).
   BF16       w [N, K] in the model dtype.
 `_row_kernel` takes one row of x (batch-1 decode; each (token, expert) pair of the grouped mode): products
@@ -56,6 +56,8 @@ import torch
 
 from ..quant.formats import (
     FP8_MAX,
+    INT4_SCALE,
+    INT4_ZERO,
     TILE_ROWS,
     dequantize_fp8_block,
     dequantize_fp8_rows,
@@ -303,15 +305,21 @@ if triton is not None:
 
     @triton.jit
     def _row_load(ptrs, ASM: tl.constexpr):
-        """fp32 values at `ptrs` (one a row of a weight tile), loaded in the layout `ptrs` has. A tl.load would be
-        laid out for coalescing and converted to the tile's row layout through shared memory, two CTA barriers
-        a conversion, every step; this asm load is elementwise, so it takes its operand's layout. The threads
-        that share a row read one address: one transaction. Without ASM (the interpreter): tl.load."""
-        if ASM:
-            r = tl.inline_asm_elementwise("ld.global.nc.f32 $0, [$1];", "=f,l", [ptrs], dtype=tl.float32, is_pure=True,
-                                          pack=1)
+        """The fp16 or uint8 values at `ptrs` (one a row of a weight tile: int4's scales, zeros), as fp32 or int32,
+        loaded in the layout `ptrs` has. A tl.load would be laid out for coalescing and converted to the tile's row
+        layout through shared memory, two CTA barriers a conversion, every step; this asm load is elementwise, so
+        it takes its operand's layout. The threads that share a row read one address: one transaction. Without
+        ASM (the interpreter): tl.load."""
+        if ASM and ptrs.dtype.element_ty == tl.float16:
+            r = tl.inline_asm_elementwise("ld.global.nc.b16 $0, [$1];", "=h,l", [ptrs], dtype=tl.float16,
+                                          is_pure=True, pack=1).to(tl.float32)
+        elif ASM:  # (a u8 load into a 32-bit register zero-extends)
+            r = tl.inline_asm_elementwise("ld.global.nc.u8 $0, [$1];", "=r,l", [ptrs], dtype=tl.int32,
+                                          is_pure=True, pack=1)
+        elif ptrs.dtype.element_ty == tl.float16:
+            r = tl.load(ptrs).to(tl.float32)
         else:
-            r = tl.load(ptrs)
+            r = tl.load(ptrs).to(tl.int32)
         return r
 
     @triton.jit
@@ -337,7 +345,7 @@ if triton is not None:
         u = tl.load(w_ptr + _int4_at(rows[:, None], wd[None, :], K, 16, TILED), mask=g < g_end, other=0)
         g = tl.minimum(g, g_end - 1)
         scale = _row_load(s_ptr + rows * s_stride + g * g_stride, ASM)
-        zero = _row_load(z_ptr + rows * s_stride + g * g_stride, ASM).to(tl.int32)
+        zero = _row_load(z_ptr + rows * s_stride + g * g_stride, ASM)
         return u, scale, zero
 
     @triton.jit
@@ -690,9 +698,10 @@ if triton is not None:
                                 mask=n_ok[:, None] & wd_ok[None, :], other=0)
                     u2 = tl.join(u, u).reshape(BLOCK_N, 32)
                     g_ok = n_ok & (g < k_end // 128)
-                    zb = ((tl.load(z_ptr + n * s_stride + g * g_stride, mask=g_ok, other=0.0)
-                           + (128.0 if dt == tl.bfloat16 else 1024.0)).to(dt).to(tl.int16, bitcast=True).to(tl.int32)
-                          & 0xFFFF)
+                    # the 16-bit pattern of 128 + zero (bf16) or 1024 + zero (fp16): the zero, an integer in 0 … 16, in
+                    # the mantissa's low bits (a step of 1 at 128 in bf16, at 1024 in fp16)
+                    zb = (tl.load(z_ptr + n * s_stride + g * g_stride, mask=g_ok, other=0).to(tl.int32)
+                          + (0x4300 if dt == tl.bfloat16 else 0x6400))
                     zz = (zb | (zb << 16))[:, None]
                     c_ok = (16 * g + c // 2) < k_end // 8
                     part = tl.zeros(acc.shape, tl.float32)
@@ -993,8 +1002,10 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
     # a 2-D scale's strides (rows, groups): row-major, or group-major as QuantLinear keeps int4's (a program's rows of
     # one group then lie side by side); int4's zero is laid out as its scale
     s_stride, g_stride = one.stride() if one is not None and one.dim() == 2 else (1, 1)
-    if fmt == INT4 and zero.stride() != scale.stride():
-        raise ValueError(f"int4's zero and scale need one layout; got strides {zero.stride()} and {scale.stride()}")
+    if fmt == INT4 and (zero.stride() != scale.stride() or scale.dtype != INT4_SCALE or zero.dtype != INT4_ZERO):
+        raise ValueError(f"int4's scale and zero need one layout and the stored dtypes, {INT4_SCALE} and {INT4_ZERO} "
+                         f"(formats.quantize_int4 and QuantLinear give them); got strides {scale.stride()} and "
+                         f"{zero.stride()}, dtypes {scale.dtype} and {zero.dtype}")
     w_estride = w.stride(0) if grouped else 0
     s_estride = scale.stride(0) if grouped and scale is not None else 0
     tok, exp = pairs if grouped else (x, x)  # unused pointers outside grouped mode

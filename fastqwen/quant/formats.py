@@ -3,10 +3,12 @@
 fp8-block: e4m3 weight [N, K] and fp32 scale_inv [⌈N/bn⌉, ⌈K/bk⌉], w ≈ q · scale_inv[block] (Qwen's FP8
     checkpoints store exactly this as `weight` + `weight_scale_inv`, blocks 128×128).
 fp8-row: e4m3 weight [N, K] and fp32 scale [N].
-int4: codes [N, K] uint8 in 0…15, fp32 scale and zero [N, K/g]: w ≈ (q − zero) · scale per group of g
-    consecutive input columns; an optional input permutation `perm` (act-order checkpoints) means the stored
-    columns are the original columns perm[0], perm[1], … QuantLinear stores the codes packed two a byte
-    (`pack_int4`: low nibble = even column), so a step reads half a byte per weight.
+int4: codes [N, K] uint8 in 0…15, scale [N, K/g] fp16 and zero [N, K/g] uint8 (an integer: INT4_SCALE,
+    INT4_ZERO): w ≈ (q − zero) · scale per group of g consecutive input columns; an optional input permutation
+    `perm` (act-order checkpoints) means the stored columns are the original columns perm[0], perm[1], …
+    QuantLinear stores the codes packed two a byte (`pack_int4`: low nibble = even column), so a step reads half
+    a byte per weight and 3 bytes per group of its row (0.52 bytes a weight at g = 128; fp32 scale and zero
+    were 8 bytes, 0.56).
 """
 
 import torch
@@ -49,15 +51,37 @@ def dequantize_fp8_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale.float()[..., None]
 
 
+INT4_SCALE, INT4_ZERO = torch.float16, torch.uint8  # int4's stored scale and zero dtypes (GPTQ's and AWQ's scales
+# are fp16 too); the kernels read these two and no others
+
+
+def int4_scale(scale: torch.Tensor) -> torch.Tensor:
+    """scale in INT4_SCALE, rounded to nearest (exact for GPTQ / AWQ's fp16 scales); a ValueError where a value
+    leaves fp16's range (overflows, or a nonzero scale flushes to 0), which would decode its group wrongly."""
+    s = scale.to(INT4_SCALE)
+    if s.is_meta:
+        return s
+    bad = ~torch.isfinite(s) | ((s == 0) & (scale != 0))
+    if bad.any():
+        raise ValueError(f"int4 scales must lie in fp16's range ({2**-24:.3g} … 65504), the stored format; got "
+                         f"{scale[bad].flatten()[0].item():.3g}: quantize this weight in a wider format (fp8-weight)")
+    return s
+
+
 def quantize_int4(w: torch.Tensor, group: int = 128):
-    """(codes [N, K] uint8, scale [N, K/g], zero [N, K/g]) asymmetric min/max per group (K % g == 0)."""
+    """(codes [N, K] uint8, scale [N, K/g] fp16, zero [N, K/g] uint8) asymmetric min/max per group (K % g == 0).
+    The scale is rounded up to fp16 (never below the group's range / 15) and the codes are taken against it, so
+    every weight is within half a step of its decoded value."""
     N, K = w.shape
     v = w.float().view(N, K // group, group)
     lo, hi = v.amin(-1).clamp(max=0), v.amax(-1).clamp(min=0)
-    scale = ((hi - lo) / 15).clamp(min=1e-12)
-    zero = (-lo / scale).round().clamp(0, 15)
-    q = (v / scale[..., None] + zero[..., None]).round().clamp(0, 15)
-    return q.view(N, K).to(torch.uint8), scale, zero
+    exact = ((hi - lo) / 15).clamp(min=2**-24)  # (fp16's least subnormal)
+    scale = int4_scale(exact)
+    scale = (scale.view(torch.int16) + (scale.float() < exact).to(torch.int16)).view(INT4_SCALE)  # up: next fp16
+    s = scale.float()
+    zero = (-lo / s).round().clamp(0, 15)
+    q = (v / s[..., None] + zero[..., None]).round().clamp(0, 15)
+    return q.view(N, K).to(torch.uint8), scale, zero.to(INT4_ZERO)
 
 
 def dequantize_int4(q, scale, zero, group: int, perm=None) -> torch.Tensor:

@@ -17,7 +17,7 @@ from torch import nn
 from ..model import text_model
 from ..ops.gemv import FORMATS, MAX_ROWS, STEP, group_major, tile_int4, untile_int4, wq_linear
 from .experts import QuantExperts
-from .formats import dequantize_weight, fake_quantize_fp8_activations, quantize_weight
+from .formats import INT4_ZERO, dequantize_weight, fake_quantize_fp8_activations, int4_scale, quantize_weight
 
 SCHEMES = ("fp8", "fp8-weight", "int4")
 _MIN_OUT_FEATURES = 16  # tiny projections (shared-expert gate: 1 row) stay in the model dtype
@@ -26,7 +26,8 @@ _MIN_OUT_FEATURES = 16  # tiny projections (shared-expert gate: 1 row) stay in t
 class QuantLinear(nn.Module):
     """y = x·Wᵀ (+ b) with W held in `scheme`'s format (see formats.py; int4 codes packed by `pack_int4` and, where
     out_features is a multiple of 16, tiled by 16 rows × a group (ops/gemv.py tile_int4: the kernels stream
-    whole KBs), an act-order permutation in the `perm` buffer); buffers keep the state dict."""
+    whole KBs), its scale in fp16 and zero in uint8 whatever dtype they come in (int4_scale), an act-order
+    permutation in the `perm` buffer); buffers keep the state dict."""
 
     def __init__(self, scheme: str, in_features: int, out_features: int, tensors: dict, bias=None, group: int = 128):
         super().__init__()
@@ -38,6 +39,9 @@ class QuantLinear(nn.Module):
                              f"few-row kernels decode q − zero exactly in 16 bits and bound fp16 sums by |q − zero| ≤ 16; "
                              f"got values from {zero.min().item():g} "
                              f"to {zero.max().item():g}{'' if bool((zero == zero.round()).all()) else ', not all integers'}")
+        if scheme == "int4" and zero is not None:  # the dtypes the kernels read (checked: no value changes but
+            # a scale's rounding to fp16)
+            tensors = {**tensors, "scale": int4_scale(tensors["scale"]), "zero": zero.to(INT4_ZERO)}
         for name, t in tensors.items():
             if scheme == "int4" and name in ("scale", "zero"):  # the rows of one group side by side
                 t = group_major(t)

@@ -1,0 +1,50 @@
+"""Kernel times of the weight-streaming kernel at the launch configs this tree would use, per layer of a shape set.
+
+    python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --tag new
+
+For A/B of a kernel or stored-format change on one GPU: run it in two checkouts (old and new) in turn, in one
+device call, and compare the rows. Each time is the minimum of --repeats CUDA-graph timings cycling through cold
+copies of the weight (fastqwen.bench.graph_seconds, as the sweep times), at one row (decode). Prints a Markdown
+row per layer: tag, layer, shape, config, µs, stored MB. Not a sweep (scripts/bench_quant.py --sweep): one config.
+"""
+
+import argparse
+import pathlib
+import sys
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from fastqwen import bench  # noqa: E402
+from fastqwen.ops import gemv  # noqa: E402
+from bench_quant import SHAPES, SWEPT  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--format", default="int4", choices=list(SWEPT))
+    p.add_argument("--shapes", nargs="+", default=["27b", "27b-head"], choices=list(SHAPES))
+    p.add_argument("--tag", default="", help="first column of each row (which tree)")
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("gemv_times.py times the CUDA kernel: it needs a GPU")
+    fmt = getattr(gemv, SWEPT[args.format])
+    for layer, N, K in (s for name in args.shapes for s in SHAPES[name]):
+        torch.manual_seed(0)
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
+        stored = gemv.stored_operands(fmt, w)
+        nbytes = sum(t.numel() * t.element_size() for t in stored if t is not None)
+        copies = [stored] + [tuple(None if t is None else t.clone() for t in stored)
+                             for _ in range(bench.cold_copies(nbytes, "cuda") - 1)]
+        x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+        run = lambda x, q, s, z: gemv._launch(x, fmt, q, s, z, False, N, 1, partials=True)  # noqa: E731
+        t = min(bench.graph_seconds(run, variants=[(x, *c) for c in copies]) for _ in range(args.repeats))
+        config = gemv.full_config(gemv.gemv_config(fmt, N, K, 1))
+        print(f"| {args.tag} | {layer} | {N}x{K} | {config} | {t * 1e6:.1f} µs | {nbytes / 1e6:.1f} MB |", flush=True)
+        del copies, stored, w
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
