@@ -36,6 +36,7 @@ CANDIDATE_SYSTEMS = {"fastqwen+split-attention": {"attention": "split"},  # (the
                      "fastqwen+fused-gdn-norm": {"gdn_norm": "fused"},
                      "fastqwen+fused-expert-act": {"expert_act": "fused"},  # (the default with grouped: "auto")
                      "fastqwen+separate-expert-act": {"expert_act": "separate"},
+                     "fastqwen+one-launch-experts": {"expert_act": "mlp"},
                      "fastqwen+packed-route": {"route": "packed"},  # (the default with grouped: "auto")
                      "fastqwen+argmax-route": {"route": "argmax"},
                      "fastqwen+fused-mlp-act": {"mlp_act": "fused"},

@@ -36,7 +36,7 @@ KERNELS = {"attention": ("split", "sdpa"), "experts": ("auto", "gather", "groupe
            "projections": ("fused", "separate"), "linears": ("auto", "torch", "gemv"),
            "gdn": ("block", "unrolled", "fla"), "launch": ("auto", "serial", "pdl"),
            "splitk": ("sum", "fixup"), "gdn_norm": ("separate", "fused"),
-           "expert_act": ("auto", "separate", "fused"), "route": ("auto", "argmax", "packed"),
+           "expert_act": ("auto", "separate", "fused", "mlp"), "route": ("auto", "argmax", "packed"),
            "mlp_act": ("separate", "fused"), "conv": ("fused", "separate")}  # first: the default
 
 
@@ -79,7 +79,9 @@ def check_kernels(kernels: dict | None, cfg, device, int4: bool = False) -> dict
     experts' silu(gate)·up as a kernel of inductor's between the gate | up and the down launches ("separate")
     or computed by the down launch from the gate | up partials as it loads them ("fused": a launch less a MoE
     layer; bf16 and fp8 experts, while int4 ones keep the separate kernel; needs "experts" grouped or
-    grouped-pdl and a SiLU MLP). "route": the grouped experts'
+    grouped-pdl and a SiLU MLP), or gate | up, activation and down all in one launch whose down tiles load
+    their weights while the gate | up tiles still run ("mlp": ops/expert_mlp.py; bf16 and fp8-weight experts,
+    fp8 ones as "fused", int4 ones as "separate"; a candidate). "route": the grouped experts'
     routing kernel's k rounds as a max then a min over the indices holding it, in 4 warps ("argmax"), or as one
     max over (logit, index) keys packed into an int64, in one warp ("packed": no shared memory, no barrier;
     same experts and weights; ops/router.py; needs "experts" grouped or grouped-pdl). Both "auto" (the default
@@ -118,13 +120,13 @@ def check_kernels(kernels: dict | None, cfg, device, int4: bool = False) -> dict
         kernels["route"] = "packed" if grouped else "argmax"
     if kernels["expert_act"] == "auto":
         kernels["expert_act"] = "fused" if grouped and getattr(cfg, "hidden_act", "silu") == "silu" else "separate"
-    for op, choice in (("expert_act", "fused"), ("route", "packed")):
+    for op, choice in (("expert_act", "fused"), ("expert_act", "mlp"), ("route", "packed")):
         if kernels[op] == choice and kernels["experts"] not in ("grouped", "grouped-pdl"):
             raise ValueError(f"kernels[{op!r}]={choice!r} is a grouped-experts kernel: set kernels['experts'] to "
                              f"'grouped' or 'grouped-pdl' (it is {kernels['experts']!r})")
     for op in ("expert_act", "mlp_act"):
-        if kernels[op] == "fused" and getattr(cfg, "hidden_act", "silu") != "silu":
-            raise ValueError(f"kernels[{op!r}]='fused' computes SiLU; this model's hidden_act is "
+        if kernels[op] in ("fused", "mlp") and getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"kernels[{op!r}]={kernels[op]!r} computes SiLU; this model's hidden_act is "
                              f"{cfg.hidden_act!r}: use 'separate'")
     if kernels["mlp_act"] == "fused" and (kernels["projections"] != "fused" or kernels["linears"] == "torch"):
         raise ValueError("kernels['mlp_act']='fused' reads the fused gate | up projection's partials from the "
@@ -172,7 +174,8 @@ class Forward:
                            gemv={"torch": False, "gemv": True, "auto": "auto"}[self.kernels["linears"]],
                            pdl=self.pdl, fixup=self.kernels["splitk"] == "fixup",
                            fused_act=self.kernels["mlp_act"] == "fused")
-        if cache.lengths.device.type == "cuda" and (self.lin.fixup or self.fused_norm):
+        if cache.lengths.device.type == "cuda" and (self.lin.fixup or self.fused_norm
+                                                    or self.kernels["expert_act"] == "mlp"):
             tile_counts(cache.lengths.device, 0)  # the kernels' arrival counts, allocated before any capture
         for layer in self.layers:
             self.prepare_layer(layer)
@@ -355,5 +358,5 @@ class Forward:
             return mlp(h)  # transformers' own grouped expert loop
         experts = self.kernels["experts"]
         return routed_moe(mlp, h, grouped=experts in ("grouped", "grouped-pdl"), lin=self.lin,
-                          pdl=self.pdl and experts == "grouped-pdl", fused_act=self.kernels["expert_act"] == "fused",
+                          pdl=self.pdl and experts == "grouped-pdl", expert_act=self.kernels["expert_act"],
                           packed_route=self.kernels["route"] == "packed")

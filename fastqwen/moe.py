@@ -14,6 +14,7 @@ their quantized shared expert the same way (QuantExperts.stack_shared).
 import torch
 
 from .linears import Linears
+from .ops.expert_mlp import expert_mlp
 from .ops.gemv import BF16, expert_gemv, expert_swiglu_gemv
 from .ops.router import reference as route_reference
 from .ops.router import route
@@ -96,13 +97,16 @@ def _fits(mlp) -> bool:
 
 
 def routed_moe(mlp, h: torch.Tensor, grouped: bool = False, lin: Linears | None = None,
-               pdl: bool = False, fused_act: bool = False, packed_route: bool = False) -> torch.Tensor:
+               pdl: bool = False, expert_act: str = "separate", packed_route: bool = False) -> torch.Tensor:
     """The MoE block on few tokens h [B, T, H]: each token's top-k experts only, plus the shared expert. pdl
-    (with grouped): the routing and the expert launches with programmatic dependent launch. fused_act (with
-    grouped, experts whose act_fn is SiLU): the down launch computes silu(gate)·up from the gate | up launch's
-    partials as it loads them (ops/gemv.py expert_swiglu_gemv); quantized experts (QuantExperts.routed, their
-    own kernel launches on CUDA) do so in bf16 and fp8, while int4 ones keep a kernel for it. packed_route (with
-    grouped): the routing kernel's one-warp packed-key rounds (ops/router.py)."""
+    (with grouped): the routing and the expert launches with programmatic dependent launch. expert_act (with
+    grouped, experts whose act_fn is SiLU; "separate": a kernel of its own between the two expert launches):
+    "fused", the down launch computes silu(gate)·up from the gate | up launch's partials as it loads them
+    (ops/gemv.py expert_swiglu_gemv); "mlp", gate | up, the activation and down in one launch on CUDA
+    (ops/expert_mlp.py; bf16 and fp8-weight experts, the others as "fused"); quantized experts
+    (QuantExperts.routed, their own kernel launches on CUDA) do so in bf16 and fp8, while int4 ones keep a
+    kernel for the activation. packed_route (with grouped): the routing kernel's one-warp packed-key rounds
+    (ops/router.py)."""
     shape = h.shape
     x = h.reshape(-1, shape[-1])
     stacked = mlp.__dict__.get("fastqwen_stacked") if grouped else None
@@ -115,15 +119,18 @@ def routed_moe(mlp, h: torch.Tensor, grouped: bool = False, lin: Linears | None 
                         else route_reference(lin.weight(x, router), mlp.gate.top_k, stacked is not None))
     weights = weights.to(x.dtype)
     if hasattr(mlp.experts, "routed"):  # quantized experts
-        out = mlp.experts.routed(x, experts, fused_act)
+        out = mlp.experts.routed(x, experts, expert_act)
     elif grouped:
         gate_up, down = (mlp.experts.gate_up_proj, mlp.experts.down_proj) if stacked is None else stacked[:2]
         N, k = experts.shape
         pair_expert = experts.flatten().int()
-        parts = expert_gemv(x, None, pair_expert, BF16, gate_up, None, None, gate_up.shape[1], pdl=pdl)  # k a token
-        if fused_act:
+        if expert_act == "mlp":  # (k pairs a token)
+            out = expert_mlp(x, pair_expert, BF16, gate_up, None, down, None, x.dtype)
+        elif expert_act == "fused":
+            parts = expert_gemv(x, None, pair_expert, BF16, gate_up, None, None, gate_up.shape[1], pdl=pdl)
             out = expert_swiglu_gemv(parts, pair_expert, BF16, down, None, down.shape[1], x.dtype, pdl=pdl).sum(0)
         else:
+            parts = expert_gemv(x, None, pair_expert, BF16, gate_up, None, None, gate_up.shape[1], pdl=pdl)
             gate, up = parts.sum(0).chunk(2, -1)
             act = (mlp.experts.act_fn(gate) * up).to(x.dtype)  # [N·k, I]
             out = expert_gemv(act, None, pair_expert, BF16, down, None, None, down.shape[1], pdl=pdl).sum(0)

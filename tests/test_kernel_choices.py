@@ -20,8 +20,9 @@ def test_grouped_experts_match_the_gathered_ones():
         hf = hf[0] if isinstance(hf, tuple) else hf
         torch.testing.assert_close(routed_moe(mlp, h), hf, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(routed_moe(mlp, h, grouped=True), routed_moe(mlp, h), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(routed_moe(mlp, h, grouped=True, fused_act=True), routed_moe(mlp, h),
-                                   rtol=1e-5, atol=1e-5)
+        for act in ("fused", "mlp"):
+            torch.testing.assert_close(routed_moe(mlp, h, grouped=True, expert_act=act), routed_moe(mlp, h),
+                                       rtol=1e-5, atol=1e-5)
 
 
 ALL = {"attention": "sdpa", "experts": "grouped", "projections": "separate", "linears": "gemv", "gdn": "fla",
@@ -42,6 +43,7 @@ ALL = {"attention": "sdpa", "experts": "grouped", "projections": "separate", "li
                                                   ("tiny-moe", ALL, False),
                                                   ("tiny-moe", {"experts": "grouped-pdl", "launch": "pdl"}, True),
                                                   ("tiny-moe", {"experts": "grouped", "expert_act": "fused"}, True),
+                                                  ("tiny-moe", {"experts": "grouped", "expert_act": "mlp"}, True),
                                                   ("tiny-moe", ALL, True)])
 def test_alternative_kernels_give_the_default_tokens(name, kernels, compile):
     default = fastqwen.optimize(fresh(name), max_batch_size=2, max_seq_len=96, compile=False)

@@ -14,6 +14,8 @@ experts, so that `routed` runs it in the same two launches as the routed ones.
 import torch
 from torch import nn
 
+from ..ops.expert_mlp import KERNEL_FORMATS as MLP_FORMATS
+from ..ops.expert_mlp import expert_mlp
 from ..ops.gemv import FORMATS, INT4, STEP, expert_gemv, expert_swiglu_gemv
 from .formats import dequantize_weight, fake_quantize_fp8_activations, quantize_weight, tile_int4
 
@@ -155,10 +157,12 @@ class QuantExperts(nn.Module):
     def _kernel_fits(self) -> bool:
         return self.hidden % STEP == 0 and self.inter % STEP == 0 and (self.scheme != "int4" or self.group == STEP)
 
-    def routed(self, x: torch.Tensor, experts: torch.Tensor, fused_act: bool = False) -> torch.Tensor:
+    def routed(self, x: torch.Tensor, experts: torch.Tensor, act: str = "separate") -> torch.Tensor:
         """x [N, H], experts [N, k] → each pair's expert output [N, k, H] (unweighted), reading only those experts.
-        fused_act (act_fn SiLU; fp8 schemes): on CUDA the down launch computes silu(gate)·up from the gate | up
-        launch's partials as it loads them (expert_swiglu_gemv), a launch less; int4 keeps it separate."""
+        act (act_fn SiLU; "separate": a kernel of its own): "fused", on CUDA the down launch computes
+        silu(gate)·up from the gate | up launch's partials as it loads them (expert_swiglu_gemv), a launch less
+        (fp8 schemes; int4 keeps it separate); "mlp", fp8-weight experts run gate | up, the activation and down
+        in one launch (ops/expert_mlp.py), the fp8 scheme as "fused", int4 as "separate"."""
         N, k = experts.shape
         pair_expert = experts.flatten()
         if x.is_cuda and self._kernel_fits():
@@ -168,7 +172,10 @@ class QuantExperts(nn.Module):
             parts = expert_gemv(x, None, pe, fmt, gu["qweight"], gu.get("scale_inv", gu.get("scale")),
                                 gu.get("zero"), 2 * self.inter, act)
             down = dn["qweight"], dn.get("scale_inv", dn.get("scale"))
-            if fused_act and fmt != INT4:
+            if act == "mlp" and fmt in MLP_FORMATS:
+                y = expert_mlp(x, pe, fmt, gu["qweight"], gu.get("scale"), dn["qweight"], dn.get("scale"), x.dtype)
+                return y.view(N, k, self.hidden).to(x.dtype)
+            if act in ("fused", "mlp") and fmt != INT4:
                 y = expert_swiglu_gemv(parts, pe, fmt, *down, self.hidden, x.dtype, act)
             else:
                 gate, up = parts.sum(0).chunk(2, dim=-1)

@@ -139,12 +139,13 @@ def test_grouped_expert_kernel_matches_reference_at_35b_shapes(fmt):
             assert err < 2e-3, f"format {fmt} {N}x{K} T={T}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("fused_act", [False, True])
+@pytest.mark.parametrize("act", ["separate", "fused", "mlp"])
 @pytest.mark.parametrize("scheme", ["fp8-weight", "fp8", "int4"])
-def test_quant_experts_routed_kernel_matches_the_prefill_loop(scheme, fused_act, monkeypatch):
+def test_quant_experts_routed_kernel_matches_the_prefill_loop(scheme, act, monkeypatch):
     """QuantExperts at the 35B-A3B expert shape (32 of its 256 experts): decode's grouped kernels, with the
-    activation in a kernel of its own or (fused_act; fp8 schemes) computed by the down launch, vs the
-    dequantize-then-grouped-matmul prefill transformers' contract runs (8 experts dequantized at a time)."""
+    activation in a kernel of its own, computed by the down launch ("fused"; fp8 schemes) or the whole MLP in
+    one launch ("mlp"; fp8-weight), vs the dequantize-then-grouped-matmul prefill transformers' contract runs
+    (8 experts dequantized at a time)."""
     from types import SimpleNamespace
 
     import fastqwen.quant.experts as experts_module
@@ -162,10 +163,10 @@ def test_quant_experts_routed_kernel_matches_the_prefill_loop(scheme, fused_act,
         x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
         idx = torch.stack([torch.randperm(E, device="cuda")[:8] for _ in range(T)])
         w = torch.rand(T, 8, device="cuda", dtype=torch.bfloat16)
-        got = (q.routed(x, idx, fused_act) * w[..., None]).sum(1)
+        got = (q.routed(x, idx, act) * w[..., None]).sum(1)
         assert rel_err(got, q(x, idx, w)) < 2e-2
-        if fused_act:  # the same expert outputs as the separate activation's, but for silu's last bits
-            assert rel_err(q.routed(x, idx, True), q.routed(x, idx)) < (1e-2 if scheme == "fp8" else 1e-3)
+        if act != "separate":  # the same expert outputs as the separate activation's, but for silu's last bits
+            assert rel_err(q.routed(x, idx, act), q.routed(x, idx)) < (1e-2 if scheme == "fp8" else 1e-3)
 
 
 @pytest.mark.parametrize("scheme", ["fp8-weight", "fp8", "int4"])
@@ -183,6 +184,8 @@ def test_quantized_moe_block_with_the_shared_expert_stacked_matches_its_hf_forwa
         ref = block(h)
         ref = (ref[0] if isinstance(ref, tuple) else ref).float()
         assert stack_shared_expert(block) and block.experts.stacks is not None
+        torch._dynamo.reset()  # (routed_moe's compiles in other tests count toward dynamo's recompile limit)
         f = torch.compile(routed_moe, fullgraph=True)
         assert rel_err(f(block, h, True), ref) < 2e-2
-        assert rel_err(f(block, h, True, fused_act=True), ref) < 2e-2  # (decode's default: expert_act "fused")
+        assert rel_err(f(block, h, True, expert_act="fused"), ref) < 2e-2  # (decode's default: expert_act "fused")
+        assert rel_err(f(block, h, True, expert_act="mlp"), ref) < 2e-2

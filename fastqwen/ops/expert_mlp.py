@@ -1,0 +1,164 @@
+"""Routed experts' whole gated MLP in one launch: y[p] = (silu(x[t]·W1[e]ᵀ gate) · (x[t]·W1[e]ᵀ up)) · W2[e]ᵀ for
+each (token, expert) pair p, the experts' weights read in place (bf16, or fp8 e4m3 with per-row scales).
+
+`expert_mlp(x [T, H], exp [P] int32, fmt, w1 [E, 2I, H], s1, w2 [E, H, I], s2, act_dtype)` → y [P, H] fp32; the
+pairs are token-major, P / T a token (pair p reads x row p // (P / T)), as a MoE decode step lays them out.
+The activation is rounded to act_dtype before the down projection, as the two-launch path
+(ops/gemv.py expert_gemv + expert_swiglu_gemv) and the reference do.
+
+Why one launch: a 35B-A3B decode step's expert launches stream 28 MB a layer (fp8) in ~13 µs, half the
+bandwidth, because each is short and the down launch cannot start its loads before the gate | up launch has
+ended. Here both kinds of tile are programs of one grid: gate | up tiles (BN1 rows of W1, all of H) write
+their outputs h [P, 2I] fp32 and count themselves in on their pair (`ready[p]`, release); down tiles (BN2 rows
+of W2) load their first step of weights *before* they wait for their pair's gate | up tiles (acquire), then
+read h, compute silu(gate)·up and finish. So the down weights stream while the gate | up tiles still run.
+Tiles are handed out by a ticket counter in program start order, every gate | up ticket before any down
+ticket: a down tile waits only on tiles that some running program holds, so the wait always ends, however
+many programs the GPU holds at once. The counters (ticket, ready[P], done[P]) live in ops/gemv.py's
+tile_counts buffer and are zero again when the launch ends (the last ticket resets the ticket counter, the last
+down tile of a pair its pair's two): a CUDA graph replays it as is. `reference` is the plain torch
+definition, and what runs off CUDA.
+"""
+
+import torch
+
+from .gemv import BF16, FP8_ROW, STEP, expert_reference, tile_counts
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the op runs the reference
+    triton = None
+
+KERNEL_FORMATS = (BF16, FP8_ROW)  # decoded by conversion, one scale a row at most
+BLOCK_N = 32  # rows of W1 or W2 a tile (the M = 1 sweep's choice for every 35B-A3B expert shape)
+
+
+def reference(x, exp, fmt: int, w1, s1, w2, s2, act_dtype: torch.dtype) -> torch.Tensor:
+    """The plain torch definition: fp32 [P, H], the activation rounded to act_dtype."""
+    gate, up = expert_reference(x, None, exp, fmt, w1, s1, None, w1.shape[1]).chunk(2, dim=-1)
+    act = (torch.nn.functional.silu(gate) * up).to(act_dtype)
+    return expert_reference(act, None, exp, fmt, w2, s2, None, w2.shape[1])
+
+
+if triton is not None:
+
+    @triton.jit
+    def _activation(h_row, k, I, ACT_DTYPE: tl.constexpr):
+        """Columns k of silu(gate)·up rounded to ACT_DTYPE, from a pair's gate | up outputs h_row [2I] fp32 (read
+        from L2, .cg: other SMs wrote them)."""
+        g = tl.load(h_row + k, cache_modifier=".cg")
+        u = tl.load(h_row + I + k, cache_modifier=".cg")
+        return (g / (1.0 + tl.exp(-g)) * u).to(ACT_DTYPE).to(tl.float32)
+
+    @triton.jit
+    def _expert_mlp_kernel(x_ptr, exp_ptr, w1_ptr, s1_ptr, w2_ptr, s2_ptr, h_ptr, y_ptr, cnt_ptr, P, H, I,
+                           per_row, w1_estride, w2_estride, s1_estride, s2_estride, FMT: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BK1: tl.constexpr, BK2: tl.constexpr, STAGES: tl.constexpr, ACT_DTYPE: tl.constexpr):
+        """One tile a program, by ticket: gate | up tiles first (P · ⌈2I / BLOCK_N⌉), then down tiles
+        (P · ⌈H / BLOCK_N⌉). cnt: [0] the ticket, [1 + p] pair p's finished gate | up tiles, [1 + P + p] its
+        finished down tiles. BK1 | H, BK2 | I."""
+        up_tiles = tl.cdiv(2 * I, BLOCK_N)
+        first = P * up_tiles  # the first down ticket
+        t = tl.atomic_add(cnt_ptr, 1)
+        if t == first + P * tl.cdiv(H, BLOCK_N) - 1:  # the last ticket: every program has taken its own
+            tl.atomic_xchg(cnt_ptr, 0)
+        if t < first:  # a gate | up tile: BLOCK_N rows of W1[e] over all of H
+            p = t // up_tiles
+            e = tl.load(exp_ptr + p).to(tl.int64)
+            n = (t % up_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_ok = n < 2 * I
+            x_row = x_ptr + (p // per_row).to(tl.int64) * H
+            w_rows = w1_ptr + e * w1_estride + n[:, None] * H
+            acc_up = tl.zeros((BLOCK_N, BK1), tl.float32)
+            for k0 in tl.range(0, H, BK1, num_stages=STAGES):
+                kk = k0 + tl.arange(0, BK1)
+                w_up = tl.load(w_rows + kk[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
+                acc_up += w_up * tl.load(x_row + kk).to(tl.float32)[None, :]
+            g = tl.sum(acc_up, axis=1)
+            if FMT == 0:
+                g = g * tl.load(s1_ptr + e * s1_estride + n, mask=n_ok, other=0.0)
+            tl.store(h_ptr + p * 2 * I + n, g, mask=n_ok)
+            tl.debug_barrier()  # every thread's outputs stored before the count
+            tl.atomic_add(cnt_ptr + 1 + p, 1, sem="release", scope="gpu")
+        else:  # a down tile: BLOCK_N rows of W2[e] over all of I, on silu(gate)·up of pair p
+            d = t - first
+            down_tiles = tl.cdiv(H, BLOCK_N)
+            p = d // down_tiles
+            e = tl.load(exp_ptr + p).to(tl.int64)
+            n = (d % down_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_ok = n < H
+            w_rows = w2_ptr + e * w2_estride + n[:, None] * I
+            k = tl.arange(0, BK2)
+            w_first = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)  # issued before the wait
+            while tl.atomic_add(cnt_ptr + 1 + p, 0, sem="acquire", scope="gpu") < up_tiles:
+                pass
+            h_row = h_ptr + p * 2 * I
+            acc_dn = w_first.to(tl.float32) * _activation(h_row, k, I, ACT_DTYPE)[None, :]
+            for k0 in tl.range(BK2, I, BK2):
+                w_dn = tl.load(w_rows + k0 + k[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
+                acc_dn += w_dn * _activation(h_row, k0 + k, I, ACT_DTYPE)[None, :]
+            y = tl.sum(acc_dn, axis=1)
+            if FMT == 0:
+                y = y * tl.load(s2_ptr + e * s2_estride + n, mask=n_ok, other=0.0)
+            tl.store(y_ptr + p * H + n, y, mask=n_ok)
+            tl.debug_barrier()  # every thread past its reads of h before the count
+            if tl.atomic_add(cnt_ptr + 1 + P + p, 1, sem="acq_rel", scope="gpu") == down_tiles - 1:
+                tl.atomic_xchg(cnt_ptr + 1 + p, 0)  # the pair's last tile: both of its counts back to 0
+                tl.atomic_xchg(cnt_ptr + 1 + P + p, 0)
+
+
+_TL_DTYPES = {} if triton is None else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
+                                        torch.float32: tl.float32}
+
+
+def _step(n: int) -> int:
+    """The widest of 512, 256, 128 columns dividing n."""
+    return next(s for s in (512, 256, STEP) if n % s == 0)
+
+
+def launch(x, exp, fmt: int, w1, s1, w2, s2, act_dtype: torch.dtype) -> torch.Tensor:
+    """The kernel: fp32 y [P, H]. Needs fmt in KERNEL_FORMATS, H and I multiples of 128, contiguous experts."""
+    T, H = x.shape
+    P, E, I = exp.shape[0], w1.shape[0], w2.shape[-1]
+    if (fmt not in KERNEL_FORMATS or H % STEP or I % STEP or tuple(w1.shape) != (E, 2 * I, H)
+            or tuple(w2.shape) != (E, H, I)):
+        raise ValueError(f"the one-launch expert MLP takes bf16 or fp8-weight experts w1 [E, 2I, H], w2 [E, H, I] "
+                         f"with H and I multiples of {STEP}; got format {fmt}, w1 {tuple(w1.shape)}, "
+                         f"w2 {tuple(w2.shape)}")
+    if P % max(T, 1) or act_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"expert_mlp needs P / T pairs a token and a 16-bit or fp32 activation dtype; got {P} pairs, "
+                         f"{T} rows, {act_dtype}")
+    if not (w1[0].is_contiguous() and w2[0].is_contiguous()) or fmt == FP8_ROW and (
+            s1.shape != w1.shape[:2] or s2.shape != w2.shape[:2] or s1.stride(1) != 1 or s2.stride(1) != 1):
+        raise ValueError(f"expert_mlp needs each expert's weight contiguous and fp8-weight's scales one a row, "
+                         f"[E, N] with rows adjacent; got scales {None if s1 is None else tuple(s1.shape)} and "
+                         f"{None if s2 is None else tuple(s2.shape)}")
+    y = torch.empty(P, H, dtype=torch.float32, device=x.device)
+    if P == 0:
+        return y
+    h = torch.empty(P, 2 * I, dtype=torch.float32, device=x.device)
+    tiles = P * (triton.cdiv(2 * I, BLOCK_N) + triton.cdiv(H, BLOCK_N))
+    cnt = tile_counts(x.device, 1 + 2 * P)
+    s1 = w1 if s1 is None else s1  # (BF16 reads no scale; any pointer does)
+    s2 = w2 if s2 is None else s2
+    _expert_mlp_kernel[(tiles,)](x, exp, w1, s1, w2, s2, h, y, cnt, P, H, I, P // T, w1.stride(0), w2.stride(0),
+                                 s1.stride(0), s2.stride(0),
+                                 FMT=fmt, BLOCK_N=BLOCK_N, BK1=256 if H % 256 == 0 else STEP, BK2=_step(I),
+                                 STAGES=4, ACT_DTYPE=_TL_DTYPES[act_dtype], num_warps=4)
+    return y
+
+
+@torch.library.custom_op("fastqwen::expert_mlp", mutates_args=())
+def expert_mlp(x: torch.Tensor, exp: torch.Tensor, fmt: int, w1: torch.Tensor, s1: torch.Tensor | None,
+               w2: torch.Tensor, s2: torch.Tensor | None, act_dtype: torch.dtype) -> torch.Tensor:
+    """Routed experts' gated MLP, gate | up, silu(gate)·up in act_dtype and down, in one launch on CUDA (see the
+    module docstring), the reference elsewhere: x [T, H], token-major pairs exp [P] int32 → fp32 [P, H]."""
+    if x.is_cuda and triton is not None:
+        return launch(x.contiguous(), exp, fmt, w1, s1, w2, s2, act_dtype)
+    return reference(x, exp, fmt, w1, s1, w2, s2, act_dtype)
+
+
+@expert_mlp.register_fake
+def _(x, exp, fmt, w1, s1, w2, s2, act_dtype):
+    return x.new_empty(exp.shape[0], w2.shape[1], dtype=torch.float32)
