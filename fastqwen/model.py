@@ -32,12 +32,13 @@ def text_model(model):
     return getattr(inner, "language_model", inner)
 
 
-KERNELS = {"attention": ("split", "sdpa"), "experts": ("auto", "gather", "grouped", "grouped-pdl"),
+KERNELS = {"attention": ("split", "sdpa"), "experts": ("auto", "gather", "grouped", "grouped-pdl", "one-launch"),
            "projections": ("fused", "separate"), "linears": ("auto", "torch", "gemv"),
            "gdn": ("block", "unrolled", "fla"), "launch": ("auto", "serial", "pdl"),
            "splitk": ("sum", "fixup"), "gdn_norm": ("separate", "fused"),
            "expert_act": ("auto", "separate", "fused", "mlp"), "route": ("auto", "argmax", "packed"),
            "mlp_act": ("separate", "fused"), "conv": ("fused", "separate")}  # first: the default
+GROUPED = ("grouped", "grouped-pdl", "one-launch")  # the "experts" choices that run the grouped kernels
 
 
 def check_kernels(kernels: dict | None, cfg, device, int4: bool = False) -> dict:
@@ -54,7 +55,10 @@ def check_kernels(kernels: dict | None, cfg, device, int4: bool = False) -> dict
     references); "auto": "grouped" on CUDA where its shapes fit (hidden and expert intermediate sizes divisible
     by 128), else "gather" (resolved here); "grouped-pdl": grouped, its routing and expert launches joining
     programmatic dependent launch when "launch" is "pdl" (a candidate: they wait for their predecessor before
-    reading anything, so they overlap only their launch). "projections":
+    reading anything, so they overlap only their launch); "one-launch": grouped, but one token's router matmul,
+    routing and expert MLP in a single launch (ops/expert_mlp.py expert_moe: router tiles, the last of them
+    routing, then gate | up and down tiles waiting on it; bf16 and fp8-weight experts and a SiLU MLP; more
+    tokens, or other experts, as "grouped"; a candidate). "projections":
     each layer's input projections as one matmul each ("separate") or one over a fused weight per layer
     ("fused": GDN qkv+z+b+a, attention q+k+v, MLP gate+up; fewer launches, same bytes; linears.fuse_linears;
     1.08× on 27B decode). "linears": the decoder's bf16 linears at decode and verify by F.linear ("torch":
@@ -110,24 +114,27 @@ def check_kernels(kernels: dict | None, cfg, device, int4: bool = False) -> dict
     fits = inter is not None and not (cuda and (cfg.hidden_size % 128 or inter % 128))
     if kernels["experts"] == "auto":
         kernels["experts"] = "grouped" if cuda and fits else "gather"
-    if kernels["experts"] in ("grouped", "grouped-pdl") and not fits:
+    if kernels["experts"] in GROUPED and not fits:
         if inter is None:
             raise ValueError(f"kernels['experts']={kernels['experts']!r} applies to MoE models only")
         raise ValueError(f"kernels['experts']={kernels['experts']!r} needs hidden size ({cfg.hidden_size}) and expert "
                          f"intermediate size ({inter}) divisible by 128")
-    grouped = kernels["experts"] in ("grouped", "grouped-pdl")
+    grouped = kernels["experts"] in GROUPED
     if kernels["route"] == "auto":
         kernels["route"] = "packed" if grouped else "argmax"
     if kernels["expert_act"] == "auto":
         kernels["expert_act"] = "fused" if grouped and getattr(cfg, "hidden_act", "silu") == "silu" else "separate"
     for op, choice in (("expert_act", "fused"), ("expert_act", "mlp"), ("route", "packed")):
-        if kernels[op] == choice and kernels["experts"] not in ("grouped", "grouped-pdl"):
+        if kernels[op] == choice and kernels["experts"] not in GROUPED:
             raise ValueError(f"kernels[{op!r}]={choice!r} is a grouped-experts kernel: set kernels['experts'] to "
-                             f"'grouped' or 'grouped-pdl' (it is {kernels['experts']!r})")
+                             f"'grouped', 'grouped-pdl' or 'one-launch' (it is {kernels['experts']!r})")
     for op in ("expert_act", "mlp_act"):
         if kernels[op] in ("fused", "mlp") and getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"kernels[{op!r}]={kernels[op]!r} computes SiLU; this model's hidden_act is "
                              f"{cfg.hidden_act!r}: use 'separate'")
+    if kernels["experts"] == "one-launch" and getattr(cfg, "hidden_act", "silu") != "silu":
+        raise ValueError(f"kernels['experts']='one-launch' computes SiLU; this model's hidden_act is "
+                         f"{cfg.hidden_act!r}: use 'grouped'")
     if kernels["mlp_act"] == "fused" and (kernels["projections"] != "fused" or kernels["linears"] == "torch"):
         raise ValueError("kernels['mlp_act']='fused' reads the fused gate | up projection's partials from the "
                          "weight-streaming kernel: it needs kernels['projections']='fused' and kernels['linears'] "
@@ -175,7 +182,8 @@ class Forward:
                            pdl=self.pdl, fixup=self.kernels["splitk"] == "fixup",
                            fused_act=self.kernels["mlp_act"] == "fused")
         if cache.lengths.device.type == "cuda" and (self.lin.fixup or self.fused_norm
-                                                    or self.kernels["expert_act"] == "mlp"):
+                                                    or self.kernels["expert_act"] == "mlp"
+                                                    or self.kernels["experts"] == "one-launch"):
             tile_counts(cache.lengths.device, 0)  # the kernels' arrival counts, allocated before any capture
         for layer in self.layers:
             self.prepare_layer(layer)
@@ -183,7 +191,7 @@ class Forward:
     def prepare_layer(self, layer) -> None:
         """Give a decoder layer (the model's, or an MTP head's) this forward's kernel layout: the shared expert
         stacked onto the routed ones (grouped experts), input projections fused (fused projections)."""
-        grouped = self.kernels["experts"] in ("grouped", "grouped-pdl")
+        grouped = self.kernels["experts"] in GROUPED
         stacked = grouped and hasattr(layer.mlp, "experts") and stack_shared_expert(layer.mlp)
         if not self.lin.fused:
             return
@@ -357,6 +365,6 @@ class Forward:
         if mode == "prefill":
             return mlp(h)  # transformers' own grouped expert loop
         experts = self.kernels["experts"]
-        return routed_moe(mlp, h, grouped=experts in ("grouped", "grouped-pdl"), lin=self.lin,
+        return routed_moe(mlp, h, grouped=experts in GROUPED, lin=self.lin,
                           pdl=self.pdl and experts == "grouped-pdl", expert_act=self.kernels["expert_act"],
-                          packed_route=self.kernels["route"] == "packed")
+                          packed_route=self.kernels["route"] == "packed", one_launch=experts == "one-launch")

@@ -23,6 +23,9 @@ def test_grouped_experts_match_the_gathered_ones():
         for act in ("fused", "mlp"):
             torch.testing.assert_close(routed_moe(mlp, h, grouped=True, expert_act=act), routed_moe(mlp, h),
                                        rtol=1e-5, atol=1e-5)
+        one = h[:1, :1]  # (one token: the one-launch MoE)
+        torch.testing.assert_close(routed_moe(mlp, one, grouped=True, one_launch=True), routed_moe(mlp, one),
+                                   rtol=1e-5, atol=1e-5)
 
 
 ALL = {"attention": "sdpa", "experts": "grouped", "projections": "separate", "linears": "gemv", "gdn": "fla",
@@ -44,11 +47,12 @@ ALL = {"attention": "sdpa", "experts": "grouped", "projections": "separate", "li
                                                   ("tiny-moe", {"experts": "grouped-pdl", "launch": "pdl"}, True),
                                                   ("tiny-moe", {"experts": "grouped", "expert_act": "fused"}, True),
                                                   ("tiny-moe", {"experts": "grouped", "expert_act": "mlp"}, True),
+                                                  ("tiny-moe", {"experts": "one-launch"}, True),
                                                   ("tiny-moe", ALL, True)])
 def test_alternative_kernels_give_the_default_tokens(name, kernels, compile):
     default = fastqwen.optimize(fresh(name), max_batch_size=2, max_seq_len=96, compile=False)
     other = fastqwen.optimize(fresh(name), max_batch_size=2, max_seq_len=96, compile=compile, kernels=kernels)
-    grouped = kernels.get("experts", "").startswith("grouped")
+    grouped = kernels.get("experts", "") in ("grouped", "grouped-pdl", "one-launch")
     grouped_auto = {"expert_act": "fused", "route": "packed"} if grouped else {}  # ("auto" follows the experts)
     assert other._fastqwen.forward.kernels == {"attention": "split", "experts": "gather", "projections": "fused",
                                                "linears": "auto", "gdn": "block", "launch": "serial", "splitk": "sum", "gdn_norm": "separate",
@@ -175,7 +179,7 @@ def test_bad_kernel_choices():
     with pytest.raises(ValueError, match="applies to MoE models only"):
         fastqwen.optimize(fresh("tiny"), compile=False, kernels={"experts": "grouped"})
     for op, choice in (("expert_act", "fused"), ("route", "packed")):
-        with pytest.raises(ValueError, match=r"set kernels\['experts'\] to 'grouped' or 'grouped-pdl' \(it is 'gather'\)"):
+        with pytest.raises(ValueError, match=r"set kernels\['experts'\] to 'grouped', 'grouped-pdl' or 'one-launch' \(it is 'gather'\)"):
             fastqwen.optimize(fresh("tiny-moe"), compile=False, kernels={op: choice})
     model = fresh("tiny-moe")
     model.config.hidden_act = "gelu"

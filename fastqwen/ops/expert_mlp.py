@@ -23,10 +23,14 @@ definition, and what runs off CUDA.
 import torch
 
 from .gemv import BF16, FP8_ROW, STEP, expert_reference, tile_counts
+from .router import _ROUND
+from .router import reference as route_reference
 
 try:
     import triton
     import triton.language as tl
+
+    from .router import _route_row
 except ImportError:  # CPU-only installs: the op runs the reference
     triton = None
 
@@ -44,6 +48,13 @@ def reference(x, exp, fmt: int, w1, s1, w2, s2, act_dtype: torch.dtype) -> torch
 if triton is not None:
 
     @triton.jit
+    def _wait_for(cnt, target):
+        """Until the count at cnt reaches target (an acquire load by one thread, then a barrier: the program's
+        later reads see what the counted programs wrote before they counted themselves in)."""
+        while tl.atomic_add(cnt, 0, sem="acquire", scope="gpu") < target:
+            pass
+
+    @triton.jit
     def _activation(h_row, k, I, ACT_DTYPE: tl.constexpr):
         """Columns k of silu(gate)·up rounded to ACT_DTYPE, from a pair's gate | up outputs h_row [2I] fp32 (read
         from L2, .cg: other SMs wrote them)."""
@@ -52,60 +63,134 @@ if triton is not None:
         return (g / (1.0 + tl.exp(-g)) * u).to(ACT_DTYPE).to(tl.float32)
 
     @triton.jit
+    def _gate_up_tile(x_row, w1_ptr, s1_ptr, h_ptr, ready_ptr, p, e, blk, H, I, w1_estride, s1_estride,
+                      FMT: tl.constexpr, BLOCK_N: tl.constexpr, BK1: tl.constexpr, STAGES: tl.constexpr):
+        """Rows blk · BLOCK_N … of pair p's gate | up product x_row · W1[e]ᵀ over all of H into h [P, 2I] fp32,
+        then count the tile in on ready[p] (release, after a barrier behind every thread's stores)."""
+        n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < 2 * I
+        w_rows = w1_ptr + e * w1_estride + n[:, None] * H
+        acc = tl.zeros((BLOCK_N, BK1), tl.float32)
+        for k0 in tl.range(0, H, BK1, num_stages=STAGES):
+            k = k0 + tl.arange(0, BK1)
+            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
+            acc += w * tl.load(x_row + k).to(tl.float32)[None, :]
+        g = tl.sum(acc, axis=1)
+        if FMT == 0:
+            g = g * tl.load(s1_ptr + e * s1_estride + n, mask=n_ok, other=0.0)
+        tl.store(h_ptr + p * 2 * I + n, g, mask=n_ok)
+        tl.debug_barrier()
+        tl.atomic_add(ready_ptr + p, 1, sem="release", scope="gpu")
+
+    @triton.jit
+    def _down_tile(w2_ptr, s2_ptr, h_ptr, y_ptr, ready_ptr, p, e, blk, H, I, w2_estride, s2_estride,
+                   FMT: tl.constexpr, BLOCK_N: tl.constexpr, BK2: tl.constexpr, ACT_DTYPE: tl.constexpr):
+        """Rows blk · BLOCK_N … of pair p's down product silu(gate)·up · W2[e]ᵀ over all of I into y [P, H]:
+        the first BK2 columns of weights are loaded before the wait for the pair's gate | up tiles."""
+        n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < H
+        w_rows = w2_ptr + e * w2_estride + n[:, None] * I
+        k = tl.arange(0, BK2)
+        w_first = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)  # issued before the wait
+        _wait_for(ready_ptr + p, tl.cdiv(2 * I, BLOCK_N))
+        h_row = h_ptr + p * 2 * I
+        # (each step summed at once: an accumulator of BLOCK_N × BK2 fp32 would hold 128 registers a thread)
+        y = tl.sum(w_first.to(tl.float32) * _activation(h_row, k, I, ACT_DTYPE)[None, :], axis=1)
+        for k0 in tl.range(BK2, I, BK2):
+            w = tl.load(w_rows + k0 + k[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
+            y += tl.sum(w * _activation(h_row, k0 + k, I, ACT_DTYPE)[None, :], axis=1)
+        if FMT == 0:
+            y = y * tl.load(s2_ptr + e * s2_estride + n, mask=n_ok, other=0.0)
+        tl.store(y_ptr + p * H + n, y, mask=n_ok)
+
+    @triton.jit
+    def _finish(cnt_ptr, P, last, ROUTED: tl.constexpr):
+        """Count a finished down tile in (cnt[1]); the last one (`last` finished before it) sets every count back
+        to 0 for the next launch: every other tile is past its waits by then."""
+        tl.debug_barrier()  # every thread past its reads before the count
+        if tl.atomic_add(cnt_ptr + 1, 1, sem="acq_rel", scope="gpu") == last:
+            q = tl.arange(0, 128)
+            for q0 in range(0, P, 128):
+                tl.store(cnt_ptr + 4 + q0 + q, 0, mask=q0 + q < P)
+            if ROUTED:
+                tl.store(cnt_ptr + 3, 0)
+            tl.store(cnt_ptr + 1, 0)
+
+    @triton.jit
     def _expert_mlp_kernel(x_ptr, exp_ptr, w1_ptr, s1_ptr, w2_ptr, s2_ptr, h_ptr, y_ptr, cnt_ptr, P, H, I,
-                           per_row, w1_estride, w2_estride, s1_estride, s2_estride, FMT: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BK1: tl.constexpr, BK2: tl.constexpr, STAGES: tl.constexpr, ACT_DTYPE: tl.constexpr):
+                           per_row, w1_estride, w2_estride, s1_estride, s2_estride, FMT: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BK1: tl.constexpr, BK2: tl.constexpr, STAGES: tl.constexpr,
+                           ACT_DTYPE: tl.constexpr):
         """One tile a program, by ticket: gate | up tiles first (P · ⌈2I / BLOCK_N⌉), then down tiles
-        (P · ⌈H / BLOCK_N⌉). cnt: [0] the ticket, [1 + p] pair p's finished gate | up tiles, [1 + P + p] its
-        finished down tiles. BK1 | H, BK2 | I."""
+        (P · ⌈H / BLOCK_N⌉). cnt: [0] the ticket, [1] finished down tiles, [4 + p] pair p's finished gate | up
+        tiles. BK1 | H, BK2 | I."""
         up_tiles = tl.cdiv(2 * I, BLOCK_N)
+        down_tiles = tl.cdiv(H, BLOCK_N)
         first = P * up_tiles  # the first down ticket
         t = tl.atomic_add(cnt_ptr, 1)
-        if t == first + P * tl.cdiv(H, BLOCK_N) - 1:  # the last ticket: every program has taken its own
+        if t == first + P * down_tiles - 1:  # the last ticket: every program has taken its own
             tl.atomic_xchg(cnt_ptr, 0)
-        if t < first:  # a gate | up tile: BLOCK_N rows of W1[e] over all of H
+        if t < first:
             p = t // up_tiles
             e = tl.load(exp_ptr + p).to(tl.int64)
-            n = (t % up_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_ok = n < 2 * I
-            x_row = x_ptr + (p // per_row).to(tl.int64) * H
-            w_rows = w1_ptr + e * w1_estride + n[:, None] * H
-            acc_up = tl.zeros((BLOCK_N, BK1), tl.float32)
-            for k0 in tl.range(0, H, BK1, num_stages=STAGES):
-                kk = k0 + tl.arange(0, BK1)
-                w_up = tl.load(w_rows + kk[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
-                acc_up += w_up * tl.load(x_row + kk).to(tl.float32)[None, :]
-            g = tl.sum(acc_up, axis=1)
-            if FMT == 0:
-                g = g * tl.load(s1_ptr + e * s1_estride + n, mask=n_ok, other=0.0)
-            tl.store(h_ptr + p * 2 * I + n, g, mask=n_ok)
-            tl.debug_barrier()  # every thread's outputs stored before the count
-            tl.atomic_add(cnt_ptr + 1 + p, 1, sem="release", scope="gpu")
-        else:  # a down tile: BLOCK_N rows of W2[e] over all of I, on silu(gate)·up of pair p
-            d = t - first
-            down_tiles = tl.cdiv(H, BLOCK_N)
-            p = d // down_tiles
+            _gate_up_tile(x_ptr + (p // per_row).to(tl.int64) * H, w1_ptr, s1_ptr, h_ptr, cnt_ptr + 4, p, e,
+                          t % up_tiles, H, I, w1_estride, s1_estride, FMT, BLOCK_N, BK1, STAGES)
+        else:
+            p = (t - first) // down_tiles
             e = tl.load(exp_ptr + p).to(tl.int64)
-            n = (d % down_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_ok = n < H
-            w_rows = w2_ptr + e * w2_estride + n[:, None] * I
-            k = tl.arange(0, BK2)
-            w_first = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)  # issued before the wait
-            while tl.atomic_add(cnt_ptr + 1 + p, 0, sem="acquire", scope="gpu") < up_tiles:
-                pass
-            h_row = h_ptr + p * 2 * I
-            acc_dn = w_first.to(tl.float32) * _activation(h_row, k, I, ACT_DTYPE)[None, :]
-            for k0 in tl.range(BK2, I, BK2):
-                w_dn = tl.load(w_rows + k0 + k[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
-                acc_dn += w_dn * _activation(h_row, k0 + k, I, ACT_DTYPE)[None, :]
-            y = tl.sum(acc_dn, axis=1)
-            if FMT == 0:
-                y = y * tl.load(s2_ptr + e * s2_estride + n, mask=n_ok, other=0.0)
-            tl.store(y_ptr + p * H + n, y, mask=n_ok)
-            tl.debug_barrier()  # every thread past its reads of h before the count
-            if tl.atomic_add(cnt_ptr + 1 + P + p, 1, sem="acq_rel", scope="gpu") == down_tiles - 1:
-                tl.atomic_xchg(cnt_ptr + 1 + p, 0)  # the pair's last tile: both of its counts back to 0
-                tl.atomic_xchg(cnt_ptr + 1 + P + p, 0)
+            _down_tile(w2_ptr, s2_ptr, h_ptr, y_ptr, cnt_ptr + 4, p, e, (t - first) % down_tiles, H, I, w2_estride,
+                       s2_estride, FMT, BLOCK_N, BK2, ACT_DTYPE)
+            _finish(cnt_ptr, P, P * down_tiles - 1, False)
+
+    @triton.jit
+    def _moe_kernel(x_ptr, r_ptr, w1_ptr, s1_ptr, w2_ptr, s2_ptr, lp_ptr, h_ptr, y_ptr, wt_ptr, exp_ptr, cnt_ptr,
+                    H, I, w1_estride, w2_estride, s1_estride, s2_estride, E: tl.constexpr, K: tl.constexpr,
+                    SHARED: tl.constexpr, FMT: tl.constexpr, BLOCK_N: tl.constexpr, BK1: tl.constexpr,
+                    BK2: tl.constexpr, STAGES: tl.constexpr, ACT_DTYPE: tl.constexpr, ROUND: tl.constexpr,
+                    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RN: tl.constexpr, RS: tl.constexpr,
+                    RK: tl.constexpr):
+        """One token's routed MoE, by ticket: router tiles (⌈(E + SHARED) / RN⌉ row blocks × RS column splits of
+        RK, H = RS · RK) write the logits' split-K partials to lp [RS, E + SHARED] fp32; the last to count itself in (cnt[2])
+        routes (ops/router.py _route_row: top K of E, softmax over them, the shared expert's sigmoid gate as
+        pair K) into wt / exp [K + SHARED] and sets cnt[3] (release); then the expert MLP's gate | up and down
+        tiles as _expert_mlp_kernel's, each first waiting for cnt[3]."""
+        P: tl.constexpr = K + SHARED
+        router_tiles = tl.cdiv(E + SHARED, RN) * RS
+        up_tiles = tl.cdiv(2 * I, BLOCK_N)
+        down_tiles = tl.cdiv(H, BLOCK_N)
+        first_up = router_tiles
+        first_down = first_up + P * up_tiles
+        t = tl.atomic_add(cnt_ptr, 1)
+        if t == first_down + P * down_tiles - 1:
+            tl.atomic_xchg(cnt_ptr, 0)
+        if t < first_up:  # a router tile: RN rows of the router over H / RS columns
+            split = t % RS
+            n = (t // RS) * RN + tl.arange(0, RN)
+            n_ok = n < E + SHARED
+            k = split * RK + tl.arange(0, RK)
+            w = tl.load(r_ptr + n[:, None] * H + k[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
+            logit = tl.sum(w * tl.load(x_ptr + k).to(tl.float32)[None, :], axis=1)
+            tl.store(lp_ptr + split * (E + SHARED) + n, logit, mask=n_ok)
+            tl.debug_barrier()
+            if tl.atomic_add(cnt_ptr + 2, 1, sem="acq_rel", scope="gpu") == router_tiles - 1:
+                _route_row(lp_ptr, wt_ptr, exp_ptr, 0, 0, E + SHARED, E, K, SHARED, BLOCK_E, BLOCK_K, True, RS,
+                           ROUND, True)
+                tl.atomic_xchg(cnt_ptr + 2, 0)
+                tl.debug_barrier()  # every thread's weights and experts stored before the flag
+                tl.atomic_xchg(cnt_ptr + 3, 1, sem="release", scope="gpu")
+        elif t < first_down:
+            p = (t - first_up) // up_tiles
+            _wait_for(cnt_ptr + 3, 1)
+            e = tl.load(exp_ptr + p, cache_modifier=".cg").to(tl.int64)
+            _gate_up_tile(x_ptr, w1_ptr, s1_ptr, h_ptr, cnt_ptr + 4, p, e, (t - first_up) % up_tiles, H, I,
+                          w1_estride, s1_estride, FMT, BLOCK_N, BK1, STAGES)
+        else:
+            p = (t - first_down) // down_tiles
+            _wait_for(cnt_ptr + 3, 1)
+            e = tl.load(exp_ptr + p, cache_modifier=".cg").to(tl.int64)
+            _down_tile(w2_ptr, s2_ptr, h_ptr, y_ptr, cnt_ptr + 4, p, e, (t - first_down) % down_tiles, H, I,
+                       w2_estride, s2_estride, FMT, BLOCK_N, BK2, ACT_DTYPE)
+            _finish(cnt_ptr, P, P * down_tiles - 1, True)
 
 
 _TL_DTYPES = {} if triton is None else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
@@ -117,8 +202,9 @@ def _step(n: int) -> int:
     return next(s for s in (512, 256, STEP) if n % s == 0)
 
 
-def launch(x, exp, fmt: int, w1, s1, w2, s2, act_dtype: torch.dtype) -> torch.Tensor:
-    """The kernel: fp32 y [P, H]. Needs fmt in KERNEL_FORMATS, H and I multiples of 128, contiguous experts."""
+def _check(x, exp, fmt: int, w1, s1, w2, s2, act_dtype: torch.dtype) -> None:
+    """What the kernels take: fmt in KERNEL_FORMATS, H and I multiples of 128, P / T pairs a token, each expert's
+    weight contiguous, fp8-weight's scales one a row ([E, N], rows adjacent), a 16-bit or fp32 activation."""
     T, H = x.shape
     P, E, I = exp.shape[0], w1.shape[0], w2.shape[-1]
     if (fmt not in KERNEL_FORMATS or H % STEP or I % STEP or tuple(w1.shape) != (E, 2 * I, H)
@@ -134,12 +220,18 @@ def launch(x, exp, fmt: int, w1, s1, w2, s2, act_dtype: torch.dtype) -> torch.Te
         raise ValueError(f"expert_mlp needs each expert's weight contiguous and fp8-weight's scales one a row, "
                          f"[E, N] with rows adjacent; got scales {None if s1 is None else tuple(s1.shape)} and "
                          f"{None if s2 is None else tuple(s2.shape)}")
+
+
+def launch(x, exp, fmt: int, w1, s1, w2, s2, act_dtype: torch.dtype) -> torch.Tensor:
+    """The kernel (_expert_mlp_kernel): fp32 y [P, H]; `_check` says what it takes."""
+    _check(x, exp, fmt, w1, s1, w2, s2, act_dtype)
+    (T, H), P, I = x.shape, exp.shape[0], w2.shape[-1]
     y = torch.empty(P, H, dtype=torch.float32, device=x.device)
     if P == 0:
         return y
     h = torch.empty(P, 2 * I, dtype=torch.float32, device=x.device)
     tiles = P * (triton.cdiv(2 * I, BLOCK_N) + triton.cdiv(H, BLOCK_N))
-    cnt = tile_counts(x.device, 1 + 2 * P)
+    cnt = tile_counts(x.device, 4 + P)
     s1 = w1 if s1 is None else s1  # (BF16 reads no scale; any pointer does)
     s2 = w2 if s2 is None else s2
     _expert_mlp_kernel[(tiles,)](x, exp, w1, s1, w2, s2, h, y, cnt, P, H, I, P // T, w1.stride(0), w2.stride(0),
@@ -162,3 +254,61 @@ def expert_mlp(x: torch.Tensor, exp: torch.Tensor, fmt: int, w1: torch.Tensor, s
 @expert_mlp.register_fake
 def _(x, exp, fmt, w1, s1, w2, s2, act_dtype):
     return x.new_empty(exp.shape[0], w2.shape[1], dtype=torch.float32)
+
+
+def moe_reference(x, router, k: int, shared: bool, fmt: int, w1, s1, w2, s2, act_dtype: torch.dtype):
+    """The plain torch definition of expert_moe: (y fp32 [P, H], weights fp32 [1, P], experts int32 [1, P])."""
+    weights, experts = route_reference(x.float() @ router.float().t(), k, shared, x.dtype)
+    return reference(x, experts.flatten(), fmt, w1, s1, w2, s2, act_dtype), weights, experts
+
+
+def moe_launch(x, router, k: int, shared: bool, fmt: int, w1, s1, w2, s2, act_dtype: torch.dtype):
+    """The kernel (_moe_kernel) for one token x [1, H]: the router matmul (router [E (+1 shared), H] in x's dtype),
+    the routing and the expert MLP; the same checks as `launch`."""
+    T, H = x.shape
+    E = router.shape[0] - shared
+    if T != 1 or tuple(router.shape) != (E + shared, H) or router.dtype != x.dtype or not router.is_contiguous():
+        raise ValueError(f"expert_moe routes one token x [1, H] with a contiguous router [E (+1), H] in x's dtype; got "
+                         f"x {tuple(x.shape)}, router {tuple(router.shape)} {router.dtype}")
+    if w1.shape[0] < E + shared:
+        raise ValueError(f"expert_moe: {w1.shape[0]} experts' weights for {E} experts (+ the shared one: {shared})")
+    P = k + shared
+    probe = torch.zeros(P, dtype=torch.int32, device=x.device)
+    _check(x, probe, fmt, w1, s1, w2, s2, act_dtype)
+    I = w2.shape[-1]
+    y = torch.empty(P, H, dtype=torch.float32, device=x.device)
+    weights = torch.empty(1, P, dtype=torch.float32, device=x.device)
+    experts = torch.empty(1, P, dtype=torch.int32, device=x.device)
+    lp = torch.empty(H // STEP, E + shared, dtype=torch.float32, device=x.device)
+    h = torch.empty(P, 2 * I, dtype=torch.float32, device=x.device)
+    tiles = triton.cdiv(E + shared, BLOCK_N) * (H // STEP) + P * (triton.cdiv(2 * I, BLOCK_N) + triton.cdiv(H, BLOCK_N))
+    cnt = tile_counts(x.device, 4 + P)
+    s1 = w1 if s1 is None else s1
+    s2 = w2 if s2 is None else s2
+    _moe_kernel[(tiles,)](x, router, w1, s1, w2, s2, lp, h, y, weights, experts, cnt, H, I, w1.stride(0), w2.stride(0),
+                          s1.stride(0), s2.stride(0), E=E, K=k, SHARED=shared, FMT=fmt, BLOCK_N=BLOCK_N,
+                          BK1=256 if H % 256 == 0 else STEP, BK2=_step(I), STAGES=4, ACT_DTYPE=_TL_DTYPES[act_dtype],
+                          ROUND=_ROUND[x.dtype], BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(k),
+                          RN=BLOCK_N, RS=H // STEP, RK=STEP, num_warps=4)
+    return y, weights, experts
+
+
+@torch.library.custom_op("fastqwen::expert_moe", mutates_args=())
+def expert_moe(x: torch.Tensor, router: torch.Tensor, k: int, shared: bool, fmt: int, w1: torch.Tensor,
+               s1: torch.Tensor | None, w2: torch.Tensor, s2: torch.Tensor | None,
+               act_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One token's routed MoE in one launch on CUDA: the router matmul x [1, H] · router [E (+1), H]ᵀ, the
+    routing (transformers' softmax top-k, renormalised; with `shared`, router row E is the shared expert's gate
+    and expert E in w1 / w2 the shared expert, as moe.stack_shared_expert stacks them) and the routed experts'
+    gated MLP (expert_mlp) → (y fp32 [P, H], weights fp32 [1, P], experts int32 [1, P]), P = k (+1); the
+    reference elsewhere."""
+    if x.is_cuda and triton is not None:
+        return moe_launch(x.contiguous(), router, k, shared, fmt, w1, s1, w2, s2, act_dtype)
+    return moe_reference(x, router, k, shared, fmt, w1, s1, w2, s2, act_dtype)
+
+
+@expert_moe.register_fake
+def _(x, router, k, shared, fmt, w1, s1, w2, s2, act_dtype):
+    P = k + shared
+    return (x.new_empty(P, w2.shape[1], dtype=torch.float32), x.new_empty(1, P, dtype=torch.float32),
+            x.new_empty(1, P, dtype=torch.int32))
