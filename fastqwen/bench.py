@@ -27,7 +27,6 @@ CANDIDATE_SYSTEMS = {"fastqwen+split-attention": {"attention": "split"},  # (the
                      "fastqwen+grouped-experts": {"experts": "grouped"},  # (the default on CUDA: "auto")
                      "fastqwen+gather-experts": {"experts": "gather"},
                      "fastqwen+grouped-pdl-experts": {"experts": "grouped-pdl"},
-                     "fastqwen+one-launch-moe": {"experts": "one-launch"},
                      "fastqwen+separate-projections": {"projections": "separate"},
                      "fastqwen+gemv-linears": {"linears": "gemv"},
                      "fastqwen+torch-linears": {"linears": "torch"},

@@ -32,16 +32,15 @@ def text_model(model):
     return getattr(inner, "language_model", inner)
 
 
-KERNELS = {"attention": ("split", "sdpa"), "experts": ("auto", "gather", "grouped", "grouped-pdl", "one-launch"),
+KERNELS = {"attention": ("split", "sdpa"), "experts": ("auto", "gather", "grouped", "grouped-pdl"),
            "projections": ("fused", "separate"), "linears": ("auto", "torch", "gemv"),
            "gdn": ("block", "unrolled", "fla"), "launch": ("auto", "serial", "pdl"),
            "splitk": ("sum", "fixup"), "gdn_norm": ("separate", "fused"),
            "expert_act": ("auto", "separate", "fused", "mlp"), "route": ("auto", "argmax", "packed"),
            "mlp_act": ("separate", "fused"), "conv": ("fused", "separate")}  # first: the default
-GROUPED = ("grouped", "grouped-pdl", "one-launch")  # the "experts" choices that run the grouped kernels
 
 
-def check_kernels(kernels: dict | None, cfg, device, int4: bool = False) -> dict:
+def check_kernels(kernels: dict | None, cfg, device, int4: bool = False, fp8_experts: bool = False) -> dict:
     """The kernel choice of each op, defaults filled in ("launch" resolved): optimize's `kernels` option. The
     defaults are the ones measured fastest (docs/BENCHMARKS.md); the others stay selectable to re-measure.
     "attention": attention over the cache in decode and verify steps (and a DFlash draft's block) by the split-KV
@@ -55,10 +54,7 @@ def check_kernels(kernels: dict | None, cfg, device, int4: bool = False) -> dict
     references); "auto": "grouped" on CUDA where its shapes fit (hidden and expert intermediate sizes divisible
     by 128), else "gather" (resolved here); "grouped-pdl": grouped, its routing and expert launches joining
     programmatic dependent launch when "launch" is "pdl" (a candidate: they wait for their predecessor before
-    reading anything, so they overlap only their launch); "one-launch": grouped, but one token's router matmul,
-    routing and expert MLP in a single launch (ops/expert_mlp.py expert_moe: router tiles, the last of them
-    routing, then gate | up and down tiles waiting on it; bf16 and fp8-weight experts and a SiLU MLP; more
-    tokens, or other experts, as "grouped"; a candidate). "projections":
+    reading anything, so they overlap only their launch). "projections":
     each layer's input projections as one matmul each ("separate") or one over a fused weight per layer
     ("fused": GDN qkv+z+b+a, attention q+k+v, MLP gate+up; fewer launches, same bytes; linears.fuse_linears;
     1.08× on 27B decode). "linears": the decoder's bf16 linears at decode and verify by F.linear ("torch":
@@ -85,13 +81,16 @@ def check_kernels(kernels: dict | None, cfg, device, int4: bool = False) -> dict
     layer; bf16 and fp8 experts, while int4 ones keep the separate kernel; needs "experts" grouped or
     grouped-pdl and a SiLU MLP), or gate | up, activation and down all in one launch whose down tiles load
     their weights while the gate | up tiles still run ("mlp": ops/expert_mlp.py; bf16 and fp8-weight experts,
-    fp8 ones as "fused", int4 ones as "separate"; a candidate). "route": the grouped experts'
-    routing kernel's k rounds as a max then a min over the indices holding it, in 4 warps ("argmax"), or as one
+    fp8 ones as "fused", int4 ones as "separate"). "route": the grouped experts' routing kernel's k rounds as a max then a min over the indices holding it, in 4 warps ("argmax"), or as one
     max over (logit, index) keys packed into an int64, in one warp ("packed": no shared memory, no barrier;
     same experts and weights; ops/router.py; needs "experts" grouped or grouped-pdl). Both "auto" (the default
     since 2026-12-02): "fused" and "packed" where the experts resolved to grouped (and, for "expert_act", the
     MLP is SiLU), else "separate" and "argmax": together a 35B-A3B step took 2806–2827 µs of device time in
-    two processes against 2880 µs with neither (packed alone 2845, fused alone 2866). "mlp_act": a
+    two processes against 2880 µs with neither (packed alone 2845, fused alone 2866). Since 2026-12-03
+    "expert_act" "auto" is "mlp" where the experts are fp8-weight (`fp8_experts`: QuantExperts): the 35B-A3B
+    fp8-weight step (fp8 lm_head) took 1961 and 1921 µs with it against 1978–2055 µs with "fused" (each in a
+    process of its own), and its experts 0.96× at kernel level; bf16 experts keep "fused" (the one launch
+    measured 1.09× slower on them). "mlp_act": a
     dense MLP's (and a shared expert's) silu(gate)·up at one-row decode as a kernel of inductor's ("separate") or
     computed by the down projection's weight-streaming kernel from the fused gate | up projection's partials as
     it loads them ("fused": a launch less a layer, where both weights take the kernel under "linears"; needs
@@ -114,27 +113,25 @@ def check_kernels(kernels: dict | None, cfg, device, int4: bool = False) -> dict
     fits = inter is not None and not (cuda and (cfg.hidden_size % 128 or inter % 128))
     if kernels["experts"] == "auto":
         kernels["experts"] = "grouped" if cuda and fits else "gather"
-    if kernels["experts"] in GROUPED and not fits:
+    if kernels["experts"] in ("grouped", "grouped-pdl") and not fits:
         if inter is None:
             raise ValueError(f"kernels['experts']={kernels['experts']!r} applies to MoE models only")
         raise ValueError(f"kernels['experts']={kernels['experts']!r} needs hidden size ({cfg.hidden_size}) and expert "
                          f"intermediate size ({inter}) divisible by 128")
-    grouped = kernels["experts"] in GROUPED
+    grouped = kernels["experts"] in ("grouped", "grouped-pdl")
     if kernels["route"] == "auto":
         kernels["route"] = "packed" if grouped else "argmax"
     if kernels["expert_act"] == "auto":
-        kernels["expert_act"] = "fused" if grouped and getattr(cfg, "hidden_act", "silu") == "silu" else "separate"
+        silu = grouped and getattr(cfg, "hidden_act", "silu") == "silu"
+        kernels["expert_act"] = ("mlp" if fp8_experts else "fused") if silu else "separate"
     for op, choice in (("expert_act", "fused"), ("expert_act", "mlp"), ("route", "packed")):
-        if kernels[op] == choice and kernels["experts"] not in GROUPED:
+        if kernels[op] == choice and kernels["experts"] not in ("grouped", "grouped-pdl"):
             raise ValueError(f"kernels[{op!r}]={choice!r} is a grouped-experts kernel: set kernels['experts'] to "
-                             f"'grouped', 'grouped-pdl' or 'one-launch' (it is {kernels['experts']!r})")
+                             f"'grouped' or 'grouped-pdl' (it is {kernels['experts']!r})")
     for op in ("expert_act", "mlp_act"):
         if kernels[op] in ("fused", "mlp") and getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"kernels[{op!r}]={kernels[op]!r} computes SiLU; this model's hidden_act is "
                              f"{cfg.hidden_act!r}: use 'separate'")
-    if kernels["experts"] == "one-launch" and getattr(cfg, "hidden_act", "silu") != "silu":
-        raise ValueError(f"kernels['experts']='one-launch' computes SiLU; this model's hidden_act is "
-                         f"{cfg.hidden_act!r}: use 'grouped'")
     if kernels["mlp_act"] == "fused" and (kernels["projections"] != "fused" or kernels["linears"] == "torch"):
         raise ValueError("kernels['mlp_act']='fused' reads the fused gate | up projection's partials from the "
                          "weight-streaming kernel: it needs kernels['projections']='fused' and kernels['linears'] "
@@ -170,7 +167,9 @@ class Forward:
         self.eps = self.cfg.rms_norm_eps
         self.cache = cache
         int4 = any(getattr(m, "scheme", None) == "int4" for m in self.layers.modules())  # (QuantLinear's)
-        self.kernels = check_kernels(kernels, self.cfg, cache.lengths.device, int4)
+        fp8_experts = any(getattr(m, "scheme", None) == "fp8-weight" and hasattr(m, "routed")  # (QuantExperts)
+                          for m in self.layers.modules())
+        self.kernels = check_kernels(kernels, self.cfg, cache.lengths.device, int4, fp8_experts)
         self.split_attention = self.kernels["attention"] == "split"  # decode, verify and DFlash draft blocks
         self.unrolled = self.kernels["gdn"] in ("block", "unrolled")  # (a Triton compile per T: not for prefill)
         self.block = self.kernels["gdn"] == "block"
@@ -182,8 +181,7 @@ class Forward:
                            pdl=self.pdl, fixup=self.kernels["splitk"] == "fixup",
                            fused_act=self.kernels["mlp_act"] == "fused")
         if cache.lengths.device.type == "cuda" and (self.lin.fixup or self.fused_norm
-                                                    or self.kernels["expert_act"] == "mlp"
-                                                    or self.kernels["experts"] == "one-launch"):
+                                                    or self.kernels["expert_act"] == "mlp"):
             tile_counts(cache.lengths.device, 0)  # the kernels' arrival counts, allocated before any capture
         for layer in self.layers:
             self.prepare_layer(layer)
@@ -191,7 +189,7 @@ class Forward:
     def prepare_layer(self, layer) -> None:
         """Give a decoder layer (the model's, or an MTP head's) this forward's kernel layout: the shared expert
         stacked onto the routed ones (grouped experts), input projections fused (fused projections)."""
-        grouped = self.kernels["experts"] in GROUPED
+        grouped = self.kernels["experts"] in ("grouped", "grouped-pdl")
         stacked = grouped and hasattr(layer.mlp, "experts") and stack_shared_expert(layer.mlp)
         if not self.lin.fused:
             return
@@ -365,6 +363,6 @@ class Forward:
         if mode == "prefill":
             return mlp(h)  # transformers' own grouped expert loop
         experts = self.kernels["experts"]
-        return routed_moe(mlp, h, grouped=experts in GROUPED, lin=self.lin,
+        return routed_moe(mlp, h, grouped=experts in ("grouped", "grouped-pdl"), lin=self.lin,
                           pdl=self.pdl and experts == "grouped-pdl", expert_act=self.kernels["expert_act"],
-                          packed_route=self.kernels["route"] == "packed", one_launch=experts == "one-launch")
+                          packed_route=self.kernels["route"] == "packed")

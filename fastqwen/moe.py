@@ -14,8 +14,8 @@ their quantized shared expert the same way (QuantExperts.stack_shared).
 import torch
 
 from .linears import Linears
-from .ops.expert_mlp import expert_mlp, expert_moe
-from .ops.gemv import BF16, STEP, expert_gemv, expert_swiglu_gemv
+from .ops.expert_mlp import expert_mlp
+from .ops.gemv import BF16, expert_gemv, expert_swiglu_gemv
 from .ops.router import reference as route_reference
 from .ops.router import route
 
@@ -97,8 +97,7 @@ def _fits(mlp) -> bool:
 
 
 def routed_moe(mlp, h: torch.Tensor, grouped: bool = False, lin: Linears | None = None,
-               pdl: bool = False, expert_act: str = "separate", packed_route: bool = False,
-               one_launch: bool = False) -> torch.Tensor:
+               pdl: bool = False, expert_act: str = "separate", packed_route: bool = False) -> torch.Tensor:
     """The MoE block on few tokens h [B, T, H]: each token's top-k experts only, plus the shared expert. pdl
     (with grouped): the routing and the expert launches with programmatic dependent launch. expert_act (with
     grouped, experts whose act_fn is SiLU; "separate": a kernel of its own between the two expert launches):
@@ -107,21 +106,12 @@ def routed_moe(mlp, h: torch.Tensor, grouped: bool = False, lin: Linears | None 
     (ops/expert_mlp.py; bf16 and fp8-weight experts, the others as "fused"); quantized experts
     (QuantExperts.routed, their own kernel launches on CUDA) do so in bf16 and fp8, while int4 ones keep a
     kernel for the activation. packed_route (with grouped): the routing kernel's one-warp packed-key rounds
-    (ops/router.py). one_launch (with grouped): one token's router matmul, routing and expert MLP in one launch
-    (ops/expert_mlp.py expert_moe), where its experts are bf16 or fp8-weight; more tokens, or other experts,
-    as without it."""
+    (ops/router.py)."""
     shape = h.shape
     x = h.reshape(-1, shape[-1])
     stacked = mlp.__dict__.get("fastqwen_stacked") if grouped else None
     lin = lin or Linears()
     router = mlp.gate.weight if stacked is None else stacked[2]  # [E (+1: the shared gate), H]
-    operands = one_launch_operands(mlp, stacked) if one_launch and x.shape[0] == 1 else None
-    if operands is not None and router.dtype == x.dtype:
-        out, weights, _ = expert_moe(x, router, mlp.gate.top_k, stacked is not None, *operands, x.dtype)
-        out = weighted_sum(out[None].to(x.dtype), weights.to(x.dtype))
-        if stacked is None:
-            out = out + lin.mlp(mlp.shared_expert, x) * torch.sigmoid(mlp.shared_expert_gate(x))
-        return out.reshape(shape)
     # [N, k (+1)]; stacked: the shared expert as expert E, weighted by its sigmoid gate. grouped: one launch, which
     # also sums the router matmul's split-K partials
     weights, experts = (route(lin.weight_partials(x, router), mlp.gate.top_k, stacked is not None, pdl,
@@ -154,19 +144,6 @@ def routed_moe(mlp, h: torch.Tensor, grouped: bool = False, lin: Linears | None 
     if stacked is None:
         out = out + lin.mlp(mlp.shared_expert, x) * torch.sigmoid(mlp.shared_expert_gate(x))
     return out.reshape(shape)
-
-
-def one_launch_operands(mlp, stacked) -> tuple | None:
-    """(fmt, w1, s1, w2, s2) of the routed experts (the shared one stacked as expert E where `stacked`) in a form
-    expert_moe takes (bf16, or fp8-weight QuantExperts, with H and I multiples of 128), else None. (The kernel
-    computes SiLU: model.check_kernels checks the model's activation.)"""
-    experts = mlp.experts
-    if hasattr(experts, "one_launch_operands"):  # quantized experts
-        return experts.one_launch_operands()
-    gate_up, down = (experts.gate_up_proj, experts.down_proj) if stacked is None else stacked[:2]
-    if gate_up.shape[-1] % STEP or down.shape[-1] % STEP:
-        return None
-    return BF16, gate_up, None, down, None
 
 
 def weighted_sum(out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -23,9 +23,6 @@ def test_grouped_experts_match_the_gathered_ones():
         for act in ("fused", "mlp"):
             torch.testing.assert_close(routed_moe(mlp, h, grouped=True, expert_act=act), routed_moe(mlp, h),
                                        rtol=1e-5, atol=1e-5)
-        one = h[:1, :1]  # (one token: the one-launch MoE)
-        torch.testing.assert_close(routed_moe(mlp, one, grouped=True, one_launch=True), routed_moe(mlp, one),
-                                   rtol=1e-5, atol=1e-5)
 
 
 ALL = {"attention": "sdpa", "experts": "grouped", "projections": "separate", "linears": "gemv", "gdn": "fla",
@@ -47,12 +44,11 @@ ALL = {"attention": "sdpa", "experts": "grouped", "projections": "separate", "li
                                                   ("tiny-moe", {"experts": "grouped-pdl", "launch": "pdl"}, True),
                                                   ("tiny-moe", {"experts": "grouped", "expert_act": "fused"}, True),
                                                   ("tiny-moe", {"experts": "grouped", "expert_act": "mlp"}, True),
-                                                  ("tiny-moe", {"experts": "one-launch"}, True),
                                                   ("tiny-moe", ALL, True)])
 def test_alternative_kernels_give_the_default_tokens(name, kernels, compile):
     default = fastqwen.optimize(fresh(name), max_batch_size=2, max_seq_len=96, compile=False)
     other = fastqwen.optimize(fresh(name), max_batch_size=2, max_seq_len=96, compile=compile, kernels=kernels)
-    grouped = kernels.get("experts", "") in ("grouped", "grouped-pdl", "one-launch")
+    grouped = kernels.get("experts", "").startswith("grouped")
     grouped_auto = {"expert_act": "fused", "route": "packed"} if grouped else {}  # ("auto" follows the experts)
     assert other._fastqwen.forward.kernels == {"attention": "split", "experts": "gather", "projections": "fused",
                                                "linears": "auto", "gdn": "block", "launch": "serial", "splitk": "sum", "gdn_norm": "separate",
@@ -85,6 +81,22 @@ def test_attention_choice_applies_to_decode_and_verify_at_every_cache_length(mon
         assert torch.equal(m.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8), out[S, attention])
         assert set(calls) == ({4} if attention == "split" else set())  # verify blocks of k + 1 = 4 queries
     assert torch.equal(out[20000, "split"], out[64, "split"]) and torch.equal(out[64, "sdpa"], out[64, "split"])
+
+
+def test_expert_act_auto_takes_the_one_launch_mlp_for_fp8_weight_experts():
+    """kernels["expert_act"] "auto" resolves to "mlp" (the expert MLP in one launch, ops/expert_mlp.py) where
+    the grouped experts are fp8-weight (measured faster on the H200 there, slower on bf16 experts) and to
+    "fused" otherwise; an engine tells check_kernels from its QuantExperts' scheme."""
+    from fastqwen.model import check_kernels
+
+    cfg = fresh("tiny-moe").config
+    assert check_kernels({"experts": "grouped"}, cfg, "cpu", fp8_experts=True)["expert_act"] == "mlp"
+    assert check_kernels({"experts": "grouped"}, cfg, "cpu")["expert_act"] == "fused"
+    assert check_kernels({"experts": "gather"}, cfg, "cpu", fp8_experts=True)["expert_act"] == "separate"
+    for quant, act in (("fp8-weight", "mlp"), ("int4", "fused"), (None, "fused")):
+        m = fastqwen.optimize(fresh("tiny-moe"), max_seq_len=64, compile=False, quant=quant,
+                              kernels={"experts": "grouped"})
+        assert m._fastqwen.forward.kernels["expert_act"] == act, quant
 
 
 def test_launch_auto_is_pdl_from_hopper_on_and_pdl_before_it_is_refused(monkeypatch):
@@ -179,7 +191,7 @@ def test_bad_kernel_choices():
     with pytest.raises(ValueError, match="applies to MoE models only"):
         fastqwen.optimize(fresh("tiny"), compile=False, kernels={"experts": "grouped"})
     for op, choice in (("expert_act", "fused"), ("route", "packed")):
-        with pytest.raises(ValueError, match=r"set kernels\['experts'\] to 'grouped', 'grouped-pdl' or 'one-launch' \(it is 'gather'\)"):
+        with pytest.raises(ValueError, match=r"set kernels\['experts'\] to 'grouped' or 'grouped-pdl' \(it is 'gather'\)"):
             fastqwen.optimize(fresh("tiny-moe"), compile=False, kernels={op: choice})
     model = fresh("tiny-moe")
     model.config.hidden_act = "gelu"

@@ -8,29 +8,33 @@ The activation is rounded to act_dtype before the down projection, as the two-la
 
 Why one launch: a 35B-A3B decode step's expert launches stream 28 MB a layer (fp8) in ~13 µs, half the
 bandwidth, because each is short and the down launch cannot start its loads before the gate | up launch has
-ended. Here both kinds of tile are programs of one grid: gate | up tiles (BN1 rows of W1, all of H) write
-their outputs h [P, 2I] fp32 and count themselves in on their pair (`ready[p]`, release); down tiles (BN2 rows
-of W2) load their first step of weights *before* they wait for their pair's gate | up tiles (acquire), then
+ended. Here both kinds of tile are programs of one grid: gate | up tiles (BLOCK_N rows of W1, all of H) write
+their outputs h [P, 2I] fp32 and count themselves in on their pair (`ready[p]`, release); down tiles (BLOCK_N
+rows of W2) load their first step of weights *before* they wait for their pair's gate | up tiles (acquire), then
 read h, compute silu(gate)·up and finish. So the down weights stream while the gate | up tiles still run.
 Tiles are handed out by a ticket counter in program start order, every gate | up ticket before any down
 ticket: a down tile waits only on tiles that some running program holds, so the wait always ends, however
-many programs the GPU holds at once. The counters (ticket, ready[P], done[P]) live in ops/gemv.py's
-tile_counts buffer and are zero again when the launch ends (the last ticket resets the ticket counter, the last
-down tile of a pair its pair's two): a CUDA graph replays it as is. `reference` is the plain torch
-definition, and what runs off CUDA.
+many programs the GPU holds at once. The counters (ticket, finished down tiles, ready[P]) live in
+ops/gemv.py's tile_counts buffer and are zero again when the launch ends (the last ticket resets the ticket
+counter, the last down tile the others): a CUDA graph replays it as is. The fp8 kernel holds 128 registers a
+thread (4 programs an SM; a down tile sums each step at once rather than keeping a BLOCK_N × 512 fp32
+accumulator, which took 230). `reference` is the plain torch definition, and what runs off CUDA.
+
+Measured (one H200, 2026-12-03; docs/BENCHMARKS.md): 40 layers of 9 cold 35B-A3B experts in a CUDA graph, with
+the first version of the down tile (230 registers), fp8-weight 18.39 µs a layer against 19.15 µs for the two
+launches, bf16 24.47 against 22.39 (slower: its tiles need twice the bytes in registers and shared memory); the
+35B-A3B fp8-weight decode step (fp8 lm_head) 1961 µs and, with this kernel, 1921 µs, against 1978–2055 µs with
+two launches (each in a process of its own). So kernels={"expert_act": "auto"} takes it for fp8-weight experts
+only (model.check_kernels).
 """
 
 import torch
 
 from .gemv import BF16, FP8_ROW, STEP, expert_reference, tile_counts
-from .router import _ROUND
-from .router import reference as route_reference
 
 try:
     import triton
     import triton.language as tl
-
-    from .router import _route_row
 except ImportError:  # CPU-only installs: the op runs the reference
     triton = None
 
@@ -104,16 +108,14 @@ if triton is not None:
         tl.store(y_ptr + p * H + n, y, mask=n_ok)
 
     @triton.jit
-    def _finish(cnt_ptr, P, last, ROUTED: tl.constexpr):
-        """Count a finished down tile in (cnt[1]); the last one (`last` finished before it) sets every count back
-        to 0 for the next launch: every other tile is past its waits by then."""
+    def _finish(cnt_ptr, P, last):
+        """Count a finished down tile in (cnt[1]); the last one (`last` finished before it) sets the counts back
+        to 0 for the next launch (every other tile is past its wait by then)."""
         tl.debug_barrier()  # every thread past its reads before the count
         if tl.atomic_add(cnt_ptr + 1, 1, sem="acq_rel", scope="gpu") == last:
             q = tl.arange(0, 128)
             for q0 in range(0, P, 128):
-                tl.store(cnt_ptr + 4 + q0 + q, 0, mask=q0 + q < P)
-            if ROUTED:
-                tl.store(cnt_ptr + 3, 0)
+                tl.store(cnt_ptr + 2 + q0 + q, 0, mask=q0 + q < P)
             tl.store(cnt_ptr + 1, 0)
 
     @triton.jit
@@ -122,7 +124,7 @@ if triton is not None:
                            BLOCK_N: tl.constexpr, BK1: tl.constexpr, BK2: tl.constexpr, STAGES: tl.constexpr,
                            ACT_DTYPE: tl.constexpr):
         """One tile a program, by ticket: gate | up tiles first (P · ⌈2I / BLOCK_N⌉), then down tiles
-        (P · ⌈H / BLOCK_N⌉). cnt: [0] the ticket, [1] finished down tiles, [4 + p] pair p's finished gate | up
+        (P · ⌈H / BLOCK_N⌉). cnt: [0] the ticket, [1] finished down tiles, [2 + p] pair p's finished gate | up
         tiles. BK1 | H, BK2 | I."""
         up_tiles = tl.cdiv(2 * I, BLOCK_N)
         down_tiles = tl.cdiv(H, BLOCK_N)
@@ -133,64 +135,14 @@ if triton is not None:
         if t < first:
             p = t // up_tiles
             e = tl.load(exp_ptr + p).to(tl.int64)
-            _gate_up_tile(x_ptr + (p // per_row).to(tl.int64) * H, w1_ptr, s1_ptr, h_ptr, cnt_ptr + 4, p, e,
+            _gate_up_tile(x_ptr + (p // per_row).to(tl.int64) * H, w1_ptr, s1_ptr, h_ptr, cnt_ptr + 2, p, e,
                           t % up_tiles, H, I, w1_estride, s1_estride, FMT, BLOCK_N, BK1, STAGES)
         else:
             p = (t - first) // down_tiles
             e = tl.load(exp_ptr + p).to(tl.int64)
-            _down_tile(w2_ptr, s2_ptr, h_ptr, y_ptr, cnt_ptr + 4, p, e, (t - first) % down_tiles, H, I, w2_estride,
+            _down_tile(w2_ptr, s2_ptr, h_ptr, y_ptr, cnt_ptr + 2, p, e, (t - first) % down_tiles, H, I, w2_estride,
                        s2_estride, FMT, BLOCK_N, BK2, ACT_DTYPE)
-            _finish(cnt_ptr, P, P * down_tiles - 1, False)
-
-    @triton.jit
-    def _moe_kernel(x_ptr, r_ptr, w1_ptr, s1_ptr, w2_ptr, s2_ptr, lp_ptr, h_ptr, y_ptr, wt_ptr, exp_ptr, cnt_ptr,
-                    H, I, w1_estride, w2_estride, s1_estride, s2_estride, E: tl.constexpr, K: tl.constexpr,
-                    SHARED: tl.constexpr, FMT: tl.constexpr, BLOCK_N: tl.constexpr, BK1: tl.constexpr,
-                    BK2: tl.constexpr, STAGES: tl.constexpr, ACT_DTYPE: tl.constexpr, ROUND: tl.constexpr,
-                    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RN: tl.constexpr, RS: tl.constexpr,
-                    RK: tl.constexpr):
-        """One token's routed MoE, by ticket: router tiles (⌈(E + SHARED) / RN⌉ row blocks × RS column splits of
-        RK, H = RS · RK) write the logits' split-K partials to lp [RS, E + SHARED] fp32; the last to count itself in (cnt[2])
-        routes (ops/router.py _route_row: top K of E, softmax over them, the shared expert's sigmoid gate as
-        pair K) into wt / exp [K + SHARED] and sets cnt[3] (release); then the expert MLP's gate | up and down
-        tiles as _expert_mlp_kernel's, each first waiting for cnt[3]."""
-        P: tl.constexpr = K + SHARED
-        router_tiles = tl.cdiv(E + SHARED, RN) * RS
-        up_tiles = tl.cdiv(2 * I, BLOCK_N)
-        down_tiles = tl.cdiv(H, BLOCK_N)
-        first_up = router_tiles
-        first_down = first_up + P * up_tiles
-        t = tl.atomic_add(cnt_ptr, 1)
-        if t == first_down + P * down_tiles - 1:
-            tl.atomic_xchg(cnt_ptr, 0)
-        if t < first_up:  # a router tile: RN rows of the router over H / RS columns
-            split = t % RS
-            n = (t // RS) * RN + tl.arange(0, RN)
-            n_ok = n < E + SHARED
-            k = split * RK + tl.arange(0, RK)
-            w = tl.load(r_ptr + n[:, None] * H + k[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
-            logit = tl.sum(w * tl.load(x_ptr + k).to(tl.float32)[None, :], axis=1)
-            tl.store(lp_ptr + split * (E + SHARED) + n, logit, mask=n_ok)
-            tl.debug_barrier()
-            if tl.atomic_add(cnt_ptr + 2, 1, sem="acq_rel", scope="gpu") == router_tiles - 1:
-                _route_row(lp_ptr, wt_ptr, exp_ptr, 0, 0, E + SHARED, E, K, SHARED, BLOCK_E, BLOCK_K, True, RS,
-                           ROUND, True)
-                tl.atomic_xchg(cnt_ptr + 2, 0)
-                tl.debug_barrier()  # every thread's weights and experts stored before the flag
-                tl.atomic_xchg(cnt_ptr + 3, 1, sem="release", scope="gpu")
-        elif t < first_down:
-            p = (t - first_up) // up_tiles
-            _wait_for(cnt_ptr + 3, 1)
-            e = tl.load(exp_ptr + p, cache_modifier=".cg").to(tl.int64)
-            _gate_up_tile(x_ptr, w1_ptr, s1_ptr, h_ptr, cnt_ptr + 4, p, e, (t - first_up) % up_tiles, H, I,
-                          w1_estride, s1_estride, FMT, BLOCK_N, BK1, STAGES)
-        else:
-            p = (t - first_down) // down_tiles
-            _wait_for(cnt_ptr + 3, 1)
-            e = tl.load(exp_ptr + p, cache_modifier=".cg").to(tl.int64)
-            _down_tile(w2_ptr, s2_ptr, h_ptr, y_ptr, cnt_ptr + 4, p, e, (t - first_down) % down_tiles, H, I,
-                       w2_estride, s2_estride, FMT, BLOCK_N, BK2, ACT_DTYPE)
-            _finish(cnt_ptr, P, P * down_tiles - 1, True)
+            _finish(cnt_ptr, P, P * down_tiles - 1)
 
 
 _TL_DTYPES = {} if triton is None else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
@@ -231,7 +183,7 @@ def launch(x, exp, fmt: int, w1, s1, w2, s2, act_dtype: torch.dtype) -> torch.Te
         return y
     h = torch.empty(P, 2 * I, dtype=torch.float32, device=x.device)
     tiles = P * (triton.cdiv(2 * I, BLOCK_N) + triton.cdiv(H, BLOCK_N))
-    cnt = tile_counts(x.device, 4 + P)
+    cnt = tile_counts(x.device, 2 + P)
     s1 = w1 if s1 is None else s1  # (BF16 reads no scale; any pointer does)
     s2 = w2 if s2 is None else s2
     _expert_mlp_kernel[(tiles,)](x, exp, w1, s1, w2, s2, h, y, cnt, P, H, I, P // T, w1.stride(0), w2.stride(0),
@@ -255,60 +207,3 @@ def expert_mlp(x: torch.Tensor, exp: torch.Tensor, fmt: int, w1: torch.Tensor, s
 def _(x, exp, fmt, w1, s1, w2, s2, act_dtype):
     return x.new_empty(exp.shape[0], w2.shape[1], dtype=torch.float32)
 
-
-def moe_reference(x, router, k: int, shared: bool, fmt: int, w1, s1, w2, s2, act_dtype: torch.dtype):
-    """The plain torch definition of expert_moe: (y fp32 [P, H], weights fp32 [1, P], experts int32 [1, P])."""
-    weights, experts = route_reference(x.float() @ router.float().t(), k, shared, x.dtype)
-    return reference(x, experts.flatten(), fmt, w1, s1, w2, s2, act_dtype), weights, experts
-
-
-def moe_launch(x, router, k: int, shared: bool, fmt: int, w1, s1, w2, s2, act_dtype: torch.dtype):
-    """The kernel (_moe_kernel) for one token x [1, H]: the router matmul (router [E (+1 shared), H] in x's dtype),
-    the routing and the expert MLP; the same checks as `launch`."""
-    T, H = x.shape
-    E = router.shape[0] - shared
-    if T != 1 or tuple(router.shape) != (E + shared, H) or router.dtype != x.dtype or not router.is_contiguous():
-        raise ValueError(f"expert_moe routes one token x [1, H] with a contiguous router [E (+1), H] in x's dtype; got "
-                         f"x {tuple(x.shape)}, router {tuple(router.shape)} {router.dtype}")
-    if w1.shape[0] < E + shared:
-        raise ValueError(f"expert_moe: {w1.shape[0]} experts' weights for {E} experts (+ the shared one: {shared})")
-    P = k + shared
-    probe = torch.zeros(P, dtype=torch.int32, device=x.device)
-    _check(x, probe, fmt, w1, s1, w2, s2, act_dtype)
-    I = w2.shape[-1]
-    y = torch.empty(P, H, dtype=torch.float32, device=x.device)
-    weights = torch.empty(1, P, dtype=torch.float32, device=x.device)
-    experts = torch.empty(1, P, dtype=torch.int32, device=x.device)
-    lp = torch.empty(H // STEP, E + shared, dtype=torch.float32, device=x.device)
-    h = torch.empty(P, 2 * I, dtype=torch.float32, device=x.device)
-    tiles = triton.cdiv(E + shared, BLOCK_N) * (H // STEP) + P * (triton.cdiv(2 * I, BLOCK_N) + triton.cdiv(H, BLOCK_N))
-    cnt = tile_counts(x.device, 4 + P)
-    s1 = w1 if s1 is None else s1
-    s2 = w2 if s2 is None else s2
-    _moe_kernel[(tiles,)](x, router, w1, s1, w2, s2, lp, h, y, weights, experts, cnt, H, I, w1.stride(0), w2.stride(0),
-                          s1.stride(0), s2.stride(0), E=E, K=k, SHARED=shared, FMT=fmt, BLOCK_N=BLOCK_N,
-                          BK1=256 if H % 256 == 0 else STEP, BK2=_step(I), STAGES=4, ACT_DTYPE=_TL_DTYPES[act_dtype],
-                          ROUND=_ROUND[x.dtype], BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(k),
-                          RN=BLOCK_N, RS=H // STEP, RK=STEP, num_warps=4)
-    return y, weights, experts
-
-
-@torch.library.custom_op("fastqwen::expert_moe", mutates_args=())
-def expert_moe(x: torch.Tensor, router: torch.Tensor, k: int, shared: bool, fmt: int, w1: torch.Tensor,
-               s1: torch.Tensor | None, w2: torch.Tensor, s2: torch.Tensor | None,
-               act_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One token's routed MoE in one launch on CUDA: the router matmul x [1, H] · router [E (+1), H]ᵀ, the
-    routing (transformers' softmax top-k, renormalised; with `shared`, router row E is the shared expert's gate
-    and expert E in w1 / w2 the shared expert, as moe.stack_shared_expert stacks them) and the routed experts'
-    gated MLP (expert_mlp) → (y fp32 [P, H], weights fp32 [1, P], experts int32 [1, P]), P = k (+1); the
-    reference elsewhere."""
-    if x.is_cuda and triton is not None:
-        return moe_launch(x.contiguous(), router, k, shared, fmt, w1, s1, w2, s2, act_dtype)
-    return moe_reference(x, router, k, shared, fmt, w1, s1, w2, s2, act_dtype)
-
-
-@expert_moe.register_fake
-def _(x, router, k, shared, fmt, w1, s1, w2, s2, act_dtype):
-    P = k + shared
-    return (x.new_empty(P, w2.shape[1], dtype=torch.float32), x.new_empty(1, P, dtype=torch.float32),
-            x.new_empty(1, P, dtype=torch.int32))

@@ -85,23 +85,11 @@ if triton is not None:
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        _route_row(logits_ptr, w_ptr, e_ptr, tl.program_id(0), stride, split_stride, E, K, SHARED, BLOCK_E, BLOCK_K,
-                   PACKED, S, ROUND)
-
-    @triton.jit
-    def _route_row(logits_ptr, w_ptr, e_ptr, row, stride, split_stride, E: tl.constexpr, K: tl.constexpr,
-                   SHARED: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PACKED: tl.constexpr,
-                   S: tl.constexpr, ROUND: tl.constexpr, CG: tl.constexpr = 0):
-        """_route_kernel's routing of one token `row`, callable from other kernels (ops/expert_mlp.py's MoE
-        launch). CG: the logits are read from L2 (.cg), where other programs of the same launch wrote them."""
+        row = tl.program_id(0)
         e = tl.arange(0, BLOCK_E)
         logit = tl.zeros((BLOCK_E,), tl.float32)
         for s in tl.static_range(S):
-            src = logits_ptr + s * split_stride + row * stride + e
-            if CG:
-                logit += tl.load(src, mask=e < E, other=0.0, cache_modifier=".cg").to(tl.float32)
-            else:
-                logit += tl.load(src, mask=e < E, other=0.0).to(tl.float32)
+            logit += tl.load(logits_ptr + s * split_stride + row * stride + e, mask=e < E, other=0.0).to(tl.float32)
         logit = tl.where(e < E, _rounded(logit, ROUND), -float("inf"))
         j = tl.arange(0, BLOCK_K)
         top = tl.full((BLOCK_K,), -float("inf"), tl.float32)
@@ -126,12 +114,9 @@ if triton is not None:
         tl.store(w_ptr + out + j, p / tl.sum(p, axis=0), mask=j < K)
         tl.store(e_ptr + out + j, idx, mask=j < K)
         if SHARED:
-            g = 0.0
-            for s in tl.static_range(S):
-                if CG:
-                    g += tl.load(logits_ptr + s * split_stride + row * stride + E, cache_modifier=".cg").to(tl.float32)
-                else:
-                    g += tl.load(logits_ptr + s * split_stride + row * stride + E).to(tl.float32)
+            g = tl.load(logits_ptr + row * stride + E).to(tl.float32)
+            for s in tl.static_range(1, S):
+                g += tl.load(logits_ptr + s * split_stride + row * stride + E).to(tl.float32)
             g = _rounded(g, ROUND)
             tl.store(w_ptr + out + K, 1.0 / (1.0 + tl.exp(-g)))
             tl.store(e_ptr + out + K, E)

@@ -157,15 +157,6 @@ class QuantExperts(nn.Module):
     def _kernel_fits(self) -> bool:
         return self.hidden % STEP == 0 and self.inter % STEP == 0 and (self.scheme != "int4" or self.group == STEP)
 
-    def one_launch_operands(self) -> tuple | None:
-        """(fmt, w1, s1, w2, s2) for ops/expert_mlp.py expert_moe: fp8-weight experts (and the shared one, when
-        stacked) whose shapes the kernels take (the kernel computes SiLU: model.check_kernels checks the model's
-        activation); else None."""
-        if self.scheme != "fp8-weight" or not self._kernel_fits():
-            return None
-        gu, dn = self.stored("gate_up"), self.stored("down")
-        return FORMATS[self.scheme], gu["qweight"], gu["scale"], dn["qweight"], dn["scale"]
-
     def routed(self, x: torch.Tensor, experts: torch.Tensor, act: str = "separate") -> torch.Tensor:
         """x [N, H], experts [N, k] → each pair's expert output [N, k, H] (unweighted), reading only those experts.
         act (act_fn SiLU; "separate": a kernel of its own): "fused", on CUDA the down launch computes
