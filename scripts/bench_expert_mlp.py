@@ -1,0 +1,97 @@
+"""Kernel-level A/B of the routed experts' gated MLP: two launches (ops/gemv.py expert_gemv, then
+expert_swiglu_gemv with the activation on load) against one (ops/expert_mlp.py expert_mlp).
+
+    python scripts/bench_expert_mlp.py --layers 40
+
+Builds --layers layers of 35B-A3B-shaped experts (257: 256 routed + the shared one stacked as expert 256), random
+and distinct per layer so that every layer's weights are cold, in fp8-weight and bf16; each layer routes one token to
+9 of them (8 random + the shared one). Both forms of all layers are captured in one CUDA graph each and replayed in
+alternating order; prints µs a layer (the minimum over rounds) and the two forms' relative difference.
+"""
+
+import argparse
+import pathlib
+import sys
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from fastqwen.ops.expert_mlp import expert_mlp  # noqa: E402
+from fastqwen.ops.gemv import BF16, FP8_ROW, expert_gemv, expert_swiglu_gemv  # noqa: E402
+from fastqwen.quant.formats import quantize_fp8_rows  # noqa: E402
+
+
+def stored(w: torch.Tensor, fmt: int):
+    """(weights, scales) of experts w [E, N, K] in format fmt (scales None for bf16)."""
+    if fmt == BF16:
+        return w, None
+    q, s = quantize_fp8_rows(w.reshape(-1, w.shape[-1]))
+    return q.view(w.shape), s.view(w.shape[:2])
+
+
+def captured(fn):
+    """(fn captured in a CUDA graph after 3 warm-up calls, its outputs)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def replay_us(graph, reps: int = 10) -> float:
+    """µs a replay of `graph`, over reps replays after one."""
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps * 1000
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=40)
+    p.add_argument("--rounds", type=int, default=4)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    E, H, I, L = 257, 2048, 512, args.layers
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
+    print("| format | two launches µs a layer | one launch µs a layer | one / two | relative difference |")
+    print("|---|---|---|---|---|")
+    for name, fmt in (("fp8-weight", FP8_ROW), ("bf16", BF16)):
+        layers = []
+        for _ in range(L):
+            w1 = stored(torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02, fmt)
+            w2 = stored(torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02, fmt)
+            exp = torch.randperm(E - 1, device="cuda", generator=g)[:9].int()
+            exp[8] = E - 1
+            layers.append((w1, w2, exp))
+
+        def two():
+            return [expert_swiglu_gemv(expert_gemv(x, None, exp, fmt, *w1, None, 2 * I), exp, fmt, *w2, H,
+                                       torch.bfloat16).sum(0) for w1, w2, exp in layers]
+
+        def one():
+            return [expert_mlp(x, exp, fmt, *w1, *w2, torch.bfloat16) for w1, w2, exp in layers]
+
+        graphs = {"two": captured(two), "one": captured(one)}
+        times = {"two": [], "one": []}
+        for r in range(args.rounds):  # alternating order
+            for form in ("two", "one") if r % 2 == 0 else ("one", "two"):
+                times[form].append(replay_us(graphs[form][0]))
+        a, b = torch.stack(graphs["two"][1]), torch.stack(graphs["one"][1])
+        diff = ((b - a).norm() / a.norm()).item()
+        two_us, one_us = min(times["two"]) / L, min(times["one"]) / L
+        print(f"| {name} | {two_us:.2f} | {one_us:.2f} | {one_us / two_us:.3f} | {diff:.1e} |")
+        del layers, graphs
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
