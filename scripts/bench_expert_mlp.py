@@ -2,6 +2,10 @@
 expert_swiglu_gemv with the activation on load) against one (ops/expert_mlp.py expert_mlp).
 
     python scripts/bench_expert_mlp.py --layers 40
+    python scripts/bench_expert_mlp.py --configs 32:4:4 16:4:4 64:4:4 32:3:4 32:2:4 32:4:8
+
+(--configs: the one launch at other (BLOCK_N, stages, warps) configs too, each a row; ops/expert_mlp.py CONFIG is
+the default's.)
 
 Builds --layers layers of 35B-A3B-shaped experts (257: 256 routed + the shared one stacked as expert 256), random
 and distinct per layer so that every layer's weights are cold, in fp8-weight and bf16; each layer routes one token to
@@ -16,7 +20,7 @@ import sys
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from fastqwen.ops.expert_mlp import expert_mlp  # noqa: E402
+from fastqwen.ops.expert_mlp import CONFIG, launch  # noqa: E402
 from fastqwen.ops.gemv import BF16, FP8_ROW, expert_gemv, expert_swiglu_gemv  # noqa: E402
 from fastqwen.quant.formats import quantize_fp8_rows  # noqa: E402
 
@@ -56,14 +60,19 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=40)
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--configs", nargs="*", default=[], metavar="BLOCK_N:STAGES:WARPS",
+                   help="also time the one launch at these configs")
     args = p.parse_args()
+    asked = [tuple(int(v) for v in c.split(":")) for c in args.configs]
+    configs = [CONFIG] + [c for c in dict.fromkeys(asked) if c != CONFIG]
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     E, H, I, L = 257, 2048, 512, args.layers
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
-    print("| format | two launches µs a layer | one launch µs a layer | one / two | relative difference |")
-    print("|---|---|---|---|---|")
+    print("| format | one launch's config | two launches µs a layer | one launch µs a layer | one / two | relative "
+          "difference |")
+    print("|---|---|---|---|---|---|")
     for name, fmt in (("fp8-weight", FP8_ROW), ("bf16", BF16)):
         layers = []
         for _ in range(L):
@@ -77,18 +86,20 @@ def main():
             return [expert_swiglu_gemv(expert_gemv(x, None, exp, fmt, *w1, None, 2 * I), exp, fmt, *w2, H,
                                        torch.bfloat16).sum(0) for w1, w2, exp in layers]
 
-        def one():
-            return [expert_mlp(x, exp, fmt, *w1, *w2, torch.bfloat16) for w1, w2, exp in layers]
+        def one(config):
+            return lambda: [launch(x, exp, fmt, *w1, *w2, torch.bfloat16, config) for w1, w2, exp in layers]
 
-        graphs = {"two": captured(two), "one": captured(one)}
-        times = {"two": [], "one": []}
+        graphs = {"two": captured(two), **{c: captured(one(c)) for c in configs}}
+        times = {form: [] for form in graphs}
         for r in range(args.rounds):  # alternating order
-            for form in ("two", "one") if r % 2 == 0 else ("one", "two"):
+            for form in list(graphs) if r % 2 == 0 else list(graphs)[::-1]:
                 times[form].append(replay_us(graphs[form][0]))
-        a, b = torch.stack(graphs["two"][1]), torch.stack(graphs["one"][1])
-        diff = ((b - a).norm() / a.norm()).item()
-        two_us, one_us = min(times["two"]) / L, min(times["one"]) / L
-        print(f"| {name} | {two_us:.2f} | {one_us:.2f} | {one_us / two_us:.3f} | {diff:.1e} |")
+        a = torch.stack(graphs["two"][1])
+        two_us = min(times["two"]) / L
+        for c in configs:
+            diff = ((torch.stack(graphs[c][1]) - a).norm() / a.norm()).item()
+            one_us = min(times[c]) / L
+            print(f"| {name} | {':'.join(map(str, c))} | {two_us:.2f} | {one_us:.2f} | {one_us / two_us:.3f} | {diff:.1e} |")
         del layers, graphs
         torch.cuda.empty_cache()
 

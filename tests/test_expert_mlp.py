@@ -40,6 +40,10 @@ for fmt in (BF16, FP8_ROW):
             # rounds to nearest (a few activations one bf16 step apart)
             assert err < (1e-6 if act == torch.float32 else 2e-2), (fmt, H, I, act, err)
             assert not tile_counts(x.device, 1)[:2 + T * k].any(), "a count left nonzero"
+        # another launch config (BLOCK_N 16, 2 stages, 2 warps): the same products
+        y = em.launch(x, exp, fmt, w1, s1, w2, s2, torch.float32, (16, 2, 2))
+        ref = em.reference(x, exp, fmt, w1, s1, w2, s2, torch.float32)
+        assert ((y - ref).norm() / ref.norm()).item() < 1e-6, (fmt, H, I, "config")
 print("expert mlp ok")
 """
 
@@ -109,5 +113,7 @@ def test_op_runs_its_reference_on_cpu_and_refuses_what_the_kernel_cannot_take():
         launch(x, exp, INT4, q[None], s[None], w2, None, torch.bfloat16)
     with pytest.raises(ValueError, match="P / T pairs a token"):
         launch(x, exp[:3], BF16, w1, None, w2, None, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"config is \(BLOCK_N in 16, 32, 64, 128"):
+        launch(x, exp, BF16, w1, None, w2, None, torch.bfloat16, (48, 4, 4))
     with pytest.raises(ValueError, match="each expert's weight contiguous"):
         launch(x, exp, BF16, w1.transpose(1, 2).contiguous().transpose(1, 2), None, w2, None, torch.bfloat16)

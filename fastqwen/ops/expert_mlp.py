@@ -39,7 +39,9 @@ except ImportError:  # CPU-only installs: the op runs the reference
     triton = None
 
 KERNEL_FORMATS = (BF16, FP8_ROW)  # decoded by conversion, one scale a row at most
-BLOCK_N = 32  # rows of W1 or W2 a tile (the M = 1 sweep's choice for every 35B-A3B expert shape)
+# (BLOCK_N rows of W1 or W2 a tile, the gate | up loop's pipeline stages, warps a program): the M = 1 sweep's tile for
+# every 35B-A3B expert shape; not swept for this kernel yet (scripts/bench_expert_mlp.py --configs times others)
+CONFIG = (32, 4, 4)
 
 
 def reference(x, exp, fmt: int, w1, s1, w2, s2, act_dtype: torch.dtype) -> torch.Tensor:
@@ -174,22 +176,27 @@ def _check(x, exp, fmt: int, w1, s1, w2, s2, act_dtype: torch.dtype) -> None:
                          f"{None if s2 is None else tuple(s2.shape)}")
 
 
-def launch(x, exp, fmt: int, w1, s1, w2, s2, act_dtype: torch.dtype) -> torch.Tensor:
-    """The kernel (_expert_mlp_kernel): fp32 y [P, H]; `_check` says what it takes."""
+def launch(x, exp, fmt: int, w1, s1, w2, s2, act_dtype: torch.dtype, config: tuple = CONFIG) -> torch.Tensor:
+    """The kernel (_expert_mlp_kernel): fp32 y [P, H]; `_check` says what it takes; `config` (BLOCK_N, stages,
+    warps) as CONFIG."""
     _check(x, exp, fmt, w1, s1, w2, s2, act_dtype)
+    block_n, stages, warps = config
+    if block_n not in (16, 32, 64, 128) or not 1 <= stages <= 6 or warps not in (1, 2, 4, 8):
+        raise ValueError(f"expert_mlp's config is (BLOCK_N in 16, 32, 64, 128; stages 1 … 6; warps 1, 2, 4 or 8); "
+                         f"got {config}")
     (T, H), P, I = x.shape, exp.shape[0], w2.shape[-1]
     y = torch.empty(P, H, dtype=torch.float32, device=x.device)
     if P == 0:
         return y
     h = torch.empty(P, 2 * I, dtype=torch.float32, device=x.device)
-    tiles = P * (triton.cdiv(2 * I, BLOCK_N) + triton.cdiv(H, BLOCK_N))
+    tiles = P * (triton.cdiv(2 * I, block_n) + triton.cdiv(H, block_n))
     cnt = tile_counts(x.device, 2 + P)
     s1 = w1 if s1 is None else s1  # (BF16 reads no scale; any pointer does)
     s2 = w2 if s2 is None else s2
     _expert_mlp_kernel[(tiles,)](x, exp, w1, s1, w2, s2, h, y, cnt, P, H, I, P // T, w1.stride(0), w2.stride(0),
                                  s1.stride(0), s2.stride(0),
-                                 FMT=fmt, BLOCK_N=BLOCK_N, BK1=256 if H % 256 == 0 else STEP, BK2=_step(I),
-                                 STAGES=4, ACT_DTYPE=_TL_DTYPES[act_dtype], num_warps=4)
+                                 FMT=fmt, BLOCK_N=block_n, BK1=256 if H % 256 == 0 else STEP, BK2=_step(I),
+                                 STAGES=stages, ACT_DTYPE=_TL_DTYPES[act_dtype], num_warps=warps)
     return y
 
 
