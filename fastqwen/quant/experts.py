@@ -39,6 +39,17 @@ def _experts_rows(q: torch.Tensor) -> tuple[int, int]:
     return (q.shape[0], q.shape[1] * q.shape[3]) if q.dim() == 5 else tuple(q.shape[:2])
 
 
+def kernel_path(scheme: str, act: str) -> str:
+    """The launches QuantExperts.routed runs on CUDA for `scheme` and the asked activation `act`: "mlp" (the
+    whole MLP in one launch: fp8-weight), "fused" (the down launch computes the activation: fp8 schemes) or
+    "separate" (int4, and what is asked)."""
+    if act not in ("separate", "fused", "mlp"):
+        raise ValueError(f"expert activation {act!r}: choose 'separate', 'fused' or 'mlp'")
+    if act == "mlp" and FORMATS[scheme] in MLP_FORMATS:
+        return "mlp"
+    return "fused" if act in ("fused", "mlp") and FORMATS[scheme] != INT4 else "separate"
+
+
 class QuantExperts(nn.Module):
     """Buffers `{gate_up,down}_{key}` [E, …] for each stored tensor key of the scheme (qweight, scale or
     scale_inv, zero); see the module docstring for the two entry points."""
@@ -166,21 +177,22 @@ class QuantExperts(nn.Module):
         N, k = experts.shape
         pair_expert = experts.flatten()
         if x.is_cuda and self._kernel_fits():
-            fmt, act = FORMATS[self.scheme], self.scheme == "fp8"
+            fmt, quant_x = FORMATS[self.scheme], self.scheme == "fp8"  # (fp8: activations rounded to e4m3 too)
             pe = pair_expert.int()  # (token-major pairs, k a token: expert_gemv's tok None)
             gu, dn = self.stored("gate_up"), self.stored("down")
-            parts = expert_gemv(x, None, pe, fmt, gu["qweight"], gu.get("scale_inv", gu.get("scale")),
-                                gu.get("zero"), 2 * self.inter, act)
-            down = dn["qweight"], dn.get("scale_inv", dn.get("scale"))
-            if act == "mlp" and fmt in MLP_FORMATS:
+            path = kernel_path(self.scheme, act)
+            if path == "mlp":
                 y = expert_mlp(x, pe, fmt, gu["qweight"], gu.get("scale"), dn["qweight"], dn.get("scale"), x.dtype)
                 return y.view(N, k, self.hidden).to(x.dtype)
-            if act in ("fused", "mlp") and fmt != INT4:
-                y = expert_swiglu_gemv(parts, pe, fmt, *down, self.hidden, x.dtype, act)
+            parts = expert_gemv(x, None, pe, fmt, gu["qweight"], gu.get("scale_inv", gu.get("scale")),
+                                gu.get("zero"), 2 * self.inter, quant_x)
+            down = dn["qweight"], dn.get("scale_inv", dn.get("scale"))
+            if path == "fused":
+                y = expert_swiglu_gemv(parts, pe, fmt, *down, self.hidden, x.dtype, quant_x)
             else:
                 gate, up = parts.sum(0).chunk(2, dim=-1)
                 h = (self.act_fn(gate) * up).to(x.dtype)
-                y = expert_gemv(h, None, pe, fmt, *down, dn.get("zero"), self.hidden, act)
+                y = expert_gemv(h, None, pe, fmt, *down, dn.get("zero"), self.hidden, quant_x)
             return y.sum(0).view(N, k, self.hidden).to(x.dtype)
         rows = []
         for p in range(N * k):  # the reference: one pair at a time (CPU, small N·k)

@@ -152,6 +152,14 @@ def test_quant_experts_routed_kernel_matches_the_prefill_loop(scheme, act, monke
     from fastqwen.quant.experts import QuantExperts
 
     monkeypatch.setattr(experts_module, "PREFILL_EXPERTS", 8)
+    calls = []  # the kernels routed launches: the path asked for must be the one that runs
+    for name in ("expert_mlp", "expert_swiglu_gemv", "expert_gemv"):
+        def spy(*args, _f=getattr(experts_module, name), _name=name, **kw):
+            calls.append(_name)
+            return _f(*args, **kw)
+        monkeypatch.setattr(experts_module, name, spy)
+    launches = {"mlp": ["expert_mlp"], "fused": ["expert_gemv", "expert_swiglu_gemv"],
+                "separate": ["expert_gemv", "expert_gemv"]}[experts_module.kernel_path(scheme, act)]
 
     torch.manual_seed(0)
     E, H, inter = 32, 2048, 512
@@ -163,7 +171,9 @@ def test_quant_experts_routed_kernel_matches_the_prefill_loop(scheme, act, monke
         x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
         idx = torch.stack([torch.randperm(E, device="cuda")[:8] for _ in range(T)])
         w = torch.rand(T, 8, device="cuda", dtype=torch.bfloat16)
+        calls.clear()
         got = (q.routed(x, idx, act) * w[..., None]).sum(1)
+        assert calls == launches, (scheme, act, calls)
         assert rel_err(got, q(x, idx, w)) < 2e-2
         if act != "separate":  # the same expert outputs as the separate activation's, but for silu's last bits
             assert rel_err(q.routed(x, idx, act), q.routed(x, idx)) < (1e-2 if scheme == "fp8" else 1e-3)
