@@ -37,8 +37,9 @@ CANDIDATE_SYSTEMS = {"fastqwen+split-attention": {"attention": "split"},  # (the
                      "fastqwen+fused-expert-act": {"expert_act": "fused"},  # (the default with grouped: "auto")
                      "fastqwen+separate-expert-act": {"expert_act": "separate"},
                      "fastqwen+one-launch-experts": {"expert_act": "mlp"},
-                     "fastqwen+packed-route": {"route": "packed"},  # (the default with grouped: "auto")
+                     "fastqwen+packed-route": {"route": "packed"},
                      "fastqwen+argmax-route": {"route": "argmax"},
+                     "fastqwen+fused-route": {"route": "fused"},  # (the default with grouped: "auto")
                      "fastqwen+fused-mlp-act": {"mlp_act": "fused"},
                      "fastqwen+fused-conv": {"conv": "fused"},  # (the default)
                      "fastqwen+separate-conv": {"conv": "separate"},

@@ -36,7 +36,7 @@ KERNELS = {"attention": ("split", "sdpa"), "experts": ("auto", "gather", "groupe
            "projections": ("fused", "separate"), "linears": ("auto", "torch", "gemv"),
            "gdn": ("block", "unrolled", "fla"), "launch": ("auto", "serial", "pdl"),
            "splitk": ("sum", "fixup"), "gdn_norm": ("separate", "fused"),
-           "expert_act": ("auto", "separate", "fused", "mlp"), "route": ("auto", "argmax", "packed"),
+           "expert_act": ("auto", "separate", "fused", "mlp"), "route": ("auto", "argmax", "packed", "fused"),
            "mlp_act": ("separate", "fused"), "conv": ("fused", "separate")}  # first: the default
 
 
@@ -81,16 +81,18 @@ def check_kernels(kernels: dict | None, cfg, device, int4: bool = False, fp8_exp
     layer; bf16 and fp8 experts, while int4 ones keep the separate kernel; needs "experts" grouped or
     grouped-pdl and a SiLU MLP), or gate | up, activation and down all in one launch whose down tiles load
     their weights while the gate | up tiles still run ("mlp": ops/expert_mlp.py; bf16 and fp8-weight experts,
-    fp8 ones as "fused", int4 ones as "separate"). "route": the grouped experts' routing kernel's k rounds as a max then a min over the indices holding it, in 4 warps ("argmax"), or as one
-    max over (logit, index) keys packed into an int64, in one warp ("packed": no shared memory, no barrier;
-    same experts and weights; ops/router.py; needs "experts" grouped or grouped-pdl). Both "auto" (the default
-    since 2026-12-02): "fused" and "packed" where the experts resolved to grouped (and, for "expert_act", the
-    MLP is SiLU), else "separate" and "argmax": together a 35B-A3B step took 2806–2827 µs of device time in
-    two processes against 2880 µs with neither (packed alone 2845, fused alone 2866). Since 2026-12-03
-    "expert_act" "auto" is "mlp" where the experts are fp8-weight (`fp8_experts`: QuantExperts): the 35B-A3B
-    fp8-weight step (fp8 lm_head) took 1961 and 1921 µs with it against 1978–2055 µs with "fused" (each in a
-    process of its own), and its experts 0.96× at kernel level; bf16 experts keep "fused" (the one launch
-    measured 1.09× slower on them). "mlp_act": a
+    fp8 ones as "fused", int4 ones as "separate"). "route": the grouped experts' routing kernel's k rounds as
+    a max then a min over the indices holding it, in 4 warps ("argmax"), or as one max over (logit, index) keys
+    packed into an int64, in one warp ("packed": no shared memory, no barrier; same experts and weights;
+    ops/router.py; needs "experts" grouped or grouped-pdl), or for one token the router matmul and packed
+    routing in one launch ("fused": ops/router.py router_route, a launch less a layer; more tokens route as
+    "packed"). "auto" (the defaults): "expert_act" "fused" where the experts resolved to grouped and the MLP is
+    SiLU, else "separate" (fused with packed routing: a 35B-A3B step 2806–2827 µs of device time in two
+    processes against 2880 µs with neither, 2026-12-02), and "mlp" where the experts are fp8-weight
+    (`fp8_experts`: QuantExperts; 0.84× the two launches at kernel level, 17.0 against 20.2 µs a layer, while
+    bf16 experts measured 1.00× at the same tile); "route" "fused" with grouped experts, else "argmax" (the
+    router at kernel level 4.01 against 4.53 µs a layer with PDL, 4.96 against 5.21 without; the step's
+    difference lies within the ±3% between processes). "mlp_act": a
     dense MLP's (and a shared expert's) silu(gate)·up at one-row decode as a kernel of inductor's ("separate") or
     computed by the down projection's weight-streaming kernel from the fused gate | up projection's partials as
     it loads them ("fused": a launch less a layer, where both weights take the kernel under "linears"; needs
@@ -120,11 +122,11 @@ def check_kernels(kernels: dict | None, cfg, device, int4: bool = False, fp8_exp
                          f"intermediate size ({inter}) divisible by 128")
     grouped = kernels["experts"] in ("grouped", "grouped-pdl")
     if kernels["route"] == "auto":
-        kernels["route"] = "packed" if grouped else "argmax"
+        kernels["route"] = "fused" if grouped else "argmax"
     if kernels["expert_act"] == "auto":
         silu = grouped and getattr(cfg, "hidden_act", "silu") == "silu"
         kernels["expert_act"] = ("mlp" if fp8_experts else "fused") if silu else "separate"
-    for op, choice in (("expert_act", "fused"), ("expert_act", "mlp"), ("route", "packed")):
+    for op, choice in (("expert_act", "fused"), ("expert_act", "mlp"), ("route", "packed"), ("route", "fused")):
         if kernels[op] == choice and kernels["experts"] not in ("grouped", "grouped-pdl"):
             raise ValueError(f"kernels[{op!r}]={choice!r} is a grouped-experts kernel: set kernels['experts'] to "
                              f"'grouped' or 'grouped-pdl' (it is {kernels['experts']!r})")
@@ -180,9 +182,8 @@ class Forward:
                            gemv={"torch": False, "gemv": True, "auto": "auto"}[self.kernels["linears"]],
                            pdl=self.pdl, fixup=self.kernels["splitk"] == "fixup",
                            fused_act=self.kernels["mlp_act"] == "fused")
-        if cache.lengths.device.type == "cuda" and (self.lin.fixup or self.fused_norm
-                                                    or self.kernels["expert_act"] == "mlp"):
-            tile_counts(cache.lengths.device, 0)  # the kernels' arrival counts, allocated before any capture
+        if cache.lengths.device.type == "cuda":  # the kernels' arrival counts (split-K fixup, fused GDN norm, expert
+            tile_counts(cache.lengths.device, 0)  # MLP, fused route), allocated before any capture
         for layer in self.layers:
             self.prepare_layer(layer)
 
@@ -365,4 +366,4 @@ class Forward:
         experts = self.kernels["experts"]
         return routed_moe(mlp, h, grouped=experts in ("grouped", "grouped-pdl"), lin=self.lin,
                           pdl=self.pdl and experts == "grouped-pdl", expert_act=self.kernels["expert_act"],
-                          packed_route=self.kernels["route"] == "packed")
+                          route_kernel=self.kernels["route"])

@@ -17,7 +17,7 @@ from .linears import Linears
 from .ops.expert_mlp import expert_mlp
 from .ops.gemv import BF16, expert_gemv, expert_swiglu_gemv
 from .ops.router import reference as route_reference
-from .ops.router import route
+from .ops.router import route, router_route
 
 
 def stack_shared_expert(mlp) -> bool:
@@ -97,7 +97,7 @@ def _fits(mlp) -> bool:
 
 
 def routed_moe(mlp, h: torch.Tensor, grouped: bool = False, lin: Linears | None = None,
-               pdl: bool = False, expert_act: str = "separate", packed_route: bool = False) -> torch.Tensor:
+               pdl: bool = False, expert_act: str = "separate", route_kernel: str = "argmax") -> torch.Tensor:
     """The MoE block on few tokens h [B, T, H]: each token's top-k experts only, plus the shared expert. pdl
     (with grouped): the routing and the expert launches with programmatic dependent launch. expert_act (with
     grouped, experts whose act_fn is SiLU; "separate": a kernel of its own between the two expert launches):
@@ -105,8 +105,9 @@ def routed_moe(mlp, h: torch.Tensor, grouped: bool = False, lin: Linears | None 
     (ops/gemv.py expert_swiglu_gemv); "mlp", gate | up, the activation and down in one launch on CUDA
     (ops/expert_mlp.py; bf16 and fp8-weight experts, the others as "fused"); quantized experts
     (QuantExperts.routed, their own kernel launches on CUDA) do so in bf16 and fp8, while int4 ones keep a
-    kernel for the activation. packed_route (with grouped): the routing kernel's one-warp packed-key rounds
-    (ops/router.py)."""
+    kernel for the activation. route_kernel (with grouped): the routing kernel's rounds, "argmax" or "packed"
+    (one-warp packed keys), or "fused": one token's router matmul and routing in one launch (packed rounds;
+    ops/router.py router_route; more tokens, or a router the kernel does not take, as "packed")."""
     shape = h.shape
     x = h.reshape(-1, shape[-1])
     stacked = mlp.__dict__.get("fastqwen_stacked") if grouped else None
@@ -114,9 +115,13 @@ def routed_moe(mlp, h: torch.Tensor, grouped: bool = False, lin: Linears | None 
     router = mlp.gate.weight if stacked is None else stacked[2]  # [E (+1: the shared gate), H]
     # [N, k (+1)]; stacked: the shared expert as expert E, weighted by its sigmoid gate. grouped: one launch, which
     # also sums the router matmul's split-K partials
-    weights, experts = (route(lin.weight_partials(x, router), mlp.gate.top_k, stacked is not None, pdl,
-                              packed_route, x.dtype) if grouped
-                        else route_reference(lin.weight(x, router), mlp.gate.top_k, stacked is not None))
+    k, shared = mlp.gate.top_k, stacked is not None
+    if grouped and route_kernel == "fused" and x.shape[0] == 1 and router.is_contiguous():
+        weights, experts = router_route(x, router, k, shared, lin.pdl)
+    elif grouped:
+        weights, experts = route(lin.weight_partials(x, router), k, shared, pdl, route_kernel != "argmax", x.dtype)
+    else:
+        weights, experts = route_reference(lin.weight(x, router), k, shared)
     weights = weights.to(x.dtype)
     if hasattr(mlp.experts, "routed"):  # quantized experts
         out = mlp.experts.routed(x, experts, expert_act)

@@ -1,5 +1,7 @@
-"""Kernel-level A/B of the routed experts' gated MLP: two launches (ops/gemv.py expert_gemv, then
-expert_swiglu_gemv with the activation on load) against one (ops/expert_mlp.py expert_mlp).
+"""Kernel-level A/B of a MoE decode layer's kernels: the routed experts' gated MLP in two launches (ops/gemv.py
+expert_gemv, then expert_swiglu_gemv with the activation on load) against one (ops/expert_mlp.py expert_mlp);
+and one token's router matmul and routing in two launches (the weight-streaming kernel's split-K partials, then
+ops/router.py route, packed) against one (router_route), with and without PDL.
 
     python scripts/bench_expert_mlp.py --layers 40
     python scripts/bench_expert_mlp.py --configs 32:4:4 16:4:4 64:4:4 32:3:4 32:2:4 32:4:8
@@ -10,7 +12,9 @@ the default's.)
 Builds --layers layers of 35B-A3B-shaped experts (257: 256 routed + the shared one stacked as expert 256), random
 and distinct per layer so that every layer's weights are cold, in fp8-weight and bf16; each layer routes one token to
 9 of them (8 random + the shared one). Both forms of all layers are captured in one CUDA graph each and replayed in
-alternating order; prints µs a layer (the minimum over rounds) and the two forms' relative difference.
+alternating order; prints µs a layer (the minimum over rounds) and the two forms' relative difference. The
+router table likewise: --layers routers of 35B-A3B's shape (257 × 2048 bf16: 256 experts and the stacked shared
+gate), cold, one token; --router-configs (RN:RK:WARPS) times the one launch at other tiles.
 """
 
 import argparse
@@ -21,7 +25,9 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from fastqwen.ops.expert_mlp import CONFIG, launch  # noqa: E402
+from fastqwen.linears import Linears  # noqa: E402
 from fastqwen.ops.gemv import BF16, FP8_ROW, expert_gemv, expert_swiglu_gemv  # noqa: E402
+from fastqwen.ops.router import FUSED_CONFIG, fused_launch, route  # noqa: E402
 from fastqwen.quant.formats import quantize_fp8_rows  # noqa: E402
 
 
@@ -56,12 +62,46 @@ def replay_us(graph, reps: int = 10) -> float:
     return start.elapsed_time(end) / reps * 1000
 
 
+def timed(graphs: dict, rounds: int) -> dict:
+    """{form: min µs a replay} over `rounds` rounds of replays in alternating order."""
+    times = {form: [] for form in graphs}
+    for r in range(rounds):
+        for form in list(graphs) if r % 2 == 0 else list(graphs)[::-1]:
+            times[form].append(replay_us(graphs[form][0]))
+    return {form: min(t) for form, t in times.items()}
+
+
+def router_table(layers: int, rounds: int, configs: list):
+    """The router A/B: two launches (partials, route) against router_route, each with and without PDL."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
+    routers = [torch.randn(257, 2048, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02 for _ in range(layers)]
+    forms = {}
+    for pdl in (False, True):
+        lin = Linears(gemv=True, pdl=pdl)
+        forms[f"two launches, pdl {pdl}"] = lambda lin=lin, pdl=pdl: [
+            route(lin.weight_partials(x, r), 8, True, pdl, True, x.dtype)[1] for r in routers]
+        for c in configs:
+            forms[f"one launch {':'.join(map(str, c))}, pdl {pdl}"] = lambda c=c, pdl=pdl: [
+                fused_launch(x, r, 8, True, pdl, c)[1] for r in routers]
+    graphs = {form: captured(fn) for form, fn in forms.items()}
+    best = timed(graphs, rounds)
+    want = torch.stack(graphs["two launches, pdl False"][1])
+    print("| router form | µs a layer | same experts as two launches |")
+    print("|---|---|---|")
+    for form, us in best.items():
+        print(f"| {form} | {us / layers:.2f} | {torch.equal(torch.stack(graphs[form][1]), want)} |")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=40)
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--configs", nargs="*", default=[], metavar="BLOCK_N:STAGES:WARPS",
                    help="also time the one launch at these configs")
+    p.add_argument("--tables", nargs="+", default=["experts", "router"], choices=["experts", "router"])
+    p.add_argument("--router-configs", nargs="*", default=[], metavar="RN:RK:WARPS",
+                   help="also time the one-launch router at these tiles")
     args = p.parse_args()
     asked = [tuple(int(v) for v in c.split(":")) for c in args.configs]
     configs = [CONFIG] + [c for c in dict.fromkeys(asked) if c != CONFIG]
@@ -70,10 +110,11 @@ def main():
     E, H, I, L = 257, 2048, 512, args.layers
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
-    print("| format | one launch's config | two launches µs a layer | one launch µs a layer | one / two | relative "
-          "difference |")
-    print("|---|---|---|---|---|---|")
-    for name, fmt in (("fp8-weight", FP8_ROW), ("bf16", BF16)):
+    for name, fmt in (("fp8-weight", FP8_ROW), ("bf16", BF16)) if "experts" in args.tables else ():
+        if fmt == FP8_ROW:
+            print("| format | one launch's config | two launches µs a layer | one launch µs a layer | one / two | "
+                  "relative difference |")
+            print("|---|---|---|---|---|---|")
         layers = []
         for _ in range(L):
             w1 = stored(torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02, fmt)
@@ -90,18 +131,18 @@ def main():
             return lambda: [launch(x, exp, fmt, *w1, *w2, torch.bfloat16, config) for w1, w2, exp in layers]
 
         graphs = {"two": captured(two), **{c: captured(one(c)) for c in configs}}
-        times = {form: [] for form in graphs}
-        for r in range(args.rounds):  # alternating order
-            for form in list(graphs) if r % 2 == 0 else list(graphs)[::-1]:
-                times[form].append(replay_us(graphs[form][0]))
+        best = timed(graphs, args.rounds)
         a = torch.stack(graphs["two"][1])
-        two_us = min(times["two"]) / L
+        two_us = best["two"] / L
         for c in configs:
             diff = ((torch.stack(graphs[c][1]) - a).norm() / a.norm()).item()
-            one_us = min(times[c]) / L
+            one_us = best[c] / L
             print(f"| {name} | {':'.join(map(str, c))} | {two_us:.2f} | {one_us:.2f} | {one_us / two_us:.3f} | {diff:.1e} |")
         del layers, graphs
         torch.cuda.empty_cache()
+    asked = [tuple(int(v) for v in c.split(":")) for c in args.router_configs]
+    if "router" in args.tables:
+        router_table(L, args.rounds, [FUSED_CONFIG] + [c for c in dict.fromkeys(asked) if c != FUSED_CONFIG])
 
 
 if __name__ == "__main__":

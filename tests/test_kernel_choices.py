@@ -23,6 +23,10 @@ def test_grouped_experts_match_the_gathered_ones():
         for act in ("fused", "mlp"):
             torch.testing.assert_close(routed_moe(mlp, h, grouped=True, expert_act=act), routed_moe(mlp, h),
                                        rtol=1e-5, atol=1e-5)
+        for route in ("packed", "fused"):  # (fused: one token's router matmul and routing; more route as packed)
+            for t in (h, h[:1, :1]):
+                torch.testing.assert_close(routed_moe(mlp, t, grouped=True, route_kernel=route), routed_moe(mlp, t),
+                                           rtol=1e-5, atol=1e-5)
 
 
 ALL = {"attention": "sdpa", "experts": "grouped", "projections": "separate", "linears": "gemv", "gdn": "fla",
@@ -44,12 +48,13 @@ ALL = {"attention": "sdpa", "experts": "grouped", "projections": "separate", "li
                                                   ("tiny-moe", {"experts": "grouped-pdl", "launch": "pdl"}, True),
                                                   ("tiny-moe", {"experts": "grouped", "expert_act": "fused"}, True),
                                                   ("tiny-moe", {"experts": "grouped", "expert_act": "mlp"}, True),
+                                                  ("tiny-moe", {"experts": "grouped", "route": "fused"}, True),
                                                   ("tiny-moe", ALL, True)])
 def test_alternative_kernels_give_the_default_tokens(name, kernels, compile):
     default = fastqwen.optimize(fresh(name), max_batch_size=2, max_seq_len=96, compile=False)
     other = fastqwen.optimize(fresh(name), max_batch_size=2, max_seq_len=96, compile=compile, kernels=kernels)
     grouped = kernels.get("experts", "").startswith("grouped")
-    grouped_auto = {"expert_act": "fused", "route": "packed"} if grouped else {}  # ("auto" follows the experts)
+    grouped_auto = {"expert_act": "fused", "route": "fused"} if grouped else {}  # ("auto" follows the experts)
     assert other._fastqwen.forward.kernels == {"attention": "split", "experts": "gather", "projections": "fused",
                                                "linears": "auto", "gdn": "block", "launch": "serial", "splitk": "sum", "gdn_norm": "separate",
                                                "expert_act": "separate", "route": "argmax", "mlp_act": "separate",
@@ -161,7 +166,8 @@ def test_programmatic_dependent_launch_reaches_inductor_and_the_weight_streaming
 def test_auto_experts_take_the_grouped_kernel_on_cuda_where_the_shapes_fit():
     """kernels["experts"] "auto" (the default) resolves to "grouped" for a MoE model on CUDA whose hidden and
     expert intermediate sizes are multiples of 128 (the real 35B-A3B), to "gather" off CUDA and where they are
-    not; "expert_act" and "route" "auto" follow it (the fused SiLU and the packed routing with grouped experts);
+    not; "expert_act" and "route" "auto" follow it (the fused SiLU, and the router matmul with the routing in one
+    launch, with grouped experts);
     "grouped" asked for where it cannot run is an error naming the sizes."""
     from fastqwen import presets
     from fastqwen.model import check_kernels
@@ -170,13 +176,13 @@ def test_auto_experts_take_the_grouped_kernel_on_cuda_where_the_shapes_fit():
     serial = {"launch": "serial"}  # ("auto" would ask the GPU for its compute capability)
     grouped_ops = ("experts", "expert_act", "route")
     pick = lambda kernels, cfg, device: tuple(check_kernels(kernels, cfg, device)[op] for op in grouped_ops)
-    assert pick(serial, moe, "cuda") == ("grouped", "fused", "packed")
-    assert pick({**serial, "experts": "grouped-pdl"}, moe, "cuda") == ("grouped-pdl", "fused", "packed")
+    assert pick(serial, moe, "cuda") == ("grouped", "fused", "fused")
+    assert pick({**serial, "experts": "grouped-pdl"}, moe, "cuda") == ("grouped-pdl", "fused", "fused")
     assert pick(serial, moe, "cpu") == ("gather", "separate", "argmax")
     assert pick(serial, dense, "cuda") == ("gather", "separate", "argmax")
     assert tiny_moe.hidden_size % 128 and pick(serial, tiny_moe, "cuda") == ("gather", "separate", "argmax")
     gelu = type(moe)(**{**moe.to_dict(), "hidden_act": "gelu"})
-    assert pick(serial, gelu, "cuda") == ("grouped", "separate", "packed")  # (the fused kernel computes SiLU)
+    assert pick(serial, gelu, "cuda") == ("grouped", "separate", "fused")  # (the fused kernel computes SiLU)
     with pytest.raises(ValueError, match="divisible by 128"):
         check_kernels({**serial, "experts": "grouped"}, tiny_moe, "cuda")
 
@@ -190,7 +196,7 @@ def test_bad_kernel_choices():
         fastqwen.optimize(fresh("tiny"), compile=False, kernels={"attention": "flash"})
     with pytest.raises(ValueError, match="applies to MoE models only"):
         fastqwen.optimize(fresh("tiny"), compile=False, kernels={"experts": "grouped"})
-    for op, choice in (("expert_act", "fused"), ("route", "packed")):
+    for op, choice in (("expert_act", "fused"), ("route", "packed"), ("route", "fused")):
         with pytest.raises(ValueError, match=r"set kernels\['experts'\] to 'grouped' or 'grouped-pdl' \(it is 'gather'\)"):
             fastqwen.optimize(fresh("tiny-moe"), compile=False, kernels={op: choice})
     model = fresh("tiny-moe")
@@ -322,3 +328,16 @@ def test_speculative_verify_with_our_gdn_kernels_is_token_identical(gdn):
     expected = plain.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20)
     spec._fastqwen.enable_speculation(OracleProposer(expected[:, ids.shape[1]:], 0.3, spec.config.vocab_size), 4)
     assert torch.equal(spec.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20), expected)
+
+
+def test_quant_experts_kernel_path_per_scheme_and_activation():
+    """QuantExperts.routed's launches on CUDA: the one-launch MLP for fp8-weight experts only, the fused down
+    launch for fp8 schemes, int4 always separate; an unknown activation is refused by name."""
+    from fastqwen.quant.experts import kernel_path
+
+    want = {("fp8-weight", "mlp"): "mlp", ("fp8-weight", "fused"): "fused", ("fp8-weight", "separate"): "separate",
+            ("fp8", "mlp"): "fused", ("fp8", "fused"): "fused", ("fp8", "separate"): "separate",
+            ("int4", "mlp"): "separate", ("int4", "fused"): "separate", ("int4", "separate"): "separate"}
+    assert {key: kernel_path(*key) for key in want} == want
+    with pytest.raises(ValueError, match="'separate', 'fused' or 'mlp'"):
+        kernel_path("fp8-weight", "auto")

@@ -4,7 +4,7 @@ top-k and renormalisation, with the stacked shared expert's gate appended."""
 import torch
 from conftest import run_in_triton_interpreter
 
-from fastqwen.ops.router import reference, route, summed
+from fastqwen.ops.router import fused_reference, reference, route, router_route, summed
 
 
 def test_reference_is_transformers_routing():
@@ -125,3 +125,88 @@ def test_kernel_waits_for_the_router_matmul_under_programmatic_dependent_launch(
     only after griddepcontrol.wait; without it, no griddepcontrol at all; the packed variant in one warp has
     no barrier."""
     assert run_in_triton_interpreter(_SM90, interpret=False).strip().endswith("ok")
+
+
+def test_fused_router_op_passes_opcheck_and_routes_the_rounded_logits_on_cpu():
+    """router_route off CUDA is its reference: the logits x · routerᵀ summed in fp32, rounded to x's dtype,
+    routed as `route` routes them."""
+    torch.manual_seed(0)
+    x, router = torch.randn(1, 64, dtype=torch.bfloat16), torch.randn(17, 64, dtype=torch.bfloat16)
+    torch.library.opcheck(router_route, (x, router, 4, True),
+                          test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))
+    want = reference((x.float() @ router.float().t()).bfloat16(), 4, True)
+    assert all(torch.equal(a, b) for a, b in zip(router_route(x, router, 4, True), want))
+
+
+_FUSED = """
+import torch
+from fastqwen.ops.gemv import tile_counts
+from fastqwen.ops.router import FUSED_CONFIG, fused_launch, fused_reference
+torch.manual_seed(0)
+# fp32: 35B-A3B's router (256 experts + the shared gate, H 2048, top 8) and an odd count, no rounding
+for E, H, k in ((256, 2048, 8), (60, 512, 5)):
+    for shared in (False, True):
+        x, router = torch.randn(1, H), torch.randn(E + shared, H) / 8
+        for config in (FUSED_CONFIG, (16, 512, 4)):
+            w, e = fused_launch(x, router, k, shared, config=config)
+            rw, re = fused_reference(x, router, k, shared)
+            assert torch.equal(e, re), (E, shared, config, e, re)
+            assert torch.allclose(w, rw, atol=1e-5), (E, shared, config, (w - rw).abs().max())
+            assert tile_counts(x.device, 1)[0] == 0  # the count back at 0 for the next launch
+# bf16, each logit the sum of two partials in different column splits, all exact in bf16 and distinct (the
+# interpreter truncates where the GPU rounds): the logits' rounding is the reference's
+E, H = 60, 512
+x = torch.ones(1, H, dtype=torch.bfloat16)
+levels = torch.randperm(E + 1)[:E + 1].float() / 16 - 2
+router = torch.zeros(E + 1, H)
+router[:, 3], router[:, 300] = levels / 2, levels / 2
+w, e = fused_launch(x, router.bfloat16(), 5, True)
+rw, re = fused_reference(x, router.bfloat16(), 5, True)
+assert torch.equal(e, re) and torch.allclose(w, rw, atol=1e-6), (e, re)
+for bad in ((torch.ones(2, H), router), (x, router), (x.float(), router[:, :500].contiguous()),
+            (x.float(), router.t().contiguous().t())):
+    try:
+        fused_launch(*bad, 5, True)
+    except ValueError as err:
+        assert "router_route routes one token" in str(err)
+    else:
+        raise AssertionError("accepted")
+print("fused router ok")
+"""
+
+
+def test_fused_router_kernel_matches_its_reference_in_the_triton_interpreter():
+    """One token's router matmul and routing in one launch (kernels route="fused"): the experts and weights of
+    the reference at 35B-A3B's router shape and another, at two tile configs, bf16 logits rounded as the
+    reference rounds them; the arrival count is 0 again after each launch; inputs it does not take refused."""
+    assert "fused router ok" in run_in_triton_interpreter(_FUSED)
+
+
+_SM90_FUSED = """
+import re
+from sm90 import compile_sm90
+from fastqwen.ops.router import FUSED_CONFIG, _router_route_kernel
+
+rn, rk, warps = FUSED_CONFIG
+sig = dict(x_ptr="*bf16", r_ptr="*bf16", lp_ptr="*fp32", w_ptr="*fp32", e_ptr="*i32", cnt_ptr="*i32", H="i32")
+for pdl in (False, True):
+    consts = dict(E=256, K=8, SHARED=True, BLOCK_E=256, BLOCK_K=8, RN=rn, RK=rk, S=2048 // rk, ROUND=1, PDL=pdl)
+    kernel = compile_sm90(_router_route_kernel, sig, consts, ("x_ptr", "r_ptr", "lp_ptr", "H"), num_warps=warps)
+    code = kernel.asm["ptx"]
+    loads = [m.start() for m in re.finditer(r"ld\.global", code)]
+    atomics = [m.start() for m in re.finditer(r"atom\.", code)]
+    if pdl:  # the router's weights (constants) before the wait; x, and every count, after it
+        wait = code.index("griddepcontrol.wait")
+        assert min(loads) < wait < max(loads), "no weight load before the wait, or no x load after it"
+        assert min(atomics) > wait, "a count before the wait"
+    else:
+        assert "griddepcontrol" not in code
+    assert "bar.sync" in code[:min(atomics)], "no barrier between the partials' stores and the count"
+print("ok")
+"""
+
+
+def test_fused_router_kernel_loads_its_weights_before_the_pdl_wait():
+    """Compiled for sm90 here (no GPU): with PDL the router's weights are read before griddepcontrol.wait and
+    x after it, and the program counts itself in only after the wait and after a barrier behind its stores."""
+    assert run_in_triton_interpreter(_SM90_FUSED, interpret=False).strip().endswith("ok")

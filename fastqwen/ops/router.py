@@ -15,9 +15,15 @@ the torch definition, and what runs off CUDA. Ties: the lower expert index first
 ties is unspecified; router logits tie with probability ~0). `packed` (a candidate): each round one max over
 (logit, index) packed into an int64, in one warp (shuffles only), instead of a max and then a min over the
 indices holding it across 4 warps (shared memory and a barrier each): 8 reductions a token instead of 16.
+`router_route(x [1, H], router [E (+1), H], k, shared)` is one token's router matmul and routing in one launch
+(a decode step's; kernels route "fused", the default): programs of 16 router rows × 256 columns write the logits' split-K
+partials, and the last of them to count itself in routes them as the packed kernel does, so the routing
+costs no launch of its own and no wait for one; with PDL the router's weights are loaded before the wait.
 """
 
 import torch
+
+from .gemv import tile_counts
 
 try:
     import triton
@@ -85,11 +91,27 @@ if triton is not None:
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        row = tl.program_id(0)
+        _route_row(logits_ptr, w_ptr, e_ptr, tl.program_id(0), stride, split_stride, E, K, SHARED, BLOCK_E, BLOCK_K,
+                   PACKED, S, ROUND)
+
+    @triton.jit
+    def _load_logit(src, CG: tl.constexpr):
+        """fp32 of logits (or partials) at src; CG: read from L2 (.cg), where other programs of the launch wrote
+        them."""
+        if CG:
+            return tl.load(src, cache_modifier=".cg").to(tl.float32)
+        return tl.load(src).to(tl.float32)
+
+    @triton.jit
+    def _route_row(logits_ptr, w_ptr, e_ptr, row, stride, split_stride, E: tl.constexpr, K: tl.constexpr,
+                   SHARED: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PACKED: tl.constexpr,
+                   S: tl.constexpr, ROUND: tl.constexpr, CG: tl.constexpr = 0):
+        """_route_kernel's routing of token `row` (also the last tile's work in _router_route_kernel; CG: the
+        logits' partials are read from L2)."""
         e = tl.arange(0, BLOCK_E)
         logit = tl.zeros((BLOCK_E,), tl.float32)
         for s in tl.static_range(S):
-            logit += tl.load(logits_ptr + s * split_stride + row * stride + e, mask=e < E, other=0.0).to(tl.float32)
+            logit += _load_logit(logits_ptr + s * split_stride + row * stride + tl.minimum(e, E - 1), CG)
         logit = tl.where(e < E, _rounded(logit, ROUND), -float("inf"))
         j = tl.arange(0, BLOCK_K)
         top = tl.full((BLOCK_K,), -float("inf"), tl.float32)
@@ -114,12 +136,37 @@ if triton is not None:
         tl.store(w_ptr + out + j, p / tl.sum(p, axis=0), mask=j < K)
         tl.store(e_ptr + out + j, idx, mask=j < K)
         if SHARED:
-            g = tl.load(logits_ptr + row * stride + E).to(tl.float32)
+            g = _load_logit(logits_ptr + row * stride + E, CG)
             for s in tl.static_range(1, S):
-                g += tl.load(logits_ptr + s * split_stride + row * stride + E).to(tl.float32)
+                g += _load_logit(logits_ptr + s * split_stride + row * stride + E, CG)
             g = _rounded(g, ROUND)
             tl.store(w_ptr + out + K, 1.0 / (1.0 + tl.exp(-g)))
             tl.store(e_ptr + out + K, E)
+
+    @triton.jit
+    def _router_route_kernel(x_ptr, r_ptr, lp_ptr, w_ptr, e_ptr, cnt_ptr, H, E: tl.constexpr, K: tl.constexpr,
+                             SHARED: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RN: tl.constexpr,
+                             RK: tl.constexpr, S: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr):
+        """One token's router matmul and routing: program t computes RN router rows over RK columns (split
+        t % S of H = S · RK) into the partials lp [S, E + SHARED] fp32, then counts itself in (cnt[0], acq_rel,
+        after a barrier behind every thread's stores); the last to count routes them (_route_row, packed rounds)
+        and sets the count back to 0. PDL: the router's weights are loaded before the wait (they are constants),
+        x after it."""
+        t = tl.program_id(0)
+        split = t % S
+        n = (t // S) * RN + tl.arange(0, RN)
+        n_ok = n < E + SHARED
+        k = split * RK + tl.arange(0, RK)
+        w = tl.load(r_ptr + n[:, None] * H + k[None, :], mask=n_ok[:, None], other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        logit = tl.sum(w.to(tl.float32) * tl.load(x_ptr + k).to(tl.float32)[None, :], axis=1)
+        tl.store(lp_ptr + split * (E + SHARED) + n, logit, mask=n_ok)
+        tl.debug_barrier()  # every thread's partials stored before the count
+        if tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+            _route_row(lp_ptr, w_ptr, e_ptr, 0, 0, E + SHARED, E, K, SHARED, BLOCK_E, BLOCK_K, True, S, ROUND, True)
+            tl.store(cnt_ptr, 0)
 
 
 _ROUND = {None: 0, torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -143,6 +190,55 @@ def launch(logits: torch.Tensor, k: int, shared: bool, pdl: bool = False, packed
                             PACKED=packed, S=S, ROUND=_ROUND[rounding], num_warps=1 if packed else 4,
                             launch_pdl=pdl)
     return weights, experts
+
+
+# (RN router rows, RK columns, warps) a program of the fused router matmul and routing: 16 × 256 bf16 in two warps
+# (32 registers of weights a thread), 136 programs at 35B-A3B's 257 × 2048 router. Swept on one H200
+# (scripts/bench_expert_mlp.py --tables router, 40 cold routers, µs a layer without / with PDL): 16:256:2
+# 4.96 / 4.01, 8:256:1 4.90 / 4.27, 8:512:2 6.00 / 3.83, 16:512:4 4.77 / 4.03; the two launches 5.21 / 4.53
+FUSED_CONFIG = (16, 256, 2)
+
+
+def fused_reference(x: torch.Tensor, router: torch.Tensor, k: int, shared: bool):
+    """router_route in plain torch: the logits x · routerᵀ summed in fp32, rounded to x's dtype, routed."""
+    return reference(x.float() @ router.float().t(), k, shared, x.dtype)
+
+
+def fused_launch(x: torch.Tensor, router: torch.Tensor, k: int, shared: bool, pdl: bool = False,
+                 config: tuple = FUSED_CONFIG):
+    """The kernel (_router_route_kernel) for one token x [1, H] and a contiguous router [E (+1), H] in x's dtype,
+    H a multiple of RK (config as FUSED_CONFIG)."""
+    rn, rk, warps = config
+    (T, H), (rows, width) = x.shape, router.shape
+    if T != 1 or width != H or H % rk or router.dtype != x.dtype or x.dtype not in _ROUND or not router.is_contiguous():
+        raise ValueError(f"router_route routes one token x [1, H] with a contiguous router [E (+1), H] in x's 16-bit "
+                         f"or fp32 dtype, H a multiple of {rk}; got x {tuple(x.shape)} {x.dtype}, router "
+                         f"{tuple(router.shape)} {router.dtype}")
+    E, S = rows - shared, H // rk
+    parts = torch.empty(S, rows, dtype=torch.float32, device=x.device)
+    weights = torch.empty(1, k + shared, dtype=torch.float32, device=x.device)
+    experts = torch.empty(1, k + shared, dtype=torch.int32, device=x.device)
+    _router_route_kernel[(triton.cdiv(rows, rn) * S,)](
+        x.contiguous(), router, parts, weights, experts, tile_counts(x.device, 1), H, E=E, K=k, SHARED=shared,
+        BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(k), RN=rn, RK=rk, S=S,
+        ROUND=_ROUND[x.dtype], PDL=pdl, num_warps=warps, launch_pdl=pdl)
+    return weights, experts
+
+
+@torch.library.custom_op("fastqwen::router_route", mutates_args=())
+def router_route(x: torch.Tensor, router: torch.Tensor, k: int, shared: bool,
+                 pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token's router matmul and routing in one launch on CUDA (pdl: with programmatic dependent launch, the
+    router's weights loaded before the wait): x [1, H], router [E (+1 with shared), H] → (weights fp32, experts
+    int32) [1, k (+1)], as `route` computes them from the rounded logits; the reference elsewhere."""
+    if x.is_cuda and triton is not None:
+        return fused_launch(x, router, k, shared, pdl)
+    return fused_reference(x, router, k, shared)
+
+
+@router_route.register_fake
+def _(x, router, k, shared, pdl=False):
+    return x.new_empty(1, k + shared, dtype=torch.float32), x.new_empty(1, k + shared, dtype=torch.int32)
 
 
 @torch.library.custom_op("fastqwen::route", mutates_args=())

@@ -5,6 +5,7 @@ import torch
 from conftest import moe_block_35b, poison_allocator, rel_err
 
 from fastqwen import presets
+from fastqwen.linears import Linears
 from fastqwen.moe import routed_moe
 from fastqwen.ops.attention import attend_cache, attend_prefix
 from fastqwen.ops.conv import conv_step
@@ -228,7 +229,6 @@ def test_router_kernel_sums_and_rounds_split_k_partials_as_the_reference(packed)
     rounded to bf16 in the kernel, to nearest even as torch rounds: the same experts (up to ties) and weights
     as routing the bf16 logits; and as the router's own kernel launches them (Linears.weight_partials) equal to routing
     Linears.weight's logits."""
-    from fastqwen.linears import Linears
     from fastqwen.ops.router import reference, route
 
     def assert_same_routing(logits, got, want):
@@ -321,16 +321,19 @@ def test_swiglu_linear_matches_reference_real_shape(preset, pdl, fixup):
     assert y.shape[1:] == (1, H) and (len(y) == 1 or not fixup) and rel_err(y.sum(0), ref) < 1e-4
 
 
-@pytest.mark.parametrize("grouped,stacked,pdl,act,packed", [
-    (False, False, False, "separate", False), (True, False, False, "separate", False),
-    (True, True, False, "separate", False), (True, True, True, "separate", False), (True, True, False, "fused", False),
-    (True, True, True, "fused", True), (True, True, False, "mlp", True), (True, False, False, "mlp", False)],
+@pytest.mark.parametrize("grouped,stacked,pdl,act,route", [
+    (False, False, False, "separate", "argmax"), (True, False, False, "separate", "argmax"),
+    (True, True, False, "separate", "argmax"), (True, True, True, "separate", "argmax"),
+    (True, True, False, "fused", "argmax"), (True, True, True, "fused", "packed"), (True, True, False, "mlp", "packed"),
+    (True, False, False, "mlp", "argmax"), (True, True, False, "mlp", "fused"), (True, False, True, "fused", "fused")],
     ids=["gather", "grouped-kernel", "grouped-with-the-shared-expert-stacked", "grouped-pdl", "grouped-fused-act",
-         "grouped-pdl-fused-act-packed-route", "grouped-mlp-one-launch-packed-route", "grouped-mlp-one-launch"])
-def test_routed_moe_matches_transformers_block_real_shape(grouped, stacked, pdl, act, packed):
+         "grouped-pdl-fused-act-packed-route", "grouped-mlp-one-launch-packed-route", "grouped-mlp-one-launch",
+         "grouped-mlp-fused-route", "grouped-pdl-fused-act-fused-route"])
+def test_routed_moe_matches_transformers_block_real_shape(grouped, stacked, pdl, act, route):
+    """35B-A3B's MoE block at 4 tokens and at 1 (a decode step's: the fused route's case) against transformers'."""
     block = moe_block_35b()
     h = torch.randn(4, 1, block.gate.weight.shape[-1], device="cuda", dtype=torch.bfloat16)
-    ref = block.float()(h.float())
+    refs = [block.float()(t.float()) for t in (h, h[:1])]
     block = block.to(torch.bfloat16)
     if stacked:
         from fastqwen.moe import stack_shared_expert
@@ -338,8 +341,43 @@ def test_routed_moe_matches_transformers_block_real_shape(grouped, stacked, pdl,
         assert stack_shared_expert(block)
     torch._dynamo.reset()  # (one compile of routed_moe per case: dynamo's recompile limit is 8 a function)
     f = torch.compile(routed_moe, fullgraph=True)
+    lin = Linears(gemv=True, pdl=pdl)
     with torch.no_grad():  # as the engine runs it: our expert kernels are inference-only (no backward)
-        assert rel_err(f(block, h, grouped, None, pdl, act, packed), ref) < 2e-2
+        for t, ref in zip((h, h[:1]), refs):
+            assert rel_err(f(block, t, grouped, lin, pdl, act, route), ref) < 2e-2
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("shared", [False, True])
+def test_fused_router_routes_as_the_two_launches_at_the_35b_shape(shared, pdl):
+    """router_route (one token's router matmul and routing in one launch) against its reference and against
+    the router kernel's split-K partials routed by `route`: the same experts (each slot the same bf16 logit: ties
+    may swap) and weights; again and again (its arrival count back at 0), and replayed from a CUDA graph."""
+    from fastqwen.ops.router import fused_reference, route, router_route
+
+    torch.manual_seed(0)
+    router = torch.randn(256 + shared, 2048, device="cuda", dtype=torch.bfloat16) * 0.02
+    lin = Linears(gemv=True, pdl=pdl)
+    for _ in range(3):
+        x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
+        logits = (x.float() @ router.float().t()).bfloat16()
+        got = router_route(x, router, 8, shared, pdl)
+        for want in (fused_reference(x, router, 8, shared),
+                     route(lin.weight_partials(x, router), 8, shared, pdl, True, x.dtype)):
+            assert torch.equal(logits.gather(1, got[1][:, :8].long()), logits.gather(1, want[1][:, :8].long()))
+            assert torch.allclose(got[0], want[0], atol=1e-6) and torch.equal(got[1][:, 8:], want[1][:, 8:])
+    x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
+    router_route(x, router, 8, shared, pdl)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = router_route(x, router, 8, shared, pdl)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        want = fused_reference(x, router, 8, shared)
+        logits = (x.float() @ router.float().t()).bfloat16()
+        assert torch.equal(logits.gather(1, got[1][:, :8].long()), logits.gather(1, want[1][:, :8].long()))
+        assert torch.allclose(got[0], want[0], atol=1e-6)
 
 
 def test_expert_combine_folds_into_the_norm_after_it():
@@ -428,7 +466,6 @@ def test_heads_gives_the_flat_product_to_the_bit(scheme, rows):
     head (flattened inside wq_linear, or QuantLinear.partials with in_dims 2) returns bit for bit what the
     flat [B, T, Hv·Dv] input gives, for a bf16 linear and QuantLinear, eager and compiled (as the decode step
     runs it: the gated norm in front, one inductor kernel with the norm per head)."""
-    from fastqwen.linears import Linears
     from fastqwen.ops.norm import gated_rms_norm
     from fastqwen.quant.linear import QuantLinear
 
