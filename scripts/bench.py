@@ -5,6 +5,8 @@
     python scripts/bench.py --models qwen3.5-27b --systems fastqwen fastqwen-fp8-weight   # quantized vs bf16
     python scripts/bench.py --models qwen3.5-35b-a3b --systems fastqwen fastqwen+grouped-experts   # a candidate kernel
     python scripts/bench.py --models qwen3.5-35b-a3b --systems fastqwen fastqwen-fp8-weight --isolate  # a process each
+    python scripts/bench.py --models qwen3.5-35b-a3b --systems fastqwen fastqwen-fp8-weight --isolate --processes 3
+        # three processes each, alternating order: medians, each process's figures in the JSON
 
 Every (model, batch size, prompt length) is one row, all rows of a model on one model object. Prints progress
 lines, then a markdown table; writes results and environment to ``--json`` (and ``--out-dir``) after every
@@ -22,6 +24,7 @@ import json
 import os
 import pathlib
 import platform
+import statistics
 import sys
 
 import torch
@@ -75,6 +78,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--isolate", action="store_true", help="time each system in a fresh process of its own and "
                    "merge the rows (a system timed after another in one process can run slower: the order "
                    "effect, docs/BENCHMARKS.md); each process builds the model again")
+    p.add_argument("--processes", type=int, default=1, help="with --isolate: time each system in this many "
+                   "processes, in rounds of alternating order, and report the median (a 35B-A3B step spreads "
+                   "±3%% between processes of the same code)")
     return p.parse_args()
 
 
@@ -109,7 +115,10 @@ def main() -> None:
     if CUDA and len(engines) > 1 and not args.isolate:
         say(f"note: {len(engines)} fastqwen systems in one process: on 35B-A3B each after the first ran up to 11% "
             "slower (the order effect, docs/BENCHMARKS.md); --isolate times each in a process of its own")
-    results = isolated(args, save) if args.isolate and len(args.systems) > 1 else collect(args, say, save)
+    if args.processes < 1 or args.processes > 1 and not args.isolate:
+        sys.exit("--processes takes a count of at least 1, and more than 1 only with --isolate")
+    isolate = args.isolate and (len(args.systems) > 1 or args.processes > 1)
+    results = isolated(args, save) if isolate else collect(args, say, save)
     table = bench.format_table(results)
     if args.out_dir:
         (args.out_dir / "bench.md").write_text(table + "\n")
@@ -117,31 +126,55 @@ def main() -> None:
 
 
 def isolated(args: argparse.Namespace, save) -> list:
-    """`collect` for each of args.systems in a fresh (spawned) process, the rows of the same (model, batch
-    size, prompt length) merged: their systems put together and the ratios taken again. A row that failed in
-    any process keeps that error. `save(results)` after each process."""
+    """`collect` for each of args.systems in a fresh (spawned) process, args.processes rounds (the systems in
+    alternating order), the rows of the same (model, batch size, prompt length) merged: their systems put
+    together (a system timed in several processes: `median_process`) and the ratios taken again. A row that
+    failed in any process keeps that error. `save(results)` after each process."""
     import concurrent.futures
     import multiprocessing
 
     rows: dict[tuple, list] = {}  # (model, batch size, prompt length) → that row from each process
-    for system in args.systems:
-        one = argparse.Namespace(**{**vars(args), "systems": [system]})
-        with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            for r in pool.submit(collect, one).result():
-                rows.setdefault((r["model"], r.get("batch_size"), r.get("prompt_len")), []).append(r)
-        merged = []
-        for same in rows.values():
-            failed = [r for r in same if "error" in r]
-            if failed:
-                merged.append(failed[0])
-                continue
-            row = {**same[0], "systems": {}, "isolated": True}
-            for r in same:
-                row["systems"].update(r["systems"])
-                row.update({k: v for k, v in r.items() if k.endswith("_roofline_tok_s") and k != "roofline_tok_s"})
-            merged.append(bench.add_ratios(row))
-        save(merged)
+    merged = []
+    for round_ in range(args.processes):
+        for system in args.systems if round_ % 2 == 0 else args.systems[::-1]:
+            one = argparse.Namespace(**{**vars(args), "systems": [system]})
+            with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+                for r in pool.submit(collect, one).result():
+                    rows.setdefault((r["model"], r.get("batch_size"), r.get("prompt_len")), []).append(r)
+            merged = [merge_rows(same) for same in rows.values()]
+            save(merged)
     return merged
+
+
+def merge_rows(same: list) -> dict:
+    """One row from the rows of the same (model, batch size, prompt length) timed in separate processes."""
+    failed = [r for r in same if "error" in r]
+    if failed:
+        return failed[0]
+    row, outs = {**same[0], "systems": {}, "isolated": True}, {}
+    for r in same:
+        for system, out in r["systems"].items():
+            outs.setdefault(system, []).append(out)
+        row.update({k: v for k, v in r.items() if k.endswith("_roofline_tok_s") and k != "roofline_tok_s"})
+    row["systems"] = {system: median_process(o) for system, o in outs.items()}
+    return bench.add_ratios(row)
+
+
+def median_process(outs: list) -> dict:
+    """One system's result from one or more processes: with several, the fields of the process whose tok/s
+    is the median's, its tok/s and step device time replaced by their medians over the processes, and each
+    process's figures under "processes"; a failed process's error if any failed."""
+    if len(outs) == 1:
+        return outs[0]
+    failed = [o for o in outs if "error" in o]
+    if failed:
+        return failed[0]
+    out = {**sorted(outs, key=lambda o: o["tok_s"])[(len(outs) - 1) // 2],
+           "processes": [{k: o.get(k) for k in ("tok_s", "step_device_us", "pid")} for o in outs],
+           "tok_s": statistics.median(o["tok_s"] for o in outs)}
+    if all(o.get("step_device_us") for o in outs):
+        out["step_device_us"] = statistics.median(o["step_device_us"] for o in outs)
+    return out
 
 
 def collect(args: argparse.Namespace, say=functools.partial(print, flush=True), save=lambda results: None) -> list:
