@@ -20,12 +20,11 @@ counter, the last down tile the others): a CUDA graph replays it as is. The fp8 
 thread (4 programs an SM; a down tile sums each step at once rather than keeping a BLOCK_N × 512 fp32
 accumulator, which took 230). `reference` is the plain torch definition, and what runs off CUDA.
 
-Measured (one H200, 2026-12-03; docs/BENCHMARKS.md): 40 layers of 9 cold 35B-A3B experts in a CUDA graph, with
-the first version of the down tile (230 registers), fp8-weight 18.39 µs a layer against 19.15 µs for the two
-launches, bf16 24.47 against 22.39 (slower: its tiles need twice the bytes in registers and shared memory); the
-35B-A3B fp8-weight decode step (fp8 lm_head) 1961 µs and, with this kernel, 1921 µs, against 1978–2055 µs with
-two launches (each in a process of its own). So kernels={"expert_act": "auto"} takes it for fp8-weight experts
-only (model.check_kernels).
+Measured (one H200, 2026-12-03; docs/BENCHMARKS.md, scripts/bench_expert_mlp.py): 40 layers of 9 cold
+35B-A3B experts in a CUDA graph, fp8-weight 17.03 µs a layer against 20.19 µs for the two launches (0.84×;
+16:4:4 16.86 and 32:3:4 16.89 within noise of CONFIG), bf16 22.32 against 22.37 (1.00×; 21.53 at 32:3:4). The
+35B-A3B fp8-weight decode step (fp8 lm_head) with it: 2000 and 2012 µs in two processes, inside the ±3% that
+separate processes spread. kernels={"expert_act": "auto"} takes it for fp8-weight experts (model.check_kernels).
 """
 
 import torch
@@ -40,7 +39,8 @@ except ImportError:  # CPU-only installs: the op runs the reference
 
 KERNEL_FORMATS = (BF16, FP8_ROW)  # decoded by conversion, one scale a row at most
 # (BLOCK_N rows of W1 or W2 a tile, the gate | up loop's pipeline stages, warps a program): the M = 1 sweep's tile for
-# every 35B-A3B expert shape; not swept for this kernel yet (scripts/bench_expert_mlp.py --configs times others)
+# every 35B-A3B expert shape; the one-launch sweep (scripts/bench_expert_mlp.py --configs) found none faster by more
+# than 1% on fp8 (module docstring)
 CONFIG = (32, 4, 4)
 
 
