@@ -89,8 +89,8 @@ def check_kernels(kernels: dict | None, cfg, device, int4: bool = False, fp8_exp
     "packed"). "auto" (the defaults): "expert_act" "fused" where the experts resolved to grouped and the MLP is
     SiLU, else "separate" (fused with packed routing: a 35B-A3B step 2806–2827 µs of device time in two
     processes against 2880 µs with neither, 2026-12-02), and "mlp" where the experts are fp8-weight
-    (`fp8_experts`: QuantExperts; 0.84× the two launches at kernel level, 17.0 against 20.2 µs a layer, while
-    bf16 experts measured 1.00× at the same tile); "route" "fused" with grouped experts, else "argmax" (the
+    (`fp8_experts`: QuantExperts; at kernel level 17.0 µs a layer against 20.2 for the two launches and their
+    partials' sum, which the step folds into the combine; bf16 experts measured no faster); "route" "fused" with grouped experts, else "argmax" (the
     router at kernel level 4.01 against 4.53 µs a layer with PDL, 4.96 against 5.21 without; the step's
     difference lies within the ±3% between processes). "mlp_act": a
     dense MLP's (and a shared expert's) silu(gate)·up at one-row decode as a kernel of inductor's ("separate") or

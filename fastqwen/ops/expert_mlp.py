@@ -21,8 +21,9 @@ thread (4 programs an SM; a down tile sums each step at once rather than keeping
 accumulator, which took 230). `reference` is the plain torch definition, and what runs off CUDA.
 
 Measured (one H200, 2026-12-03; docs/BENCHMARKS.md, scripts/bench_expert_mlp.py): 40 layers of 9 cold
-35B-A3B experts in a CUDA graph, fp8-weight 17.03 µs a layer against 20.19 µs for the two launches (0.84×;
-16:4:4 16.86 and 32:3:4 16.89 within noise of CONFIG), bf16 22.32 against 22.37 (1.00×; 21.53 at 32:3:4). The
+35B-A3B experts in a CUDA graph, fp8-weight 17.03 µs a layer against 20.19 µs for the two launches and the
+sum of their partials, a launch the step does not have (16:4:4 16.86 and 32:3:4 16.89 within noise of CONFIG),
+bf16 22.32 against 22.37 (21.53 at 32:3:4). The
 35B-A3B fp8-weight decode step (fp8 lm_head) with it: 2000 and 2012 µs in two processes, inside the ±3% that
 separate processes spread. kernels={"expert_act": "auto"} takes it for fp8-weight experts (model.check_kernels).
 """
