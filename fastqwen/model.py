@@ -88,11 +88,13 @@ def check_kernels(kernels: dict | None, cfg, device, int4: bool = False, fp8_exp
     routing in one launch ("fused": ops/router.py router_route, a launch less a layer; more tokens route as
     "packed"). "auto" (the defaults): "expert_act" "fused" where the experts resolved to grouped and the MLP is
     SiLU, else "separate" (fused with packed routing: a 35B-A3B step 2806–2827 µs of device time in two
-    processes against 2880 µs with neither, 2026-12-02), and "mlp" where the experts are fp8-weight
-    (`fp8_experts`: QuantExperts; at kernel level 17.0 µs a layer against 20.2 for the two launches and their
-    partials' sum, which the step folds into the combine; bf16 experts measured no faster); "route" "fused" with grouped experts, else "argmax" (the
-    router at kernel level 4.01 against 4.53 µs a layer with PDL, 4.96 against 5.21 without; the step's
-    difference lies within the ±3% between processes). "mlp_act": a
+    processes against 2880 µs with neither, 2026-12-02), but "separate" where the experts are fp8-weight
+    (`fp8_experts`: QuantExperts): a 35B-A3B fp8-weight step took 1921, 1961, 1978 and 1953 µs with it, against
+    2000, 2012 and 1989 µs with "mlp" and 2025–2055 µs with "fused" (one process each, two sessions), though
+    "mlp" is the fastest at kernel level (17.0 µs a layer against 20.2 for "fused" with its partials' sum);
+    "route" "fused" with grouped experts, else "argmax" (the router at kernel level 4.01 against 4.53 µs a
+    layer with PDL, 4.96 against 5.21 without; the step's difference lies within the ±3% between processes).
+    "mlp_act": a
     dense MLP's (and a shared expert's) silu(gate)·up at one-row decode as a kernel of inductor's ("separate") or
     computed by the down projection's weight-streaming kernel from the fused gate | up projection's partials as
     it loads them ("fused": a launch less a layer, where both weights take the kernel under "linears"; needs
@@ -125,7 +127,7 @@ def check_kernels(kernels: dict | None, cfg, device, int4: bool = False, fp8_exp
         kernels["route"] = "fused" if grouped else "argmax"
     if kernels["expert_act"] == "auto":
         silu = grouped and getattr(cfg, "hidden_act", "silu") == "silu"
-        kernels["expert_act"] = ("mlp" if fp8_experts else "fused") if silu else "separate"
+        kernels["expert_act"] = "fused" if silu and not fp8_experts else "separate"
     for op, choice in (("expert_act", "fused"), ("expert_act", "mlp"), ("route", "packed"), ("route", "fused")):
         if kernels[op] == choice and kernels["experts"] not in ("grouped", "grouped-pdl"):
             raise ValueError(f"kernels[{op!r}]={choice!r} is a grouped-experts kernel: set kernels['experts'] to "

@@ -24,8 +24,8 @@ Measured (one H200, 2026-12-03; docs/BENCHMARKS.md, scripts/bench_expert_mlp.py)
 35B-A3B experts in a CUDA graph, fp8-weight 17.03 µs a layer against 20.19 µs for the two launches and the
 sum of their partials, a launch the step does not have (16:4:4 16.86 and 32:3:4 16.89 within noise of CONFIG),
 bf16 22.32 against 22.37 (21.53 at 32:3:4). The
-35B-A3B fp8-weight decode step (fp8 lm_head) with it: 2000 and 2012 µs in two processes, inside the ±3% that
-separate processes spread. kernels={"expert_act": "auto"} takes it for fp8-weight experts (model.check_kernels).
+35B-A3B fp8-weight decode step (fp8 lm_head) with it: 2000, 2012 and 1989 µs in three processes, against
+1921–1978 µs with the separate activation, so it is a candidate (kernels={"expert_act": "mlp"}), not a default.
 """
 
 import torch
