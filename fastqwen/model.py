@@ -54,7 +54,8 @@ def check_kernels(kernels: dict | None, cfg, device, int4: bool = False, fp8_exp
     references); "auto": "grouped" on CUDA where its shapes fit (hidden and expert intermediate sizes divisible
     by 128), else "gather" (resolved here); "grouped-pdl": grouped, its routing and expert launches joining
     programmatic dependent launch when "launch" is "pdl" (a candidate: they wait for their predecessor before
-    reading anything, so they overlap only their launch). "projections":
+    reading anything, so they overlap only their launch; quantized experts' launches too since 2026-12-03,
+    but for the one-launch MLP). "projections":
     each layer's input projections as one matmul each ("separate") or one over a fused weight per layer
     ("fused": GDN qkv+z+b+a, attention q+k+v, MLP gate+up; fewer launches, same bytes; linears.fuse_linears;
     1.08× on 27B decode). "linears": the decoder's bf16 linears at decode and verify by F.linear ("torch":

@@ -124,7 +124,7 @@ def routed_moe(mlp, h: torch.Tensor, grouped: bool = False, lin: Linears | None 
         weights, experts = route_reference(lin.weight(x, router), k, shared)
     weights = weights.to(x.dtype)
     if hasattr(mlp.experts, "routed"):  # quantized experts
-        out = mlp.experts.routed(x, experts, expert_act)
+        out = mlp.experts.routed(x, experts, expert_act, pdl)
     elif grouped:
         gate_up, down = (mlp.experts.gate_up_proj, mlp.experts.down_proj) if stacked is None else stacked[:2]
         N, k = experts.shape

@@ -15,10 +15,11 @@ the torch definition, and what runs off CUDA. Ties: the lower expert index first
 ties is unspecified; router logits tie with probability ~0). `packed` (a candidate): each round one max over
 (logit, index) packed into an int64, in one warp (shuffles only), instead of a max and then a min over the
 indices holding it across 4 warps (shared memory and a barrier each): 8 reductions a token instead of 16.
-`router_route(x [1, H], router [E (+1), H], k, shared)` is one token's router matmul and routing in one launch
-(a decode step's; kernels route "fused", the default): programs of 16 router rows × 256 columns write the logits' split-K
-partials, and the last of them to count itself in routes them as the packed kernel does, so the routing
-costs no launch of its own and no wait for one; with PDL the router's weights are loaded before the wait.
+`router_route(x [1, H], router [E (+1), H], k, shared)` is one token's router matmul and routing in one
+launch (a decode step's; kernels route "fused", the default): programs of 16 router rows × 256 columns write
+the logits' split-K partials, and the last of them to count itself in routes them as the packed kernel does,
+so the routing costs no launch of its own and no wait for one; with PDL the router's weights are loaded
+before the wait.
 """
 
 import torch

@@ -168,12 +168,13 @@ class QuantExperts(nn.Module):
     def _kernel_fits(self) -> bool:
         return self.hidden % STEP == 0 and self.inter % STEP == 0 and (self.scheme != "int4" or self.group == STEP)
 
-    def routed(self, x: torch.Tensor, experts: torch.Tensor, act: str = "separate") -> torch.Tensor:
+    def routed(self, x: torch.Tensor, experts: torch.Tensor, act: str = "separate", pdl: bool = False) -> torch.Tensor:
         """x [N, H], experts [N, k] → each pair's expert output [N, k, H] (unweighted), reading only those experts.
         act (act_fn SiLU; "separate": a kernel of its own): "fused", on CUDA the down launch computes
         silu(gate)·up from the gate | up launch's partials as it loads them (expert_swiglu_gemv), a launch less
         (fp8 schemes; int4 keeps it separate); "mlp", fp8-weight experts run gate | up, the activation and down
-        in one launch (ops/expert_mlp.py), the fp8 scheme as "fused", int4 as "separate"."""
+        in one launch (ops/expert_mlp.py), the fp8 scheme as "fused", int4 as "separate". pdl (kernels experts
+        "grouped-pdl"): the weight-streaming launches with programmatic dependent launch (not the one-launch MLP)."""
         N, k = experts.shape
         pair_expert = experts.flatten()
         if x.is_cuda and self._kernel_fits():
@@ -185,14 +186,14 @@ class QuantExperts(nn.Module):
                 y = expert_mlp(x, pe, fmt, gu["qweight"], gu.get("scale"), dn["qweight"], dn.get("scale"), x.dtype)
                 return y.view(N, k, self.hidden).to(x.dtype)
             parts = expert_gemv(x, None, pe, fmt, gu["qweight"], gu.get("scale_inv", gu.get("scale")),
-                                gu.get("zero"), 2 * self.inter, quant_x)
+                                gu.get("zero"), 2 * self.inter, quant_x, pdl)
             down = dn["qweight"], dn.get("scale_inv", dn.get("scale"))
             if path == "fused":
-                y = expert_swiglu_gemv(parts, pe, fmt, *down, self.hidden, x.dtype, quant_x)
+                y = expert_swiglu_gemv(parts, pe, fmt, *down, self.hidden, x.dtype, quant_x, pdl)
             else:
                 gate, up = parts.sum(0).chunk(2, dim=-1)
                 h = (self.act_fn(gate) * up).to(x.dtype)
-                y = expert_gemv(h, None, pe, fmt, *down, dn.get("zero"), self.hidden, quant_x)
+                y = expert_gemv(h, None, pe, fmt, *down, dn.get("zero"), self.hidden, quant_x, pdl)
             return y.sum(0).view(N, k, self.hidden).to(x.dtype)
         rows = []
         for p in range(N * k):  # the reference: one pair at a time (CPU, small N·k)

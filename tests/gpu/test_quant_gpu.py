@@ -175,6 +175,8 @@ def test_quant_experts_routed_kernel_matches_the_prefill_loop(scheme, act, monke
         got = (q.routed(x, idx, act) * w[..., None]).sum(1)
         assert calls == launches, (scheme, act, calls)
         assert rel_err(got, q(x, idx, w)) < 2e-2
+        # (kernels experts "grouped-pdl"): the same launches with programmatic dependent launch, the same sums
+        assert torch.equal(q.routed(x, idx, act, True), q.routed(x, idx, act))
         if act != "separate":  # the same expert outputs as the separate activation's, but for silu's last bits
             assert rel_err(q.routed(x, idx, act), q.routed(x, idx)) < (1e-2 if scheme == "fp8" else 1e-3)
 
