@@ -92,8 +92,6 @@ print("router ok")
 """
 
 
-def test_kernel_matches_reference_in_the_triton_interpreter():
-    assert "router ok" in run_in_triton_interpreter(_INTERPRETED)
 
 
 _SM90 = """
@@ -120,11 +118,6 @@ print("ok")
 """
 
 
-def test_kernel_waits_for_the_router_matmul_under_programmatic_dependent_launch():
-    """Compiled for sm90 here (no GPU): with PDL (kernels={"experts": "grouped-pdl"}) the kernel reads the logits
-    only after griddepcontrol.wait; without it, no griddepcontrol at all; the packed variant in one warp has
-    no barrier."""
-    assert run_in_triton_interpreter(_SM90, interpret=False).strip().endswith("ok")
 
 
 def test_fused_router_op_passes_opcheck_and_routes_the_rounded_logits_on_cpu():
@@ -175,11 +168,14 @@ print("fused router ok")
 """
 
 
-def test_fused_router_kernel_matches_its_reference_in_the_triton_interpreter():
-    """One token's router matmul and routing in one launch (kernels route="fused"): the experts and weights of
-    the reference at 35B-A3B's router shape and another, at two tile configs, bf16 logits rounded as the
-    reference rounds them; the arrival count is 0 again after each launch; inputs it does not take refused."""
-    assert "fused router ok" in run_in_triton_interpreter(_FUSED)
+def test_kernels_match_their_references_in_the_triton_interpreter():
+    """The routing kernel (argmax and packed rounds, logits or split-K partials, ties, signed zeros) and one
+    token's router matmul and routing in one launch (kernels route="fused": the experts and weights of the
+    reference at 35B-A3B's router shape and another, at two tile configs, bf16 logits rounded as the reference
+    rounds them; the arrival count 0 again after each launch; inputs it does not take refused). One
+    interpreter process for both."""
+    out = run_in_triton_interpreter(_INTERPRETED + _FUSED)
+    assert "router ok" in out and "fused router ok" in out
 
 
 _SM90_FUSED = """
@@ -206,7 +202,10 @@ print("ok")
 """
 
 
-def test_fused_router_kernel_loads_its_weights_before_the_pdl_wait():
-    """Compiled for sm90 here (no GPU): with PDL the router's weights are read before griddepcontrol.wait and
-    x after it, and the program counts itself in only after the wait and after a barrier behind its stores."""
-    assert run_in_triton_interpreter(_SM90_FUSED, interpret=False).strip().endswith("ok")
+def test_kernels_order_their_reads_around_the_pdl_wait():
+    """Compiled for sm90 here (no GPU). The routing kernel with PDL (kernels={"experts": "grouped-pdl"}) reads
+    the logits only after griddepcontrol.wait; without it, no griddepcontrol at all; the packed variant in one
+    warp has no barrier. The fused router with PDL reads its weights before the wait and x after it, and counts
+    itself in only after the wait and after a barrier behind its stores."""
+    out = run_in_triton_interpreter(_SM90 + _SM90_FUSED, interpret=False)
+    assert [line for line in out.splitlines() if line.strip() == "ok"] == ["ok", "ok"], out
