@@ -144,8 +144,8 @@ def test_run_applies_base_kernels_to_every_fastqwen_system(monkeypatch):
     monkeypatch.setattr(fastqwen, "optimize",
                         lambda *a, **k: seen.append((k["kernels"], k["max_seq_len"])) or real(*a, **k))
     r = bench.run("tiny", systems=("fastqwen+serial-launch", "fastqwen", "fastqwen+fla-gdn"), prompt_len=16,
-                  n_short=2, n_long=4, dtype=torch.float32, device="cpu", compile=False, progress=None,
-                  kernels={"launch": "pdl", "gdn": "unrolled"}, max_seq_len=200)
+                  n_short=2, n_long=16, dtype=torch.float32, device="cpu", compile=False, progress=None,
+                  kernels={"launch": "pdl", "gdn": "unrolled"}, max_seq_len=200)  # (14 tokens apart: not noise)
     assert r["kernels"] == {"launch": "pdl", "gdn": "unrolled"} and r["max_seq_len"] == 200
     assert seen == [({"launch": "serial", "gdn": "unrolled"}, 200), ({"launch": "pdl", "gdn": "unrolled"}, 200),
                     ({"launch": "pdl", "gdn": "fla"}, 200)]
