@@ -104,6 +104,23 @@ def test_expert_act_auto_takes_the_separate_activation_for_fp8_weight_experts():
         assert m._fastqwen.forward.kernels["expert_act"] == act, quant
 
 
+def test_experts_auto_launches_fp8_weight_experts_with_pdl_on_cuda():
+    """kernels["experts"] "auto" resolves on CUDA to "grouped-pdl" where the experts are fp8-weight (the faster
+    35B-A3B fp8 step on the H200) and to "grouped" otherwise (bf16 measured slower with PDL); off CUDA to
+    "gather". An explicit choice stays. ("launch" given: "auto" would ask the GPU its compute capability; sizes
+    of 128: the grouped kernel's shapes.)"""
+    import copy
+
+    from fastqwen.model import check_kernels
+
+    cfg = copy.copy(fresh("tiny-moe").config)
+    cfg.hidden_size = cfg.moe_intermediate_size = 128
+    experts = lambda device, fp8, **kw: check_kernels({"launch": "serial", **kw}, cfg, device, fp8_experts=fp8)["experts"]
+    assert experts("cuda", True) == "grouped-pdl" and experts("cuda", False) == "grouped"
+    assert experts("cpu", True) == "gather" == experts("cpu", False)
+    assert experts("cuda", True, experts="grouped") == "grouped"
+
+
 def test_launch_auto_is_pdl_from_hopper_on_and_pdl_before_it_is_refused(monkeypatch):
     """kernels={"launch": "auto"} (the default) resolves to "pdl" on compute capability ≥ 9.0 and "serial"
     below or off CUDA, and "serial" for a decoder with int4 linears (slower under PDL on the H200); an explicit

@@ -201,3 +201,4 @@ def test_quantized_moe_block_with_the_shared_expert_stacked_matches_its_hf_forwa
         assert rel_err(f(block, h, True), ref) < 2e-2
         assert rel_err(f(block, h, True, expert_act="fused"), ref) < 2e-2  # (decode's default: expert_act "fused")
         assert rel_err(f(block, h, True, expert_act="mlp"), ref) < 2e-2
+        assert rel_err(f(block, h, True, pdl=True), ref) < 2e-2  # (fp8-weight's default experts: "grouped-pdl")
