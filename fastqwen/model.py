@@ -56,8 +56,8 @@ def check_kernels(kernels: dict | None, cfg, device, int4: bool = False, fp8_exp
     its routing and expert launches joining programmatic dependent launch when "launch" is "pdl" (they wait for
     their predecessor before reading anything, so they overlap only their launch; quantized experts' launches
     too since 2026-12-03, but for the one-launch MLP). On the H200 (2026-12-03, each alone in its process) a
-    35B-A3B fp8-weight step took 1929, 1894 and 1891 µs with it against 1951 and 1953 without, while bf16's
-    took 2825 with it against 2749, 2704 and 2716 without. "projections":
+    35B-A3B fp8-weight step took 1929, 1894, 1891, 1927 and 1932 µs with it against 1951 and 1953 without,
+    while bf16's took 2825 with it against 2749, 2704, 2716, 2700 and 2657 without. "projections":
     each layer's input projections as one matmul each ("separate") or one over a fused weight per layer
     ("fused": GDN qkv+z+b+a, attention q+k+v, MLP gate+up; fewer launches, same bytes; linears.fuse_linears;
     1.08× on 27B decode). "linears": the decoder's bf16 linears at decode and verify by F.linear ("torch":
