@@ -58,12 +58,14 @@ def left_padded(rows, pad_id=0):
     return ids, mask
 
 
-def run_in_triton_interpreter(code: str, interpret: bool = True) -> str:
+def run_in_triton_interpreter(code: str, *more: str, interpret: bool = True) -> str | list[str]:
     """Run `code` in a subprocess with TRITON_INTERPRET=1 (it must be set before any kernel is defined) and
     return its stdout; skip when Triton with numpy < 2.4 (its interpreter needs that) is not available, from
     $FASTQWEN_TRITON_SITE (a pip --target directory, .ci/run fills one: Triton installed beside CPU torch
     breaks torch.compile) or from this environment. `interpret=False`: the same Triton without the
-    interpreter, for code that only compiles kernels (Triton ships its own ptxas, so no GPU is needed)."""
+    interpreter, for code that only compiles kernels (Triton ships its own ptxas, so no GPU is needed).
+    `more` scripts: each in a subprocess of its own, all at once (the interpreter is one core's work; CI has
+    two), and the list of their stdouts, `code`'s first."""
     import subprocess
 
     tests = os.path.dirname(os.path.abspath(__file__))
@@ -76,6 +78,11 @@ def run_in_triton_interpreter(code: str, interpret: bool = True) -> str:
     probe = "import numpy, triton; assert tuple(map(int, numpy.__version__.split('.')[:2])) < (2, 4)"
     if subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True).returncode:
         pytest.skip("needs triton and numpy < 2.4 (set FASTQWEN_TRITON_SITE to a pip --target dir with both)")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout
+    runs = [subprocess.Popen([sys.executable, "-c", c], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True) for c in (code, *more)]
+    outs = []
+    for run in runs:
+        out, err = run.communicate(timeout=600)
+        assert run.returncode == 0, err[-3000:]
+        outs.append(out)
+    return outs if more else outs[0]
