@@ -55,8 +55,7 @@ def check_kernels(kernels: dict | None, cfg, device, int4: bool = False, fp8_exp
     by 128), else "gather" (resolved here), but "grouped-pdl" for fp8-weight experts; "grouped-pdl": grouped,
     its routing and expert launches joining programmatic dependent launch when "launch" is "pdl" (they wait for
     their predecessor before reading anything, so they overlap only their launch; quantized experts' launches
-    too since 2026-12-03, the one-launch MLP's pulling the stacked shared expert into L2 before its wait: a
-    candidate, not yet timed). On the H200 (2026-12-03, each alone in its process) a
+    too since 2026-12-03, but for the one-launch MLP). On the H200 (2026-12-03, each alone in its process) a
     35B-A3B fp8-weight step took 1929, 1894, 1891, 1927 and 1932 µs with it against 1951 and 1953 without,
     while bf16's took 2825 with it against 2749, 2704, 2716, 2700 and 2657 without. "projections":
     each layer's input projections as one matmul each ("separate") or one over a fused weight per layer

@@ -130,8 +130,7 @@ def routed_moe(mlp, h: torch.Tensor, grouped: bool = False, lin: Linears | None 
         N, k = experts.shape
         pair_expert = experts.flatten().int()
         if expert_act == "mlp":  # (k pairs a token)
-            out = expert_mlp(x, pair_expert, BF16, gate_up, None, down, None, x.dtype, pdl,
-                             gate_up.shape[0] - 1 if shared else -1)
+            out = expert_mlp(x, pair_expert, BF16, gate_up, None, down, None, x.dtype)
         elif expert_act == "fused":
             parts = expert_gemv(x, None, pair_expert, BF16, gate_up, None, None, gate_up.shape[1], pdl=pdl)
             out = expert_swiglu_gemv(parts, pair_expert, BF16, down, None, down.shape[1], x.dtype, pdl=pdl).sum(0)

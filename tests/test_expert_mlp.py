@@ -64,7 +64,7 @@ from fastqwen.ops.expert_mlp import _expert_mlp_kernel
 for fmt, w in ((0, "*fp8e4nv"), (3, "*bf16")):
     sig = dict(x_ptr="*bf16", exp_ptr="*i32", w1_ptr=w, s1_ptr="*fp32", w2_ptr=w, s2_ptr="*fp32", h_ptr="*fp32",
                y_ptr="*fp32", cnt_ptr="*i32", P="i32", H="i32", I="i32", per_row="i32", w1_estride="i32",
-               w2_estride="i32", s1_estride="i32", s2_estride="i32", shared="i32")
+               w2_estride="i32", s1_estride="i32", s2_estride="i32")
     consts = dict(FMT=fmt, BLOCK_N=32, BK1=256, BK2=512, STAGES=4, ACT_DTYPE=tl.bfloat16)
     kernel = compile_sm90(_expert_mlp_kernel, sig, consts, ("x_ptr", "w1_ptr", "w2_ptr", "h_ptr", "y_ptr", "H", "I",
                                                             "w1_estride", "w2_estride"), num_stages=4)
@@ -85,17 +85,6 @@ for fmt, w in ((0, "*fp8e4nv"), (3, "*bf16")):
     assert first_w and min(first_w) < wait, "the down weights are loaded after the wait"
     h_reads = [m.start() for m in re.finditer(r"ld\\.global\\.cg", code)]
     assert h_reads and min(h_reads) > wait, "h read before the wait"
-    assert "griddepcontrol" not in code and "prefetch" not in code  # (without PDL)
-    # PDL: the shared expert's lines pulled into L2, then the wait for the previous kernel before any load (x, the
-    # pairs) and before the ticket (the counts are the previous kernel's until it has ended)
-    code = compile_sm90(_expert_mlp_kernel, sig, dict(consts, PDL=True),
-                        ("x_ptr", "w1_ptr", "w2_ptr", "h_ptr", "y_ptr", "H", "I", "w1_estride", "w2_estride"),
-                        num_stages=4).asm["ptx"]
-    gdc = code.index("griddepcontrol.wait")
-    prefetches = [m.start() for m in re.finditer(r"prefetch\\.global\\.L2", code)]
-    assert prefetches and max(prefetches) < gdc, "no L2 prefetch before the wait"
-    assert min(m.start() for m in re.finditer(r"ld\\.global|atom\\.", code)) > gdc, "a load or count before the wait"
-    assert "griddepcontrol.launch_dependents" not in code  # (the next kernel launches when this one ends)
 print("ok")
 """
 
@@ -104,8 +93,7 @@ def test_kernel_loads_down_weights_before_it_waits_and_counts_after_its_stores()
     """Compiled for sm90 here (no GPU): one thread takes the ticket, counts a finished gate | up tile in (release,
     after a barrier behind the tile's stores) and waits (acquire); a down tile issues its first weight loads
     before that wait and reads the gate | up outputs only after it, from L2 (.cg); the fp8 kernel neither spills
-    nor takes more than 128 registers a thread. With PDL it prefetches the shared expert into L2 and waits for the
-    previous kernel before any load or count; without, no griddepcontrol and no prefetch."""
+    nor takes more than 128 registers a thread."""
     assert run_in_triton_interpreter(_SM90, interpret=False).strip().endswith("ok")
 
 
@@ -117,12 +105,9 @@ def test_op_runs_its_reference_on_cpu_and_refuses_what_the_kernel_cannot_take():
     exp = torch.tensor([0, 2, 1, 1], dtype=torch.int32)
     assert torch.equal(expert_mlp(x, exp, BF16, w1, None, w2, None, torch.bfloat16),
                        reference(x, exp, BF16, w1, None, w2, None, torch.bfloat16))
-    torch.library.opcheck(expert_mlp, (x, exp, BF16, w1, None, w2, None, torch.bfloat16, True, 2),
+    torch.library.opcheck(expert_mlp, (x, exp, BF16, w1, None, w2, None, torch.bfloat16),
                           test_utils=("test_faketensor", "test_autograd_registration"))
     from fastqwen.ops.expert_mlp import launch
-
-    with pytest.raises(ValueError, match="shared expert is one of the 3 experts or -1"):
-        launch(x, exp, BF16, w1, None, w2, None, torch.bfloat16, pdl=True, shared=3)
 
     q, s, z = stored_operands(INT4, torch.randn(256, 128, generator=g))
     with pytest.raises(ValueError, match="bf16 or fp8-weight experts"):

@@ -18,11 +18,7 @@ many programs the GPU holds at once. The counters (ticket, finished down tiles, 
 ops/gemv.py's tile_counts buffer and are zero again when the launch ends (the last ticket resets the ticket
 counter, the last down tile the others): a CUDA graph replays it as is. The fp8 kernel holds 128 registers a
 thread (4 programs an SM; a down tile sums each step at once rather than keeping a BLOCK_N × 512 fp32
-accumulator, which took 230). With programmatic dependent launch (`pdl`, the experts "grouped-pdl") the
-programs start while the kernel before them (the router) finishes: they pull the stacked shared expert's
-weights (known before the routing: `shared`) into L2, then wait for it before any load or count; they do not
-let the next kernel launch early (a second wave of tiles still needs the SMs). `reference` is the plain torch
-definition, and what runs off CUDA.
+accumulator, which took 230). `reference` is the plain torch definition, and what runs off CUDA.
 
 Measured (one H200, 2026-12-03; docs/BENCHMARKS.md, scripts/bench_expert_mlp.py): 40 layers of 9 cold
 35B-A3B experts in a CUDA graph, fp8-weight 17.03 µs a layer against 20.19 µs for the two launches and the
@@ -30,8 +26,8 @@ sum of their partials, a launch the step does not have (16:4:4 16.86 and 32:3:4 
 bf16 22.32 against 22.37 (21.53 at 32:3:4). The
 35B-A3B fp8-weight decode step (fp8 lm_head) with it: 2000, 2012 and 1989 µs in three processes, against
 1921–1978 µs with the separate activation, so it is a candidate (kernels={"expert_act": "mlp"}), not a default.
-Those ran it without PDL, while the separate path's launches (since 2026-12-03) and inductor's run with it; with
-PDL it is not yet timed.
+Launched with PDL (its programs pulling the stacked shared expert into L2 before the wait; 2026-12-03) it
+took 2011 and 1975 µs against the default's 1917 and 1918: no better, so that variant was removed.
 """
 
 import torch
@@ -59,14 +55,6 @@ def reference(x, exp, fmt: int, w1, s1, w2, s2, act_dtype: torch.dtype) -> torch
 
 
 if triton is not None:
-    from .gemv import _prefetch_l2
-
-    @triton.jit
-    def _prefetch_expert(w_ptr, lines, first_line):
-        """prefetch.global.L2 of 32 lines of 128 bytes of the weight at w_ptr (`lines` of them in all), lines
-        first_line … first_line + 31 (those in range)."""
-        line = first_line + tl.arange(0, 32)
-        _prefetch_l2(w_ptr.to(tl.pointer_type(tl.uint8)) + line.to(tl.int64) * 128, (line >= 0) & (line < lines))
 
     @triton.jit
     def _wait_for(cnt, target):
@@ -137,26 +125,15 @@ if triton is not None:
 
     @triton.jit
     def _expert_mlp_kernel(x_ptr, exp_ptr, w1_ptr, s1_ptr, w2_ptr, s2_ptr, h_ptr, y_ptr, cnt_ptr, P, H, I,
-                           per_row, w1_estride, w2_estride, s1_estride, s2_estride, shared, FMT: tl.constexpr,
+                           per_row, w1_estride, w2_estride, s1_estride, s2_estride, FMT: tl.constexpr,
                            BLOCK_N: tl.constexpr, BK1: tl.constexpr, BK2: tl.constexpr, STAGES: tl.constexpr,
-                           ACT_DTYPE: tl.constexpr, PDL: tl.constexpr = False):
+                           ACT_DTYPE: tl.constexpr):
         """One tile a program, by ticket: gate | up tiles first (P · ⌈2I / BLOCK_N⌉), then down tiles
         (P · ⌈H / BLOCK_N⌉). cnt: [0] the ticket, [1] finished down tiles, [2 + p] pair p's finished gate | up
-        tiles. BK1 | H, BK2 | I. PDL (launched with launch_pdl): the programs pull expert `shared`'s weights
-        (the stacked shared expert, known before the routing; -1: none) into L2, 32 lines of 128 bytes each,
-        then wait for the previous kernel (x and the pairs are its outputs; the counts are free only after it)
-        before anything else."""
+        tiles. BK1 | H, BK2 | I."""
         up_tiles = tl.cdiv(2 * I, BLOCK_N)
         down_tiles = tl.cdiv(H, BLOCK_N)
         first = P * up_tiles  # the first down ticket
-        if PDL:
-            if shared >= 0:
-                elt: tl.constexpr = 1 if FMT == 0 else 2  # e4m3 or bf16 bytes
-                w1_lines = 2 * I * H * elt // 128
-                line = tl.program_id(0) * 32  # (W1's lines, then W2's)
-                _prefetch_expert(w1_ptr + shared.to(tl.int64) * w1_estride, w1_lines, line)
-                _prefetch_expert(w2_ptr + shared.to(tl.int64) * w2_estride, H * I * elt // 128, line - w1_lines)
-            tl.extra.cuda.gdc_wait()
         t = tl.atomic_add(cnt_ptr, 1)
         if t == first + P * down_tiles - 1:  # the last ticket: every program has taken its own
             tl.atomic_xchg(cnt_ptr, 0)
@@ -202,14 +179,10 @@ def _check(x, exp, fmt: int, w1, s1, w2, s2, act_dtype: torch.dtype) -> None:
                          f"{None if s2 is None else tuple(s2.shape)}")
 
 
-def launch(x, exp, fmt: int, w1, s1, w2, s2, act_dtype: torch.dtype, config: tuple = CONFIG, pdl: bool = False,
-           shared: int = -1) -> torch.Tensor:
+def launch(x, exp, fmt: int, w1, s1, w2, s2, act_dtype: torch.dtype, config: tuple = CONFIG) -> torch.Tensor:
     """The kernel (_expert_mlp_kernel): fp32 y [P, H]; `_check` says what it takes; `config` (BLOCK_N, stages,
-    warps) as CONFIG; `pdl`: programmatic dependent launch (Hopper+), expert `shared` (≥ 0: the stacked shared
-    expert) pulled into L2 before the wait."""
+    warps) as CONFIG."""
     _check(x, exp, fmt, w1, s1, w2, s2, act_dtype)
-    if not -1 <= shared < w1.shape[0]:
-        raise ValueError(f"expert_mlp's shared expert is one of the {w1.shape[0]} experts or -1 (none); got {shared}")
     block_n, stages, warps = config
     if block_n not in (16, 32, 64, 128) or not 1 <= stages <= 6 or warps not in (1, 2, 4, 8):
         raise ValueError(f"expert_mlp's config is (BLOCK_N in 16, 32, 64, 128; stages 1 … 6; warps 1, 2, 4 or 8); "
@@ -224,27 +197,23 @@ def launch(x, exp, fmt: int, w1, s1, w2, s2, act_dtype: torch.dtype, config: tup
     s1 = w1 if s1 is None else s1  # (BF16 reads no scale; any pointer does)
     s2 = w2 if s2 is None else s2
     _expert_mlp_kernel[(tiles,)](x, exp, w1, s1, w2, s2, h, y, cnt, P, H, I, P // T, w1.stride(0), w2.stride(0),
-                                 s1.stride(0), s2.stride(0), shared,
+                                 s1.stride(0), s2.stride(0),
                                  FMT=fmt, BLOCK_N=block_n, BK1=256 if H % 256 == 0 else STEP, BK2=_step(I),
-                                 STAGES=stages, ACT_DTYPE=_TL_DTYPES[act_dtype], PDL=pdl, num_warps=warps,
-                                 launch_pdl=pdl)
+                                 STAGES=stages, ACT_DTYPE=_TL_DTYPES[act_dtype], num_warps=warps)
     return y
 
 
 @torch.library.custom_op("fastqwen::expert_mlp", mutates_args=())
 def expert_mlp(x: torch.Tensor, exp: torch.Tensor, fmt: int, w1: torch.Tensor, s1: torch.Tensor | None,
-               w2: torch.Tensor, s2: torch.Tensor | None, act_dtype: torch.dtype, pdl: bool = False,
-               shared: int = -1) -> torch.Tensor:
+               w2: torch.Tensor, s2: torch.Tensor | None, act_dtype: torch.dtype) -> torch.Tensor:
     """Routed experts' gated MLP, gate | up, silu(gate)·up in act_dtype and down, in one launch on CUDA (see the
-    module docstring), the reference elsewhere: x [T, H], token-major pairs exp [P] int32 → fp32 [P, H]. pdl:
-    programmatic dependent launch, the weights of expert `shared` (the stacked shared expert; -1: none) pulled
-    into L2 before the wait."""
+    module docstring), the reference elsewhere: x [T, H], token-major pairs exp [P] int32 → fp32 [P, H]."""
     if x.is_cuda and triton is not None:
-        return launch(x.contiguous(), exp, fmt, w1, s1, w2, s2, act_dtype, pdl=pdl, shared=shared)
+        return launch(x.contiguous(), exp, fmt, w1, s1, w2, s2, act_dtype)
     return reference(x, exp, fmt, w1, s1, w2, s2, act_dtype)
 
 
 @expert_mlp.register_fake
-def _(x, exp, fmt, w1, s1, w2, s2, act_dtype, pdl=False, shared=-1):
+def _(x, exp, fmt, w1, s1, w2, s2, act_dtype):
     return x.new_empty(exp.shape[0], w2.shape[1], dtype=torch.float32)
 

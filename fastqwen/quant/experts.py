@@ -174,8 +174,7 @@ class QuantExperts(nn.Module):
         silu(gate)·up from the gate | up launch's partials as it loads them (expert_swiglu_gemv), a launch less
         (fp8 schemes; int4 keeps it separate); "mlp", fp8-weight experts run gate | up, the activation and down
         in one launch (ops/expert_mlp.py), the fp8 scheme as "fused", int4 as "separate". pdl (kernels experts
-        "grouped-pdl"): the weight-streaming launches with programmatic dependent launch (the one-launch MLP
-        pulling the stacked shared expert into L2 before its wait)."""
+        "grouped-pdl"): the weight-streaming launches with programmatic dependent launch (not the one-launch MLP)."""
         N, k = experts.shape
         pair_expert = experts.flatten()
         if x.is_cuda and self._kernel_fits():
@@ -184,8 +183,7 @@ class QuantExperts(nn.Module):
             gu, dn = self.stored("gate_up"), self.stored("down")
             path = kernel_path(self.scheme, act)
             if path == "mlp":
-                y = expert_mlp(x, pe, fmt, gu["qweight"], gu.get("scale"), dn["qweight"], dn.get("scale"), x.dtype,
-                               pdl, self.num_experts if self.stacks else -1)
+                y = expert_mlp(x, pe, fmt, gu["qweight"], gu.get("scale"), dn["qweight"], dn.get("scale"), x.dtype)
                 return y.view(N, k, self.hidden).to(x.dtype)
             parts = expert_gemv(x, None, pe, fmt, gu["qweight"], gu.get("scale_inv", gu.get("scale")),
                                 gu.get("zero"), 2 * self.inter, quant_x, pdl)
