@@ -40,7 +40,7 @@ KERNELS = {"attention": ("split", "sdpa"), "experts": ("auto", "gather", "groupe
            "mlp_act": ("separate", "fused"), "conv": ("fused", "separate")}  # first: the default
 
 
-def check_kernels(kernels: dict | None, cfg, device, int4: bool = False, fp8_experts: bool = False) -> dict:
+def check_kernels(kernels: dict | None, cfg, device, fp8_experts: bool = False) -> dict:
     """The kernel choice of each op, defaults filled in ("launch" resolved): optimize's `kernels` option. The
     defaults are the ones measured fastest (docs/BENCHMARKS.md); the others stay selectable to re-measure.
     "attention": attention over the cache in decode and verify steps (and a DFlash draft's block) by the split-KV
@@ -70,9 +70,9 @@ def check_kernels(kernels: dict | None, cfg, device, int4: bool = False, fp8_exp
     ("serial") or, on Hopper and later, with programmatic dependent launch ("pdl": inductor's kernels (its
     triton.enable_pdl) and ours start while their predecessor finishes, the weight-streaming ones pulling their
     first weight tiles into L2 before they wait for it; ops/gemv.py _dependent_start); "auto": "pdl" on a GPU
-    of compute capability 9.0 or later, else "serial", and "serial" for a decoder with int4 linears (`int4`): on
-    the H200 the 27B int4 step took 6977 µs serial against 7514 with PDL, where fp8-weight's took 7841 with PDL
-    against 8251 serial (each alone in its process, 2026-12-02). "splitk": the weight-streaming kernel's split-K partial
+    of compute capability 9.0 or later, else "serial" (on the H200 the 27B fp8-weight step took 7841 µs with
+    PDL against 8251 serial, 2026-12-02; the int4 step 6341, 7002 and 6509 against 7175, 6890 and 6927 since
+    its one-row kernel lets the next launch only after its last store, 2026-12-04; each alone in its process). "splitk": the weight-streaming kernel's split-K partial
     sums added by their consumer ("sum": inductor folds the add into the next kernel, or launches a sum of its
     own where the consumer is a custom op) or by the kernel itself ("fixup": the last program of each output
     tile adds them, in split order; ops/gemv.py _split_k_fixup). "gdn_norm": the GDN block's gated RMSNorm at
@@ -115,7 +115,7 @@ def check_kernels(kernels: dict | None, cfg, device, int4: bool = False, fp8_exp
         kernels.setdefault(op, choices[0])
         if kernels[op] not in choices:
             raise ValueError(f"kernels[{op!r}]={kernels[op]!r}; choose from {', '.join(choices)}")
-    kernels["launch"] = _launch_mode(kernels["launch"], torch.device(device), int4)
+    kernels["launch"] = _launch_mode(kernels["launch"], torch.device(device))
     inter, cuda = getattr(cfg, "moe_intermediate_size", None), torch.device(device).type == "cuda"
     fits = inter is not None and not (cuda and (cfg.hidden_size % 128 or inter % 128))
     if kernels["experts"] == "auto":
@@ -146,9 +146,8 @@ def check_kernels(kernels: dict | None, cfg, device, int4: bool = False, fp8_exp
     return kernels
 
 
-def _launch_mode(launch: str, device: torch.device, int4: bool = False) -> str:
+def _launch_mode(launch: str, device: torch.device) -> str:
     """"auto" → "pdl" on CUDA devices of compute capability ≥ 9.0 (griddepcontrol is Hopper's), else "serial";
-    "serial" too where the decoder's linears are int4 (`int4`: measured faster serial on the H200, check_kernels);
     "pdl" on an older GPU is an error (our kernels' wait instruction does not exist there). Off CUDA the ops
     run their references, so any choice runs."""
     if device.type != "cuda" or launch == "serial":
@@ -157,7 +156,7 @@ def _launch_mode(launch: str, device: torch.device, int4: bool = False) -> str:
     if launch == "pdl" and capability < (9, 0):
         raise ValueError(f"kernels['launch']='pdl' needs a GPU of compute capability 9.0 or later (Hopper); this "
                          f"one is {capability[0]}.{capability[1]}: use 'serial' or 'auto'")
-    return ("pdl" if capability >= (9, 0) and not int4 else "serial") if launch == "auto" else launch
+    return ("pdl" if capability >= (9, 0) else "serial") if launch == "auto" else launch
 
 
 _GDN_IN = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
@@ -173,10 +172,9 @@ class Forward:
         self.rope_scaling = float(getattr(text.rotary_emb, "attention_scaling", 1.0))
         self.eps = self.cfg.rms_norm_eps
         self.cache = cache
-        int4 = any(getattr(m, "scheme", None) == "int4" for m in self.layers.modules())  # (QuantLinear's)
         fp8_experts = any(getattr(m, "scheme", None) == "fp8-weight" and hasattr(m, "routed")  # (QuantExperts)
                           for m in self.layers.modules())
-        self.kernels = check_kernels(kernels, self.cfg, cache.lengths.device, int4, fp8_experts)
+        self.kernels = check_kernels(kernels, self.cfg, cache.lengths.device, fp8_experts)
         self.split_attention = self.kernels["attention"] == "split"  # decode, verify and DFlash draft blocks
         self.unrolled = self.kernels["gdn"] in ("block", "unrolled")  # (a Triton compile per T: not for prefill)
         self.block = self.kernels["gdn"] == "block"

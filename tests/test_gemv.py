@@ -575,6 +575,10 @@ for fmt, bits, half2 in ((gemv.FP8_ROW, False, 0), (gemv.FP8_ROW, True, 0), (gem
         reads = [m.start() for m in re.finditer(r"ld\\.global|cp\\.async\\.c", code)]
         assert reads and min(reads) > wait, (fmt, bits, "a global read before the wait")
         assert 0 < code.index("prefetch.global.L2") < wait and "griddepcontrol.launch_dependents" in code, (fmt, bits)
+    # int4's one-row kernel lets the next kernel launch only after its last store; the others right after the wait
+    code = row_kernel(fmt, bits, 32, pdl=True, half2=half2).asm["ptx"]
+    trigger, stores = code.index("griddepcontrol.launch_dependents"), [m.start() for m in re.finditer(r"st\\.global", code)]
+    assert stores and (trigger > max(stores) if fmt == gemv.INT4 else trigger < min(stores)), (fmt, bits, half2)
     assert "griddepcontrol" not in row_kernel(fmt, bits, 32).asm["ptx"]  # (without PDL: none)
 # grouped mode (kernels={"experts": "grouped-pdl"}): the pairs are the router's output, so nothing is read, not even
 # prefetched, before the wait

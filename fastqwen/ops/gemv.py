@@ -390,10 +390,11 @@ if triton is not None:
 
     @triton.jit
     def _dependent_start(w_ptr, n, n_ok, k_start, k_end, K, FMT: tl.constexpr, BITS: tl.constexpr,
-                         BLOCK_K: tl.constexpr, TILED: tl.constexpr = 0):
+                         BLOCK_K: tl.constexpr, TILED: tl.constexpr = 0, TRIGGER: tl.constexpr = 1):
         """Programmatic dependent launch (launch_pdl): while the previous kernel in the stream finishes, pull
         this program's first two steps of weight rows into L2 (the weight is no kernel's output), then wait
-        for that kernel (x is its output) and let the next one launch. Columns [k_start, k_end) of K."""
+        for that kernel (x is its output) and, with TRIGGER, let the next one launch (without: the caller
+        does, later). Columns [k_start, k_end) of K."""
         if BITS:
             per_word: tl.constexpr = 8 if FMT == 2 else 4  # columns an int32 word holds
             row, first, last, line = K // per_word, k_start // per_word, k_end // per_word, 32
@@ -416,7 +417,8 @@ if triton is not None:
             col = first + tl.arange(0, lines) * line
             _prefetch_l2(w_ptr + n[:, None].to(tl.int64) * row + col[None, :], n_ok[:, None] & (col < last)[None, :])
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
     def _split_k_fixup(y0_ptr, offs, ok, cnt_ptr, tile, slot, SPLITS: tl.constexpr):
@@ -468,8 +470,8 @@ if triton is not None:
                                                                N, K, w_estride, s_estride, SWIGLU, PER_ROW)
         k_end = tl.minimum(K, (split + 1) * k_per_split)
         g_end = k_end // 128  # (HALF2: the end of this split's groups)
-        if PDL and not GROUPED:
-            _dependent_start(w_ptr, n, n < N, split * k_per_split, k_end, K, FMT, BITS, BLOCK_K, TILED)
+        if PDL and not GROUPED:  # int4 lets the next kernel launch only once its sums are stored (at the end)
+            _dependent_start(w_ptr, n, n < N, split * k_per_split, k_end, K, FMT, BITS, BLOCK_K, TILED, FMT != 2)
         if HALF2:
             x_scale = _half2_prologue(x_ptr, xp_ptr, split * k_per_split, k_end, K)
         for t in tl.static_range(TILES):  # TILES tiles of BLOCK_N rows, one after another (HALF2: one prologue)
@@ -600,6 +602,8 @@ if triton is not None:
                 _split_k_fixup(y0_ptr, tl.program_id(1) * N + n, n_ok, cnt_ptr,
                                (tl.program_id(0) * TILES + t) * tl.num_programs(1) + tl.program_id(1),
                                tl.num_programs(1) * N, FIXUP)
+        if PDL and not GROUPED and FMT == 2:
+            tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
     def _pow2_at_least(t):
