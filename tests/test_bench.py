@@ -105,10 +105,10 @@ def test_run_times_alternatives_against_the_default_on_one_model():
     """bench.run with a kernel candidate and an inductor-option candidate beside fastqwen (tiny, CPU, eager):
     each gets a speed and its ratio to the default, and the table lists them."""
     systems = ("fastqwen", "fastqwen+fla-gdn", "fastqwen+combo-kernels")
-    r = bench.run("tiny", systems=systems, prompt_len=16, n_short=2, n_long=6, dtype=torch.float32, device="cpu",
+    r = bench.run("tiny", systems=systems, prompt_len=16, n_short=2, n_long=24, dtype=torch.float32, device="cpu",
                   compile=False, progress=None)
     for system in systems:
-        assert r["systems"][system]["tok_s"] > 0, r["systems"][system]
+        assert r["systems"][system].get("tok_s", 0) > 0, r["systems"][system]
         assert r["systems"][system]["step_host_us"] > 0 and "step_device_us" not in r["systems"][system]
     assert r["fastqwen+combo-kernels_vs_fastqwen"] > 0 and r["fastqwen+fla-gdn_vs_fastqwen"] > 0
     assert "combo-kernels" in bench.format_table([r])
@@ -170,9 +170,9 @@ def test_option_systems_name_real_inductor_options():
 def test_run_gives_a_quantized_system_the_roofline_of_its_own_bytes():
     """bench.run with fastqwen-fp8-weight (tiny, CPU, eager): its roofline counts fp8 codes, so it sits above
     the bf16 model's, and the table reports the speed against it."""
-    r = bench.run("tiny", systems=("fastqwen", "fastqwen-fp8-weight"), prompt_len=16, n_short=2, n_long=6,
+    r = bench.run("tiny", systems=("fastqwen", "fastqwen-fp8-weight"), prompt_len=16, n_short=2, n_long=24,
                   dtype=torch.bfloat16, device="cpu", compile=False, progress=None, quant_lm_head=True)
-    assert r["systems"]["fastqwen-fp8-weight"]["tok_s"] > 0, r["systems"]
+    assert r["systems"]["fastqwen-fp8-weight"].get("tok_s", 0) > 0, r["systems"]
     assert r["fastqwen-fp8-weight_roofline_tok_s"] > 1.3 * r["roofline_tok_s"]
     assert "of its roofline" in bench.format_table([r])
 
@@ -187,7 +187,7 @@ def test_run_times_a_quantized_system_under_an_alternative_kernel(monkeypatch):
     real = fastqwen.optimize
     monkeypatch.setattr(fastqwen, "optimize", lambda *a, **k: seen.append((k["quant"], k["kernels"])) or real(*a, **k))
     systems = ("fastqwen", "fastqwen-fp8-weight", "fastqwen-fp8-weight+serial-launch")
-    r = bench.run("tiny", systems=systems, prompt_len=16, n_short=2, n_long=6, dtype=torch.bfloat16, device="cpu",
+    r = bench.run("tiny", systems=systems, prompt_len=16, n_short=2, n_long=24, dtype=torch.bfloat16, device="cpu",
                   compile=False, progress=None)
     assert seen == [(None, {}), ("fp8-weight", {}), ("fp8-weight", {"launch": "serial"})]
     variant = r["systems"]["fastqwen-fp8-weight+serial-launch"]["tok_s"]
