@@ -120,6 +120,8 @@ def main():
                    help="after the runs: verify + commit under each of these kernel sets, against the default's")
     p.add_argument("--layers", type=int, help="keep only the first LAYERS decoder layers (quicker compiles; "
                    "per-layer costs as in the full stack)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="compile the steps (--no-compile: eager, for checking the script's plumbing quickly)")
     p.add_argument("--json", type=pathlib.Path)
     args = p.parse_args()
     if args.layers and any(r.startswith("dflash") for r in args.runs):
@@ -147,7 +149,7 @@ def main():
     block = max([k + 1 for _, k, _ in runs] + [args.verify_block])
     max_seq = args.prompt_len + args.n_long + 2 * block + 8  # room for the timed blocks after a generate
     kernels = dict(kv.split("=", 1) for kv in args.kernels)
-    fastqwen.optimize(model, max_batch_size=args.batch, max_seq_len=max_seq, compile=True, compile_options=opts,
+    fastqwen.optimize(model, max_batch_size=args.batch, max_seq_len=max_seq, compile=args.compile, compile_options=opts,
                       quant=args.quant, quant_lm_head=args.quant_lm_head, kernels=kernels)
     res["quant"], res["quant_lm_head"], res["kernels"] = args.quant, args.quant_lm_head, kernels
     e = model._fastqwen
@@ -202,8 +204,8 @@ def main():
     for alt in args.also_kernels:
         alt_kernels = {**kernels, **dict(kv.split("=", 1) for kv in alt.split(","))}
         say(f"verify + commit of a {args.verify_block}-token block with kernels {alt_kernels}: compiling and timing")
-        fastqwen.optimize(model, max_batch_size=args.batch, max_seq_len=max_seq, compile=True, compile_options=opts,
-                          kernels=alt_kernels)  # (a quantized model stays quantized: quant was applied in place)
+        fastqwen.optimize(model, max_batch_size=args.batch, max_seq_len=max_seq, compile=args.compile,
+                          compile_options=opts, kernels=alt_kernels)  # (a quantized model stays quantized: quant was applied in place)
         e = model._fastqwen
         e.enable_speculation(OracleProposer(reference, 1.0, model.config.vocab_size), args.verify_block - 1)
         e.cache.lengths.fill_(args.prompt_len + args.n_long)

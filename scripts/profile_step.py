@@ -71,6 +71,8 @@ def main():
     p.add_argument("--again", action="store_true", help="after the decode step: release the engine, optimize the "
                    "same model again and profile its step once more, listing the kernels whose time changed most "
                    "(the order effect, docs/BENCHMARKS.md)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="compile the steps (--no-compile: eager, for checking the script's plumbing quickly)")
     p.add_argument("--json", type=pathlib.Path)
     args = p.parse_args()
     if args.phases and not args.speculate:
@@ -84,7 +86,7 @@ def main():
     def optimized(quant):
         """The model optimized and warmed up, its cache rows at the prompt length; its engine."""
         fastqwen.optimize(model, max_batch_size=args.batch_size, max_seq_len=args.prompt_len + 64,
-                          compile_options=opts, kernels=dict(kv.split("=", 1) for kv in args.kernels), quant=quant,
+                          compile=args.compile, compile_options=opts, kernels=dict(kv.split("=", 1) for kv in args.kernels), quant=quant,
                           quant_lm_head=args.quant_lm_head and quant is not None)
         model._fastqwen.warmup()
         model.generate(ids, max_new_tokens=8)  # (then every row is done)

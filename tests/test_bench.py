@@ -199,12 +199,14 @@ def test_run_times_a_quantized_system_under_an_alternative_kernel(monkeypatch):
 
 
 def test_bench_spec_times_candidate_kernels_against_the_default(tmp_path):
-    """scripts/bench_spec.py on the tiny CPU model: a DFlash run, then verify + commit re-timed under another
-    GDN kernel in the same process, each with its ratio to the default's."""
+    """scripts/bench_spec.py on the tiny CPU model (eager: the script's plumbing; compiled steps are
+    tests/test_compile.py's): a DFlash run, then verify + commit re-timed under another GDN kernel in the same
+    process, each with its ratio to the default's."""
     out = tmp_path / "spec.json"
     script = pathlib.Path(__file__).parents[1] / "scripts" / "bench_spec.py"
     subprocess.run([sys.executable, str(script), "--runs", "dflash:3:2.0", "--n-short", "4", "--n-long", "12",
-                    "--verify-block", "4", "--phases", "--also-kernels", "gdn=fla", "--json", str(out)],
+                    "--verify-block", "4", "--phases", "--also-kernels", "gdn=fla", "--no-compile", "--json",
+                    str(out)],
                    check=True, capture_output=True)
     res = json.loads(out.read_text())
     run = res["dflash"]
@@ -249,7 +251,8 @@ def test_bench_spec_times_the_verify_on_a_shorter_stack(tmp_path):
                          text=True)
     assert bad.returncode == 2 and "taps layers of the whole stack" in bad.stderr
     subprocess.run([sys.executable, str(script), "--layers", "2", "--runs", "--n-short", "4", "--n-long", "8",
-                    "--verify-block", "4", "--json", str(out)], check=True, capture_output=True)
+                    "--verify-block", "4", "--no-compile", "--json", str(out)], check=True,
+                   capture_output=True)
     res = json.loads(out.read_text())
     assert res["layers"] == 2 and res["plain_tok_s"] > 0 and res["verify4"]["verify_s"] > 0
 
@@ -266,12 +269,12 @@ def test_timings_can_cycle_through_weight_copies_larger_than_l2(monkeypatch):
 
 
 def test_profile_step_tells_a_rounds_draft_and_verify_apart(tmp_path):
-    """scripts/profile_step.py --speculate dflash:3 --phases on the tiny CPU model: the decode step, the round,
-    then the draft and the verify each profiled as its own graph."""
+    """scripts/profile_step.py --speculate dflash:3 --phases on the tiny CPU model, eager (the two tests below
+    profile compiled steps): the decode step, the round, then the draft and the verify each profiled apart."""
     out = tmp_path / "profile.json"
     script = pathlib.Path(__file__).parents[1] / "scripts" / "profile_step.py"
     subprocess.run([sys.executable, str(script), "--speculate", "dflash:3", "--phases", "--steps", "2", "--top", "3",
-                    "--json", str(out)], check=True, capture_output=True)
+                    "--no-compile", "--json", str(out)], check=True, capture_output=True)
     report = json.loads(out.read_text())
     assert [r["what"] for r in report] == ["step", "dflash:3 round", "dflash draft", "verify (4)"]
     assert all(r["step_us"] > 0 and r["kernels"] for r in report)
