@@ -37,7 +37,8 @@ KERNELS = {"attention": ("split", "sdpa"), "experts": ("auto", "gather", "groupe
            "gdn": ("block", "unrolled", "fla"), "launch": ("auto", "serial", "pdl"),
            "splitk": ("sum", "fixup"), "gdn_norm": ("separate", "fused"),
            "expert_act": ("auto", "separate", "fused", "mlp"), "route": ("auto", "argmax", "packed", "fused"),
-           "mlp_act": ("separate", "fused"), "conv": ("fused", "separate")}  # first: the default
+           "mlp_act": ("separate", "fused"), "conv": ("fused", "separate"),
+           "int4": ("triton", "cuda")}  # first: the default
 
 
 def check_kernels(kernels: dict | None, cfg, device, fp8_experts: bool = False) -> dict:
@@ -106,7 +107,10 @@ def check_kernels(kernels: dict | None, cfg, device, fp8_experts: bool = False) 
     write into the cache, the output: three launches) or as one kernel of ours that also advances the cached
     window in place and sums the input projection's split-K partials as it loads them ("fused":
     ops/conv.py conv_decode; the default since 2026-12-02: a 9B step 4486–4487 µs of device time against 4529,
-    a 35B-A3B step 2721 against 2739, each in a process of its own)."""
+    a 35B-A3B step 2721 against 2739, each in a process of its own). "int4": an int4 QuantLinear's one-row
+    products (decode) by the Triton weight-streaming kernel ("triton", ops/gemv.py) or by the CUDA C++ tensor-core
+    kernel ("cuda", ops/int4_cuda.py: built with nvcc on first use, compute capability 9.0 or later; a
+    candidate, not yet timed); more rows take the Triton kernel either way."""
     kernels = dict(kernels or {})
     unknown = set(kernels) - set(KERNELS)
     if unknown:
@@ -143,6 +147,10 @@ def check_kernels(kernels: dict | None, cfg, device, fp8_experts: bool = False) 
         raise ValueError("kernels['mlp_act']='fused' reads the fused gate | up projection's partials from the "
                          "weight-streaming kernel: it needs kernels['projections']='fused' and kernels['linears'] "
                          f"'auto' or 'gemv' (they are {kernels['projections']!r} and {kernels['linears']!r})")
+    if kernels["int4"] == "cuda" and torch.device(device).type == "cuda":  # build now: errors before any compile
+        from .ops import int4_cuda
+
+        int4_cuda.build(int4_cuda.device_arch(torch.device(device)))
     return kernels
 
 
@@ -184,7 +192,7 @@ class Forward:
         self.lin = Linears(fused=self.kernels["projections"] == "fused",
                            gemv={"torch": False, "gemv": True, "auto": "auto"}[self.kernels["linears"]],
                            pdl=self.pdl, fixup=self.kernels["splitk"] == "fixup",
-                           fused_act=self.kernels["mlp_act"] == "fused")
+                           fused_act=self.kernels["mlp_act"] == "fused", int4=self.kernels["int4"])
         if cache.lengths.device.type == "cuda":  # the kernels' arrival counts (split-K fixup, fused GDN norm, expert
             tile_counts(cache.lengths.device, 0)  # MLP, fused route), allocated before any capture
         for layer in self.layers:

@@ -1,11 +1,12 @@
 """Kernel times of the weight-streaming kernel at the launch configs this tree would use, per layer of a shape set.
 
     python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --tag new
+    python scripts/gemv_times.py --format int4 --kernel triton cuda   # the two int4 one-row kernels, row by row
 
 For A/B of a kernel or stored-format change on one GPU: run it in two checkouts (old and new) in turn, in one
 device call, and compare the rows. Each time is the minimum of --repeats CUDA-graph timings cycling through cold
 copies of the weight (fastqwen.bench.graph_seconds, as the sweep times), at one row (decode). Prints a Markdown
-row per layer: tag, layer, shape, config, µs, stored MB. Not a sweep (scripts/bench_quant.py --sweep): one config.
+row per layer and kernel: tag, layer, shape, config, µs, stored MB, the bytes' rate. Not a sweep (scripts/bench_quant.py --sweep): one config.
 """
 
 import argparse
@@ -16,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from fastqwen import bench  # noqa: E402
-from fastqwen.ops import gemv  # noqa: E402
+from fastqwen.ops import gemv, int4_cuda  # noqa: E402
 from bench_quant import SHAPES, SWEPT  # noqa: E402
 
 
@@ -26,9 +27,13 @@ def main():
     p.add_argument("--shapes", nargs="+", default=["27b", "27b-head"], choices=list(SHAPES))
     p.add_argument("--tag", default="", help="first column of each row (which tree)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--kernel", nargs="+", default=["triton"], choices=["triton", "cuda"],
+                   help="int4 at one row: the Triton kernel (ops/gemv.py) and/or the CUDA one (ops/int4_cuda.py)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gemv_times.py times the CUDA kernel: it needs a GPU")
+    if "cuda" in args.kernel and args.format != "int4":
+        sys.exit("--kernel cuda is int4's")
     fmt = getattr(gemv, SWEPT[args.format])
     for layer, N, K in (s for name in args.shapes for s in SHAPES[name]):
         torch.manual_seed(0)
@@ -38,10 +43,16 @@ def main():
         copies = [stored] + [tuple(None if t is None else t.clone() for t in stored)
                              for _ in range(bench.cold_copies(nbytes, "cuda") - 1)]
         x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
-        run = lambda x, q, s, z: gemv._launch(x, fmt, q, s, z, False, N, 1, partials=True)  # noqa: E731
-        t = min(bench.graph_seconds(run, variants=[(x, *c) for c in copies]) for _ in range(args.repeats))
-        config = gemv.full_config(gemv.gemv_config(fmt, N, K, 1))
-        print(f"| {args.tag} | {layer} | {N}x{K} | {config} | {t * 1e6:.1f} µs | {nbytes / 1e6:.1f} MB |", flush=True)
+        for kernel in args.kernel:
+            if kernel == "cuda":
+                run = lambda x, q, s, z: int4_cuda.int4_gemv(x, q, s, z, N)  # noqa: E731
+                config = f"cuda splits {int4_cuda.plan(N, K)[0]}"
+            else:
+                run = lambda x, q, s, z: gemv._launch(x, fmt, q, s, z, False, N, 1, partials=True)  # noqa: E731
+                config = gemv.full_config(gemv.gemv_config(fmt, N, K, 1))
+            t = min(bench.graph_seconds(run, variants=[(x, *c) for c in copies]) for _ in range(args.repeats))
+            print(f"| {args.tag} | {layer} | {N}x{K} | {config} | {t * 1e6:.1f} µs | {nbytes / 1e6:.1f} MB | "
+                  f"{nbytes / t / 1e12:.2f} TB/s |", flush=True)
         del copies, stored, w
         torch.cuda.empty_cache()
 

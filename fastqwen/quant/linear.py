@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..model import text_model
+from ..ops import int4_cuda
 from ..ops.gemv import FORMATS, MAX_ROWS, STEP, group_major, tile_int4, untile_int4, wq_linear
 from .experts import QuantExperts
 from .formats import INT4_ZERO, dequantize_weight, fake_quantize_fp8_activations, int4_scale, quantize_weight
@@ -63,10 +64,11 @@ class QuantLinear(nn.Module):
             tensors["qweight"] = untile_int4(tensors["qweight"])
         return dequantize_weight(self.scheme, tensors, self.group)
 
-    def forward(self, x: torch.Tensor, pdl: bool = False, fixup: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pdl: bool = False, fixup: bool = False, int4: str = "triton") -> torch.Tensor:
         """x [..., in_features] → [..., out_features]; pdl: the kernel with programmatic dependent launch;
-        fixup: it sums its split-K partials itself (ops/gemv.py wq_linear)."""
-        parts = self.partials(x, pdl, fixup)
+        fixup: it sums its split-K partials itself (ops/gemv.py wq_linear); int4: the one-row int4 kernel
+        ("triton": ops/gemv.py, "cuda": ops/int4_cuda.py)."""
+        parts = self.partials(x, pdl, fixup, int4=int4)
         if parts is not None:
             y = parts.sum(0).to(x.dtype)
             return y if self.bias is None else y + self.bias
@@ -75,11 +77,13 @@ class QuantLinear(nn.Module):
         return F.linear(x, self.dequantized().to(x.dtype), self.bias)
 
     def partials(self, x: torch.Tensor, pdl: bool = False, fixup: bool = False,
-                 in_dims: int = 1) -> torch.Tensor | None:
+                 in_dims: int = 1, int4: str = "triton") -> torch.Tensor | None:
         """The weight-streaming kernel's split-K partials [S, ..., out_features] fp32 of x [..., in_features]
         (bias not added; their sum, in x's dtype, is the product), or None where the kernel does not take x
         (off CUDA, too many rows, a shape it cannot stream). in_dims: x's last in_dims dims (their product
-        in_features) are flattened inside the op (Linears.heads)."""
+        in_features) are flattened inside the op (Linears.heads). int4 "cuda": one row of an int4 weight in the
+        layout it takes goes to ops/int4_cuda.py's kernel (its partials are summed by the caller, fixup or
+        not); anything else to ops/gemv.py's."""
         rows = x.shape[:-in_dims].numel()
         if not (x.is_cuda and rows <= MAX_ROWS and self.in_features % STEP == 0 and (
                 self.scheme != "int4" or self.group == STEP)):
@@ -88,6 +92,10 @@ class QuantLinear(nn.Module):
         if getattr(self, "perm", None) is not None:
             x2 = x2.reshape(rows, -1).index_select(1, self.perm)  # the stored column order
         scale = self.scale_inv if self.scheme == "fp8" else self.scale
+        if int4 == "cuda" and self.scheme == "int4" and int4_cuda.takes(x2.reshape(rows, -1), self.qweight, scale,
+                                                                        self.zero):
+            parts = int4_cuda.int4_gemv(x2.reshape(rows, -1), self.qweight, scale, self.zero, self.out_features, pdl)
+            return parts.view(parts.shape[0], *x.shape[:-in_dims], self.out_features)
         parts = wq_linear(x2, FORMATS[self.scheme], self.qweight, scale, getattr(self, "zero", None),
                           self.scheme == "fp8", self.out_features, pdl, fixup)
         return parts.view(parts.shape[0], *x.shape[:-in_dims], self.out_features)
