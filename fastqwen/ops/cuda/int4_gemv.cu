@@ -26,7 +26,7 @@
 namespace {
 
 constexpr int WARPS = 4;  // a block: one strip of 16 rows, the split's groups dealt to 4 warps
-constexpr int BATCH = 4;  // groups whose loads a warp issues before it decodes any of them
+// BATCH (a template argument: 2, 4 or 8): groups whose loads a warp issues before it decodes any of them
 
 __device__ __forceinline__ uint4 load_weights(const uint4* p) {  // streamed once: keep it out of L1
   uint4 v;
@@ -105,7 +105,7 @@ __device__ __forceinline__ void group_dot(float (&c)[4], uint4 a, uint4 b, const
   }
 }
 
-template <bool BF16>
+template <bool BF16, int BATCH>
 __global__ void __launch_bounds__(WARPS * 32, 4) int4_gemv_one_row(const uint16_t* x,  // (no __restrict__: plain loads, after the PDL wait)
                                                                 const uint4* __restrict__ w,
                                                                 const __half* __restrict__ scale,
@@ -170,11 +170,32 @@ __global__ void __launch_bounds__(WARPS * 32, 4) int4_gemv_one_row(const uint16_
 
 }  // namespace
 
+template <bool BF16, int BATCH>
+cudaError_t launch(const cudaLaunchConfig_t& config, const void* x, const void* w, const void* scale,
+                   const void* zero, float* out, int N, int K, int groups_per_split) {
+  // (MAGIC passed as an argument: a register in the kernel, see pair_minus_zero)
+  return cudaLaunchKernelEx(&config, int4_gemv_one_row<BF16, BATCH>, static_cast<const uint16_t*>(x),
+                            static_cast<const uint4*>(w), static_cast<const __half*>(scale),
+                            static_cast<const uint8_t*>(zero), out, N, K, groups_per_split, Pairs<BF16>::MAGIC);
+}
+
+template <bool BF16>
+cudaError_t launch_batch(int batch, const cudaLaunchConfig_t& config, const void* x, const void* w,
+                         const void* scale, const void* zero, float* out, int N, int K, int groups_per_split) {
+  switch (batch) {
+    case 2: return launch<BF16, 2>(config, x, w, scale, zero, out, N, K, groups_per_split);
+    case 4: return launch<BF16, 4>(config, x, w, scale, zero, out, N, K, groups_per_split);
+    case 8: return launch<BF16, 8>(config, x, w, scale, zero, out, N, K, groups_per_split);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
 // Launches the kernel on `stream`; returns the cudaError_t. splits * groups_per_split >= K / 128 and every
-// split nonempty (the caller's plan). pdl: programmatic dependent launch (the kernel waits before reading x).
+// split nonempty (the caller's plan); batch 2, 4 or 8. pdl: programmatic dependent launch (the kernel waits
+// before reading x).
 extern "C" int fastqwen_int4_gemv_one_row(const void* x, const void* w, const void* scale, const void* zero,
-                                          float* out, int N, int K, int splits, int groups_per_split, int bf16,
-                                          int pdl, void* stream) {
+                                          float* out, int N, int K, int splits, int groups_per_split, int batch,
+                                          int bf16, int pdl, void* stream) {
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(N / 16, splits);
   config.blockDim = dim3(WARPS * 32);
@@ -184,14 +205,7 @@ extern "C" int fastqwen_int4_gemv_one_row(const void* x, const void* w, const vo
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
   config.numAttrs = pdl ? 1 : 0;
-  const auto* xs = static_cast<const uint16_t*>(x);
-  const auto* ws = static_cast<const uint4*>(w);
-  const auto* ss = static_cast<const __half*>(scale);
-  const auto* zs = static_cast<const uint8_t*>(zero);
-  // (MAGIC passed as an argument: a register in the kernel, see pair_minus_zero)
-  cudaError_t e = bf16 ? cudaLaunchKernelEx(&config, int4_gemv_one_row<true>, xs, ws, ss, zs, out, N, K,
-                                            groups_per_split, Pairs<true>::MAGIC)
-                       : cudaLaunchKernelEx(&config, int4_gemv_one_row<false>, xs, ws, ss, zs, out, N, K,
-                                            groups_per_split, Pairs<false>::MAGIC);
+  cudaError_t e = bf16 ? launch_batch<true>(batch, config, x, w, scale, zero, out, N, K, groups_per_split)
+                       : launch_batch<false>(batch, config, x, w, scale, zero, out, N, K, groups_per_split);
   return static_cast<int>(e);
 }
