@@ -31,6 +31,8 @@ def main():
                    help="int4 at one row: the Triton kernel (ops/gemv.py) and/or the CUDA one (ops/int4_cuda.py)")
     p.add_argument("--cuda-batch", nargs="+", type=int, default=[int4_cuda.BATCH], choices=[2, 4, 8],
                    help="the CUDA kernel's BATCH (groups loaded before any decode), each timed")
+    p.add_argument("--cuda-pipelined", nargs="+", type=int, default=[int(int4_cuda.PIPELINED)], choices=[0, 1],
+                   help="the CUDA kernel with the next batch's loads in flight while one decodes (BATCH 2 only)")
     p.add_argument("--cuda-blocks", nargs="+", type=int, default=[int4_cuda.TARGET_BLOCKS],
                    help="the CUDA kernel's TARGET_BLOCKS (the grid size its split plan aims at), each timed")
     args = p.parse_args()
@@ -47,15 +49,16 @@ def main():
         copies = [stored] + [tuple(None if t is None else t.clone() for t in stored)
                              for _ in range(bench.cold_copies(nbytes, "cuda") - 1)]
         x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
-        cuda = [(b, n) for b in args.cuda_batch for n in args.cuda_blocks] if "cuda" in args.kernel else []
+        cuda = [(b, bool(p), n) for b in args.cuda_batch for p in args.cuda_pipelined for n in args.cuda_blocks
+                if b == 2 or not p] if "cuda" in args.kernel else []
         for kernel in ["triton"] * ("triton" in args.kernel) + cuda:
             if kernel == "triton":
                 run = lambda x, q, s, z: gemv._launch(x, fmt, q, s, z, False, N, 1, partials=True)  # noqa: E731
                 config = gemv.full_config(gemv.gemv_config(fmt, N, K, 1))
             else:
-                int4_cuda.BATCH, int4_cuda.TARGET_BLOCKS = kernel
+                int4_cuda.BATCH, int4_cuda.PIPELINED, int4_cuda.TARGET_BLOCKS = kernel
                 run = lambda x, q, s, z: int4_cuda.int4_gemv(x, q, s, z, N)  # noqa: E731
-                config = f"cuda batch {kernel[0]} splits {int4_cuda.plan(N, K)[0]}"
+                config = f"cuda batch {kernel[0]}{' pipelined' * kernel[1]} splits {int4_cuda.plan(N, K)[0]}"
             t = min(bench.graph_seconds(run, variants=[(x, *c) for c in copies]) for _ in range(args.repeats))
             print(f"| {args.tag} | {layer} | {N}x{K} | {config} | {t * 1e6:.1f} µs | {nbytes / 1e6:.1f} MB | "
                   f"{nbytes / t / 1e12:.2f} TB/s |", flush=True)

@@ -168,32 +168,35 @@ def _cuobjdump() -> str | None:
 @pytest.mark.skipif(int4_cuda.nvcc() is None, reason="needs the CUDA toolkit's nvcc")
 def test_kernel_builds_for_sm90_without_spills_and_issues_its_loads_before_the_wait(tmp_path):
     """nvcc -Xptxas -v for sm_90: ≤ 128 registers (4 blocks of 128 threads a multiprocessor), no spills; in the
-    SASS of each instance (bf16 / fp16 x, BATCH 2, 4, 8), the first BATCH groups' 16-byte weight loads that
-    skip L1, then the PDL wait, then x; 8 tensor-core MMAs a group."""
+    SASS of each instance (bf16 / fp16 x, BATCH 2, 4, 8, and 2 pipelined), the first BATCH groups' 16-byte weight
+    loads that skip L1, then the PDL wait, then x and the later batches; 8 tensor-core MMAs a group."""
     lib = tmp_path / "k.so"
     cmd = int4_cuda.build_command(int4_cuda.nvcc(), "90", lib)
     done = subprocess.run(cmd[:1] + ["-Xptxas", "-v"] + cmd[1:], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     regs = [int(line.split("Used ")[1].split()[0]) for line in done.stderr.splitlines() if "Used " in line]
-    assert len(regs) == 6 and max(regs) <= 128, done.stderr  # (2 dtypes x BATCH 2, 4, 8)
+    assert len(regs) == 8 and max(regs) <= 128, done.stderr  # (2 dtypes x BATCH 2, 4, 8 and 2 pipelined)
     spills = [line.strip() for line in done.stderr.splitlines() if "spill" in line]
-    assert len(spills) == 6 and all(line == "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"
+    assert len(spills) == 8 and all(line == "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"
                                     for line in spills), spills
     tool = _cuobjdump()
     if tool is None:
         pytest.skip("no cuobjdump (Triton's, under $FASTQWEN_TRITON_SITE) to read the SASS")
     sass = subprocess.run([tool, "--dump-sass", str(lib)], capture_output=True, text=True).stdout
     kernels = sass.split("Function : ")[1:]
-    assert len(kernels) == 6
+    assert len(kernels) == 8
     for k in kernels:
-        batch = int(k.split("ELi")[1].split("E")[0])  # (the BATCH of this instance, from its mangled name)
+        _, batch, pipe = k.split("int4_gemv_one_row")[1].split("EE")[0].split("E")  # (…ILb1ELi2ELb1EE…)
+        batch, pipe = int(batch.removeprefix("Li")), pipe == "Lb1"
         ops = [line.split(";")[0].split("*/")[-1].split() for line in k.splitlines() if "*/" in line and ";" in line]
         ops = [o[1] if o[0].startswith("@") else o[0] for o in ops if o]
         wait = ops.index("ACQBULK")  # griddepcontrol.wait
         weights = [i for i, o in enumerate(ops) if o.startswith("LDG.E.NA.128")]
         xs = [i for i, o in enumerate(ops) if o == "LDG.E.128"]
-        assert len(weights) == 2 * batch and max(weights) < wait < min(xs), (batch, weights, wait, xs)
-        assert sum(o.startswith("HMMA.16816.F32") for o in ops) == 8 * batch
+        copies = 3 if pipe else 2  # (the first batch's loads, then the loop's)
+        assert len(weights) == 2 * batch * copies, (batch, pipe, len(weights))
+        assert weights[2 * batch - 1] < wait < min(xs + weights[2 * batch:]), (batch, pipe, weights, wait, xs)
+        assert sum(o.startswith("HMMA.16816.F32") for o in ops) == 8 * batch * (2 if pipe else 1)
 
 
 def test_optimize_routes_int4_linears_to_the_chosen_kernel(monkeypatch):

@@ -29,6 +29,7 @@ SOURCE = pathlib.Path(__file__).with_name("cuda") / "int4_gemv.cu"
 TILE_ROWS = 16
 TARGET_BLOCKS = 2048  # splits are added until the grid has about this many blocks (~15 a multiprocessor)
 BATCH = 4  # groups whose weight loads a warp issues before it decodes them (2, 4 or 8: the kernel's instances)
+PIPELINED = False  # the next batch's loads in flight while a batch decodes (an instance with BATCH 2 only)
 MAX_SPLITS = 8  # inductor unrolls the caller's sum of ≤ 8 partials into the consumer (gemv.wq_linear)
 
 
@@ -69,7 +70,7 @@ def build(arch: str) -> ctypes.CDLL:
         os.replace(tmp, lib)  # (atomic: a concurrent process sees the whole library or none)
     dll = ctypes.CDLL(str(lib))
     dll.fastqwen_int4_gemv_one_row.restype = ctypes.c_int
-    dll.fastqwen_int4_gemv_one_row.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 7 + [ctypes.c_void_p]
+    dll.fastqwen_int4_gemv_one_row.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 8 + [ctypes.c_void_p]
     return dll
 
 
@@ -128,9 +129,9 @@ def int4_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch
     out = torch.empty(splits, 1, out_features, device=x.device, dtype=torch.float32)
     err = build(device_arch(x.device)).fastqwen_int4_gemv_one_row(
         x.data_ptr(), w.data_ptr(), scale.data_ptr(), zero.data_ptr(), out.data_ptr(), out_features, x.shape[-1],
-        splits, per, BATCH, x.dtype == torch.bfloat16, pdl, torch.cuda.current_stream(x.device).cuda_stream)
+        splits, per, BATCH, PIPELINED, x.dtype == torch.bfloat16, pdl, torch.cuda.current_stream(x.device).cuda_stream)
     if err:
-        raise RuntimeError(f"int4_gemv launch failed: CUDA error {err}")
+        raise RuntimeError(f"int4_gemv launch failed: CUDA error {err} (BATCH {BATCH}, PIPELINED {PIPELINED})")
     return out
 
 

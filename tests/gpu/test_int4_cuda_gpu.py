@@ -31,6 +31,20 @@ def test_partials_match_the_reference_at_real_shapes(N, K, dtype, pdl):
     assert rel_err(got, want) < 1e-5, f"{N}x{K} {dtype} pdl={pdl}: {rel_err(got, want):.2e}"
 
 
+@pytest.mark.parametrize("batch,pipelined", [(2, False), (2, True), (4, False), (8, False)])
+@pytest.mark.parametrize("N,K", [(34816, 5120), (5120, 17408), (2048, 4096)])
+def test_every_instance_matches_the_reference(batch, pipelined, N, K, monkeypatch):
+    """Each BATCH / PIPELINED instance (the ones gemv_times.py sweeps), bf16 and fp16 x, with PDL."""
+    monkeypatch.setattr(int4_cuda, "BATCH", batch)
+    monkeypatch.setattr(int4_cuda, "PIPELINED", pipelined)
+    torch.manual_seed(1)
+    q, s, z = stored_operands(INT4, torch.randn(N, K, device="cuda", dtype=torch.bfloat16))
+    for dtype in (torch.bfloat16, torch.float16):
+        x = torch.randn(1, K, device="cuda", dtype=dtype)
+        got = int4_cuda.int4_gemv(x, q, s, z, N, True)
+        assert rel_err(got, int4_cuda.reference(x, q, s, z, N, got.shape[0])) < 1e-5, (batch, pipelined, dtype)
+
+
 def test_a_graph_replays_the_kernel_on_new_inputs():
     N, K = 5120, 17408
     q, s, z = stored_operands(INT4, torch.randn(N, K, device="cuda", dtype=torch.bfloat16))

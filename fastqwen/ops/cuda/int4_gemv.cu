@@ -26,7 +26,8 @@
 namespace {
 
 constexpr int WARPS = 4;  // a block: one strip of 16 rows, the split's groups dealt to 4 warps
-// BATCH (a template argument: 2, 4 or 8): groups whose loads a warp issues before it decodes any of them
+// BATCH (a template argument: 2, 4 or 8): groups whose loads a warp issues before it decodes any of them;
+// PIPE: the next BATCH's loads in flight while it decodes (with BATCH 2)
 
 __device__ __forceinline__ uint4 load_weights(const uint4* p) {  // streamed once: keep it out of L1
   uint4 v;
@@ -105,25 +106,16 @@ __device__ __forceinline__ void group_dot(float (&c)[4], uint4 a, uint4 b, const
   }
 }
 
+// One warp's weights of BATCH groups g0, g0 + WARPS, ... (< g_end): the lane's 16 bytes of both rows of each
+// tile, their scales and -(MAGIC + zero) pairs. load() issues the loads; dot() adds the groups' sums.
 template <bool BF16, int BATCH>
-__global__ void __launch_bounds__(WARPS * 32, 4) int4_gemv_one_row(const uint16_t* x,  // (no __restrict__: plain loads, after the PDL wait)
-                                                                const uint4* __restrict__ w,
-                                                                const __half* __restrict__ scale,
-                                                                const uint8_t* __restrict__ zero,
-                                                                float* __restrict__ out, int N, int K,
-                                                                int groups_per_split, uint32_t magic) {
-  const int G = K / 128, strip = blockIdx.x, split = blockIdx.y;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int row_a = strip * 16 + lane / 4, row_b = row_a + 8;
-  const int g_begin = split * groups_per_split + warp, g_end = min(G, (split + 1) * groups_per_split);
-  const uint4* tiles = w + (size_t)strip * G * 64 + lane;  // tile (strip, g) at + g * 64 uint4s
-  const uint4* xcols = reinterpret_cast<const uint4*>(x) + (lane % 4) * 4;  // + g * 16: the lane's 32 columns
-  float sum_a = 0.f, sum_b = 0.f;
-  bool waited = false;
-  for (int g0 = g_begin; g0 < g_end; g0 += BATCH * WARPS) {
-    uint4 ta[BATCH], tb[BATCH];
-    float sa[BATCH], sb[BATCH];
-    uint32_t za[BATCH], zb[BATCH];
+struct Batch {
+  uint4 ta[BATCH], tb[BATCH];
+  float sa[BATCH], sb[BATCH];
+  uint32_t za[BATCH], zb[BATCH];
+
+  __device__ __forceinline__ void load(const uint4* tiles, const __half* scale, const uint8_t* zero, int N,
+                                       int row_a, int g0, int g_end) {
 #pragma unroll
     for (int t = 0; t < BATCH; ++t) {
       const int g = g0 + t * WARPS;
@@ -131,15 +123,15 @@ __global__ void __launch_bounds__(WARPS * 32, 4) int4_gemv_one_row(const uint16_
         ta[t] = load_weights(tiles + (size_t)g * 64);
         tb[t] = load_weights(tiles + (size_t)g * 64 + 32);
         sa[t] = __half2float(scale[(size_t)g * N + row_a]);
-        sb[t] = __half2float(scale[(size_t)g * N + row_b]);
+        sb[t] = __half2float(scale[(size_t)g * N + row_a + 8]);
         za[t] = (Pairs<BF16>::NEG_MAGIC | zero[(size_t)g * N + row_a]) * 0x00010001u;
-        zb[t] = (Pairs<BF16>::NEG_MAGIC | zero[(size_t)g * N + row_b]) * 0x00010001u;
+        zb[t] = (Pairs<BF16>::NEG_MAGIC | zero[(size_t)g * N + row_a + 8]) * 0x00010001u;
       }
     }
-    if (!waited) {  // x is the previous kernel's output: wait for it (programmatic dependent launch)
-      asm volatile("griddepcontrol.wait;" ::: "memory");
-      waited = true;
-    }
+  }
+
+  __device__ __forceinline__ void dot(const uint4* xcols, int g0, int g_end, uint32_t magic, float& sum_a,
+                                      float& sum_b) const {
 #pragma unroll
     for (int t = 0; t < BATCH; ++t) {
       const int g = g0 + t * WARPS;
@@ -152,6 +144,42 @@ __global__ void __launch_bounds__(WARPS * 32, 4) int4_gemv_one_row(const uint16_
         sum_a = fmaf(sa[t], c[0], sum_a);
         sum_b = fmaf(sb[t], c[2], sum_b);
       }
+    }
+  }
+};
+
+// PIPE: two batches in flight, the next one's loads issued before the current one's decode (ping-pong);
+// else each batch is loaded, then decoded.
+template <bool BF16, int BATCH, bool PIPE>
+__global__ void __launch_bounds__(WARPS * 32, 4) int4_gemv_one_row(const uint16_t* x,  // (no __restrict__: plain loads, after the PDL wait)
+                                                                const uint4* __restrict__ w,
+                                                                const __half* __restrict__ scale,
+                                                                const uint8_t* __restrict__ zero,
+                                                                float* __restrict__ out, int N, int K,
+                                                                int groups_per_split, uint32_t magic) {
+  const int G = K / 128, strip = blockIdx.x, split = blockIdx.y;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int row_a = strip * 16 + lane / 4;
+  const int g_begin = split * groups_per_split + warp, g_end = min(G, (split + 1) * groups_per_split);
+  const uint4* tiles = w + (size_t)strip * G * 64 + lane;  // tile (strip, g) at + g * 64 uint4s
+  const uint4* xcols = reinterpret_cast<const uint4*>(x) + (lane % 4) * 4;  // + g * 16: the lane's 32 columns
+  constexpr int STRIDE = BATCH * WARPS;
+  float sum_a = 0.f, sum_b = 0.f;
+  Batch<BF16, BATCH> a;
+  a.load(tiles, scale, zero, N, row_a, g_begin, g_end);  // (weights: before the wait)
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the previous kernel's output (PDL)
+  if constexpr (PIPE) {
+    Batch<BF16, BATCH> b;
+    for (int g0 = g_begin; g0 < g_end; g0 += 2 * STRIDE) {
+      b.load(tiles, scale, zero, N, row_a, g0 + STRIDE, g_end);
+      a.dot(xcols, g0, g_end, magic, sum_a, sum_b);
+      a.load(tiles, scale, zero, N, row_a, g0 + 2 * STRIDE, g_end);
+      b.dot(xcols, g0 + STRIDE, g_end, magic, sum_a, sum_b);
+    }
+  } else {
+    for (int g0 = g_begin; g0 < g_end; g0 += STRIDE) {
+      if (g0 != g_begin) a.load(tiles, scale, zero, N, row_a, g0, g_end);
+      a.dot(xcols, g0, g_end, magic, sum_a, sum_b);
     }
   }
   __shared__ float rows[WARPS][16];
@@ -170,32 +198,33 @@ __global__ void __launch_bounds__(WARPS * 32, 4) int4_gemv_one_row(const uint16_
 
 }  // namespace
 
-template <bool BF16, int BATCH>
+template <bool BF16, int BATCH, bool PIPE>
 cudaError_t launch(const cudaLaunchConfig_t& config, const void* x, const void* w, const void* scale,
                    const void* zero, float* out, int N, int K, int groups_per_split) {
   // (MAGIC passed as an argument: a register in the kernel, see pair_minus_zero)
-  return cudaLaunchKernelEx(&config, int4_gemv_one_row<BF16, BATCH>, static_cast<const uint16_t*>(x),
+  return cudaLaunchKernelEx(&config, int4_gemv_one_row<BF16, BATCH, PIPE>, static_cast<const uint16_t*>(x),
                             static_cast<const uint4*>(w), static_cast<const __half*>(scale),
                             static_cast<const uint8_t*>(zero), out, N, K, groups_per_split, Pairs<BF16>::MAGIC);
 }
 
 template <bool BF16>
-cudaError_t launch_batch(int batch, const cudaLaunchConfig_t& config, const void* x, const void* w,
-                         const void* scale, const void* zero, float* out, int N, int K, int groups_per_split) {
-  switch (batch) {
-    case 2: return launch<BF16, 2>(config, x, w, scale, zero, out, N, K, groups_per_split);
-    case 4: return launch<BF16, 4>(config, x, w, scale, zero, out, N, K, groups_per_split);
-    case 8: return launch<BF16, 8>(config, x, w, scale, zero, out, N, K, groups_per_split);
-    default: return cudaErrorInvalidValue;
+cudaError_t launch_variant(int batch, int pipe, const cudaLaunchConfig_t& config, const void* x, const void* w,
+                           const void* scale, const void* zero, float* out, int N, int K, int groups_per_split) {
+  switch (batch * 2 + (pipe != 0)) {
+    case 4: return launch<BF16, 2, false>(config, x, w, scale, zero, out, N, K, groups_per_split);
+    case 5: return launch<BF16, 2, true>(config, x, w, scale, zero, out, N, K, groups_per_split);
+    case 8: return launch<BF16, 4, false>(config, x, w, scale, zero, out, N, K, groups_per_split);
+    case 16: return launch<BF16, 8, false>(config, x, w, scale, zero, out, N, K, groups_per_split);
+    default: return cudaErrorInvalidValue;  // (batch 4 or 8 pipelined would spill)
   }
 }
 
 // Launches the kernel on `stream`; returns the cudaError_t. splits * groups_per_split >= K / 128 and every
-// split nonempty (the caller's plan); batch 2, 4 or 8. pdl: programmatic dependent launch (the kernel waits
-// before reading x).
+// split nonempty (the caller's plan); batch 2, 4 or 8, pipe (two batches in flight) only with batch 2. pdl:
+// programmatic dependent launch (the kernel waits before reading x).
 extern "C" int fastqwen_int4_gemv_one_row(const void* x, const void* w, const void* scale, const void* zero,
                                           float* out, int N, int K, int splits, int groups_per_split, int batch,
-                                          int bf16, int pdl, void* stream) {
+                                          int pipe, int bf16, int pdl, void* stream) {
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(N / 16, splits);
   config.blockDim = dim3(WARPS * 32);
@@ -205,7 +234,7 @@ extern "C" int fastqwen_int4_gemv_one_row(const void* x, const void* w, const vo
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
   config.numAttrs = pdl ? 1 : 0;
-  cudaError_t e = bf16 ? launch_batch<true>(batch, config, x, w, scale, zero, out, N, K, groups_per_split)
-                       : launch_batch<false>(batch, config, x, w, scale, zero, out, N, K, groups_per_split);
+  cudaError_t e = bf16 ? launch_variant<true>(batch, pipe, config, x, w, scale, zero, out, N, K, groups_per_split)
+                       : launch_variant<false>(batch, pipe, config, x, w, scale, zero, out, N, K, groups_per_split);
   return static_cast<int>(e);
 }
