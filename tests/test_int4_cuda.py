@@ -22,6 +22,7 @@ def test_plan_covers_every_group_once_in_nonempty_splits():
         assert 1 <= splits <= int4_cuda.MAX_SPLITS and (splits - 1) * per < groups <= splits * per, (N, K)
         assert splits == 1 or per >= 4, (N, K)  # a group for each of the block's 4 warps
     assert int4_cuda.plan(34816, 5120) == (1, 40) and int4_cuda.plan(5120, 17408) == (7, 20)
+    assert int4_cuda.plan(5120, 17408, one_split=True) == (1, 136)
 
 
 @pytest.mark.parametrize("N,K", [(64, 512), (48, 1024), (32, 128), (16, 2048)])
@@ -44,8 +45,11 @@ def test_reference_partials_sum_to_the_product_split_by_group_ranges(N, K):
 def test_op_passes_opcheck_and_takes_only_its_layout():
     q, s, z = stored_operands(INT4, torch.randn(48, 1024))
     x = torch.randn(1, 1024, dtype=torch.bfloat16)
-    torch.library.opcheck(int4_cuda.int4_gemv, (x, q, s, z, 48),
-                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+    for one_split in (False, True):
+        torch.library.opcheck(int4_cuda.int4_gemv, (x, q, s, z, 48, False, one_split),
+                              test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+    assert int4_cuda.int4_gemv(x, q, s, z, 48).shape[0] == 2 and int4_cuda.int4_gemv(x, q, s, z, 48, False,
+                                                                                      True).shape[0] == 1
     assert int4_cuda.takes(x, q, s, z) and int4_cuda.takes(x.half(), q, s, z)
     untiled, _, _ = stored_operands(INT4, torch.randn(48, 1024), tiled=False)
     for args in ((x.expand(2, -1), q, s, z), (x.float(), q, s, z), (x, untiled, s, z),
@@ -153,7 +157,7 @@ def test_emulated_lanes_give_the_reference_partials(dtype, monkeypatch):
     q, s, z = stored_operands(INT4, torch.randn(N, K))
     z = torch.randint(0, 17, (G := K // STEP, N), dtype=torch.uint8).t()  # (group-major, as stored)
     x = torch.randn(1, K).to(dtype)
-    monkeypatch.setattr(int4_cuda, "plan", lambda N, K: (2, 3))
+    monkeypatch.setattr(int4_cuda, "plan", lambda N, K, one_split=False: (2, 3))
     got, want = emulate(x, q, s, z, N), int4_cuda.int4_gemv(x, q, s, z, N)
     assert G == 6 and got.shape == want.shape == (2, 1, N)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-4), (got - want).abs().max()

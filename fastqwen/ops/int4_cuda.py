@@ -84,11 +84,12 @@ def device_arch(device: torch.device) -> str:
     return f"{major}{minor}"
 
 
-def plan(N: int, K: int) -> tuple[int, int]:
+def plan(N: int, K: int, one_split: bool = False) -> tuple[int, int]:
     """(splits, groups a split) for an [N, K] weight: the fewest splits (≤ MAX_SPLITS, each ≥ 4 groups: one a
-    warp) that give the grid about TARGET_BLOCKS blocks of one 16-row strip each; every split nonempty."""
+    warp) that give the grid about TARGET_BLOCKS blocks of one 16-row strip each; every split nonempty.
+    one_split: a single split (the whole product in one partial, for a consumer that cannot fold the sum)."""
     groups, strips = K // STEP, N // TILE_ROWS
-    splits = max(1, min(MAX_SPLITS, groups // 4, -(-TARGET_BLOCKS // strips)))
+    splits = 1 if one_split else max(1, min(MAX_SPLITS, groups // 4, -(-TARGET_BLOCKS // strips)))
     per = -(-groups // splits)
     return -(-groups // per), per
 
@@ -115,11 +116,11 @@ def reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch
 
 @torch.library.custom_op("fastqwen::int4_gemv", mutates_args=())
 def int4_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out_features: int,
-              pdl: bool = False) -> torch.Tensor:
+              pdl: bool = False, one_split: bool = False) -> torch.Tensor:
     """x [1, K] (bf16 / fp16) · Wᵀ for an int4 weight in QuantLinear's layout (`takes`) as split-K partial sums
-    fp32 [splits, 1, out_features] (plan(out_features, K)); their sum over dim 0 is the product. pdl: launch
-    with programmatic dependent launch. The CUDA kernel on CUDA tensors, `reference` elsewhere."""
-    splits, per = plan(out_features, x.shape[-1])
+    fp32 [splits, 1, out_features] (plan(out_features, K, one_split)); their sum over dim 0 is the product. pdl:
+    launch with programmatic dependent launch. The CUDA kernel on CUDA tensors, `reference` elsewhere."""
+    splits, per = plan(out_features, x.shape[-1], one_split)
     if not x.is_cuda:
         return reference(x, w, scale, zero, out_features, splits)
     if not takes(x, w, scale, zero):
@@ -136,5 +137,5 @@ def int4_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch
 
 
 @int4_gemv.register_fake
-def _(x, w, scale, zero, out_features, pdl=False):
-    return x.new_empty(plan(out_features, x.shape[-1])[0], 1, out_features, dtype=torch.float32)
+def _(x, w, scale, zero, out_features, pdl=False, one_split=False):
+    return x.new_empty(plan(out_features, x.shape[-1], one_split)[0], 1, out_features, dtype=torch.float32)

@@ -82,8 +82,8 @@ class QuantLinear(nn.Module):
         (bias not added; their sum, in x's dtype, is the product), or None where the kernel does not take x
         (off CUDA, too many rows, a shape it cannot stream). in_dims: x's last in_dims dims (their product
         in_features) are flattened inside the op (Linears.heads). int4 "cuda": one row of an int4 weight in the
-        layout it takes goes to ops/int4_cuda.py's kernel (its partials are summed by the caller, fixup or
-        not); anything else to ops/gemv.py's."""
+        layout it takes goes to ops/int4_cuda.py's kernel (with fixup in one split); anything else to
+        ops/gemv.py's."""
         rows = x.shape[:-in_dims].numel()
         if not (x.is_cuda and rows <= MAX_ROWS and self.in_features % STEP == 0 and (
                 self.scheme != "int4" or self.group == STEP)):
@@ -94,7 +94,8 @@ class QuantLinear(nn.Module):
         scale = self.scale_inv if self.scheme == "fp8" else self.scale
         if int4 == "cuda" and self.scheme == "int4" and int4_cuda.takes(x2.reshape(rows, -1), self.qweight, scale,
                                                                         self.zero):
-            parts = int4_cuda.int4_gemv(x2.reshape(rows, -1), self.qweight, scale, self.zero, self.out_features, pdl)
+            parts = int4_cuda.int4_gemv(x2.reshape(rows, -1), self.qweight, scale, self.zero, self.out_features, pdl,
+                                        fixup)  # (fixup: one split, as the Triton kernel's fixup gives one partial)
             return parts.view(parts.shape[0], *x.shape[:-in_dims], self.out_features)
         parts = wq_linear(x2, FORMATS[self.scheme], self.qweight, scale, getattr(self, "zero", None),
                           self.scheme == "fp8", self.out_features, pdl, fixup)

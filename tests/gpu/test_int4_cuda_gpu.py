@@ -18,17 +18,17 @@ SHAPES = [(34816, 5120), (5120, 17408), (14336, 5120), (16480, 5120), (5120, 614
 
 @pytest.mark.parametrize("N,K", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("pdl", [False, True])
-def test_partials_match_the_reference_at_real_shapes(N, K, dtype, pdl):
+@pytest.mark.parametrize("pdl,one_split", [(False, False), (True, False), (True, True)])
+def test_partials_match_the_reference_at_real_shapes(N, K, dtype, pdl, one_split):
     torch.manual_seed(N + K)
     q, s, z = stored_operands(INT4, torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02)
     x = torch.randn(1, K, device="cuda", dtype=dtype)
-    splits, _ = int4_cuda.plan(N, K)
+    splits, _ = int4_cuda.plan(N, K, one_split)
     want = int4_cuda.reference(x, q, s, z, N, splits)
     poison_allocator((splits, 1, N), dtype=torch.float32)
-    got = int4_cuda.int4_gemv(x, q, s, z, N, pdl)
+    got = int4_cuda.int4_gemv(x, q, s, z, N, pdl, one_split)
     assert got.shape == want.shape and not got.isnan().any(), "an output left unwritten"
-    assert rel_err(got, want) < 1e-5, f"{N}x{K} {dtype} pdl={pdl}: {rel_err(got, want):.2e}"
+    assert rel_err(got, want) < 1e-5, f"{N}x{K} {dtype} pdl={pdl} one_split={one_split}: {rel_err(got, want):.2e}"
 
 
 @pytest.mark.parametrize("batch,pipelined", [(2, False), (2, True), (4, False), (8, False)])
