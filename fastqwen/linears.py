@@ -106,7 +106,7 @@ class Linears:
     launches with programmatic dependent launch; `fixup`: it sums its split-K partials itself (wq_linear).
     `fused_act`: a SiLU-gated MLP on one row whose fused gate | up and down weights both take the kernel runs
     its down projection on the gate | up partials, computing silu(gate)·up as it loads them (swiglu_linear):
-    no activation kernel between the two. `int4`: the kernel of an int4 QuantLinear's one-row products
+    no activation kernel between the two. `int4`: the kernel of an int4 QuantLinear's few-row products
     ("triton" or "cuda": QuantLinear.partials)."""
 
     def __init__(self, fused: bool = False, gemv: bool | str = False, pdl: bool = False, fixup: bool = False,

@@ -6,7 +6,8 @@
 For A/B of a kernel or stored-format change on one GPU: run it in two checkouts (old and new) in turn, in one
 device call, and compare the rows. Each time is the minimum of --repeats CUDA-graph timings cycling through cold
 copies of the weight (fastqwen.bench.graph_seconds, as the sweep times), at one row (decode). Prints a Markdown
-row per layer and kernel: tag, layer, shape, config, µs, stored MB, the bytes' rate. Not a sweep (scripts/bench_quant.py --sweep): one config.
+row per layer, row count and kernel: tag, layer, shape, M, config, µs, stored MB, the bytes' rate. Not a sweep
+(scripts/bench_quant.py --sweep): one config.
 """
 
 import argparse
@@ -27,6 +28,7 @@ def main():
     p.add_argument("--shapes", nargs="+", default=["27b", "27b-head"], choices=list(SHAPES))
     p.add_argument("--tag", default="", help="first column of each row (which tree)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rows", nargs="+", type=int, default=[1], help="rows of x (M), each timed")
     p.add_argument("--kernel", nargs="+", default=["triton"], choices=["triton", "cuda"],
                    help="int4 at one row: the Triton kernel (ops/gemv.py) and/or the CUDA one (ops/int4_cuda.py)")
     p.add_argument("--cuda-batch", nargs="+", type=int, default=[int4_cuda.BATCH], choices=[2, 4, 8],
@@ -48,20 +50,21 @@ def main():
         nbytes = sum(t.numel() * t.element_size() for t in stored if t is not None)
         copies = [stored] + [tuple(None if t is None else t.clone() for t in stored)
                              for _ in range(bench.cold_copies(nbytes, "cuda") - 1)]
-        x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
         cuda = [(b, bool(p), n) for b in args.cuda_batch for p in args.cuda_pipelined for n in args.cuda_blocks
                 if b == 2 or not p] if "cuda" in args.kernel else []
-        for kernel in ["triton"] * ("triton" in args.kernel) + cuda:
+        for M, kernel in ((M, k) for M in args.rows for k in ["triton"] * ("triton" in args.kernel) + cuda):
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             if kernel == "triton":
-                run = lambda x, q, s, z: gemv._launch(x, fmt, q, s, z, False, N, 1, partials=True)  # noqa: E731
-                config = gemv.full_config(gemv.gemv_config(fmt, N, K, 1))
+                run = lambda x, q, s, z: gemv._launch(  # noqa: E731
+                    x, fmt, q, s, z, False, N, x.shape[0], partials=True)
+                config = gemv.full_config(gemv.gemv_config(fmt, N, K, M))
             else:
                 int4_cuda.BATCH, int4_cuda.PIPELINED, int4_cuda.TARGET_BLOCKS = kernel
                 run = lambda x, q, s, z: int4_cuda.int4_gemv(x, q, s, z, N)  # noqa: E731
                 config = f"cuda batch {kernel[0]}{' pipelined' * kernel[1]} splits {int4_cuda.plan(N, K)[0]}"
             t = min(bench.graph_seconds(run, variants=[(x, *c) for c in copies]) for _ in range(args.repeats))
-            print(f"| {args.tag} | {layer} | {N}x{K} | {config} | {t * 1e6:.1f} µs | {nbytes / 1e6:.1f} MB | "
-                  f"{nbytes / t / 1e12:.2f} TB/s |", flush=True)
+            print(f"| {args.tag} | {layer} | {N}x{K} | M={M} | {config} | {t * 1e6:.1f} µs | "
+                  f"{nbytes / 1e6:.1f} MB | {nbytes / t / 1e12:.2f} TB/s |", flush=True)
         del copies, stored, w
         torch.cuda.empty_cache()
 

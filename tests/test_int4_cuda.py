@@ -25,14 +25,14 @@ def test_plan_covers_every_group_once_in_nonempty_splits():
     assert int4_cuda.plan(5120, 17408, one_split=True) == (1, 136)
 
 
-@pytest.mark.parametrize("N,K", [(64, 512), (48, 1024), (32, 128), (16, 2048)])
-def test_reference_partials_sum_to_the_product_split_by_group_ranges(N, K):
+@pytest.mark.parametrize("N,K,M", [(64, 512, 1), (48, 1024, 3), (32, 128, 8), (16, 2048, 1)])
+def test_reference_partials_sum_to_the_product_split_by_group_ranges(N, K, M):
     torch.manual_seed(N + K)
     q, s, z = stored_operands(INT4, torch.randn(N, K))
-    x = torch.randn(1, K, dtype=torch.bfloat16)
+    x = torch.randn(M, K, dtype=torch.bfloat16)
     splits, per = int4_cuda.plan(N, K)
     parts = int4_cuda.int4_gemv(x, q, s, z, N)
-    assert parts.shape == (splits, 1, N) and parts.dtype == torch.float32
+    assert parts.shape == (splits, M, N) and parts.dtype == torch.float32
     full = reference(x.float(), INT4, q, s, z, False, N)
     assert torch.allclose(parts.sum(0), full, rtol=1e-5, atol=1e-4)
     cols = per * STEP
@@ -50,9 +50,10 @@ def test_op_passes_opcheck_and_takes_only_its_layout():
                               test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
     assert int4_cuda.int4_gemv(x, q, s, z, 48).shape[0] == 2 and int4_cuda.int4_gemv(x, q, s, z, 48, False,
                                                                                       True).shape[0] == 1
-    assert int4_cuda.takes(x, q, s, z) and int4_cuda.takes(x.half(), q, s, z)
+    assert int4_cuda.takes(x, q, s, z) and int4_cuda.takes(x.half(), q, s, z) and int4_cuda.takes(
+        x.expand(8, -1), q, s, z)
     untiled, _, _ = stored_operands(INT4, torch.randn(48, 1024), tiled=False)
-    for args in ((x.expand(2, -1), q, s, z), (x.float(), q, s, z), (x, untiled, s, z),
+    for args in ((x.expand(9, -1), q, s, z), (x[0], q, s, z), (x.float(), q, s, z), (x, untiled, s, z),
                  (x, q, s.contiguous(), z), (x, q, s, z.contiguous()), (x[:, :512], q, s, z)):
         assert not int4_cuda.takes(*args)
 
@@ -87,18 +88,19 @@ def emulate(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.T
     weight loads (uint4 lane and lane + 32 of a tile), the LOP3 / FMA decode of nibble pairs (j, j + 4) into
     16-bit (q − zero) pairs, x's byte permutes, the A / B fragments of mma.m16n8k16 as the PTX ISA lays them
     out (a0 a1: row lane/4, k 2 (lane%4) + 0, 1; a2 a3: row + 8; a4…a7: k + 8; b0 b1: k 2 (lane%4) + 0, 1 of
-    column lane/4, b2 b3: k + 8) multiplied as matrices, c0 / c2 scaled and summed over the split's groups by
-    the block's warps. Returns [splits, 1, N] fp32."""
+    column lane/4, b2 b3: k + 8; lane l's B holds x row l/4, zero past M) multiplied as matrices, c0 … c3
+    (strip rows l/4 and l/4 + 8 against x rows 2 (l%4) and 2 (l%4) + 1) scaled and summed over the split's
+    groups by the block's warps. Returns [splits, M, N] fp32."""
     bf16 = x.dtype == torch.bfloat16
     magic, neg_magic = (0x43004300, 0xC300) if bf16 else (0x64006400, 0xE400)
-    K, G = x.shape[1], x.shape[1] // STEP
+    (M, K), G = x.shape, x.shape[1] // STEP
     splits, per = int4_cuda.plan(N, K)
-    xw = _u32(x.contiguous().view(torch.int32).view(-1))  # x as 32-bit words, two values each
+    xw = _u32(x.contiguous().view(torch.int32).view(-1))  # x as 32-bit words, two values each, row after row
     tiles = w.reshape(N // 16, G, 64, 16)  # 16-byte loads of each tile, in order
-    out = torch.zeros(splits, 1, N)
+    out = torch.zeros(splits, M, N)
     for strip in range(N // 16):
         for split in range(splits):
-            sums = torch.zeros(4, 32, 2)
+            sums = torch.zeros(4, 32, 4)
             for warp in range(4):
                 for g in range(split * per + warp, min(G, (split + 1) * per), 4):
                     C = torch.zeros(16, 8, dtype=torch.float64)
@@ -109,8 +111,8 @@ def emulate(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.T
                         row_a = strip * 16 + lane // 4
                         za = (neg_magic | int(zero[row_a, g])) * 0x00010001
                         zb = (neg_magic | int(zero[row_a + 8, g])) * 0x00010001
-                        xs = [xw[(g * 16 + (lane % 4) * 4 + i) * 4:(g * 16 + (lane % 4) * 4 + i) * 4 + 4]
-                              for i in range(4)]
+                        word = lane // 4 * K // 2 + (g * 16 + (lane % 4) * 4) * 4  # x row lane/4, its 32 columns
+                        xs = [xw[word + 4 * i:word + 4 * i + 4] if lane // 4 < M else [0] * 4 for i in range(4)]
                         lanes.append((a, b, za, zb, xs))
 
                     def pair(u, j, negz):  # (lop3 then fma by 1 with −(magic + zero)): exact integers
@@ -137,29 +139,32 @@ def emulate(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.T
                                 B[c:c + 2, lane // 4] = torch.tensor(_halves_to_float(regs[0], bf16))
                                 B[c + 8:c + 10, lane // 4] = torch.tensor(_halves_to_float(regs[1], bf16))
                             C += A @ B
-                    for lane in range(32):
+                    for lane in range(32):  # c0 … c3 of the lane
                         r, c = lane // 4, 2 * (lane % 4)
-                        row_a = strip * 16 + r
-                        sums[warp, lane, 0] += float(scale[row_a, g]) * C[r, c]
-                        sums[warp, lane, 1] += float(scale[row_a + 8, g]) * C[r + 8, c]
-            for r in range(8):  # lanes 4r (lane % 4 == 0) write rows r and r + 8; warps summed
-                out[split, 0, strip * 16 + r] = sums[:, 4 * r, 0].sum()
-                out[split, 0, strip * 16 + r + 8] = sums[:, 4 * r, 1].sum()
+                        sa, sb = float(scale[strip * 16 + r, g]), float(scale[strip * 16 + r + 8, g])
+                        sums[warp, lane] += torch.stack([sa * C[r, c], sa * C[r, c + 1], sb * C[r + 8, c],
+                                                         sb * C[r + 8, c + 1]]).float()
+            for lane in range(32):  # the block's sum over warps: x rows m, m + 1 of strip rows r, r + 8
+                r, m = lane // 4, 2 * (lane % 4)
+                for value, (xrow, row) in zip(sums[:, lane].sum(0), ((m, r), (m + 1, r), (m, r + 8), (m + 1, r + 8))):
+                    if xrow < M:
+                        out[split, xrow, strip * 16 + row] = value
     return out
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_emulated_lanes_give_the_reference_partials(dtype, monkeypatch):
+@pytest.mark.parametrize("dtype,M", [(torch.bfloat16, 1), (torch.float16, 1), (torch.bfloat16, 3),
+                                     (torch.float16, 8)])
+def test_emulated_lanes_give_the_reference_partials(dtype, M, monkeypatch):
     """Two strips, 6 groups in 2 splits of 3 (warps with a group and with none), zeros from 0 to 16 (GPTQ's
-    range)."""
+    range), 1, 3 and 8 rows of x."""
     torch.manual_seed(3)
     N, K = 32, 768
     q, s, z = stored_operands(INT4, torch.randn(N, K))
     z = torch.randint(0, 17, (G := K // STEP, N), dtype=torch.uint8).t()  # (group-major, as stored)
-    x = torch.randn(1, K).to(dtype)
+    x = torch.randn(M, K).to(dtype)
     monkeypatch.setattr(int4_cuda, "plan", lambda N, K, one_split=False: (2, 3))
     got, want = emulate(x, q, s, z, N), int4_cuda.int4_gemv(x, q, s, z, N)
-    assert G == 6 and got.shape == want.shape == (2, 1, N)
+    assert G == 6 and got.shape == want.shape == (2, M, N)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-4), (got - want).abs().max()
 
 
@@ -190,7 +195,7 @@ def test_kernel_builds_for_sm90_without_spills_and_issues_its_loads_before_the_w
     kernels = sass.split("Function : ")[1:]
     assert len(kernels) == 8
     for k in kernels:
-        _, batch, pipe = k.split("int4_gemv_one_row")[1].split("EE")[0].split("E")  # (…ILb1ELi2ELb1EE…)
+        _, batch, pipe = k.split("int4_gemv_rows")[1].split("EE")[0].split("E")  # (…ILb1ELi2ELb1EE…)
         batch, pipe = int(batch.removeprefix("Li")), pipe == "Lb1"
         ops = [line.split(";")[0].split("*/")[-1].split() for line in k.splitlines() if "*/" in line and ";" in line]
         ops = [o[1] if o[0].startswith("@") else o[0] for o in ops if o]

@@ -1,4 +1,4 @@
-"""int4 weight streaming for one row of x in CUDA C++ (cuda/int4_gemv.cu): the tensor-core GEMV of decode.
+"""int4 weight streaming for up to 8 rows of x in CUDA C++ (cuda/int4_gemv.cu): the tensor-core GEMV of decode.
 
 Why a CUDA kernel beside the Triton one (ops/gemv.py): at one row the Triton kernel reads the 27B's int4 weights
 at ~58% of the H200's read ceiling, and with its arithmetic removed its loads alone reach only ~72-76% of the
@@ -9,8 +9,10 @@ loads for BATCH groups (and the scales) before it decodes any of them and before
 
 The kernel is built on first use with the CUDA toolkit's nvcc (`build`, cached by source and GPU architecture
 under $FASTQWEN_CACHE or ~/.cache/fastqwen) and called through ctypes on torch's current stream (CUDA-graph
-capture records it like any launch). optimize's kernels={"int4": "cuda"} routes QuantLinear's one-row int4
-products here; `int4_gemv` is the registered op, `reference` its plain torch twin (also what runs off CUDA).
+capture records it like any launch). optimize's kernels={"int4": "cuda"} routes QuantLinear's int4 products
+of up to MAX_ROWS rows here (decode, MTP's verify, small batches; the kernel decodes the weight once for all
+of them, as mma's 8 columns); `int4_gemv` is the registered op, `reference` its plain torch twin (also what
+runs off CUDA).
 """
 
 import ctypes
@@ -31,6 +33,7 @@ TARGET_BLOCKS = 2048  # splits are added until the grid has about this many bloc
 BATCH = 4  # groups whose weight loads a warp issues before it decodes them (2, 4 or 8: the kernel's instances)
 PIPELINED = False  # the next batch's loads in flight while a batch decodes (an instance with BATCH 2 only)
 MAX_SPLITS = 8  # inductor unrolls the caller's sum of ≤ 8 partials into the consumer (gemv.wq_linear)
+MAX_ROWS = 8  # rows of x a launch takes: the columns of mma.m16n8k16's B operand
 
 
 def nvcc() -> str | None:
@@ -69,8 +72,8 @@ def build(arch: str) -> ctypes.CDLL:
             raise RuntimeError(f"nvcc failed to build {SOURCE.name} for sm_{arch}:\n{done.stderr[-3000:]}")
         os.replace(tmp, lib)  # (atomic: a concurrent process sees the whole library or none)
     dll = ctypes.CDLL(str(lib))
-    dll.fastqwen_int4_gemv_one_row.restype = ctypes.c_int
-    dll.fastqwen_int4_gemv_one_row.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 8 + [ctypes.c_void_p]
+    dll.fastqwen_int4_gemv.restype = ctypes.c_int
+    dll.fastqwen_int4_gemv.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 9 + [ctypes.c_void_p]
     return dll
 
 
@@ -95,10 +98,11 @@ def plan(N: int, K: int, one_split: bool = False) -> tuple[int, int]:
 
 
 def takes(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> bool:
-    """Whether the kernel takes these operands: one row of bf16 or fp16 x, codes tiled (4-D, tile_int4), scale
-    fp16 and zero uint8 group-major (QuantLinear's layout)."""
+    """Whether the kernel takes these operands: 1 … MAX_ROWS rows of bf16 or fp16 x [M, K], codes tiled (4-D,
+    tile_int4), scale fp16 and zero uint8 group-major (QuantLinear's layout)."""
     N = scale.shape[0]
-    return (x.shape[0] == 1 and w.shape[0] * TILE_ROWS == N and x.dtype in (torch.bfloat16, torch.float16) and w.dim() == 4 and w.dtype == torch.uint8
+    return (x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+            and w.dim() == 4 and w.dtype == torch.uint8 and w.shape[0] * TILE_ROWS == N
             and w.shape[2:] == (TILE_ROWS, STEP // 2) and scale.dtype == torch.float16 and zero.dtype == torch.uint8
             and x.shape[-1] == w.shape[1] * STEP and all(  # (n, g) at g · N + n
                 t.stride(0) == 1 and (t.shape[1] == 1 or t.stride(1) == N) for t in (scale, zero)))
@@ -106,31 +110,32 @@ def takes(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Ten
 
 def reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out_features: int,
               splits: int) -> torch.Tensor:
-    """The kernel's output in plain torch: fp32 [splits, 1, out_features], split s the product over the groups
-    [s · per, (s + 1) · per) of K (per = plan's groups a split: ceil(K / 128 / splits))."""
+    """The kernel's output in plain torch: fp32 [splits, M, out_features] for x [M, K], split s the product over
+    the groups [s · per, (s + 1) · per) of K (per = plan's groups a split: ceil(K / 128 / splits))."""
     W = dequantized(INT4, w, scale, zero)
     per = -(-(W.shape[1] // STEP) // splits) * STEP
-    xf = x.float().reshape(1, -1)
+    xf = x.float().reshape(x.shape[0], -1)
     return torch.stack([xf[:, k:k + per] @ W[:, k:k + per].t() for k in range(0, W.shape[1], per)])
 
 
 @torch.library.custom_op("fastqwen::int4_gemv", mutates_args=())
 def int4_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out_features: int,
               pdl: bool = False, one_split: bool = False) -> torch.Tensor:
-    """x [1, K] (bf16 / fp16) · Wᵀ for an int4 weight in QuantLinear's layout (`takes`) as split-K partial sums
-    fp32 [splits, 1, out_features] (plan(out_features, K, one_split)); their sum over dim 0 is the product. pdl:
+    """x [M ≤ 8, K] (bf16 / fp16) · Wᵀ for an int4 weight in QuantLinear's layout (`takes`) as split-K partial
+    sums fp32 [splits, M, out_features] (plan(out_features, K, one_split)); their sum over dim 0 is the product. pdl:
     launch with programmatic dependent launch. The CUDA kernel on CUDA tensors, `reference` elsewhere."""
     splits, per = plan(out_features, x.shape[-1], one_split)
     if not x.is_cuda:
         return reference(x, w, scale, zero, out_features, splits)
     if not takes(x, w, scale, zero):
-        raise ValueError("int4_gemv takes one bf16/fp16 row of x, codes tiled [N/16, K/128, 16, 64] uint8 and "
-                         "group-major fp16 scale / uint8 zero (QuantLinear's layout)")
+        raise ValueError(f"int4_gemv takes 1 … {MAX_ROWS} bf16/fp16 rows of x, codes tiled [N/16, K/128, 16, 64] "
+                         "uint8 and group-major fp16 scale / uint8 zero (QuantLinear's layout)")
     x = x.contiguous()
-    out = torch.empty(splits, 1, out_features, device=x.device, dtype=torch.float32)
-    err = build(device_arch(x.device)).fastqwen_int4_gemv_one_row(
-        x.data_ptr(), w.data_ptr(), scale.data_ptr(), zero.data_ptr(), out.data_ptr(), out_features, x.shape[-1],
-        splits, per, BATCH, PIPELINED, x.dtype == torch.bfloat16, pdl, torch.cuda.current_stream(x.device).cuda_stream)
+    out = torch.empty(splits, x.shape[0], out_features, device=x.device, dtype=torch.float32)
+    err = build(device_arch(x.device)).fastqwen_int4_gemv(
+        x.data_ptr(), w.data_ptr(), scale.data_ptr(), zero.data_ptr(), out.data_ptr(), x.shape[0], out_features,
+        x.shape[-1], splits, per, BATCH, PIPELINED, x.dtype == torch.bfloat16, pdl,
+        torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         raise RuntimeError(f"int4_gemv launch failed: CUDA error {err} (BATCH {BATCH}, PIPELINED {PIPELINED})")
     return out
@@ -138,4 +143,4 @@ def int4_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch
 
 @int4_gemv.register_fake
 def _(x, w, scale, zero, out_features, pdl=False, one_split=False):
-    return x.new_empty(plan(out_features, x.shape[-1], one_split)[0], 1, out_features, dtype=torch.float32)
+    return x.new_empty(plan(out_features, x.shape[-1], one_split)[0], x.shape[0], out_features, dtype=torch.float32)

@@ -66,7 +66,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, pdl: bool = False, fixup: bool = False, int4: str = "triton") -> torch.Tensor:
         """x [..., in_features] → [..., out_features]; pdl: the kernel with programmatic dependent launch;
-        fixup: it sums its split-K partials itself (ops/gemv.py wq_linear); int4: the one-row int4 kernel
+        fixup: it sums its split-K partials itself (ops/gemv.py wq_linear); int4: the few-row int4 kernel
         ("triton": ops/gemv.py, "cuda": ops/int4_cuda.py)."""
         parts = self.partials(x, pdl, fixup, int4=int4)
         if parts is not None:
@@ -81,8 +81,8 @@ class QuantLinear(nn.Module):
         """The weight-streaming kernel's split-K partials [S, ..., out_features] fp32 of x [..., in_features]
         (bias not added; their sum, in x's dtype, is the product), or None where the kernel does not take x
         (off CUDA, too many rows, a shape it cannot stream). in_dims: x's last in_dims dims (their product
-        in_features) are flattened inside the op (Linears.heads). int4 "cuda": one row of an int4 weight in the
-        layout it takes goes to ops/int4_cuda.py's kernel (with fixup in one split); anything else to
+        in_features) are flattened inside the op (Linears.heads). int4 "cuda": up to 8 rows of x on an int4 weight
+        in the layout it takes go to ops/int4_cuda.py's kernel (with fixup in one split); anything else to
         ops/gemv.py's."""
         rows = x.shape[:-in_dims].numel()
         if not (x.is_cuda and rows <= MAX_ROWS and self.in_features % STEP == 0 and (

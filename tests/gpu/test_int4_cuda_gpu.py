@@ -1,7 +1,7 @@
-"""The CUDA int4 one-row kernel (ops/int4_cuda.py, built with nvcc on first use) on the GPU: its split-K partials
-against the plain torch reference at the 27B's and 35B-A3B's layer shapes, bf16 and fp16 x, with and without
-programmatic dependent launch, every output written; replayed in a CUDA graph; and a compiled int4 decode step
-under kernels={"int4": "cuda"} against the Triton kernel's."""
+"""The CUDA int4 few-row kernel (ops/int4_cuda.py, built with nvcc on first use) on the GPU: its split-K partials
+against the plain torch reference at the 27B's and 35B-A3B's layer shapes, bf16 and fp16 x, one row and 2 … 8,
+with and without programmatic dependent launch, every output written; replayed in a CUDA graph; and a compiled
+int4 decode step under kernels={"int4": "cuda"} against the Triton kernel's."""
 
 import pytest
 import torch
@@ -29,6 +29,21 @@ def test_partials_match_the_reference_at_real_shapes(N, K, dtype, pdl, one_split
     got = int4_cuda.int4_gemv(x, q, s, z, N, pdl, one_split)
     assert got.shape == want.shape and not got.isnan().any(), "an output left unwritten"
     assert rel_err(got, want) < 1e-5, f"{N}x{K} {dtype} pdl={pdl} one_split={one_split}: {rel_err(got, want):.2e}"
+
+
+@pytest.mark.parametrize("M", [2, 3, 4, 8])
+@pytest.mark.parametrize("N,K", [(34816, 5120), (5120, 17408), (16480, 5120)])
+def test_rows_of_a_verify_block_or_batch_match_the_reference(M, N, K):
+    torch.manual_seed(M)
+    q, s, z = stored_operands(INT4, torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16) * torch.logspace(-3, 3, M, device="cuda")[:, None]
+    splits, _ = int4_cuda.plan(N, K)
+    poison_allocator((splits, M, N), dtype=torch.float32)
+    got = int4_cuda.int4_gemv(x, q, s, z, N, True)
+    want = int4_cuda.reference(x, q, s, z, N, splits)
+    assert got.shape == (splits, M, N) and not got.isnan().any(), "an output left unwritten"
+    for m in range(M):  # (rows 10^6 apart in scale: each against its own)
+        assert rel_err(got[:, m], want[:, m]) < 1e-5, (M, m, rel_err(got[:, m], want[:, m]))
 
 
 @pytest.mark.parametrize("batch,pipelined", [(2, False), (2, True), (4, False), (8, False)])
