@@ -108,9 +108,10 @@ def check_kernels(kernels: dict | None, cfg, device, fp8_experts: bool = False) 
     window in place and sums the input projection's split-K partials as it loads them ("fused":
     ops/conv.py conv_decode; the default since 2026-12-02: a 9B step 4486–4487 µs of device time against 4529,
     a 35B-A3B step 2721 against 2739, each in a process of its own). "int4": an int4 QuantLinear's products on
-    up to 8 rows (decode, MTP's verify, small batches) by the Triton weight-streaming kernel ("triton",
-    ops/gemv.py) or by the CUDA C++ tensor-core kernel ("cuda", ops/int4_cuda.py: built with nvcc on first use,
-    compute capability 9.0 or later; a candidate, not yet timed); more rows take the Triton kernel either way."""
+    up to 16 rows (decode, MTP's and DFlash's verify, small batches) by the Triton weight-streaming kernel
+    ("triton", ops/gemv.py) or by the CUDA C++ tensor-core kernel ("cuda", ops/int4_cuda.py: built with nvcc on
+    first use, compute capability 9.0 or later; a candidate, not yet timed); more rows take the Triton kernel
+    either way."""
     kernels = dict(kernels or {})
     unknown = set(kernels) - set(KERNELS)
     if unknown:

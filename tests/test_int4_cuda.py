@@ -51,9 +51,9 @@ def test_op_passes_opcheck_and_takes_only_its_layout():
     assert int4_cuda.int4_gemv(x, q, s, z, 48).shape[0] == 2 and int4_cuda.int4_gemv(x, q, s, z, 48, False,
                                                                                       True).shape[0] == 1
     assert int4_cuda.takes(x, q, s, z) and int4_cuda.takes(x.half(), q, s, z) and int4_cuda.takes(
-        x.expand(8, -1), q, s, z)
+        x.expand(16, -1), q, s, z)
     untiled, _, _ = stored_operands(INT4, torch.randn(48, 1024), tiled=False)
-    for args in ((x.expand(9, -1), q, s, z), (x[0], q, s, z), (x.float(), q, s, z), (x, untiled, s, z),
+    for args in ((x.expand(17, -1), q, s, z), (x[0], q, s, z), (x.float(), q, s, z), (x, untiled, s, z),
                  (x, q, s.contiguous(), z), (x, q, s, z.contiguous()), (x[:, :512], q, s, z)):
         assert not int4_cuda.takes(*args)
 
@@ -94,16 +94,26 @@ def emulate(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.T
     bf16 = x.dtype == torch.bfloat16
     magic, neg_magic = (0x43004300, 0xC300) if bf16 else (0x64006400, 0xE400)
     (M, K), G = x.shape, x.shape[1] // STEP
+    NB = 1 if M <= 8 else 2  # blocks of 8 B columns: x rows 8 nb … 8 nb + 7
     splits, per = int4_cuda.plan(N, K)
     xw = _u32(x.contiguous().view(torch.int32).view(-1))  # x as 32-bit words, two values each, row after row
     tiles = w.reshape(N // 16, G, 64, 16)  # 16-byte loads of each tile, in order
     out = torch.zeros(splits, M, N)
+
+    def pair(u, j, negz):  # (lop3 then fma by 1 with −(magic + zero)): exact integers
+        t = ((u >> (4 * j)) & 0x000F000F) | magic
+        lo, hi = _halves_to_float(t, bf16)
+        nlo, nhi = _halves_to_float(negz, bf16)
+        return lo + nlo, hi + nhi
+
+    lo_pair = lambda p, q: (p & 0xFFFF) | ((q & 0xFFFF) << 16)  # noqa: E731  (byte_perm 0x5410)
+    hi_pair = lambda p, q: (p >> 16) | (q & 0xFFFF0000)  # noqa: E731  (byte_perm 0x7632)
     for strip in range(N // 16):
         for split in range(splits):
-            sums = torch.zeros(4, 32, 4)
+            sums = torch.zeros(4, 32, NB, 4)
             for warp in range(4):
                 for g in range(split * per + warp, min(G, (split + 1) * per), 4):
-                    C = torch.zeros(16, 8, dtype=torch.float64)
+                    C = torch.zeros(NB, 16, 8, dtype=torch.float64)
                     lanes = []
                     for lane in range(32):
                         a = _u32(tiles[strip, g, lane].view(torch.int32))
@@ -111,19 +121,15 @@ def emulate(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.T
                         row_a = strip * 16 + lane // 4
                         za = (neg_magic | int(zero[row_a, g])) * 0x00010001
                         zb = (neg_magic | int(zero[row_a + 8, g])) * 0x00010001
-                        word = lane // 4 * K // 2 + (g * 16 + (lane % 4) * 4) * 4  # x row lane/4, its 32 columns
-                        xs = [xw[word + 4 * i:word + 4 * i + 4] if lane // 4 < M else [0] * 4 for i in range(4)]
+                        xs = []
+                        for nb in range(NB):  # x row 8 nb + lane/4 at the lane's 32 columns
+                            xrow = nb * 8 + lane // 4
+                            word = xrow * K // 2 + (g * 16 + (lane % 4) * 4) * 4
+                            xs.append([xw[word + 4 * i:word + 4 * i + 4] if xrow < M else [0] * 4 for i in range(4)])
                         lanes.append((a, b, za, zb, xs))
-
-                    def pair(u, j, negz):  # (lop3 then fma by 1 with −(magic + zero)): exact integers
-                        t = ((u >> (4 * j)) & 0x000F000F) | magic
-                        lo, hi = _halves_to_float(t, bf16)
-                        nlo, nhi = _halves_to_float(negz, bf16)
-                        return lo + nlo, hi + nhi
-
                     for i in range(4):
                         for half in (0, 1):
-                            A, B = torch.zeros(16, 16, dtype=torch.float64), torch.zeros(16, 8, dtype=torch.float64)
+                            A, B = torch.zeros(16, 16, dtype=torch.float64), torch.zeros(NB, 16, 8, dtype=torch.float64)
                             for lane, (a, b, za, zb, xs) in enumerate(lanes):
                                 r, c = lane // 4, 2 * (lane % 4)
                                 j0, j1 = 2 * half, 2 * half + 1
@@ -131,32 +137,34 @@ def emulate(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.T
                                 A[r + 8, c:c + 2] = torch.tensor(pair(b[i], j0, zb))
                                 A[r, c + 8:c + 10] = torch.tensor(pair(a[i], j1, za))
                                 A[r + 8, c + 8:c + 10] = torch.tensor(pair(b[i], j1, zb))
-                                v = xs[i]
-                                lo_pair = lambda p, q: (p & 0xFFFF) | ((q & 0xFFFF) << 16)  # byte_perm 0x5410
-                                hi_pair = lambda p, q: (p >> 16) | (q & 0xFFFF0000)  # byte_perm 0x7632
-                                regs = ((lo_pair(v[0], v[2]), hi_pair(v[0], v[2])) if half == 0 else
-                                        (lo_pair(v[1], v[3]), hi_pair(v[1], v[3])))
-                                B[c:c + 2, lane // 4] = torch.tensor(_halves_to_float(regs[0], bf16))
-                                B[c + 8:c + 10, lane // 4] = torch.tensor(_halves_to_float(regs[1], bf16))
+                                for nb in range(NB):
+                                    v = xs[nb][i]
+                                    regs = ((lo_pair(v[0], v[2]), hi_pair(v[0], v[2])) if half == 0 else
+                                            (lo_pair(v[1], v[3]), hi_pair(v[1], v[3])))
+                                    B[nb, c:c + 2, lane // 4] = torch.tensor(_halves_to_float(regs[0], bf16))
+                                    B[nb, c + 8:c + 10, lane // 4] = torch.tensor(_halves_to_float(regs[1], bf16))
                             C += A @ B
-                    for lane in range(32):  # c0 … c3 of the lane
+                    for lane in range(32):  # c0 … c3 of the lane, each column block
                         r, c = lane // 4, 2 * (lane % 4)
                         sa, sb = float(scale[strip * 16 + r, g]), float(scale[strip * 16 + r + 8, g])
-                        sums[warp, lane] += torch.stack([sa * C[r, c], sa * C[r, c + 1], sb * C[r + 8, c],
-                                                         sb * C[r + 8, c + 1]]).float()
+                        for nb, Cb in enumerate(C):
+                            got = (sa * Cb[r, c], sa * Cb[r, c + 1], sb * Cb[r + 8, c], sb * Cb[r + 8, c + 1])
+                            sums[warp, lane, nb] += torch.stack(got).float()
             for lane in range(32):  # the block's sum over warps: x rows m, m + 1 of strip rows r, r + 8
                 r, m = lane // 4, 2 * (lane % 4)
-                for value, (xrow, row) in zip(sums[:, lane].sum(0), ((m, r), (m + 1, r), (m, r + 8), (m + 1, r + 8))):
-                    if xrow < M:
-                        out[split, xrow, strip * 16 + row] = value
+                for nb in range(NB):
+                    for value, (xrow, row) in zip(sums[:, lane, nb].sum(0), ((m, r), (m + 1, r), (m, r + 8),
+                                                                           (m + 1, r + 8))):
+                        if 8 * nb + xrow < M:
+                            out[split, 8 * nb + xrow, strip * 16 + row] = value
     return out
 
 
 @pytest.mark.parametrize("dtype,M", [(torch.bfloat16, 1), (torch.float16, 1), (torch.bfloat16, 3),
-                                     (torch.float16, 8)])
+                                     (torch.float16, 8), (torch.bfloat16, 13)])
 def test_emulated_lanes_give_the_reference_partials(dtype, M, monkeypatch):
     """Two strips, 6 groups in 2 splits of 3 (warps with a group and with none), zeros from 0 to 16 (GPTQ's
-    range), 1, 3 and 8 rows of x."""
+    range), 1, 3, 8 and 13 rows of x (13: two blocks of B columns, the second part empty)."""
     torch.manual_seed(3)
     N, K = 32, 768
     q, s, z = stored_operands(INT4, torch.randn(N, K))
@@ -184,19 +192,19 @@ def test_kernel_builds_for_sm90_without_spills_and_issues_its_loads_before_the_w
     done = subprocess.run(cmd[:1] + ["-Xptxas", "-v"] + cmd[1:], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     regs = [int(line.split("Used ")[1].split()[0]) for line in done.stderr.splitlines() if "Used " in line]
-    assert len(regs) == 8 and max(regs) <= 128, done.stderr  # (2 dtypes x BATCH 2, 4, 8 and 2 pipelined)
+    assert len(regs) == 12 and max(regs) <= 128, done.stderr  # (2 dtypes x BATCH 2, 4, 8, 2 pipelined; 2, 4 at NB 2)
     spills = [line.strip() for line in done.stderr.splitlines() if "spill" in line]
-    assert len(spills) == 8 and all(line == "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"
+    assert len(spills) == 12 and all(line == "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"
                                     for line in spills), spills
     tool = _cuobjdump()
     if tool is None:
         pytest.skip("no cuobjdump (Triton's, under $FASTQWEN_TRITON_SITE) to read the SASS")
     sass = subprocess.run([tool, "--dump-sass", str(lib)], capture_output=True, text=True).stdout
     kernels = sass.split("Function : ")[1:]
-    assert len(kernels) == 8
+    assert len(kernels) == 12
     for k in kernels:
-        _, batch, pipe = k.split("int4_gemv_rows")[1].split("EE")[0].split("E")  # (…ILb1ELi2ELb1EE…)
-        batch, pipe = int(batch.removeprefix("Li")), pipe == "Lb1"
+        _, batch, pipe, nb = k.split("int4_gemv_rows")[1].split("EE")[0].split("E")  # (…ILb1ELi2ELb1ELi1EE…)
+        batch, pipe, nb = int(batch.removeprefix("Li")), pipe == "Lb1", int(nb.removeprefix("Li"))
         ops = [line.split(";")[0].split("*/")[-1].split() for line in k.splitlines() if "*/" in line and ";" in line]
         ops = [o[1] if o[0].startswith("@") else o[0] for o in ops if o]
         wait = ops.index("ACQBULK")  # griddepcontrol.wait
@@ -205,7 +213,7 @@ def test_kernel_builds_for_sm90_without_spills_and_issues_its_loads_before_the_w
         copies = 3 if pipe else 2  # (the first batch's loads, then the loop's)
         assert len(weights) == 2 * batch * copies, (batch, pipe, len(weights))
         assert weights[2 * batch - 1] < wait < min(xs + weights[2 * batch:]), (batch, pipe, weights, wait, xs)
-        assert sum(o.startswith("HMMA.16816.F32") for o in ops) == 8 * batch * (2 if pipe else 1)
+        assert sum(o.startswith("HMMA.16816.F32") for o in ops) == 8 * nb * batch * (2 if pipe else 1)
 
 
 def test_optimize_routes_int4_linears_to_the_chosen_kernel(monkeypatch):

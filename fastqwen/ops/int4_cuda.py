@@ -1,4 +1,4 @@
-"""int4 weight streaming for up to 8 rows of x in CUDA C++ (cuda/int4_gemv.cu): the tensor-core GEMV of decode.
+"""int4 weight streaming for up to 16 rows of x in CUDA C++ (cuda/int4_gemv.cu): decode's tensor-core GEMV.
 
 Why a CUDA kernel beside the Triton one (ops/gemv.py): at one row the Triton kernel reads the 27B's int4 weights
 at ~58% of the H200's read ceiling, and with its arithmetic removed its loads alone reach only ~72-76% of the
@@ -10,9 +10,9 @@ loads for BATCH groups (and the scales) before it decodes any of them and before
 The kernel is built on first use with the CUDA toolkit's nvcc (`build`, cached by source and GPU architecture
 under $FASTQWEN_CACHE or ~/.cache/fastqwen) and called through ctypes on torch's current stream (CUDA-graph
 capture records it like any launch). optimize's kernels={"int4": "cuda"} routes QuantLinear's int4 products
-of up to MAX_ROWS rows here (decode, MTP's verify, small batches; the kernel decodes the weight once for all
-of them, as mma's 8 columns); `int4_gemv` is the registered op, `reference` its plain torch twin (also what
-runs off CUDA).
+of up to MAX_ROWS rows here (decode, MTP's and DFlash's verify, small batches; the kernel decodes the weight
+once for all of them, as one or two blocks of mma's 8 columns); `int4_gemv` is the registered op, `reference`
+its plain torch twin (also what runs off CUDA).
 """
 
 import ctypes
@@ -33,7 +33,7 @@ TARGET_BLOCKS = 2048  # splits are added until the grid has about this many bloc
 BATCH = 4  # groups whose weight loads a warp issues before it decodes them (2, 4 or 8: the kernel's instances)
 PIPELINED = False  # the next batch's loads in flight while a batch decodes (an instance with BATCH 2 only)
 MAX_SPLITS = 8  # inductor unrolls the caller's sum of ≤ 8 partials into the consumer (gemv.wq_linear)
-MAX_ROWS = 8  # rows of x a launch takes: the columns of mma.m16n8k16's B operand
+MAX_ROWS = 16  # rows of x a launch takes: one or two blocks of mma.m16n8k16's 8 B columns (a DFlash verify)
 
 
 def nvcc() -> str | None:
@@ -87,6 +87,12 @@ def device_arch(device: torch.device) -> str:
     return f"{major}{minor}"
 
 
+def variant(rows: int) -> tuple[int, bool]:
+    """(BATCH, PIPELINED) of the kernel instance for `rows` rows of x: the module's, but for 9 … 16 rows (two
+    column blocks) BATCH ≤ 4 unpipelined (the instances that do not spill)."""
+    return (BATCH, PIPELINED) if rows <= 8 else (min(BATCH, 4), False)
+
+
 def plan(N: int, K: int, one_split: bool = False) -> tuple[int, int]:
     """(splits, groups a split) for an [N, K] weight: the fewest splits (≤ MAX_SPLITS, each ≥ 4 groups: one a
     warp) that give the grid about TARGET_BLOCKS blocks of one 16-row strip each; every split nonempty.
@@ -121,7 +127,7 @@ def reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch
 @torch.library.custom_op("fastqwen::int4_gemv", mutates_args=())
 def int4_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out_features: int,
               pdl: bool = False, one_split: bool = False) -> torch.Tensor:
-    """x [M ≤ 8, K] (bf16 / fp16) · Wᵀ for an int4 weight in QuantLinear's layout (`takes`) as split-K partial
+    """x [M ≤ 16, K] (bf16 / fp16) · Wᵀ for an int4 weight in QuantLinear's layout (`takes`) as split-K partial
     sums fp32 [splits, M, out_features] (plan(out_features, K, one_split)); their sum over dim 0 is the product. pdl:
     launch with programmatic dependent launch. The CUDA kernel on CUDA tensors, `reference` elsewhere."""
     splits, per = plan(out_features, x.shape[-1], one_split)
@@ -131,13 +137,14 @@ def int4_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch
         raise ValueError(f"int4_gemv takes 1 … {MAX_ROWS} bf16/fp16 rows of x, codes tiled [N/16, K/128, 16, 64] "
                          "uint8 and group-major fp16 scale / uint8 zero (QuantLinear's layout)")
     x = x.contiguous()
+    batch, pipelined = variant(x.shape[0])
     out = torch.empty(splits, x.shape[0], out_features, device=x.device, dtype=torch.float32)
     err = build(device_arch(x.device)).fastqwen_int4_gemv(
         x.data_ptr(), w.data_ptr(), scale.data_ptr(), zero.data_ptr(), out.data_ptr(), x.shape[0], out_features,
-        x.shape[-1], splits, per, BATCH, PIPELINED, x.dtype == torch.bfloat16, pdl,
+        x.shape[-1], splits, per, batch, pipelined, x.dtype == torch.bfloat16, pdl,
         torch.cuda.current_stream(x.device).cuda_stream)
     if err:
-        raise RuntimeError(f"int4_gemv launch failed: CUDA error {err} (BATCH {BATCH}, PIPELINED {PIPELINED})")
+        raise RuntimeError(f"int4_gemv launch failed: CUDA error {err} (BATCH {batch}, PIPELINED {pipelined})")
     return out
 
 

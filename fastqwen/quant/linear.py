@@ -81,7 +81,7 @@ class QuantLinear(nn.Module):
         """The weight-streaming kernel's split-K partials [S, ..., out_features] fp32 of x [..., in_features]
         (bias not added; their sum, in x's dtype, is the product), or None where the kernel does not take x
         (off CUDA, too many rows, a shape it cannot stream). in_dims: x's last in_dims dims (their product
-        in_features) are flattened inside the op (Linears.heads). int4 "cuda": up to 8 rows of x on an int4 weight
+        in_features) are flattened inside the op (Linears.heads). int4 "cuda": up to 16 rows of x on an int4 weight
         in the layout it takes go to ops/int4_cuda.py's kernel (with fixup in one split); anything else to
         ops/gemv.py's."""
         rows = x.shape[:-in_dims].numel()

@@ -1,5 +1,5 @@
 """The CUDA int4 few-row kernel (ops/int4_cuda.py, built with nvcc on first use) on the GPU: its split-K partials
-against the plain torch reference at the 27B's and 35B-A3B's layer shapes, bf16 and fp16 x, one row and 2 … 8,
+against the plain torch reference at the 27B's and 35B-A3B's layer shapes, bf16 and fp16 x, one row and 2 … 16,
 with and without programmatic dependent launch, every output written; replayed in a CUDA graph; and a compiled
 int4 decode step under kernels={"int4": "cuda"} against the Triton kernel's."""
 
@@ -31,7 +31,7 @@ def test_partials_match_the_reference_at_real_shapes(N, K, dtype, pdl, one_split
     assert rel_err(got, want) < 1e-5, f"{N}x{K} {dtype} pdl={pdl} one_split={one_split}: {rel_err(got, want):.2e}"
 
 
-@pytest.mark.parametrize("M", [2, 3, 4, 8])
+@pytest.mark.parametrize("M", [2, 3, 4, 8, 13, 16])
 @pytest.mark.parametrize("N,K", [(34816, 5120), (5120, 17408), (16480, 5120)])
 def test_rows_of_a_verify_block_or_batch_match_the_reference(M, N, K):
     torch.manual_seed(M)

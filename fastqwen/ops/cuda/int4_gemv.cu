@@ -1,4 +1,4 @@
-// int4 weight-streaming GEMV for up to 8 rows of x (a decode step, a short verify block, a small batch), on the
+// int4 weight-streaming GEMV for up to 16 rows of x (a decode step, a verify block, a small batch), on the
 // tensor cores.
 //
 // y[m, n] = sum_k x[m, k] * (q[n, k] - zero[n, g]) * scale[n, g],  g = k / 128, written as split-K partial sums
@@ -8,7 +8,7 @@
 //   w      uint8 [N/16, K/128, 16, 64]: codes tiled by 16 rows x one group (quant/formats.py tile_int4), each
 //          tile one contiguous KB; a byte holds column 2j in its low nibble and 2j + 1 in its high one
 //   scale  fp16, zero uint8: logical [N, K/128] stored group-major (element (n, g) at g * N + n)
-//   x      bf16 or fp16 [M, K], M <= 8, contiguous; out fp32 [splits, M, N]
+//   x      bf16 or fp16 [M, K], M <= 16, contiguous; out fp32 [splits, M, N]
 //
 // A block is 4 warps on one strip of 16 rows; blockIdx.y is the split; the split's groups are dealt to the
 // warps in turn. Lane l reads 16 bytes of each tile for row l/4 and 16 for row l/4 + 8 (words 4 (l%4) .. + 3
@@ -18,7 +18,8 @@
 // or 1024 (fp16), an FMA subtracts 128 + zero). The B operand's column n is x row n (zero for n >= M), which
 // lane l supplies for n = l/4 at the same columns (a byte permute of 8 consecutive values); so c0, c1 of lane l
 // are strip row l/4 against x rows 2 (l%4) and 2 (l%4) + 1, and c2, c3 strip row l/4 + 8 against them. The
-// decode is the same whatever M: rows 2 .. 8 cost their x loads and nothing else.
+// decode is the same whatever M: rows 2 .. 8 cost their x loads and nothing else, rows 9 .. 16 a second block
+// of 8 B columns (NB = 2: two more MMAs a word).
 // Weights and scales are loaded before the PDL wait (they do not depend on the previous kernel); x after it.
 
 #include <cuda_bf16.h>
@@ -89,24 +90,26 @@ __device__ __forceinline__ uint32_t pair_minus_zero(uint32_t u, int j, uint32_t 
   return Pairs<BF16>::fma(t, Pairs<BF16>::ONE, neg_zero);
 }
 
-// One group of one warp: c += the group's sums of (q - zero) x (c0, c1: strip row l/4 against x rows
-// 2 (l%4), 2 (l%4) + 1; c2, c3: row l/4 + 8). a, b: the lane's 16 bytes of rows l/4 and l/4 + 8; xs: x row
-// l/4 at the lane's 32 columns (8 per word; zero past M).
-template <bool BF16>
-__device__ __forceinline__ void group_dot(float (&c)[4], uint4 a, uint4 b, const uint4 (&xs)[4], uint32_t za,
-                                          uint32_t zb, uint32_t magic) {
+// One group of one warp: c[nb] += the group's sums of (q - zero) x for x rows 8 nb .. 8 nb + 7 (c0, c1:
+// strip row l/4 against x rows 8 nb + 2 (l%4) and + 1; c2, c3: row l/4 + 8). a, b: the lane's 16 bytes of rows
+// l/4 and l/4 + 8; xs[nb]: x row 8 nb + l/4 at the lane's 32 columns (8 per word; zero past M). The weight is
+// decoded once for the NB column blocks.
+template <bool BF16, int NB>
+__device__ __forceinline__ void group_dot(float (&c)[NB][4], uint4 a, uint4 b, const uint4 (&xs)[NB][4],
+                                          uint32_t za, uint32_t zb, uint32_t magic) {
   const uint32_t wa[4] = {a.x, a.y, a.z, a.w}, wb[4] = {b.x, b.y, b.z, b.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const uint4 v = xs[i];  // x[8i + 0 .. 7] of the lane's columns, two a register
-    const uint32_t x04 = __byte_perm(v.x, v.z, 0x5410), x15 = __byte_perm(v.x, v.z, 0x7632);
-    const uint32_t x26 = __byte_perm(v.y, v.w, 0x5410), x37 = __byte_perm(v.y, v.w, 0x7632);
     const uint32_t lo[4] = {pair_minus_zero<BF16>(wa[i], 0, za, magic), pair_minus_zero<BF16>(wb[i], 0, zb, magic),
                             pair_minus_zero<BF16>(wa[i], 1, za, magic), pair_minus_zero<BF16>(wb[i], 1, zb, magic)};
-    Pairs<BF16>::mma(c, lo, x04, x15);
     const uint32_t hi[4] = {pair_minus_zero<BF16>(wa[i], 2, za, magic), pair_minus_zero<BF16>(wb[i], 2, zb, magic),
                             pair_minus_zero<BF16>(wa[i], 3, za, magic), pair_minus_zero<BF16>(wb[i], 3, zb, magic)};
-    Pairs<BF16>::mma(c, hi, x26, x37);
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      const uint4 v = xs[nb][i];  // x[8i + 0 .. 7] of the lane's columns, two a register
+      Pairs<BF16>::mma(c[nb], lo, __byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632));
+      Pairs<BF16>::mma(c[nb], hi, __byte_perm(v.y, v.w, 0x5410), __byte_perm(v.y, v.w, 0x7632));
+    }
   }
 }
 
@@ -134,22 +137,33 @@ struct Batch {
     }
   }
 
-  // sums: strip row l/4 against x rows 2 (l%4), 2 (l%4) + 1, then row l/4 + 8 against them; has_x: l/4 < M.
-  __device__ __forceinline__ void dot(const uint4* xcols, bool has_x, int g0, int g_end, uint32_t magic,
-                                      float (&sums)[4]) const {
+  // sums[nb]: strip row l/4 against x rows 8 nb + 2 (l%4) and + 1, then row l/4 + 8 against them; xcols[nb]:
+  // x row 8 nb + l/4 at the lane's columns (+ g * 16 for group g), has_x[nb]: whether that row is < M.
+  template <int NB>
+  __device__ __forceinline__ void dot(const uint4* const (&xcols)[NB], const bool (&has_x)[NB], int g0, int g_end,
+                                      uint32_t magic, float (&sums)[NB][4]) const {
 #pragma unroll
     for (int t = 0; t < BATCH; ++t) {
       const int g = g0 + t * WARPS;
       if (g < g_end) {
-        uint4 xs[4];
+        uint4 xs[NB][4];
+        float c[NB][4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) xs[i] = has_x ? xcols[(size_t)g * 16 + i] : make_uint4(0, 0, 0, 0);
-        float c[4] = {0.f, 0.f, 0.f, 0.f};
-        group_dot<BF16>(c, ta[t], tb[t], xs, za[t], zb[t], magic);
-        sums[0] = fmaf(sa[t], c[0], sums[0]);
-        sums[1] = fmaf(sa[t], c[1], sums[1]);
-        sums[2] = fmaf(sb[t], c[2], sums[2]);
-        sums[3] = fmaf(sb[t], c[3], sums[3]);
+        for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            xs[nb][i] = has_x[nb] ? xcols[nb][(size_t)g * 16 + i] : make_uint4(0, 0, 0, 0);
+            c[nb][i] = 0.f;
+          }
+        }
+        group_dot<BF16, NB>(c, ta[t], tb[t], xs, za[t], zb[t], magic);
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+          sums[nb][0] = fmaf(sa[t], c[nb][0], sums[nb][0]);
+          sums[nb][1] = fmaf(sa[t], c[nb][1], sums[nb][1]);
+          sums[nb][2] = fmaf(sb[t], c[nb][2], sums[nb][2]);
+          sums[nb][3] = fmaf(sb[t], c[nb][3], sums[nb][3]);
+        }
       }
     }
   }
@@ -158,7 +172,7 @@ struct Batch {
 // PIPE: two batches in flight, the next one's loads issued before the current one's decode (ping-pong);
 // else each batch is loaded, then decoded. (x without __restrict__: plain loads, made after the PDL wait, not
 // the read-only path.)
-template <bool BF16, int BATCH, bool PIPE>
+template <bool BF16, int BATCH, bool PIPE, int NB>
 __global__ void __launch_bounds__(WARPS * 32, 4) int4_gemv_rows(const uint16_t* x,
                                                                 const uint4* __restrict__ w,
                                                                 const __half* __restrict__ scale,
@@ -170,11 +184,17 @@ __global__ void __launch_bounds__(WARPS * 32, 4) int4_gemv_rows(const uint16_t* 
   const int row_a = strip * 16 + lane / 4;
   const int g_begin = split * groups_per_split + warp, g_end = min(G, (split + 1) * groups_per_split);
   const uint4* tiles = w + (size_t)strip * G * 64 + lane;  // tile (strip, g) at + g * 64 uint4s
-  // x row l/4 at the lane's 32 columns of group g: + g * 16 (K % 128 == 0: every row 16-byte aligned)
-  const bool has_x = lane / 4 < M;
-  const uint4* xcols = reinterpret_cast<const uint4*>(x + (size_t)min(lane / 4, M - 1) * K) + (lane % 4) * 4;
+  // x row 8 nb + l/4 at the lane's 32 columns of group g: + g * 16 (K % 128 == 0: every row 16-byte aligned)
+  bool has_x[NB];
+  const uint4* xcols[NB];
+  float sums[NB][4];
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    has_x[nb] = nb * 8 + lane / 4 < M;
+    xcols[nb] = reinterpret_cast<const uint4*>(x + (size_t)min(nb * 8 + lane / 4, M - 1) * K) + (lane % 4) * 4;
+    sums[nb][0] = sums[nb][1] = sums[nb][2] = sums[nb][3] = 0.f;
+  }
   constexpr int STRIDE = BATCH * WARPS;
-  float sums[4] = {0.f, 0.f, 0.f, 0.f};
   Batch<BF16, BATCH> a;
   a.load(tiles, scale, zero, N, row_a, g_begin, g_end);  // (weights: before the wait)
   asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the previous kernel's output (PDL)
@@ -182,25 +202,28 @@ __global__ void __launch_bounds__(WARPS * 32, 4) int4_gemv_rows(const uint16_t* 
     Batch<BF16, BATCH> b;
     for (int g0 = g_begin; g0 < g_end; g0 += 2 * STRIDE) {
       b.load(tiles, scale, zero, N, row_a, g0 + STRIDE, g_end);
-      a.dot(xcols, has_x, g0, g_end, magic, sums);
+      a.dot<NB>(xcols, has_x, g0, g_end, magic, sums);
       a.load(tiles, scale, zero, N, row_a, g0 + 2 * STRIDE, g_end);
-      b.dot(xcols, has_x, g0 + STRIDE, g_end, magic, sums);
+      b.dot<NB>(xcols, has_x, g0 + STRIDE, g_end, magic, sums);
     }
   } else {
     for (int g0 = g_begin; g0 < g_end; g0 += STRIDE) {
       if (g0 != g_begin) a.load(tiles, scale, zero, N, row_a, g0, g_end);
-      a.dot(xcols, has_x, g0, g_end, magic, sums);
+      a.dot<NB>(xcols, has_x, g0, g_end, magic, sums);
     }
   }
-  __shared__ float part[WARPS][8][16];  // [warp][x row][strip row]
+  __shared__ float part[WARPS][8 * NB][16];  // [warp][x row][strip row]
   const int r = lane / 4, m = 2 * (lane % 4);
-  part[warp][m][r] = sums[0];
-  part[warp][m + 1][r] = sums[1];
-  part[warp][m][r + 8] = sums[2];
-  part[warp][m + 1][r + 8] = sums[3];
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    part[warp][8 * nb + m][r] = sums[nb][0];
+    part[warp][8 * nb + m + 1][r] = sums[nb][1];
+    part[warp][8 * nb + m][r + 8] = sums[nb][2];
+    part[warp][8 * nb + m + 1][r + 8] = sums[nb][3];
+  }
   __syncthreads();
-  if (threadIdx.x < 16 * M) {
-    const int row = threadIdx.x % 16, xrow = threadIdx.x / 16;
+  for (int t = threadIdx.x; t < 16 * M; t += WARPS * 32) {
+    const int row = t % 16, xrow = t / 16;
     float s = 0.f;
 #pragma unroll
     for (int v = 0; v < WARPS; ++v) s += part[v][xrow][row];
@@ -210,31 +233,35 @@ __global__ void __launch_bounds__(WARPS * 32, 4) int4_gemv_rows(const uint16_t* 
 
 }  // namespace
 
-template <bool BF16, int BATCH, bool PIPE>
+template <bool BF16, int BATCH, bool PIPE, int NB>
 cudaError_t launch(const cudaLaunchConfig_t& config, const void* x, const void* w, const void* scale,
                    const void* zero, float* out, int M, int N, int K, int groups_per_split) {
   // (MAGIC passed as an argument: a register in the kernel, see pair_minus_zero)
-  return cudaLaunchKernelEx(&config, int4_gemv_rows<BF16, BATCH, PIPE>, static_cast<const uint16_t*>(x),
+  return cudaLaunchKernelEx(&config, int4_gemv_rows<BF16, BATCH, PIPE, NB>, static_cast<const uint16_t*>(x),
                             static_cast<const uint4*>(w), static_cast<const __half*>(scale),
                             static_cast<const uint8_t*>(zero), out, M, N, K, groups_per_split, Pairs<BF16>::MAGIC);
 }
 
+// The instance of (batch, pipe) for M rows: one column block of 8 x rows (M <= 8) or two (M <= 16, BATCH 2 or
+// 4 unpipelined: the others would spill).
 template <bool BF16>
 cudaError_t launch_variant(int batch, int pipe, const cudaLaunchConfig_t& config, const void* x, const void* w,
                            const void* scale, const void* zero, float* out, int M, int N, int K,
                            int groups_per_split) {
-  switch (batch * 2 + (pipe != 0)) {
-    case 4: return launch<BF16, 2, false>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
-    case 5: return launch<BF16, 2, true>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
-    case 8: return launch<BF16, 4, false>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
-    case 16: return launch<BF16, 8, false>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
-    default: return cudaErrorInvalidValue;  // (batch 4 or 8 pipelined would spill)
+  switch ((M > 8) * 100 + batch * 2 + (pipe != 0)) {
+    case 4: return launch<BF16, 2, false, 1>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
+    case 5: return launch<BF16, 2, true, 1>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
+    case 8: return launch<BF16, 4, false, 1>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
+    case 16: return launch<BF16, 8, false, 1>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
+    case 104: return launch<BF16, 2, false, 2>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
+    case 108: return launch<BF16, 4, false, 2>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
+    default: return cudaErrorInvalidValue;  // (batch 4 or 8 pipelined, or 8 for 9..16 rows, would spill)
   }
 }
 
 // Launches the kernel on `stream`; returns the cudaError_t. splits * groups_per_split >= K / 128 and every
-// split nonempty (the caller's plan); batch 2, 4 or 8, pipe (two batches in flight) only with batch 2. pdl:
-// programmatic dependent launch (the kernel waits before reading x).
+// split nonempty (the caller's plan); 1 <= M <= 16; batch 2, 4 or 8 (2 or 4 for M > 8), pipe (two batches in
+// flight) only with batch 2 and M <= 8. pdl: programmatic dependent launch (the kernel waits before reading x).
 extern "C" int fastqwen_int4_gemv(const void* x, const void* w, const void* scale, const void* zero,
                                           float* out, int M, int N, int K, int splits, int groups_per_split,
                                           int batch, int pipe, int bf16, int pdl, void* stream) {
@@ -247,7 +274,7 @@ extern "C" int fastqwen_int4_gemv(const void* x, const void* w, const void* scal
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
   config.numAttrs = pdl ? 1 : 0;
-  if (M < 1 || M > 8) return static_cast<int>(cudaErrorInvalidValue);
+  if (M < 1 || M > 16) return static_cast<int>(cudaErrorInvalidValue);
   cudaError_t e = bf16 ? launch_variant<true>(batch, pipe, config, x, w, scale, zero, out, M, N, K, groups_per_split)
                        : launch_variant<false>(batch, pipe, config, x, w, scale, zero, out, M, N, K,
                                                groups_per_split);
