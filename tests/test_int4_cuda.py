@@ -234,3 +234,24 @@ def test_optimize_routes_int4_linears_to_the_chosen_kernel(monkeypatch):
         n = len(seen)
         m.generate(torch.randint(1, 500, (1, 5)), max_new_tokens=3, do_sample=False)
         assert len(seen) > n and set(seen[n:]) == {kernel}
+
+
+@pytest.mark.skipif(int4_cuda.nvcc() is None, reason="needs the CUDA toolkit's nvcc")
+def test_built_library_refuses_arguments_out_of_range_before_touching_the_gpu(tmp_path, monkeypatch):
+    """build() compiles and caches the library; its entry point answers cudaErrorInvalidValue (1) for shapes,
+    row counts, split plans and (batch, pipe) pairs it has no instance for, before any CUDA call, and a valid
+    call on a machine without a GPU gets a CUDA error code back, not a crash."""
+    monkeypatch.setenv("FASTQWEN_CACHE", str(tmp_path))
+    int4_cuda.build.cache_clear()
+    try:
+        dll = int4_cuda.build("90")
+        assert len(list((tmp_path / "cuda").glob("int4_gemv-sm90-*.so"))) == 1
+        call = lambda M=1, N=64, K=512, splits=2, per=2, batch=4, pipe=0: dll.fastqwen_int4_gemv(  # noqa: E731
+            0, 0, 0, 0, 0, M, N, K, splits, per, batch, pipe, 1, 0, 0, None)
+        for bad in ({"N": 40}, {"K": 500}, {"M": 0}, {"M": 17}, {"splits": 3}, {"per": 1}, {"batch": 3},
+                    {"batch": 4, "pipe": 1}, {"M": 9, "batch": 8}, {"M": 9, "batch": 2, "pipe": 1}):
+            assert call(**bad) == 1, bad
+        if not torch.cuda.is_available():
+            assert call() not in (0, 1)  # (no GPU: the runtime's own error, e.g. 35, no driver)
+    finally:
+        int4_cuda.build.cache_clear()

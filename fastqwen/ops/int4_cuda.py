@@ -73,7 +73,7 @@ def build(arch: str) -> ctypes.CDLL:
         os.replace(tmp, lib)  # (atomic: a concurrent process sees the whole library or none)
     dll = ctypes.CDLL(str(lib))
     dll.fastqwen_int4_gemv.restype = ctypes.c_int
-    dll.fastqwen_int4_gemv.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 9 + [ctypes.c_void_p]
+    dll.fastqwen_int4_gemv.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 10 + [ctypes.c_void_p]
     return dll
 
 
@@ -141,7 +141,7 @@ def int4_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch
     out = torch.empty(splits, x.shape[0], out_features, device=x.device, dtype=torch.float32)
     err = build(device_arch(x.device)).fastqwen_int4_gemv(
         x.data_ptr(), w.data_ptr(), scale.data_ptr(), zero.data_ptr(), out.data_ptr(), x.shape[0], out_features,
-        x.shape[-1], splits, per, batch, pipelined, x.dtype == torch.bfloat16, pdl,
+        x.shape[-1], splits, per, batch, pipelined, x.dtype == torch.bfloat16, pdl, x.device.index,
         torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         raise RuntimeError(f"int4_gemv launch failed: CUDA error {err} (BATCH {batch}, PIPELINED {pipelined})")

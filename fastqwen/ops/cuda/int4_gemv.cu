@@ -242,29 +242,45 @@ cudaError_t launch(const cudaLaunchConfig_t& config, const void* x, const void* 
                             static_cast<const uint8_t*>(zero), out, M, N, K, groups_per_split, Pairs<BF16>::MAGIC);
 }
 
-// The instance of (batch, pipe) for M rows: one column block of 8 x rows (M <= 8) or two (M <= 16, BATCH 2 or
-// 4 unpipelined: the others would spill).
+// The instance for M rows and (batch, pipe) as one key: one column block of 8 x rows (M <= 8) or two (M <= 16,
+// BATCH 2 or 4 unpipelined: the others would spill); -1 where there is none.
+static int variant_key(int M, int batch, int pipe) {
+  const int key = (M > 8) * 100 + batch * 2 + (pipe != 0);
+  switch (key) {
+    case 4: case 5: case 8: case 16: case 104: case 108: return key;
+    default: return -1;
+  }
+}
+
 template <bool BF16>
-cudaError_t launch_variant(int batch, int pipe, const cudaLaunchConfig_t& config, const void* x, const void* w,
+cudaError_t launch_variant(int key, const cudaLaunchConfig_t& config, const void* x, const void* w,
                            const void* scale, const void* zero, float* out, int M, int N, int K,
                            int groups_per_split) {
-  switch ((M > 8) * 100 + batch * 2 + (pipe != 0)) {
+  switch (key) {
     case 4: return launch<BF16, 2, false, 1>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
     case 5: return launch<BF16, 2, true, 1>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
     case 8: return launch<BF16, 4, false, 1>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
     case 16: return launch<BF16, 8, false, 1>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
     case 104: return launch<BF16, 2, false, 2>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
     case 108: return launch<BF16, 4, false, 2>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
-    default: return cudaErrorInvalidValue;  // (batch 4 or 8 pipelined, or 8 for 9..16 rows, would spill)
+    default: return cudaErrorInvalidValue;
   }
 }
 
-// Launches the kernel on `stream`; returns the cudaError_t. splits * groups_per_split >= K / 128 and every
-// split nonempty (the caller's plan); 1 <= M <= 16; batch 2, 4 or 8 (2 or 4 for M > 8), pipe (two batches in
-// flight) only with batch 2 and M <= 8. pdl: programmatic dependent launch (the kernel waits before reading x).
-extern "C" int fastqwen_int4_gemv(const void* x, const void* w, const void* scale, const void* zero,
-                                          float* out, int M, int N, int K, int splits, int groups_per_split,
-                                          int batch, int pipe, int bf16, int pdl, void* stream) {
+// Launches the kernel on `stream` of GPU `device` (made this runtime's current device first: the library links
+// its own CUDA runtime, whose current device is not torch's); returns the cudaError_t, cudaErrorInvalidValue
+// (1) before touching the GPU where the arguments are out of the kernel's range: N % 16, K % 128, a split plan
+// that leaves a split empty or a group out, M outside 1 .. 16, a (batch, pipe) with no instance for M (batch 2,
+// 4 or 8, only 2 or 4 past 8 rows; pipe only with batch 2 and M <= 8). pdl: programmatic dependent launch (the
+// kernel waits before reading x).
+extern "C" int fastqwen_int4_gemv(const void* x, const void* w, const void* scale, const void* zero, float* out,
+                                  int M, int N, int K, int splits, int groups_per_split, int batch, int pipe,
+                                  int bf16, int pdl, int device, void* stream) {
+  const int G = K / 128, key = variant_key(M, batch, pipe);
+  if (N <= 0 || N % 16 || K <= 0 || K % 128 || M < 1 || M > 16 || key < 0 || splits < 1 || groups_per_split < 1 ||
+      (splits - 1) * groups_per_split >= G || splits * groups_per_split < G)
+    return static_cast<int>(cudaErrorInvalidValue);
+  if (cudaError_t e = cudaSetDevice(device); e != cudaSuccess) return static_cast<int>(e);
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(N / 16, splits);
   config.blockDim = dim3(WARPS * 32);
@@ -274,9 +290,7 @@ extern "C" int fastqwen_int4_gemv(const void* x, const void* w, const void* scal
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
   config.numAttrs = pdl ? 1 : 0;
-  if (M < 1 || M > 16) return static_cast<int>(cudaErrorInvalidValue);
-  cudaError_t e = bf16 ? launch_variant<true>(batch, pipe, config, x, w, scale, zero, out, M, N, K, groups_per_split)
-                       : launch_variant<false>(batch, pipe, config, x, w, scale, zero, out, M, N, K,
-                                               groups_per_split);
+  cudaError_t e = bf16 ? launch_variant<true>(key, config, x, w, scale, zero, out, M, N, K, groups_per_split)
+                       : launch_variant<false>(key, config, x, w, scale, zero, out, M, N, K, groups_per_split);
   return static_cast<int>(e);
 }
