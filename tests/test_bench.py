@@ -204,14 +204,14 @@ def test_bench_spec_times_candidate_kernels_against_the_default(tmp_path):
     process, each with its ratio to the default's."""
     out = tmp_path / "spec.json"
     script = pathlib.Path(__file__).parents[1] / "scripts" / "bench_spec.py"
-    subprocess.run([sys.executable, str(script), "--runs", "dflash:3:2.0", "--n-short", "4", "--n-long", "12",
+    subprocess.run([sys.executable, str(script), "--runs", "dflash:3:2.0", "--n-short", "4", "--n-long", "28",
                     "--verify-block", "4", "--phases", "--also-kernels", "gdn=fla", "--no-compile", "--json",
                     str(out)],
                    check=True, capture_output=True)
     res = json.loads(out.read_text())
     run = res["dflash"]
     assert run["tok_s"] > 0 and res["verify4"]["verify_s"] > 0
-    assert run["window_rounds"] > 0 and run["window_tau"] == (12 - 4) / run["window_rounds"]
+    assert run["window_rounds"] > 0 and run["window_tau"] == (28 - 4) / run["window_rounds"]
     assert run["tok_s_e2e_at_tau"] == pytest.approx(run["tok_s"] * 2.0 / run["window_tau"])
     alt = res["also_kernels"]["gdn=fla"]
     assert alt["verify_s"] > 0 and alt["verify_vs_default"] == alt["verify_s"] / res["verify4"]["verify_s"]
@@ -250,7 +250,7 @@ def test_bench_spec_times_the_verify_on_a_shorter_stack(tmp_path):
     bad = subprocess.run([sys.executable, str(script), "--layers", "2", "--runs", "dflash:3:2.0"], capture_output=True,
                          text=True)
     assert bad.returncode == 2 and "taps layers of the whole stack" in bad.stderr
-    subprocess.run([sys.executable, str(script), "--layers", "2", "--runs", "--n-short", "4", "--n-long", "8",
+    subprocess.run([sys.executable, str(script), "--layers", "2", "--runs", "--n-short", "4", "--n-long", "28",
                     "--verify-block", "4", "--no-compile", "--json", str(out)], check=True,
                    capture_output=True)
     res = json.loads(out.read_text())
