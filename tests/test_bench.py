@@ -269,8 +269,8 @@ def test_timings_can_cycle_through_weight_copies_larger_than_l2(monkeypatch):
 
 
 def test_profile_step_tells_a_rounds_draft_and_verify_apart(tmp_path):
-    """scripts/profile_step.py --speculate dflash:3 --phases on the tiny CPU model, eager (the two tests below
-    profile compiled steps): the decode step, the round, then the draft and the verify each profiled apart."""
+    """scripts/profile_step.py --speculate dflash:3 --phases on the tiny CPU model, eager (--again, below,
+    profiles compiled steps): the decode step, the round, then the draft and the verify each profiled apart."""
     out = tmp_path / "profile.json"
     script = pathlib.Path(__file__).parents[1] / "scripts" / "profile_step.py"
     subprocess.run([sys.executable, str(script), "--speculate", "dflash:3", "--phases", "--steps", "2", "--top", "3",
@@ -281,12 +281,12 @@ def test_profile_step_tells_a_rounds_draft_and_verify_apart(tmp_path):
 
 
 def test_profile_step_times_a_verify_alone_on_a_shorter_stack(tmp_path):
-    """profile_step.py --layers 2 --verify-block 4: the decode step and a 4-position verify with no proposer,
-    on the first two layers of the tiny preset."""
+    """profile_step.py --layers 2 --verify-block 4 (eager): the decode step and a 4-position verify with no
+    proposer, on the first two layers of the tiny preset."""
     out = tmp_path / "profile.json"
     script = pathlib.Path(__file__).parents[1] / "scripts" / "profile_step.py"
     subprocess.run([sys.executable, str(script), "--layers", "2", "--verify-block", "4", "--steps", "2", "--top", "3",
-                    "--json", str(out)], check=True, capture_output=True)
+                    "--no-compile", "--json", str(out)], check=True, capture_output=True)
     assert [r["what"] for r in json.loads(out.read_text())] == ["step", "verify (4) alone"]
     with pytest.raises(ValueError, match="layers must be in 1"):
         presets.build("tiny", layers=0)
