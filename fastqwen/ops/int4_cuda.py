@@ -137,6 +137,8 @@ def int4_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch
         raise ValueError(f"int4_gemv takes 1 … {MAX_ROWS} bf16/fp16 rows of x, codes tiled [N/16, K/128, 16, 64] "
                          "uint8 and group-major fp16 scale / uint8 zero (QuantLinear's layout)")
     x = x.contiguous()
+    if x.data_ptr() % 16:  # (a view at an odd offset: the kernel loads x 16 bytes at a time)
+        x = x.clone()
     batch, pipelined = variant(x.shape[0])
     out = torch.empty(splits, x.shape[0], out_features, device=x.device, dtype=torch.float32)
     err = build(device_arch(x.device)).fastqwen_int4_gemv(

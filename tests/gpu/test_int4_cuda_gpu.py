@@ -60,6 +60,16 @@ def test_every_instance_matches_the_reference(batch, pipelined, N, K, monkeypatc
         assert rel_err(got, int4_cuda.reference(x, q, s, z, N, got.shape[0])) < 1e-5, (batch, pipelined, dtype)
 
 
+def test_x_at_an_unaligned_offset_is_taken():
+    """x a view 2 elements into its storage (not 16-byte aligned, as a slice of a fused output can be)."""
+    N, K = 2048, 4096
+    q, s, z = stored_operands(INT4, torch.randn(N, K, device="cuda", dtype=torch.bfloat16))
+    x = torch.randn(K + 2, device="cuda", dtype=torch.bfloat16)[2:].view(1, K)
+    assert x.data_ptr() % 16
+    got = int4_cuda.int4_gemv(x, q, s, z, N)
+    assert rel_err(got, int4_cuda.reference(x, q, s, z, N, got.shape[0])) < 1e-5
+
+
 def test_a_graph_replays_the_kernel_on_new_inputs():
     N, K = 5120, 17408
     q, s, z = stored_operands(INT4, torch.randn(N, K, device="cuda", dtype=torch.bfloat16))

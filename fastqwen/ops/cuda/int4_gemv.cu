@@ -202,14 +202,14 @@ __global__ void __launch_bounds__(WARPS * 32, 4) int4_gemv_rows(const uint16_t* 
     Batch<BF16, BATCH> b;
     for (int g0 = g_begin; g0 < g_end; g0 += 2 * STRIDE) {
       b.load(tiles, scale, zero, N, row_a, g0 + STRIDE, g_end);
-      a.dot<NB>(xcols, has_x, g0, g_end, magic, sums);
+      a.template dot<NB>(xcols, has_x, g0, g_end, magic, sums);
       a.load(tiles, scale, zero, N, row_a, g0 + 2 * STRIDE, g_end);
-      b.dot<NB>(xcols, has_x, g0 + STRIDE, g_end, magic, sums);
+      b.template dot<NB>(xcols, has_x, g0 + STRIDE, g_end, magic, sums);
     }
   } else {
     for (int g0 = g_begin; g0 < g_end; g0 += STRIDE) {
       if (g0 != g_begin) a.load(tiles, scale, zero, N, row_a, g0, g_end);
-      a.dot<NB>(xcols, has_x, g0, g_end, magic, sums);
+      a.template dot<NB>(xcols, has_x, g0, g_end, magic, sums);
     }
   }
   __shared__ float part[WARPS][8 * NB][16];  // [warp][x row][strip row]
