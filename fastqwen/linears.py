@@ -106,22 +106,22 @@ class Linears:
     launches with programmatic dependent launch; `fixup`: it sums its split-K partials itself (wq_linear).
     `fused_act`: a SiLU-gated MLP on one row whose fused gate | up and down weights both take the kernel runs
     its down projection on the gate | up partials, computing silu(gate)·up as it loads them (swiglu_linear):
-    no activation kernel between the two. `int4`: the kernel of an int4 QuantLinear's few-row products
-    ("triton" or "cuda": QuantLinear.partials)."""
+    no activation kernel between the two. `cuda`: the quantization schemes whose QuantLinears' few-row products
+    take the CUDA C++ kernels (QuantLinear.partials)."""
 
     def __init__(self, fused: bool = False, gemv: bool | str = False, pdl: bool = False, fixup: bool = False,
-                 fused_act: bool = False, int4: str = "triton"):
+                 fused_act: bool = False, cuda: tuple = ()):
         from .quant.linear import QuantLinear  # (here: quant.linear imports model, which imports this module)
 
         self.fused, self.gemv, self.pdl, self.fixup, self.quant_linear = fused, gemv, pdl, fixup, QuantLinear
-        self.fused_act, self.int4 = fused_act, int4
+        self.fused_act, self.cuda = fused_act, cuda
         self.table = gpu_table() if gemv == "auto" else {}  # read here: not inside a traced step
 
     def __call__(self, module, x: torch.Tensor) -> torch.Tensor:
         if type(module) is torch.nn.Linear and module.bias is None:
             return self.weight(x, module.weight)
         if isinstance(module, self.quant_linear):
-            return module(x, pdl=self.pdl, fixup=self.fixup, int4=self.int4)
+            return module(x, pdl=self.pdl, fixup=self.fixup, cuda=self.cuda)
         return module(x)
 
     def weight(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -152,7 +152,7 @@ class Linears:
         partials [S, ..., N] fp32 (their sum, in x's dtype, is the output), or None where the policy does not
         stream it."""
         if isinstance(module, self.quant_linear) and module.bias is None:
-            return module.partials(x, self.pdl, self.fixup, int4=self.int4)
+            return module.partials(x, self.pdl, self.fixup, cuda=self.cuda)
         if type(module) is torch.nn.Linear and module.bias is None:
             rows, (N, K) = x.numel() // x.shape[-1], module.weight.shape
             if self._streams(x, N, K, rows):
@@ -187,7 +187,7 @@ class Linears:
         not match the reduction's and they run as two."""
         lead, rows = o.shape[:2], o.shape[:2].numel()
         if isinstance(module, self.quant_linear) and module.bias is None:
-            parts = module.partials(o, self.pdl, self.fixup, in_dims=2, int4=self.int4)
+            parts = module.partials(o, self.pdl, self.fixup, in_dims=2, cuda=self.cuda)
             if parts is not None:
                 return parts.sum(0).to(o.dtype)
         elif type(module) is torch.nn.Linear and module.bias is None and self._streams(o, *module.weight.shape, rows):

@@ -38,7 +38,8 @@ KERNELS = {"attention": ("split", "sdpa"), "experts": ("auto", "gather", "groupe
            "splitk": ("sum", "fixup"), "gdn_norm": ("separate", "fused"),
            "expert_act": ("auto", "separate", "fused", "mlp"), "route": ("auto", "argmax", "packed", "fused"),
            "mlp_act": ("separate", "fused"), "conv": ("fused", "separate"),
-           "int4": ("triton", "cuda")}  # first: the default
+           "int4": ("triton", "cuda"), "fp8_weight": ("triton", "cuda")}  # first: the default
+CUDA_KERNELS = {"int4": "int4", "fp8_weight": "fp8-weight"}  # kernels option -> the scheme its "cuda" choice takes
 
 
 def check_kernels(kernels: dict | None, cfg, device, fp8_experts: bool = False) -> dict:
@@ -111,7 +112,8 @@ def check_kernels(kernels: dict | None, cfg, device, fp8_experts: bool = False) 
     up to 16 rows (decode, MTP's and DFlash's verify, small batches) by the Triton weight-streaming kernel
     ("triton", ops/gemv.py) or by the CUDA C++ tensor-core kernel ("cuda", ops/int4_cuda.py: built with nvcc on
     first use, compute capability 9.0 or later; a candidate, not yet timed); more rows take the Triton kernel
-    either way."""
+    either way. "fp8_weight": the same for an fp8-weight QuantLinear ("cuda": ops/fp8_cuda.py, e4m3 pairs into
+    the tensor cores; a candidate, not yet timed)."""
     kernels = dict(kernels or {})
     unknown = set(kernels) - set(KERNELS)
     if unknown:
@@ -148,10 +150,12 @@ def check_kernels(kernels: dict | None, cfg, device, fp8_experts: bool = False) 
         raise ValueError("kernels['mlp_act']='fused' reads the fused gate | up projection's partials from the "
                          "weight-streaming kernel: it needs kernels['projections']='fused' and kernels['linears'] "
                          f"'auto' or 'gemv' (they are {kernels['projections']!r} and {kernels['linears']!r})")
-    if kernels["int4"] == "cuda" and torch.device(device).type == "cuda":  # build now: errors before any compile
-        from .ops import int4_cuda
+    if torch.device(device).type == "cuda":  # build the CUDA kernels asked for now: errors before any compile
+        from .ops import cuda_build, fp8_cuda, int4_cuda
 
-        int4_cuda.build(int4_cuda.device_arch(torch.device(device)))
+        for op, module in (("int4", int4_cuda), ("fp8_weight", fp8_cuda)):
+            if kernels[op] == "cuda":
+                module.library(cuda_build.device_arch(torch.device(device), module.CHOICE))
     return kernels
 
 
@@ -193,7 +197,8 @@ class Forward:
         self.lin = Linears(fused=self.kernels["projections"] == "fused",
                            gemv={"torch": False, "gemv": True, "auto": "auto"}[self.kernels["linears"]],
                            pdl=self.pdl, fixup=self.kernels["splitk"] == "fixup",
-                           fused_act=self.kernels["mlp_act"] == "fused", int4=self.kernels["int4"])
+                           fused_act=self.kernels["mlp_act"] == "fused",
+                           cuda=tuple(s for op, s in CUDA_KERNELS.items() if self.kernels[op] == "cuda"))
         if cache.lengths.device.type == "cuda":  # the kernels' arrival counts (split-K fixup, fused GDN norm, expert
             tile_counts(cache.lengths.device, 0)  # MLP, fused route), allocated before any capture
         for layer in self.layers:

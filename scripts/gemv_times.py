@@ -1,7 +1,7 @@
 """Kernel times of the weight-streaming kernel at the launch configs this tree would use, per layer of a shape set.
 
     python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --tag new
-    python scripts/gemv_times.py --format int4 --kernel triton cuda   # the two int4 one-row kernels, row by row
+    python scripts/gemv_times.py --format int4 --kernel triton cuda   # the Triton and CUDA kernels, layer by layer
 
 For A/B of a kernel or stored-format change on one GPU: run it in two checkouts (old and new) in turn, in one
 device call, and compare the rows. Each time is the minimum of --repeats CUDA-graph timings cycling through cold
@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from fastqwen import bench  # noqa: E402
-from fastqwen.ops import gemv, int4_cuda  # noqa: E402
+from fastqwen.ops import fp8_cuda, gemv, int4_cuda  # noqa: E402
 from bench_quant import SHAPES, SWEPT  # noqa: E402
 
 
@@ -30,18 +30,20 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rows", nargs="+", type=int, default=[1], help="rows of x (M), each timed")
     p.add_argument("--kernel", nargs="+", default=["triton"], choices=["triton", "cuda"],
-                   help="int4 at one row: the Triton kernel (ops/gemv.py) and/or the CUDA one (ops/int4_cuda.py)")
+                   help="int4 and fp8-weight: the Triton kernel (ops/gemv.py) and/or the CUDA one (ops/int4_cuda.py, "
+                   "ops/fp8_cuda.py)")
     p.add_argument("--cuda-batch", nargs="+", type=int, default=[int4_cuda.BATCH], choices=[2, 4, 8],
                    help="the CUDA kernel's BATCH (groups loaded before any decode), each timed")
     p.add_argument("--cuda-pipelined", nargs="+", type=int, default=[int(int4_cuda.PIPELINED)], choices=[0, 1],
-                   help="the CUDA kernel with the next batch's loads in flight while one decodes (BATCH 2 only)")
+                   help="the CUDA int4 kernel with the next batch's loads in flight while one decodes (BATCH 2 only)")
     p.add_argument("--cuda-blocks", nargs="+", type=int, default=[int4_cuda.TARGET_BLOCKS],
                    help="the CUDA kernel's TARGET_BLOCKS (the grid size its split plan aims at), each timed")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gemv_times.py times the CUDA kernel: it needs a GPU")
-    if "cuda" in args.kernel and args.format != "int4":
-        sys.exit("--kernel cuda is int4's")
+    if "cuda" in args.kernel and args.format not in ("int4", "fp8-weight"):
+        sys.exit("--kernel cuda is int4's and fp8-weight's")
+    cuda_module = int4_cuda if args.format == "int4" else fp8_cuda
     fmt = getattr(gemv, SWEPT[args.format])
     for layer, N, K in (s for name in args.shapes for s in SHAPES[name]):
         torch.manual_seed(0)
@@ -51,7 +53,7 @@ def main():
         copies = [stored] + [tuple(None if t is None else t.clone() for t in stored)
                              for _ in range(bench.cold_copies(nbytes, "cuda") - 1)]
         cuda = [(b, bool(p), n) for b in args.cuda_batch for p in args.cuda_pipelined for n in args.cuda_blocks
-                if b == 2 or not p] if "cuda" in args.kernel else []
+                if not p or (b == 2 and cuda_module is int4_cuda)] if "cuda" in args.kernel else []
         for M, kernel in ((M, k) for M in args.rows for k in ["triton"] * ("triton" in args.kernel) + cuda):
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             if kernel == "triton":
@@ -59,9 +61,13 @@ def main():
                     x, fmt, q, s, z, False, N, x.shape[0], partials=True)
                 config = gemv.full_config(gemv.gemv_config(fmt, N, K, M))
             else:
-                int4_cuda.BATCH, int4_cuda.PIPELINED, int4_cuda.TARGET_BLOCKS = kernel
-                run = lambda x, q, s, z: int4_cuda.int4_gemv(x, q, s, z, N)  # noqa: E731
-                config = f"cuda batch {kernel[0]}{' pipelined' * kernel[1]} splits {int4_cuda.plan(N, K)[0]}"
+                cuda_module.BATCH, cuda_module.TARGET_BLOCKS = kernel[0], kernel[2]
+                if cuda_module is int4_cuda:
+                    int4_cuda.PIPELINED = kernel[1]
+                    run = lambda x, q, s, z: int4_cuda.int4_gemv(x, q, s, z, N)  # noqa: E731
+                else:
+                    run = lambda x, q, s, z: fp8_cuda.fp8_gemv(x, q, s)  # noqa: E731
+                config = f"cuda batch {kernel[0]}{' pipelined' * kernel[1]} splits {cuda_module.plan(N, K)[0]}"
             t = min(bench.graph_seconds(run, variants=[(x, *c) for c in copies]) for _ in range(args.repeats))
             print(f"| {args.tag} | {layer} | {N}x{K} | M={M} | {config} | {t * 1e6:.1f} µs | "
                   f"{nbytes / 1e6:.1f} MB | {nbytes / t / 1e12:.2f} TB/s |", flush=True)

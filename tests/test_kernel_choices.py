@@ -31,8 +31,8 @@ def test_grouped_experts_match_the_gathered_ones():
 
 ALL = {"attention": "sdpa", "experts": "grouped", "projections": "separate", "linears": "gemv", "gdn": "fla",
        "launch": "pdl", "splitk": "fixup", "gdn_norm": "fused", "expert_act": "fused",
-       "route": "packed", "conv": "separate", "int4": "cuda"}  # (mlp_act "fused" needs fused projections: its own
-# cases; int4 "cuda" runs its reference off the GPU: tests/test_int4_cuda.py, tests/gpu/test_int4_cuda_gpu.py)
+       "route": "packed", "conv": "separate", "int4": "cuda", "fp8_weight": "cuda"}  # (mlp_act "fused" needs fused projections: its own
+# cases; the "cuda" kernels run their references off the GPU: tests/test_cuda_kernels.py, tests/gpu/test_cuda_kernels_gpu.py)
 
 
 @pytest.mark.parametrize("name,kernels,compile", [("tiny", {"attention": "sdpa"}, False),
@@ -59,7 +59,8 @@ def test_alternative_kernels_give_the_default_tokens(name, kernels, compile):
     assert other._fastqwen.forward.kernels == {"attention": "split", "experts": "gather", "projections": "fused",
                                                "linears": "auto", "gdn": "block", "launch": "serial", "splitk": "sum", "gdn_norm": "separate",
                                                "expert_act": "separate", "route": "argmax", "mlp_act": "separate",
-                                               "conv": "fused", "int4": "triton", **grouped_auto, **kernels}
+                                               "conv": "fused", "int4": "triton", "fp8_weight": "triton", **grouped_auto,
+                                               **kernels}
     ids, mask = left_padded([torch.randint(1, 500, (n,)) for n in (17, 5)])
     assert torch.equal(other.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16),
                        default.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16))
@@ -159,7 +160,7 @@ def test_programmatic_dependent_launch_reaches_inductor_and_the_weight_streaming
     real_linear, real_forward = linears_module.wq_linear, quant_linear_module.QuantLinear.forward
     monkeypatch.setattr(linears_module, "wq_linear", lambda *a: flags.append(a[7:9]) or real_linear(*a))
     monkeypatch.setattr(quant_linear_module.QuantLinear, "forward", lambda self, x, pdl=False, fixup=False,
-                        int4="triton": flags.append((pdl, fixup)) or real_forward(self, x, pdl, fixup, int4))
+                        cuda=(): flags.append((pdl, fixup)) or real_forward(self, x, pdl, fixup, cuda))
     for quant in (None, "fp8-weight"):  # the bf16 linears through the kernel; the quantized ones
         for splitk in ("sum", "fixup"):  # (and the split-K choice with them)
             m = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=96, compile=False, quant=quant,

@@ -7,84 +7,32 @@ flight bound it, which no launch config, layout or TMA ring changed. Here each l
 loads for BATCH groups (and the scales) before it decodes any of them and before the PDL wait, at 96 registers
 (5 blocks of 4 warps a multiprocessor).
 
-The kernel is built on first use with the CUDA toolkit's nvcc (`build`, cached by source and GPU architecture
-under $FASTQWEN_CACHE or ~/.cache/fastqwen) and called through ctypes on torch's current stream (CUDA-graph
-capture records it like any launch). optimize's kernels={"int4": "cuda"} routes QuantLinear's int4 products
+The kernel is built on first use with the CUDA toolkit's nvcc (ops/cuda_build.py: cached by source and GPU
+architecture under $FASTQWEN_CACHE or ~/.cache/fastqwen) and called through ctypes on torch's current stream
+(CUDA-graph capture records it like any launch). optimize's kernels={"int4": "cuda"} routes QuantLinear's int4 products
 of up to MAX_ROWS rows here (decode, MTP's and DFlash's verify, small batches; the kernel decodes the weight
 once for all of them, as one or two blocks of mma's 8 columns); `int4_gemv` is the registered op, `reference`
 its plain torch twin (also what runs off CUDA).
 """
 
-import ctypes
-import functools
-import hashlib
-import os
-import pathlib
-import shutil
-import subprocess
-
 import torch
 
+from . import cuda_build
 from .gemv import INT4, STEP, dequantized
 
-SOURCE = pathlib.Path(__file__).with_name("cuda") / "int4_gemv.cu"
+SOURCE = cuda_build.SOURCES / "int4_gemv.cu"
 TILE_ROWS = 16
 TARGET_BLOCKS = 2048  # splits are added until the grid has about this many blocks (~15 a multiprocessor)
 BATCH = 4  # groups whose weight loads a warp issues before it decodes them (2, 4 or 8: the kernel's instances)
 PIPELINED = False  # the next batch's loads in flight while a batch decodes (an instance with BATCH 2 only)
 MAX_SPLITS = 8  # inductor unrolls the caller's sum of ≤ 8 partials into the consumer (gemv.wq_linear)
 MAX_ROWS = 16  # rows of x a launch takes: one or two blocks of mma.m16n8k16's 8 B columns (a DFlash verify)
+CHOICE = "kernels['int4']='cuda'"
 
 
-def nvcc() -> str | None:
-    """The path of the CUDA toolkit's compiler, or None: $CUDA_HOME/bin/nvcc, nvcc on PATH, /usr/local/cuda."""
-    for candidate in (os.path.join(os.environ.get("CUDA_HOME", ""), "bin", "nvcc"), shutil.which("nvcc"),
-                      "/usr/local/cuda/bin/nvcc"):
-        if candidate and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
-            return candidate
-    return None
-
-
-def build_command(compiler: str, arch: str, out: pathlib.Path) -> list[str]:
-    """nvcc's arguments for the shared library of SOURCE for compute capability `arch` ("90": sm_90)."""
-    return [compiler, "-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-shared",
-            "-Xcompiler", "-fPIC", "-o", str(out), str(SOURCE)]
-
-
-@functools.lru_cache(maxsize=None)
-def build(arch: str) -> ctypes.CDLL:
-    """The kernel's shared library for compute capability `arch` (e.g. "90"), compiled once per source and
-    architecture (kept in the cache directory: later processes load it), loaded with ctypes. Raises RuntimeError
-    naming the fix where nvcc is missing or fails."""
-    compiler = nvcc()
-    if compiler is None:
-        raise RuntimeError("kernels['int4']='cuda' compiles fastqwen/ops/cuda/int4_gemv.cu with nvcc, which was not "
-                           "found ($CUDA_HOME/bin, PATH, /usr/local/cuda/bin): install the CUDA toolkit or keep "
-                           "kernels['int4']='triton'")
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(build_command("nvcc", arch, pathlib.Path())).encode())
-    cache = pathlib.Path(os.environ.get("FASTQWEN_CACHE", pathlib.Path.home() / ".cache" / "fastqwen")) / "cuda"
-    lib = cache / f"int4_gemv-sm{arch}-{digest.hexdigest()[:16]}.so"
-    if not lib.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-        done = subprocess.run(build_command(compiler, arch, tmp), capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"nvcc failed to build {SOURCE.name} for sm_{arch}:\n{done.stderr[-3000:]}")
-        os.replace(tmp, lib)  # (atomic: a concurrent process sees the whole library or none)
-    dll = ctypes.CDLL(str(lib))
-    dll.fastqwen_int4_gemv.restype = ctypes.c_int
-    dll.fastqwen_int4_gemv.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 10 + [ctypes.c_void_p]
-    return dll
-
-
-def device_arch(device: torch.device) -> str:
-    """The compute capability of a CUDA device as nvcc names it ("90"); sm_90 or later is needed (the kernel's
-    griddepcontrol.wait)."""
-    major, minor = torch.cuda.get_device_capability(device)
-    if major < 9:
-        raise RuntimeError(f"kernels['int4']='cuda' needs compute capability 9.0 or later (Hopper); this GPU has "
-                           f"{major}.{minor}: keep kernels['int4']='triton'")
-    return f"{major}{minor}"
+def library(arch: str):
+    """The kernel's entry point for compute capability `arch` (cuda_build.entry: built on first use)."""
+    return cuda_build.entry("int4_gemv", arch, CHOICE, pointers=5, ints=10)
 
 
 def variant(rows: int) -> tuple[int, bool]:
@@ -94,13 +42,8 @@ def variant(rows: int) -> tuple[int, bool]:
 
 
 def plan(N: int, K: int, one_split: bool = False) -> tuple[int, int]:
-    """(splits, groups a split) for an [N, K] weight: the fewest splits (≤ MAX_SPLITS, each ≥ 4 groups: one a
-    warp) that give the grid about TARGET_BLOCKS blocks of one 16-row strip each; every split nonempty.
-    one_split: a single split (the whole product in one partial, for a consumer that cannot fold the sum)."""
-    groups, strips = K // STEP, N // TILE_ROWS
-    splits = 1 if one_split else max(1, min(MAX_SPLITS, groups // 4, -(-TARGET_BLOCKS // strips)))
-    per = -(-groups // splits)
-    return -(-groups // per), per
+    """(splits, groups of 128 columns a split) for an [N, K] weight (cuda_build.split_plan)."""
+    return cuda_build.split_plan(N // TILE_ROWS, K // STEP, one_split, TARGET_BLOCKS, MAX_SPLITS)
 
 
 def takes(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> bool:
@@ -136,12 +79,10 @@ def int4_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch
     if not takes(x, w, scale, zero):
         raise ValueError(f"int4_gemv takes 1 … {MAX_ROWS} bf16/fp16 rows of x, codes tiled [N/16, K/128, 16, 64] "
                          "uint8 and group-major fp16 scale / uint8 zero (QuantLinear's layout)")
-    x = x.contiguous()
-    if x.data_ptr() % 16:  # (a view at an odd offset: the kernel loads x 16 bytes at a time)
-        x = x.clone()
+    x = cuda_build.aligned(x)
     batch, pipelined = variant(x.shape[0])
     out = torch.empty(splits, x.shape[0], out_features, device=x.device, dtype=torch.float32)
-    err = build(device_arch(x.device)).fastqwen_int4_gemv(
+    err = library(cuda_build.device_arch(x.device, CHOICE))(
         x.data_ptr(), w.data_ptr(), scale.data_ptr(), zero.data_ptr(), out.data_ptr(), x.shape[0], out_features,
         x.shape[-1], splits, per, batch, pipelined, x.dtype == torch.bfloat16, pdl, x.device.index,
         torch.cuda.current_stream(x.device).cuda_stream)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..model import text_model
-from ..ops import int4_cuda
+from ..ops import fp8_cuda, int4_cuda
 from ..ops.gemv import FORMATS, MAX_ROWS, STEP, group_major, tile_int4, untile_int4, wq_linear
 from .experts import QuantExperts
 from .formats import INT4_ZERO, dequantize_weight, fake_quantize_fp8_activations, int4_scale, quantize_weight
@@ -64,11 +64,12 @@ class QuantLinear(nn.Module):
             tensors["qweight"] = untile_int4(tensors["qweight"])
         return dequantize_weight(self.scheme, tensors, self.group)
 
-    def forward(self, x: torch.Tensor, pdl: bool = False, fixup: bool = False, int4: str = "triton") -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pdl: bool = False, fixup: bool = False, cuda: tuple = ()) -> torch.Tensor:
         """x [..., in_features] → [..., out_features]; pdl: the kernel with programmatic dependent launch;
-        fixup: it sums its split-K partials itself (ops/gemv.py wq_linear); int4: the few-row int4 kernel
-        ("triton": ops/gemv.py, "cuda": ops/int4_cuda.py)."""
-        parts = self.partials(x, pdl, fixup, int4=int4)
+        fixup: it sums its split-K partials itself (ops/gemv.py wq_linear); cuda: the schemes whose few-row
+        products take the CUDA C++ kernels ("int4": ops/int4_cuda.py, "fp8-weight": ops/fp8_cuda.py) rather
+        than the Triton one (ops/gemv.py)."""
+        parts = self.partials(x, pdl, fixup, cuda=cuda)
         if parts is not None:
             y = parts.sum(0).to(x.dtype)
             return y if self.bias is None else y + self.bias
@@ -77,13 +78,13 @@ class QuantLinear(nn.Module):
         return F.linear(x, self.dequantized().to(x.dtype), self.bias)
 
     def partials(self, x: torch.Tensor, pdl: bool = False, fixup: bool = False,
-                 in_dims: int = 1, int4: str = "triton") -> torch.Tensor | None:
+                 in_dims: int = 1, cuda: tuple = ()) -> torch.Tensor | None:
         """The weight-streaming kernel's split-K partials [S, ..., out_features] fp32 of x [..., in_features]
         (bias not added; their sum, in x's dtype, is the product), or None where the kernel does not take x
         (off CUDA, too many rows, a shape it cannot stream). in_dims: x's last in_dims dims (their product
-        in_features) are flattened inside the op (Linears.heads). int4 "cuda": up to 16 rows of x on an int4 weight
-        in the layout it takes go to ops/int4_cuda.py's kernel (with fixup in one split); anything else to
-        ops/gemv.py's."""
+        in_features) are flattened inside the op (Linears.heads). Where this scheme is in `cuda`, up to 16 rows
+        of x in the layout its CUDA kernel takes go there (ops/int4_cuda.py, ops/fp8_cuda.py; with fixup in one
+        split); anything else to ops/gemv.py's kernel."""
         rows = x.shape[:-in_dims].numel()
         if not (x.is_cuda and rows <= MAX_ROWS and self.in_features % STEP == 0 and (
                 self.scheme != "int4" or self.group == STEP)):
@@ -92,14 +93,21 @@ class QuantLinear(nn.Module):
         if getattr(self, "perm", None) is not None:
             x2 = x2.reshape(rows, -1).index_select(1, self.perm)  # the stored column order
         scale = self.scale_inv if self.scheme == "fp8" else self.scale
-        if int4 == "cuda" and self.scheme == "int4" and int4_cuda.takes(x2.reshape(rows, -1), self.qweight, scale,
-                                                                        self.zero):
-            parts = int4_cuda.int4_gemv(x2.reshape(rows, -1), self.qweight, scale, self.zero, self.out_features, pdl,
-                                        fixup)  # (fixup: one split, as the Triton kernel's fixup gives one partial)
+        parts = self._cuda_partials(x2.reshape(rows, -1), scale, pdl, fixup) if self.scheme in cuda else None
+        if parts is not None:
             return parts.view(parts.shape[0], *x.shape[:-in_dims], self.out_features)
         parts = wq_linear(x2, FORMATS[self.scheme], self.qweight, scale, getattr(self, "zero", None),
                           self.scheme == "fp8", self.out_features, pdl, fixup)
         return parts.view(parts.shape[0], *x.shape[:-in_dims], self.out_features)
+
+    def _cuda_partials(self, x2: torch.Tensor, scale: torch.Tensor, pdl: bool, fixup: bool) -> torch.Tensor | None:
+        """The scheme's CUDA kernel's partials [S, rows, out_features] of x2 [rows, in_features], or None where
+        it does not take them (fixup: one split, as the Triton kernel's fixup gives one partial)."""
+        if self.scheme == "int4" and int4_cuda.takes(x2, self.qweight, scale, self.zero):
+            return int4_cuda.int4_gemv(x2, self.qweight, scale, self.zero, self.out_features, pdl, fixup)
+        if self.scheme == "fp8-weight" and fp8_cuda.takes(x2, self.qweight, scale):
+            return fp8_cuda.fp8_gemv(x2, self.qweight, scale, pdl, fixup)
+        return None
 
     def extra_repr(self) -> str:
         return f"{self.scheme}, in_features={self.in_features}, out_features={self.out_features}"

@@ -22,24 +22,16 @@
 // of 8 B columns (NB = 2: two more MMAs a word).
 // Weights and scales are loaded before the PDL wait (they do not depend on the previous kernel); x after it.
 
-#include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cuda_runtime.h>
-#include <stdint.h>
+
+#include "strip_gemv.cuh"
 
 namespace {
 
-constexpr int WARPS = 4;  // a block: one strip of 16 rows, the split's groups dealt to 4 warps
+using strip_gemv::load_weights;
+using strip_gemv::WARPS;
 // BATCH (a template argument: 2, 4 or 8): groups whose loads a warp issues before it decodes any of them;
 // PIPE: the next BATCH's loads in flight while it decodes (with BATCH 2)
-
-__device__ __forceinline__ uint4 load_weights(const uint4* p) {  // streamed once: keep it out of L1
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
-  return v;
-}
 
 template <bool BF16>
 struct Pairs;  // the 16-bit pair arithmetic of one x dtype
@@ -54,12 +46,6 @@ struct Pairs<true> {
     asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
     return d;
   }
-  __device__ __forceinline__ static void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
 };
 
 template <>
@@ -71,12 +57,6 @@ struct Pairs<false> {
     uint32_t d;
     asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
     return d;
-  }
-  __device__ __forceinline__ static void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
 };
 
@@ -107,8 +87,8 @@ __device__ __forceinline__ void group_dot(float (&c)[NB][4], uint4 a, uint4 b, c
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
       const uint4 v = xs[nb][i];  // x[8i + 0 .. 7] of the lane's columns, two a register
-      Pairs<BF16>::mma(c[nb], lo, __byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632));
-      Pairs<BF16>::mma(c[nb], hi, __byte_perm(v.y, v.w, 0x5410), __byte_perm(v.y, v.w, 0x7632));
+      strip_gemv::mma<BF16>(c[nb], lo, __byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632));
+      strip_gemv::mma<BF16>(c[nb], hi, __byte_perm(v.y, v.w, 0x5410), __byte_perm(v.y, v.w, 0x7632));
     }
   }
 }
@@ -175,8 +155,8 @@ struct Batch {
 template <bool BF16, int BATCH, bool PIPE, int NB>
 __global__ void __launch_bounds__(WARPS * 32, 4) int4_gemv_rows(const uint16_t* x,
                                                                 const uint4* __restrict__ w,
-                                                                const __half* __restrict__ scale,
-                                                                const uint8_t* __restrict__ zero,
+                                                                const __half* scale,  // (coherent loads:
+                                                                const uint8_t* zero,  //  before the wait)
                                                                 float* __restrict__ out, int M, int N, int K,
                                                                 int groups_per_split, uint32_t magic) {
   const int G = K / 128, strip = blockIdx.x, split = blockIdx.y;
@@ -186,12 +166,13 @@ __global__ void __launch_bounds__(WARPS * 32, 4) int4_gemv_rows(const uint16_t* 
   const uint4* tiles = w + (size_t)strip * G * 64 + lane;  // tile (strip, g) at + g * 64 uint4s
   // x row 8 nb + l/4 at the lane's 32 columns of group g: + g * 16 (K % 128 == 0: every row 16-byte aligned)
   bool has_x[NB];
+  const uint16_t* xrow[NB];
+  strip_gemv::x_rows<NB>(x, M, K, lane, has_x, xrow);
   const uint4* xcols[NB];
   float sums[NB][4];
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
-    has_x[nb] = nb * 8 + lane / 4 < M;
-    xcols[nb] = reinterpret_cast<const uint4*>(x + (size_t)min(nb * 8 + lane / 4, M - 1) * K) + (lane % 4) * 4;
+    xcols[nb] = reinterpret_cast<const uint4*>(xrow[nb]) + (lane % 4) * 4;
     sums[nb][0] = sums[nb][1] = sums[nb][2] = sums[nb][3] = 0.f;
   }
   constexpr int STRIDE = BATCH * WARPS;
@@ -212,23 +193,7 @@ __global__ void __launch_bounds__(WARPS * 32, 4) int4_gemv_rows(const uint16_t* 
       a.template dot<NB>(xcols, has_x, g0, g_end, magic, sums);
     }
   }
-  __shared__ float part[WARPS][8 * NB][16];  // [warp][x row][strip row]
-  const int r = lane / 4, m = 2 * (lane % 4);
-#pragma unroll
-  for (int nb = 0; nb < NB; ++nb) {
-    part[warp][8 * nb + m][r] = sums[nb][0];
-    part[warp][8 * nb + m + 1][r] = sums[nb][1];
-    part[warp][8 * nb + m][r + 8] = sums[nb][2];
-    part[warp][8 * nb + m + 1][r + 8] = sums[nb][3];
-  }
-  __syncthreads();
-  for (int t = threadIdx.x; t < 16 * M; t += WARPS * 32) {
-    const int row = t % 16, xrow = t / 16;
-    float s = 0.f;
-#pragma unroll
-    for (int v = 0; v < WARPS; ++v) s += part[v][xrow][row];
-    out[((size_t)split * M + xrow) * N + strip * 16 + row] = s;
-  }
+  strip_gemv::write_partials<NB>(sums, 1.f, 1.f, out, M, N, strip, split);  // (the groups' scales: applied)
 }
 
 }  // namespace
@@ -267,29 +232,21 @@ cudaError_t launch_variant(int key, const cudaLaunchConfig_t& config, const void
   }
 }
 
-// Launches the kernel on `stream` of GPU `device` (made this runtime's current device first: the library links
-// its own CUDA runtime, whose current device is not torch's); returns the cudaError_t, cudaErrorInvalidValue
-// (1) before touching the GPU where the arguments are out of the kernel's range: N % 16, K % 128, a split plan
-// that leaves a split empty or a group out, M outside 1 .. 16, a (batch, pipe) with no instance for M (batch 2,
-// 4 or 8, only 2 or 4 past 8 rows; pipe only with batch 2 and M <= 8). pdl: programmatic dependent launch (the
-// kernel waits before reading x).
+// Launches the kernel on `stream` of GPU `device`; returns the cudaError_t, cudaErrorInvalidValue (1) before
+// touching the GPU where the arguments are out of the kernel's range: N % 16, K % 128, a split plan that leaves a
+// split empty or a group out, M outside 1 .. 16, a (batch, pipe) with no instance for M (batch 2, 4 or 8, only 2
+// or 4 past 8 rows; pipe only with batch 2 and M <= 8). pdl: programmatic dependent launch (the kernel waits
+// before reading x).
 extern "C" int fastqwen_int4_gemv(const void* x, const void* w, const void* scale, const void* zero, float* out,
                                   int M, int N, int K, int splits, int groups_per_split, int batch, int pipe,
                                   int bf16, int pdl, int device, void* stream) {
-  const int G = K / 128, key = variant_key(M, batch, pipe);
-  if (N <= 0 || N % 16 || K <= 0 || K % 128 || M < 1 || M > 16 || key < 0 || splits < 1 || groups_per_split < 1 ||
-      (splits - 1) * groups_per_split >= G || splits * groups_per_split < G)
+  const int key = variant_key(M, batch, pipe);
+  if (!strip_gemv::shape_ok(M, N, K, 128, splits, groups_per_split) || key < 0)
     return static_cast<int>(cudaErrorInvalidValue);
-  if (cudaError_t e = cudaSetDevice(device); e != cudaSuccess) return static_cast<int>(e);
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(N / 16, splits);
-  config.blockDim = dim3(WARPS * 32);
-  config.stream = static_cast<cudaStream_t>(stream);
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = pdl ? 1 : 0;
+  cudaLaunchConfig_t config;
+  cudaLaunchAttribute attribute;
+  if (cudaError_t e = strip_gemv::launch_config(config, attribute, N, splits, pdl, device, stream); e != cudaSuccess)
+    return static_cast<int>(e);
   cudaError_t e = bf16 ? launch_variant<true>(key, config, x, w, scale, zero, out, M, N, K, groups_per_split)
                        : launch_variant<false>(key, config, x, w, scale, zero, out, M, N, K, groups_per_split);
   return static_cast<int>(e);

@@ -1,0 +1,165 @@
+"""The CUDA C++ few-row kernels (ops/int4_cuda.py, ops/fp8_cuda.py; built with nvcc on first use) on the GPU:
+their split-K partials against the plain torch references at the 27B's and 35B-A3B's layer shapes, bf16 and fp16
+x, one row and 2 … 16, with and without programmatic dependent launch, every output written, every instance;
+replayed in a CUDA graph; and a compiled decode step under kernels={"int4" | "fp8_weight": "cuda"} against the
+Triton kernel's."""
+
+import pytest
+import torch
+from conftest import COMPILE, poison_allocator, rel_err
+
+from fastqwen.ops import fp8_cuda, int4_cuda
+from fastqwen.ops.gemv import INT4, stored_operands
+from fastqwen.quant.formats import quantize_fp8_rows
+
+# 27B: MLP gate|up, down, attention q+gate+k+v, GDN qkv+z+b+a, out/o, lm_head; 35B-A3B: GDN qkv+z+b+a, o,
+# shared expert gate|up
+SHAPES = [(34816, 5120), (5120, 17408), (14336, 5120), (16480, 5120), (5120, 6144), (248320, 5120),
+          (12352, 2048), (2048, 4096), (1024, 2048)]
+
+
+class Int4:
+    module, op = int4_cuda, "int4"
+
+    @staticmethod
+    def operands(w):
+        return stored_operands(INT4, w)
+
+    @staticmethod
+    def call(x, ops, N, pdl=False, one_split=False):
+        return int4_cuda.int4_gemv(x, *ops, N, pdl, one_split)
+
+    @staticmethod
+    def reference(x, ops, N, splits):
+        return int4_cuda.reference(x, *ops, N, splits)
+
+
+class Fp8:
+    module, op = fp8_cuda, "fp8_weight"
+
+    @staticmethod
+    def operands(w):
+        return quantize_fp8_rows(w)
+
+    @staticmethod
+    def call(x, ops, N, pdl=False, one_split=False):
+        return fp8_cuda.fp8_gemv(x, *ops, pdl, one_split)
+
+    @staticmethod
+    def reference(x, ops, N, splits):
+        return fp8_cuda.reference(x, *ops, splits)
+
+
+KERNELS = {"int4": Int4, "fp8-weight": Fp8}
+
+
+@pytest.mark.parametrize("scheme", KERNELS)
+@pytest.mark.parametrize("N,K", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("pdl,one_split", [(False, False), (True, False), (True, True)])
+def test_partials_match_the_reference_at_real_shapes(scheme, N, K, dtype, pdl, one_split):
+    kernel = KERNELS[scheme]
+    torch.manual_seed(N + K)
+    ops = kernel.operands(torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02)
+    x = torch.randn(1, K, device="cuda", dtype=dtype)
+    splits, _ = kernel.module.plan(N, K, one_split)
+    want = kernel.reference(x, ops, N, splits)
+    poison_allocator((splits, 1, N), dtype=torch.float32)
+    got = kernel.call(x, ops, N, pdl, one_split)
+    assert got.shape == want.shape and not got.isnan().any(), "an output left unwritten"
+    err = rel_err(got, want)
+    assert err < 1e-5, f"{scheme} {N}x{K} {dtype} pdl={pdl} one_split={one_split}: {err:.2e}"
+
+
+@pytest.mark.parametrize("scheme", KERNELS)
+@pytest.mark.parametrize("M", [2, 3, 4, 8, 13, 16])
+@pytest.mark.parametrize("N,K", [(34816, 5120), (5120, 17408), (16480, 5120)])
+def test_rows_of_a_verify_block_or_batch_match_the_reference(scheme, M, N, K):
+    kernel = KERNELS[scheme]
+    torch.manual_seed(M)
+    ops = kernel.operands(torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16) * torch.logspace(-3, 3, M, device="cuda")[:, None]
+    splits, _ = kernel.module.plan(N, K)
+    poison_allocator((splits, M, N), dtype=torch.float32)
+    got = kernel.call(x, ops, N, True)
+    want = kernel.reference(x, ops, N, splits)
+    assert got.shape == (splits, M, N) and not got.isnan().any(), "an output left unwritten"
+    for m in range(M):  # (rows 10^6 apart in scale: each against its own)
+        assert rel_err(got[:, m], want[:, m]) < 1e-5, (scheme, M, m, rel_err(got[:, m], want[:, m]))
+
+
+@pytest.mark.parametrize("scheme,batch,pipelined", [("int4", 2, False), ("int4", 2, True), ("int4", 4, False),
+                                                    ("int4", 8, False), ("fp8-weight", 2, False),
+                                                    ("fp8-weight", 4, False), ("fp8-weight", 8, False)])
+@pytest.mark.parametrize("N,K", [(34816, 5120), (5120, 17408), (2048, 4096)])
+def test_every_instance_matches_the_reference(scheme, batch, pipelined, N, K, monkeypatch):
+    """Each BATCH (and int4's PIPELINED) instance, the ones gemv_times.py sweeps, bf16 and fp16 x, 1 and 11
+    rows, with PDL."""
+    kernel = KERNELS[scheme]
+    monkeypatch.setattr(kernel.module, "BATCH", batch)
+    if scheme == "int4":
+        monkeypatch.setattr(int4_cuda, "PIPELINED", pipelined)
+    torch.manual_seed(1)
+    ops = kernel.operands(torch.randn(N, K, device="cuda", dtype=torch.bfloat16))
+    for dtype in (torch.bfloat16, torch.float16):
+        for M in (1, 11):
+            x = torch.randn(M, K, device="cuda", dtype=dtype)
+            got = kernel.call(x, ops, N, True)
+            assert rel_err(got, kernel.reference(x, ops, N, got.shape[0])) < 1e-5, (scheme, batch, pipelined, M)
+
+
+@pytest.mark.parametrize("scheme", KERNELS)
+def test_x_at_an_unaligned_offset_is_taken(scheme):
+    """x a view 2 elements into its storage (not 16-byte aligned, as a slice of a fused output can be)."""
+    kernel, (N, K) = KERNELS[scheme], (2048, 4096)
+    ops = kernel.operands(torch.randn(N, K, device="cuda", dtype=torch.bfloat16))
+    x = torch.randn(K + 2, device="cuda", dtype=torch.bfloat16)[2:].view(1, K)
+    assert x.data_ptr() % 16
+    got = kernel.call(x, ops, N)
+    assert rel_err(got, kernel.reference(x, ops, N, got.shape[0])) < 1e-5
+
+
+@pytest.mark.parametrize("scheme", KERNELS)
+def test_a_graph_replays_the_kernel_on_new_inputs(scheme):
+    kernel, (N, K) = KERNELS[scheme], (5120, 17408)
+    ops = kernel.operands(torch.randn(N, K, device="cuda", dtype=torch.bfloat16))
+    x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+    kernel.call(x, ops, N, True)  # (loads the module before the capture)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = kernel.call(x, ops, N, True).sum(0)
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        assert rel_err(y, kernel.reference(x, ops, N, 1)[0]) < 1e-5
+
+
+@pytest.mark.parametrize("scheme", KERNELS)
+@torch.no_grad()
+def test_compiled_decode_step_gives_the_triton_kernels_logits(scheme):
+    """A 2-layer 27B-shaped model quantized (lm_head too), optimized with each kernel of the scheme (CUDA
+    graphs, PDL): after the same prefill, three compiled one-row decode steps (warm-up, record, replay) give the
+    same logits up to the summation order of their fp32 partial sums."""
+    import fastqwen
+    from fastqwen import presets
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = presets.build("qwen3.5-27b", dtype=torch.bfloat16, device="cuda", layers=2)
+    ids = torch.randint(model.config.vocab_size, (1, 16), device="cuda")
+    tok = torch.randint(model.config.vocab_size, (1, 1), device="cuda")
+    logits = {}
+    for choice in ("triton", "cuda"):
+        fastqwen.optimize(model, max_seq_len=64, quant=scheme, quant_lm_head=True, compile_options=COMPILE,
+                          kernels={KERNELS[scheme].op: choice})
+        e = model._fastqwen
+        model.generate(ids, max_new_tokens=1)  # (the prefill: the same reference path for both)
+        counters.clear()
+        with torch.compiler.config.patch(cache_key_tag=e.cache_tag):
+            step = e.compile(lambda: e.forward.step(tok))
+            logits[choice] = [step().clone() for _ in range(3)]
+        assert counters["inductor"]["cudagraph_skips"] == 0
+        model.__dict__.pop("_fastqwen"), model.__dict__.pop("generate")
+        torch._dynamo.reset()
+    for a, b in zip(logits["cuda"], logits["triton"]):
+        assert rel_err(a, b) < 1e-2, rel_err(a, b)

@@ -1,0 +1,369 @@
+"""The CUDA C++ few-row kernels (ops/int4_cuda.py with ops/cuda/int4_gemv.cu, ops/fp8_cuda.py with
+ops/cuda/fp8_gemv.cu, built by ops/cuda_build.py) off the GPU: their references and split plans, the ops'
+contracts, a bit-level emulation of what each lane loads, decodes and hands the tensor cores, the libraries'
+argument checks, and their builds for sm_90 (registers, no spills, the loads and MMAs they were written to
+issue). tests/gpu/test_cuda_kernels_gpu.py runs the kernels themselves."""
+
+import os
+import pathlib
+import subprocess
+
+import pytest
+import torch
+
+from fastqwen.model import check_kernels
+from fastqwen.ops import cuda_build, fp8_cuda, int4_cuda
+from fastqwen.ops.gemv import INT4, STEP, reference, stored_operands
+from fastqwen.quant.formats import quantize_fp8_rows
+
+NVCC = pytest.mark.skipif(cuda_build.nvcc() is None, reason="needs the CUDA toolkit's nvcc")
+
+
+def fp8_operands(N: int, K: int, seed: int = 0):
+    """(e4m3 codes [N, K], fp32 scale [N]) of a random weight, as QuantLinear stores fp8-weight."""
+    torch.manual_seed(seed)
+    return quantize_fp8_rows(torch.randn(N, K))
+
+
+def test_plans_cover_every_step_once_in_nonempty_splits():
+    for plan, step in ((int4_cuda.plan, STEP), (fp8_cuda.plan, fp8_cuda.CHUNK)):
+        for N, K in ((34816, 5120), (5120, 17408), (5120, 6144), (248320, 5120), (16, 128), (48, 1024), (64, 512)):
+            splits, per = plan(N, K)
+            steps = K // step
+            assert 1 <= splits <= 8 and (splits - 1) * per < steps <= splits * per, (N, K)
+            assert splits == 1 or per >= 4, (N, K)  # a step for each of the block's 4 warps
+    assert int4_cuda.plan(34816, 5120) == (1, 40) and int4_cuda.plan(5120, 17408) == (7, 20)
+    assert int4_cuda.plan(5120, 17408, one_split=True) == (1, 136)
+    assert fp8_cuda.plan(34816, 5120) == (1, 80) and fp8_cuda.plan(5120, 17408) == (7, 39)
+
+
+@pytest.mark.parametrize("N,K,M", [(64, 512, 1), (48, 1024, 3), (32, 128, 8), (16, 2048, 1), (64, 512, 16)])
+def test_reference_partials_sum_to_the_product_split_by_step_ranges(N, K, M):
+    """Each op's CPU reference: [splits, M, N], split i the product over its own steps of K alone."""
+    torch.manual_seed(N + K)
+    q, s, z = stored_operands(INT4, torch.randn(N, K))
+    w8, s8 = fp8_operands(N, K)
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    for parts, plan, step, full in (
+            (int4_cuda.int4_gemv(x, q, s, z, N), int4_cuda.plan, STEP, lambda x: reference(x, INT4, q, s, z, False, N)),
+            (fp8_cuda.fp8_gemv(x, w8, s8), fp8_cuda.plan, fp8_cuda.CHUNK,
+             lambda x: x @ (w8.float() * s8[:, None]).t())):
+        splits, per = plan(N, K)
+        assert parts.shape == (splits, M, N) and parts.dtype == torch.float32
+        assert torch.allclose(parts.sum(0), full(x.float()), rtol=1e-5, atol=1e-4)
+        cols = per * step
+        for i in range(splits):
+            xi = torch.zeros_like(x)
+            xi[:, i * cols:(i + 1) * cols] = x[:, i * cols:(i + 1) * cols]
+            assert torch.allclose(parts[i], full(xi.float()), rtol=1e-5, atol=1e-4)
+
+
+def test_ops_pass_opcheck_and_take_only_their_layouts():
+    q, s, z = stored_operands(INT4, torch.randn(48, 1024))
+    w8, s8 = fp8_operands(48, 1024)
+    x = torch.randn(1, 1024, dtype=torch.bfloat16)
+    utils = ("test_faketensor", "test_aot_dispatch_dynamic")  # (test_schema: no e4m3 arithmetic on CPU)
+    for one_split in (False, True):
+        torch.library.opcheck(int4_cuda.int4_gemv, (x, q, s, z, 48, False, one_split),
+                              test_utils=utils + ("test_schema",))
+        torch.library.opcheck(fp8_cuda.fp8_gemv, (x, w8, s8, False, one_split), test_utils=utils)
+    assert int4_cuda.int4_gemv(x, q, s, z, 48).shape[0] == 2 and fp8_cuda.fp8_gemv(x, w8, s8).shape[0] == 4
+    assert int4_cuda.int4_gemv(x, q, s, z, 48, False, True).shape[0] == 1 == fp8_cuda.fp8_gemv(x, w8, s8, False,
+                                                                                             True).shape[0]
+    for rows in (x, x.half(), x.expand(16, -1)):
+        assert int4_cuda.takes(rows, q, s, z) and fp8_cuda.takes(rows, w8, s8)
+    untiled, _, _ = stored_operands(INT4, torch.randn(48, 1024), tiled=False)
+    for args in ((x.expand(17, -1), q, s, z), (x[0], q, s, z), (x.float(), q, s, z), (x, untiled, s, z),
+                 (x, q, s.contiguous(), z), (x, q, s, z.contiguous()), (x[:, :512], q, s, z)):
+        assert not int4_cuda.takes(*args)
+    for args in ((x.expand(17, -1), w8, s8), (x.float(), w8, s8), (x, w8.t().contiguous().t(), s8),
+                 (x, w8[:40], s8[:40]), (x[:, :1000], w8[:, :1000], s8), (x, w8, s8.double()), (x, w8, s8[:, None])):
+        assert not fp8_cuda.takes(*args)
+
+
+def test_kernel_choices_are_checked_and_a_missing_compiler_names_the_fix(monkeypatch):
+    from fastqwen import presets
+
+    cfg = presets.config("tiny")
+    chosen = check_kernels({"int4": "cuda", "fp8_weight": "cuda"}, cfg, "cpu")
+    assert (chosen["int4"], chosen["fp8_weight"]) == ("cuda", "cuda")
+    assert (check_kernels(None, cfg, "cpu")["int4"], check_kernels(None, cfg, "cpu")["fp8_weight"]) == (
+        "triton", "triton")
+    for op in ("int4", "fp8_weight"):
+        with pytest.raises(ValueError, match="choose from triton, cuda"):
+            check_kernels({op: "cutlass"}, cfg, "cpu")
+    monkeypatch.setattr(cuda_build, "nvcc", lambda: None)
+    cuda_build.build.cache_clear()
+    for module in (int4_cuda, fp8_cuda):
+        with pytest.raises(RuntimeError, match=f"{module.CHOICE.replace('[', '.').replace(']', '.')} compiles .*"
+                                               "install the CUDA toolkit or choose the Triton kernel"):
+            module.library("90")
+    cuda_build.build.cache_clear()
+
+
+def _u32(words: torch.Tensor) -> list[int]:
+    return [int(v) & 0xFFFFFFFF for v in words.tolist()]
+
+
+def _halves(bits: int, dtype: torch.dtype) -> tuple[float, float]:
+    """The two 16-bit floats of a 32-bit register (low half first)."""
+    pair = torch.tensor([bits & 0xFFFF, bits >> 16], dtype=torch.int32).to(torch.int16)
+    return tuple(pair.view(dtype).float().tolist())
+
+
+def _mma(A: list, B: list) -> torch.Tensor:
+    """mma.m16n8k16 from its lanes' fragments, as the PTX ISA lays them out: A[lane] four (lo, hi) pairs (a0 a1:
+    row lane/4, k 2 (lane%4) + 0, 1; a2 a3: row + 8; a4 a5: k + 8; a6 a7: row + 8, k + 8), B[lane] two (b0 b1:
+    k 2 (lane%4) + 0, 1 of column lane/4; b2 b3: k + 8). Returns the product [16, 8] in float64."""
+    Am, Bm = torch.zeros(16, 16, dtype=torch.float64), torch.zeros(16, 8, dtype=torch.float64)
+    for lane in range(32):
+        r, c = lane // 4, 2 * (lane % 4)
+        for reg, (row, k) in enumerate(((r, c), (r + 8, c), (r, c + 8), (r + 8, c + 8))):
+            Am[row, k:k + 2] = torch.tensor(A[lane][reg], dtype=torch.float64)
+        Bm[c:c + 2, r] = torch.tensor(B[lane][0], dtype=torch.float64)
+        Bm[c + 8:c + 10, r] = torch.tensor(B[lane][1], dtype=torch.float64)
+    return Am @ Bm
+
+
+def _write_block(out, split: int, strip: int, sums: torch.Tensor, M: int, row_scale=None) -> None:
+    """The kernels' epilogue: lane l's c0 … c3 of column block nb (strip rows l/4, l/4 + 8 against x rows
+    8 nb + 2 (l%4), + 1), times the row's scale if given, summed over the block's warps into out[split]."""
+    for lane in range(32):
+        r, m = lane // 4, 2 * (lane % 4)
+        for nb in range(sums.shape[2]):
+            for value, (xrow, row) in zip(sums[:, lane, nb].sum(0), ((m, r), (m + 1, r), (m, r + 8), (m + 1, r + 8))):
+                if 8 * nb + xrow < M:
+                    out[split, 8 * nb + xrow, strip * 16 + row] = value
+
+
+def emulate_int4(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, N: int) -> torch.Tensor:
+    """cuda/int4_gemv.cu replayed lane by lane from the raw bits it loads: each lane's two 16-byte weight loads
+    (uint4 lane and lane + 32 of a tile), the LOP3 / FMA decode of nibble pairs (j, j + 4) into 16-bit
+    (q − zero) pairs, x's byte permutes (row 8 nb + lane/4, zero past M), the mma fragments, each group's sums
+    times its scales, the warps' sums. Returns [splits, M, N] fp32."""
+    dtype = x.dtype
+    magic, neg_magic = (0x43004300, 0xC300) if dtype == torch.bfloat16 else (0x64006400, 0xE400)
+    (M, K), G, NB = x.shape, x.shape[1] // STEP, 1 if x.shape[0] <= 8 else 2
+    splits, per = int4_cuda.plan(N, K)
+    xw = _u32(x.contiguous().view(torch.int32).view(-1))  # x as 32-bit words, two values each, row after row
+    tiles = w.reshape(N // 16, G, 64, 16)  # 16-byte loads of each tile, in order
+    out = torch.zeros(splits, M, N)
+
+    def pair(u, j, negz):  # (lop3 then fma by 1 with −(magic + zero)): exact integers
+        lo, hi = _halves(((u >> (4 * j)) & 0x000F000F) | magic, dtype)
+        nlo, nhi = _halves(negz, dtype)
+        return lo + nlo, hi + nhi
+
+    lo_pair = lambda p, q: (p & 0xFFFF) | ((q & 0xFFFF) << 16)  # noqa: E731  (byte_perm 0x5410)
+    hi_pair = lambda p, q: (p >> 16) | (q & 0xFFFF0000)  # noqa: E731  (byte_perm 0x7632)
+    for strip in range(N // 16):
+        for split in range(splits):
+            sums = torch.zeros(4, 32, NB, 4)
+            for warp in range(4):
+                for g in range(split * per + warp, min(G, (split + 1) * per), 4):
+                    lanes = []
+                    for lane in range(32):
+                        row_a = strip * 16 + lane // 4
+                        xs = []
+                        for nb in range(NB):  # x row 8 nb + lane/4 at the lane's 32 columns
+                            xrow, word = nb * 8 + lane // 4, (nb * 8 + lane // 4) * K // 2 + (g * 16 + lane % 4 * 4) * 4
+                            xs.append([xw[word + 4 * i:word + 4 * i + 4] if xrow < M else [0] * 4 for i in range(4)])
+                        lanes.append((_u32(tiles[strip, g, lane].view(torch.int32)),
+                                      _u32(tiles[strip, g, lane + 32].view(torch.int32)),
+                                      (neg_magic | int(zero[row_a, g])) * 0x00010001,
+                                      (neg_magic | int(zero[row_a + 8, g])) * 0x00010001, xs))
+                    C = torch.zeros(NB, 16, 8, dtype=torch.float64)
+                    for i in range(4):
+                        for j0, j1 in ((0, 1), (2, 3)):
+                            A = [(pair(a[i], j0, za), pair(b[i], j0, zb), pair(a[i], j1, za), pair(b[i], j1, zb))
+                                 for a, b, za, zb, _ in lanes]
+                            for nb in range(NB):
+                                v = [xs[nb][i] for *_, xs in lanes]
+                                pick = (0, 2) if j0 == 0 else (1, 3)
+                                B = [(_halves(lo_pair(u[pick[0]], u[pick[1]]), dtype),
+                                      _halves(hi_pair(u[pick[0]], u[pick[1]]), dtype)) for u in v]
+                                C[nb] += _mma(A, B)
+                    for lane in range(32):
+                        r, c = lane // 4, 2 * (lane % 4)
+                        sa, sb = float(scale[strip * 16 + r, g]), float(scale[strip * 16 + r + 8, g])
+                        for nb, Cb in enumerate(C):
+                            sums[warp, lane, nb] += torch.tensor(
+                                [sa * Cb[r, c], sa * Cb[r, c + 1], sb * Cb[r + 8, c], sb * Cb[r + 8, c + 1]])
+            _write_block(out, split, strip, sums, M)
+    return out
+
+
+def emulate_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """cuda/fp8_gemv.cu replayed lane by lane from the raw bits it loads: each lane's 16 bytes of rows lane/4
+    and lane/4 + 8 at columns 16 (lane%4) … of a 64-column chunk, word j's e4m3 pairs (bytes 0 1, 2 3) as the
+    A operand's (k, k + 8) pairs, x row 8 nb + lane/4's consecutive pairs as B (zero past M), the mma fragments,
+    fp32 sums over the split, times the row scale, the warps' sums. Returns [splits, M, N] fp32."""
+    dtype = x.dtype
+    (M, K), (N, _), NB = x.shape, w.shape, 1 if x.shape[0] <= 8 else 2
+    chunks = K // fp8_cuda.CHUNK
+    splits, per = fp8_cuda.plan(N, K)
+    xw = _u32(x.contiguous().view(torch.int32).view(-1))
+    codes = w.view(torch.uint8)
+    e4m3 = lambda b: float(torch.tensor([b], dtype=torch.uint8).view(torch.float8_e4m3fn).float())  # noqa: E731
+    out = torch.zeros(splits, M, N)
+    for strip in range(N // 16):
+        for split in range(splits):
+            sums = torch.zeros(4, 32, NB, 4)
+            for warp in range(4):
+                C = torch.zeros(NB, 16, 8, dtype=torch.float64)
+                for ch in range(split * per + warp, min(chunks, (split + 1) * per), 4):
+                    col = ch * fp8_cuda.CHUNK
+                    lanes = []
+                    for lane in range(32):
+                        row_a, cols = strip * 16 + lane // 4, col + 16 * (lane % 4)
+                        xs = []
+                        for nb in range(NB):  # x row 8 nb + lane/4 at the lane's 16 columns: 8 words
+                            xrow, word = nb * 8 + lane // 4, (nb * 8 + lane // 4) * K // 2 + cols // 2
+                            xs.append(xw[word:word + 8] if xrow < M else [0] * 8)
+                        lanes.append((codes[row_a, cols:cols + 16].tolist(), codes[row_a + 8, cols:cols + 16].tolist(),
+                                      xs))
+                    for j in range(4):
+                        A = [((e4m3(a[4 * j]), e4m3(a[4 * j + 1])), (e4m3(b[4 * j]), e4m3(b[4 * j + 1])),
+                              (e4m3(a[4 * j + 2]), e4m3(a[4 * j + 3])), (e4m3(b[4 * j + 2]), e4m3(b[4 * j + 3])))
+                             for a, b, _ in lanes]
+                        for nb in range(NB):
+                            B = [(_halves(xs[nb][2 * j], dtype), _halves(xs[nb][2 * j + 1], dtype)) for *_, xs in lanes]
+                            C[nb] += _mma(A, B)
+                for lane in range(32):
+                    r, c = lane // 4, 2 * (lane % 4)
+                    sa, sb = float(scale[strip * 16 + r]), float(scale[strip * 16 + r + 8])
+                    for nb, Cb in enumerate(C):
+                        sums[warp, lane, nb] += torch.tensor(
+                            [sa * Cb[r, c], sa * Cb[r, c + 1], sb * Cb[r + 8, c], sb * Cb[r + 8, c + 1]])
+            _write_block(out, split, strip, sums, M)
+    return out
+
+
+@pytest.mark.parametrize("dtype,M", [(torch.bfloat16, 1), (torch.float16, 1), (torch.bfloat16, 3),
+                                     (torch.float16, 8), (torch.bfloat16, 13)])
+def test_emulated_int4_lanes_give_the_reference_partials(dtype, M, monkeypatch):
+    """Two strips, 6 groups in 2 splits of 3 (warps with a group and with none), zeros from 0 to 16 (GPTQ's
+    range), 1, 3, 8 and 13 rows of x (13: two blocks of B columns, the second part empty)."""
+    torch.manual_seed(3)
+    N, K = 32, 768
+    q, s, z = stored_operands(INT4, torch.randn(N, K))
+    z = torch.randint(0, 17, (G := K // STEP, N), dtype=torch.uint8).t()  # (group-major, as stored)
+    x = torch.randn(M, K).to(dtype)
+    monkeypatch.setattr(int4_cuda, "plan", lambda N, K, one_split=False: (2, 3))
+    got, want = emulate_int4(x, q, s, z, N), int4_cuda.int4_gemv(x, q, s, z, N)
+    assert G == 6 and got.shape == want.shape == (2, M, N)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-4), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("dtype,M", [(torch.bfloat16, 1), (torch.float16, 2), (torch.bfloat16, 11)])
+def test_emulated_fp8_lanes_give_the_reference_partials(dtype, M, monkeypatch):
+    """Two strips, 6 chunks of 64 columns in 2 splits of 3, every e4m3 code's neighbourhood (subnormals too: the
+    weight's spread), 1, 2 and 11 rows of x."""
+    N, K = 32, 384
+    w8, s8 = fp8_operands(N, K, seed=4)
+    w8 = (w8.float() * torch.logspace(-4, 0, K)).to(torch.float8_e4m3fn)  # (columns down to e4m3's subnormals)
+    x = torch.randn(M, K).to(dtype)
+    monkeypatch.setattr(fp8_cuda, "plan", lambda N, K, one_split=False: (2, 3))
+    got, want = emulate_fp8(x, w8, s8), fp8_cuda.fp8_gemv(x, w8, s8)
+    assert got.shape == want.shape == (2, M, N)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-4), (got - want).abs().max()
+
+
+def _cuobjdump() -> str | None:
+    site = os.environ.get("FASTQWEN_TRITON_SITE")
+    tool = pathlib.Path(site or "/nonexistent") / "triton" / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return str(tool) if tool.exists() else None
+
+
+def _sass_ops(kernel: str) -> list[str]:
+    """The opcodes of one kernel's SASS listing, in order (a predicate's guard dropped)."""
+    ops = [line.split(";")[0].split("*/")[-1].split() for line in kernel.splitlines() if "*/" in line and ";" in line]
+    return [o[1] if o[0].startswith("@") else o[0] for o in ops if o]
+
+
+@NVCC
+@pytest.mark.parametrize("name,kernel,instances", [("int4_gemv", "int4_gemv_rows", 12),
+                                                   ("fp8_gemv", "fp8_gemv_rows", 10)])
+def test_kernels_build_for_sm90_without_spills_and_issue_their_loads_before_the_wait(name, kernel, instances,
+                                                                                      tmp_path):
+    """nvcc -Xptxas -v for sm_90: ≤ 128 registers (4 blocks of 128 threads a multiprocessor), no spills; in the
+    SASS of each instance (bf16 / fp16 x, each BATCH, pipelined, one or two blocks of 8 x rows), the first
+    BATCH steps' 16-byte weight loads that skip L1, then the PDL wait, then x and the later batches; 8 MMAs an
+    int4 group of 128 columns, 4 an fp8 chunk of 64, for each block of 8 x rows."""
+    lib = tmp_path / "k.so"
+    cmd = cuda_build.build_command(cuda_build.nvcc(), cuda_build.SOURCES / f"{name}.cu", "90", lib)
+    done = subprocess.run(cmd[:1] + ["-Xptxas", "-v"] + cmd[1:], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    regs = [int(line.split("Used ")[1].split()[0]) for line in done.stderr.splitlines() if "Used " in line]
+    assert len(regs) == instances and max(regs) <= 128, done.stderr
+    spills = [line.strip() for line in done.stderr.splitlines() if "spill" in line]
+    assert len(spills) == instances and all(
+        line == "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" for line in spills), spills
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump (Triton's, under $FASTQWEN_TRITON_SITE) to read the SASS")
+    sass = subprocess.run([tool, "--dump-sass", str(lib)], capture_output=True, text=True).stdout
+    functions = sass.split("Function : ")[1:]
+    assert len(functions) == instances
+    for k in functions:
+        args = k.split(kernel)[1].split("EE")[0].split("E")  # (…ILb1ELi2ELb1ELi1EE…: dtype, BATCH, [PIPE,] NB)
+        batch, nb = int(args[1].removeprefix("Li")), int(args[-1].removeprefix("Li"))
+        pipe = len(args) == 4 and args[2] == "Lb1"
+        ops = _sass_ops(k)
+        wait = ops.index("ACQBULK")  # griddepcontrol.wait
+        weights = [i for i, o in enumerate(ops) if o == "LDG.E.NA.128"]
+        xs = [i for i, o in enumerate(ops) if o == "LDG.E.128"]
+        copies = 3 if pipe else 2  # (the first batch's loads, then the loop's)
+        assert len(weights) == 2 * batch * copies, (batch, pipe, len(weights))
+        assert weights[2 * batch - 1] < wait < min(xs + weights[2 * batch:]), (batch, pipe, weights, wait, xs)
+        mmas = (8 if name == "int4_gemv" else 4) * nb * batch * (2 if pipe else 1)
+        assert sum(o.startswith("HMMA.16816.F32") for o in ops) == mmas
+
+
+def test_optimize_routes_quantized_linears_to_the_chosen_kernels(monkeypatch):
+    """kernels={"int4": …, "fp8_weight": …} reach every QuantLinear call of the engine's steps as the schemes
+    that take the CUDA kernels (eager, CPU: the choice is passed down; QuantLinear.partials takes a CUDA kernel
+    only for CUDA rows it can take)."""
+    import fastqwen
+    from conftest import fresh
+    from fastqwen.quant.linear import QuantLinear
+
+    seen = []
+    forward, partials = QuantLinear.forward, QuantLinear.partials
+    monkeypatch.setattr(QuantLinear, "forward", lambda self, x, pdl=False, fixup=False, cuda=():
+                        seen.append(cuda) or forward(self, x, pdl, fixup, cuda))
+    monkeypatch.setattr(QuantLinear, "partials", lambda self, x, pdl=False, fixup=False, in_dims=1, cuda=():
+                        seen.append(cuda) or partials(self, x, pdl, fixup, in_dims, cuda))
+    for scheme, kernels, want in (("int4", {"int4": "cuda"}, ("int4",)), ("int4", {}, ()),
+                                  ("fp8-weight", {"fp8_weight": "cuda"}, ("fp8-weight",)),
+                                  ("fp8-weight", {"int4": "cuda", "fp8_weight": "cuda"}, ("int4", "fp8-weight"))):
+        m = fastqwen.optimize(fresh("tiny"), max_seq_len=64, compile=False, quant=scheme, kernels=kernels)
+        n = len(seen)
+        m.generate(torch.randint(1, 500, (1, 5)), max_new_tokens=3, do_sample=False)
+        assert len(seen) > n and set(seen[n:]) == {want}, (scheme, kernels)
+
+
+@NVCC
+def test_built_libraries_refuse_arguments_out_of_range_before_touching_the_gpu(tmp_path, monkeypatch):
+    """cuda_build.build compiles and caches each library; its entry point answers cudaErrorInvalidValue (1) for
+    shapes, row counts, split plans and instances it does not have, before any CUDA call, and a valid call on a
+    machine without a GPU gets a CUDA error code back, not a crash."""
+    monkeypatch.setenv("FASTQWEN_CACHE", str(tmp_path))
+    cuda_build.build.cache_clear()
+    try:
+        int4, fp8 = int4_cuda.library("90"), fp8_cuda.library("90")  # (the typed entry points)
+        assert sorted(p.name.split("-")[0] for p in (tmp_path / "cuda").glob("*.so")) == ["fp8_gemv", "int4_gemv"]
+        call4 = lambda M=1, N=64, K=512, splits=2, per=2, batch=4, pipe=0: int4(  # noqa: E731
+            0, 0, 0, 0, 0, M, N, K, splits, per, batch, pipe, 1, 0, 0, None)
+        for bad in ({"N": 40}, {"K": 500}, {"M": 0}, {"M": 17}, {"splits": 3}, {"per": 1}, {"batch": 3},
+                    {"batch": 4, "pipe": 1}, {"M": 9, "batch": 8}, {"M": 9, "batch": 2, "pipe": 1}):
+            assert call4(**bad) == 1, bad
+        call8 = lambda M=1, N=64, K=512, splits=2, per=4, batch=4: fp8(  # noqa: E731
+            0, 0, 0, 0, M, N, K, splits, per, batch, 1, 0, 0, None)
+        for bad in ({"N": 40}, {"K": 500}, {"M": 0}, {"M": 17}, {"splits": 3}, {"per": 3}, {"batch": 3},
+                    {"M": 9, "batch": 8}):
+            assert call8(**bad) == 1, bad
+        if not torch.cuda.is_available():
+            assert call4() not in (0, 1) and call8() not in (0, 1)  # (no GPU: the runtime's error, e.g. 35)
+    finally:
+        cuda_build.build.cache_clear()
