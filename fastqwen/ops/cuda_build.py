@@ -1,7 +1,7 @@
 """Building and loading fastqwen's CUDA C++ kernels (ops/cuda/*.cu) with the CUDA toolkit's nvcc.
 
 Each source is compiled once per source text and GPU architecture into a shared library under $FASTQWEN_CACHE
-or ~/.cache/fastqwen/cuda (later processes load it), and loaded with ctypes; its extern "C" entry point takes
+or ~/.cache/fastqwen/cuda (or the temporary directory where that cannot be made; later processes load it), and loaded with ctypes; its extern "C" entry point takes
 raw pointers and torch's current stream, so CUDA-graph capture records the launch like any other. The
 libraries link their own CUDA runtime: each entry point makes the tensors' GPU its runtime's current device.
 """
@@ -13,6 +13,7 @@ import os
 import pathlib
 import shutil
 import subprocess
+import tempfile
 
 import torch
 
@@ -49,9 +50,13 @@ def build(name: str, arch: str, choice: str) -> ctypes.CDLL:
     digest = hashlib.sha256(text + " ".join(build_command("nvcc", source, arch, pathlib.Path())).encode()).hexdigest()
     digest = digest[:16]
     cache = pathlib.Path(os.environ.get("FASTQWEN_CACHE", pathlib.Path.home() / ".cache" / "fastqwen")) / "cuda"
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError:  # (a read-only home: the system's temporary directory)
+        cache = pathlib.Path(tempfile.gettempdir()) / "fastqwen-cuda"
+        cache.mkdir(parents=True, exist_ok=True)
     lib = cache / f"{name}-sm{arch}-{digest}.so"
     if not lib.exists():
-        cache.mkdir(parents=True, exist_ok=True)
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")
         done = subprocess.run(build_command(compiler, source, arch, tmp), capture_output=True, text=True)
         if done.returncode:
