@@ -61,6 +61,9 @@ def main():
                     x, fmt, q, s, z, False, N, x.shape[0], partials=True)
                 config = gemv.full_config(gemv.gemv_config(fmt, N, K, M))
             else:
+                if N % 16 or K % (128 if cuda_module is int4_cuda else 64):  # (the kernels' tiles)
+                    print(f"| {args.tag} | {layer} | {N}x{K} | M={M} | cuda: shape not taken | — | — | — |")
+                    continue
                 cuda_module.BATCH, cuda_module.TARGET_BLOCKS = kernel[0], kernel[2]
                 if cuda_module is int4_cuda:
                     int4_cuda.PIPELINED = kernel[1]

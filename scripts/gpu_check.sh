@@ -88,7 +88,7 @@ case "$stage" in
                | tee "$out/int4_cuda_times.md"
              python scripts/gemv_times.py --format int4 --shapes 27b --kernel triton cuda --rows 4 8 16 2>&1 \
                | tee -a "$out/int4_cuda_times.md"
-             python scripts/gemv_times.py --format fp8-weight --shapes 27b 27b-head --kernel triton cuda \
+             python scripts/gemv_times.py --format fp8-weight --shapes 27b 27b-head 35b-a3b --kernel triton cuda \
                --cuda-batch 2 4 8 --cuda-blocks 1024 2048 4096 2>&1 | tee -a "$out/int4_cuda_times.md" ;;
   candidate-tests) python -m pytest -q -s -p no:warnings tests/gpu/test_candidates_gpu.py 2>&1 | tail -6 ;;
   bench) python scripts/bench.py --models ${MODELS:-qwen3.5-9b qwen3.5-27b qwen3.5-35b-a3b} ${BENCH_ARGS:-} \
