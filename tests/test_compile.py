@@ -71,7 +71,8 @@ def test_compiled_step_matches_eager_and_never_recompiles():
 
 def test_compile_cache_carries_compiled_graphs_to_a_fresh_process(tmp_path):
     """warmup() saves the compiled artifacts; a new process with an empty inductor cache loads them and
-    compiles nothing from scratch (FX graph cache hits, no misses)."""
+    compiles nothing from scratch (FX graph cache hits, no misses). One layer of the tiny preset: the cache's
+    plumbing, not the model, is under test (37.7 -> 26.9 s here)."""
     import os
     import subprocess
     import sys
@@ -82,7 +83,7 @@ sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
 from conftest import fresh
 from torch._dynamo.utils import counters
 import fastqwen
-m = fastqwen.optimize(fresh("tiny"), max_seq_len=64, compile=True, compile_cache={str(tmp_path / 'artifacts.bin')!r})
+m = fastqwen.optimize(fresh("tiny", layers=1), max_seq_len=64, compile=True, compile_cache={str(tmp_path / 'artifacts.bin')!r})
 m._fastqwen.warmup()
 print("HITS", counters["inductor"]["fxgraph_cache_hit"], "MISSES", counters["inductor"]["fxgraph_cache_miss"])
 """
