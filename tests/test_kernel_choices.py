@@ -326,11 +326,13 @@ def test_the_shared_expert_stacks_onto_the_routed_ones(tmp_path):
 @pytest.mark.parametrize("gdn", ["block", "unrolled"])
 def test_speculative_verify_with_our_gdn_kernels_is_token_identical(gdn):
     """kernels={"gdn": "block" / "unrolled"} reach the verify of a compiled speculative round (off CUDA the ops
-    run their reference, so this checks the plumbing and the ops' schemas; tests/gpu compares the kernels)."""
+    run their reference, so this checks the plumbing and the ops' schemas; tests/gpu compares the kernels). One
+    layer of the tiny preset: a GDN layer, all the choice touches."""
     from fastqwen.bench import OracleProposer
 
-    plain = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=96, compile=False)
-    spec = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=96, compile=True, kernels={"gdn": gdn})
+    plain = fastqwen.optimize(fresh("tiny", layers=1), max_batch_size=2, max_seq_len=96, compile=False)
+    spec = fastqwen.optimize(fresh("tiny", layers=1), max_batch_size=2, max_seq_len=96, compile=True,
+                             kernels={"gdn": gdn})
     ids, mask = left_padded([torch.randint(1, 500, (n,)) for n in (17, 5)])
     expected = plain.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20)
     spec._fastqwen.enable_speculation(OracleProposer(expected[:, ids.shape[1]:], 0.3, spec.config.vocab_size), 4)
