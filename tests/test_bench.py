@@ -298,7 +298,7 @@ def test_profile_step_again_profiles_a_second_engine_and_lists_the_changes(tmp_p
     model (the first engine released), and a table of the kernels' changes between them."""
     out = tmp_path / "profile.json"
     script = pathlib.Path(__file__).parents[1] / "scripts" / "profile_step.py"
-    run = subprocess.run([sys.executable, str(script), "--layers", "2", "--again", "--steps", "2", "--top", "3",
+    run = subprocess.run([sys.executable, str(script), "--layers", "1", "--again", "--steps", "2", "--top", "3",
                           "--json", str(out)], check=True, capture_output=True, text=True)
     report = json.loads(out.read_text())
     assert [r["what"] for r in report] == ["step", "step, optimized again"]
