@@ -49,11 +49,13 @@
 #            fp16-dot configs (fp8 at M > 1; int4 at one row: its fp16 pair arithmetic), beside the one in use;
 #            SWEEP_LOWP="3 4" adds int4's mma.sync configs. SWEEP_ROW_ORDER=1: int4 codes in row order, not tiled. SWEEP_EXPERTS="1 8 16": then the grouped kernel's configs for
 #            the 35B-A3B routed experts at those token counts (9 pairs a token), in the same formats.
-#   int4-cuda tests/gpu/test_cuda_kernels_gpu.py (the CUDA int4 and fp8-weight kernels, built with nvcc here), then
-#            the Triton and CUDA kernels' times per 27B layer and head (scripts/gemv_times.py --kernel triton cuda,
-#            the CUDA ones at each BATCH, pipelining and grid target; int4 at 4, 8, 16 rows too); the step's A/B is
-#            `candidates` with CAND_MODEL=qwen3.5-27b CAND_SYSTEMS="fastqwen-int4 fastqwen-int4+cuda-int4"
-#            CAND_ARGS="--isolate --quant-lm-head --no-autotune" (fp8: fastqwen-fp8-weight+cuda-fp8-weight)
+#   cuda-tests tests/gpu/test_cuda_kernels_gpu.py: the CUDA int4 and fp8-weight kernels (kernels={"int4" |
+#            "fp8_weight": "cuda"}, built with nvcc here) against their references and the Triton kernels' step
+#   cuda-times the Triton and CUDA kernels' times per layer (scripts/gemv_times.py --kernel triton cuda): int4 on
+#            the 27B's layers and head at each BATCH, pipelining and grid target, then at 4, 8, 16 rows; fp8-weight
+#            on the 27B's and 35B-A3B's. The step's A/B is `candidates` with CAND_MODEL=qwen3.5-27b
+#            CAND_SYSTEMS="fastqwen-int4 fastqwen-int4+cuda-int4" CAND_ARGS="--isolate --quant-lm-head
+#            --no-autotune" (fp8: fastqwen-fp8-weight fastqwen-fp8-weight+cuda-fp8-weight)
 #   suite    the pytest-benchmark suite (tests/benchmarks, 9B plain and MTP) saved as a baseline under
 #            tests/benchmarks/baselines (copied to $OUT: commit it); later runs compare against it
 #   quant    tests/gpu/test_quant_gpu.py, then scripts/bench_quant.py (per-GEMM table, M = 1..16; QUANT_ARGS, e.g.
@@ -81,15 +83,14 @@ case "$stage" in
          if [ "$ngpu" -ge 2 ]; then group 4 0 tests/gpu/test_candidates_gpu.py & fi
          wait
          grep -hE 'passed|failed|FAILED|ERROR|divergence|agreed|identical|tau|^[0-9.]+s (call|setup)' "$out"/gpu_tests_*.log ;;
-  int4-cuda) python -m pytest -q -s -p no:warnings --durations=6 tests/gpu/test_cuda_kernels_gpu.py 2>&1 \
-               | tee "$out/int4_cuda_tests.log" | tail -8
-             python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel triton cuda \
-               --cuda-batch 2 4 8 --cuda-pipelined 0 1 --cuda-blocks 1024 2048 4096 2>&1 \
-               | tee "$out/int4_cuda_times.md"
+  cuda-tests) python -m pytest -q -s -p no:warnings --durations=6 tests/gpu/test_cuda_kernels_gpu.py 2>&1 \
+               | tee "$out/cuda_tests.log" | tail -8 ;;
+  cuda-times) python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel triton cuda \
+               --cuda-batch 2 4 8 --cuda-pipelined 0 1 --cuda-blocks 1024 2048 4096 2>&1 | tee "$out/cuda_times.md"
              python scripts/gemv_times.py --format int4 --shapes 27b --kernel triton cuda --rows 4 8 16 2>&1 \
-               | tee -a "$out/int4_cuda_times.md"
+               | tee -a "$out/cuda_times.md"
              python scripts/gemv_times.py --format fp8-weight --shapes 27b 27b-head 35b-a3b --kernel triton cuda \
-               --cuda-batch 2 4 8 --cuda-blocks 1024 2048 4096 2>&1 | tee -a "$out/int4_cuda_times.md" ;;
+               --cuda-batch 2 4 8 --cuda-blocks 1024 2048 4096 2>&1 | tee -a "$out/cuda_times.md" ;;
   candidate-tests) python -m pytest -q -s -p no:warnings tests/gpu/test_candidates_gpu.py 2>&1 | tail -6 ;;
   bench) python scripts/bench.py --models ${MODELS:-qwen3.5-9b qwen3.5-27b qwen3.5-35b-a3b} ${BENCH_ARGS:-} \
            --out-dir "$out" 2>&1 | grep -v "^\[transformers\]" | tail -20 ;;
