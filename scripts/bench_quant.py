@@ -59,7 +59,10 @@ def candidates(linear: torch.nn.Linear) -> dict:
            "fastqwen bf16": (lambda x: Linears(gemv=True)(linear, x), N * K * 2)}  # kernels={"linears": "gemv"}
     for scheme in ("fp8-weight", "fp8", "int4"):
         layer = QuantLinear.from_linear(linear, scheme)
-        out[f"fastqwen {scheme}"] = (layer, sum(b.numel() * b.element_size() for b in layer.buffers()))
+        nbytes = sum(b.numel() * b.element_size() for b in layer.buffers())
+        out[f"fastqwen {scheme}"] = (layer, nbytes)
+        if scheme != "fp8":  # the CUDA C++ kernels (kernels={"int4" | "fp8_weight": "cuda"}; > 16 rows: Triton's)
+            out[f"fastqwen {scheme} cuda"] = (lambda x, layer=layer, s=scheme: layer(x, cuda=(s,)), nbytes)
 
     def build(name, make):
         try:
