@@ -38,8 +38,15 @@ KERNELS = {"attention": ("split", "sdpa"), "experts": ("auto", "gather", "groupe
            "splitk": ("sum", "fixup"), "gdn_norm": ("separate", "fused"),
            "expert_act": ("auto", "separate", "fused", "mlp"), "route": ("auto", "argmax", "packed", "fused"),
            "mlp_act": ("separate", "fused"), "conv": ("fused", "separate"),
-           "int4": ("triton", "cuda"), "fp8_weight": ("triton", "cuda")}  # first: the default
-CUDA_KERNELS = {"int4": "int4", "fp8_weight": "fp8-weight"}  # kernels option -> the scheme its "cuda" choice takes
+           "int4": ("triton", "cuda", "cuda-ring"), "fp8_weight": ("triton", "cuda")}  # first: the default
+CUDA_KERNELS = {"int4": "int4", "fp8_weight": "fp8-weight"}  # kernels option -> the scheme its "cuda" choices take
+
+
+def cuda_schemes(kernels: dict) -> tuple:
+    """The quantization schemes whose few-row products take a CUDA C++ kernel under these (checked) kernel
+    choices, as QuantLinear's `cuda` tags: the scheme ("int4", "fp8-weight"), "-ring" added for the ring kernel."""
+    return tuple(scheme + kernels[op].removeprefix("cuda") for op, scheme in CUDA_KERNELS.items()
+                 if kernels[op].startswith("cuda"))
 
 
 def check_kernels(kernels: dict | None, cfg, device, fp8_experts: bool = False) -> dict:
@@ -110,9 +117,10 @@ def check_kernels(kernels: dict | None, cfg, device, fp8_experts: bool = False) 
     ops/conv.py conv_decode; the default since 2026-12-02: a 9B step 4486–4487 µs of device time against 4529,
     a 35B-A3B step 2721 against 2739, each in a process of its own). "int4": an int4 QuantLinear's products on
     up to 16 rows (decode, MTP's and DFlash's verify, small batches) by the Triton weight-streaming kernel
-    ("triton", ops/gemv.py) or by the CUDA C++ tensor-core kernel ("cuda", ops/int4_cuda.py: built with nvcc on
-    first use, compute capability 9.0 or later; a candidate, not yet timed); more rows take the Triton kernel
-    either way. "fp8_weight": the same for an fp8-weight QuantLinear ("cuda": ops/fp8_cuda.py, e4m3 pairs into
+    ("triton", ops/gemv.py) or by a CUDA C++ tensor-core kernel (ops/int4_cuda.py: built with nvcc on first use,
+    compute capability 9.0 or later; candidates, not yet timed): "cuda" its warps loading their weights into
+    registers, "cuda-ring" a persistent grid fed through a shared-memory ring by bulk copies; more rows take the
+    Triton kernel either way. "fp8_weight": the same for an fp8-weight QuantLinear ("cuda": ops/fp8_cuda.py, e4m3 pairs into
     the tensor cores; a candidate, not yet timed)."""
     kernels = dict(kernels or {})
     unknown = set(kernels) - set(KERNELS)
@@ -154,7 +162,7 @@ def check_kernels(kernels: dict | None, cfg, device, fp8_experts: bool = False) 
         from .ops import cuda_build, fp8_cuda, int4_cuda
 
         for op, module in (("int4", int4_cuda), ("fp8_weight", fp8_cuda)):
-            if kernels[op] == "cuda":
+            if kernels[op].startswith("cuda"):
                 module.library(cuda_build.device_arch(torch.device(device), module.CHOICE))
     return kernels
 
@@ -198,7 +206,7 @@ class Forward:
                            gemv={"torch": False, "gemv": True, "auto": "auto"}[self.kernels["linears"]],
                            pdl=self.pdl, fixup=self.kernels["splitk"] == "fixup",
                            fused_act=self.kernels["mlp_act"] == "fused",
-                           cuda=tuple(s for op, s in CUDA_KERNELS.items() if self.kernels[op] == "cuda"))
+                           cuda=cuda_schemes(self.kernels))
         if cache.lengths.device.type == "cuda":  # the kernels' arrival counts (split-K fixup, fused GDN norm, expert
             tile_counts(cache.lengths.device, 0)  # MLP, fused route), allocated before any capture
         for layer in self.layers:

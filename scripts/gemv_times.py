@@ -2,6 +2,7 @@
 
     python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --tag new
     python scripts/gemv_times.py --format int4 --kernel triton cuda   # the Triton and CUDA kernels, layer by layer
+    python scripts/gemv_times.py --format int4 --kernel cuda --cuda-ring 0 4 8 --cuda-ring-per-sm 2 8  # the ring
 
 For A/B of a kernel or stored-format change on one GPU: run it in two checkouts (old and new) in turn, in one
 device call, and compare the rows. Each time is the minimum of --repeats CUDA-graph timings cycling through cold
@@ -38,6 +39,11 @@ def main():
                    help="the CUDA int4 kernel with the next batch's loads in flight while one decodes (BATCH 2 only)")
     p.add_argument("--cuda-blocks", nargs="+", type=int, default=[int4_cuda.TARGET_BLOCKS],
                    help="the CUDA kernel's TARGET_BLOCKS (the grid size its split plan aims at), each timed")
+    p.add_argument("--cuda-ring", nargs="+", type=int, default=[0], choices=[0, 4, 8],
+                   help="int4: 0 the register kernel (--cuda-batch, --cuda-pipelined), 4 or 8 the ring kernel with "
+                   "that many stages, each timed")
+    p.add_argument("--cuda-ring-per-sm", nargs="+", type=int, default=[int4_cuda.RING_BLOCKS_PER_SM],
+                   help="the ring kernel's RING_BLOCKS_PER_SM (at most this many blocks a multiprocessor), each timed")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gemv_times.py times the CUDA kernel: it needs a GPU")
@@ -52,8 +58,11 @@ def main():
         nbytes = sum(t.numel() * t.element_size() for t in stored if t is not None)
         copies = [stored] + [tuple(None if t is None else t.clone() for t in stored)
                              for _ in range(bench.cold_copies(nbytes, "cuda") - 1)]
-        cuda = [(b, bool(p), n) for b in args.cuda_batch for p in args.cuda_pipelined for n in args.cuda_blocks
-                if not p or (b == 2 and cuda_module is int4_cuda)] if "cuda" in args.kernel else []
+        registers = [(b, bool(p), n, 0, 0) for b in args.cuda_batch for p in args.cuda_pipelined
+                     for n in args.cuda_blocks if not p or (b == 2 and cuda_module is int4_cuda)]
+        rings = [(0, False, n, r, per_sm) for r in args.cuda_ring if r for n in args.cuda_blocks
+                 for per_sm in args.cuda_ring_per_sm] if cuda_module is int4_cuda else []
+        cuda = registers * (0 in args.cuda_ring) + rings if "cuda" in args.kernel else []
         for M, kernel in ((M, k) for M in args.rows for k in ["triton"] * ("triton" in args.kernel) + cuda):
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             if kernel == "triton":
@@ -64,13 +73,20 @@ def main():
                 if N % 16 or K % (128 if cuda_module is int4_cuda else 64):  # (the kernels' tiles)
                     print(f"| {args.tag} | {layer} | {N}x{K} | M={M} | cuda: shape not taken | — | — | — |")
                     continue
-                cuda_module.BATCH, cuda_module.TARGET_BLOCKS = kernel[0], kernel[2]
-                if cuda_module is int4_cuda:
-                    int4_cuda.PIPELINED = kernel[1]
+                batch, pipelined, cuda_module.TARGET_BLOCKS, ring, per_sm = kernel
+                splits = f"splits {cuda_module.plan(N, K)[0]}"
+                if ring:
+                    int4_cuda.RING_STAGES, int4_cuda.RING_BLOCKS_PER_SM = ring, per_sm
+                    run = lambda x, q, s, z: int4_cuda.int4_gemv(x, q, s, z, N, ring=True)  # noqa: E731
+                    config = f"cuda ring {ring} stages ≤{per_sm}/SM {splits}"
+                elif cuda_module is int4_cuda:
+                    int4_cuda.BATCH, int4_cuda.PIPELINED = batch, pipelined
                     run = lambda x, q, s, z: int4_cuda.int4_gemv(x, q, s, z, N)  # noqa: E731
                 else:
+                    fp8_cuda.BATCH = batch
                     run = lambda x, q, s, z: fp8_cuda.fp8_gemv(x, q, s)  # noqa: E731
-                config = f"cuda batch {kernel[0]}{' pipelined' * kernel[1]} splits {cuda_module.plan(N, K)[0]}"
+                if not ring:
+                    config = f"cuda batch {batch}{' pipelined' * pipelined} {splits}"
             t = min(bench.graph_seconds(run, variants=[(x, *c) for c in copies]) for _ in range(args.repeats))
             print(f"| {args.tag} | {layer} | {N}x{K} | M={M} | {config} | {t * 1e6:.1f} µs | "
                   f"{nbytes / 1e6:.1f} MB | {nbytes / t / 1e12:.2f} TB/s |", flush=True)

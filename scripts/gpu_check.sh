@@ -52,9 +52,10 @@
 #   cuda-tests tests/gpu/test_cuda_kernels_gpu.py: the CUDA int4 and fp8-weight kernels (kernels={"int4" |
 #            "fp8_weight": "cuda"}, built with nvcc here) against their references and the Triton kernels' step
 #   cuda-times the Triton and CUDA kernels' times per layer (scripts/gemv_times.py --kernel triton cuda): int4 on
-#            the 27B's layers and head at each BATCH, pipelining and grid target, then at 4, 8, 16 rows; fp8-weight
+#            the 27B's layers and head at each BATCH, pipelining and grid target, the ring kernel at 4 and 8
+#            stages and 2, 4, 8 blocks a multiprocessor, then both at 4, 8, 16 rows; fp8-weight
 #            on the 27B's and 35B-A3B's. The step's A/B is `candidates` with CAND_MODEL=qwen3.5-27b
-#            CAND_SYSTEMS="fastqwen-int4 fastqwen-int4+cuda-int4" CAND_ARGS="--isolate --quant-lm-head
+#            CAND_SYSTEMS="fastqwen-int4+cuda-int4 fastqwen-int4+cuda-ring-int4" CAND_ARGS="--isolate --quant-lm-head
 #            --no-autotune" (fp8: fastqwen-fp8-weight fastqwen-fp8-weight+cuda-fp8-weight)
 #   suite    the pytest-benchmark suite (tests/benchmarks, 9B plain and MTP) saved as a baseline under
 #            tests/benchmarks/baselines (copied to $OUT: commit it); later runs compare against it
@@ -87,8 +88,10 @@ case "$stage" in
                | tee "$out/cuda_tests.log" | tail -8 ;;
   cuda-times) python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel triton cuda \
                --cuda-batch 2 4 8 --cuda-pipelined 0 1 --cuda-blocks 1024 2048 4096 2>&1 | tee "$out/cuda_times.md"
-             python scripts/gemv_times.py --format int4 --shapes 27b --kernel triton cuda --rows 4 8 16 2>&1 \
-               | tee -a "$out/cuda_times.md"
+             python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel cuda --cuda-ring 4 8 \
+               --cuda-ring-per-sm 2 4 8 --cuda-blocks 1024 4096 2>&1 | tee -a "$out/cuda_times.md"
+             python scripts/gemv_times.py --format int4 --shapes 27b --kernel triton cuda --cuda-ring 0 8 \
+               --rows 4 8 16 2>&1 | tee -a "$out/cuda_times.md"
              python scripts/gemv_times.py --format fp8-weight --shapes 27b 27b-head 35b-a3b --kernel triton cuda \
                --cuda-batch 2 4 8 --cuda-blocks 1024 2048 4096 2>&1 | tee -a "$out/cuda_times.md" ;;
   candidate-tests) python -m pytest -q -s -p no:warnings tests/gpu/test_candidates_gpu.py 2>&1 | tail -6 ;;

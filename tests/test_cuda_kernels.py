@@ -64,8 +64,9 @@ def test_ops_pass_opcheck_and_take_only_their_layouts():
     x = torch.randn(1, 1024, dtype=torch.bfloat16)
     utils = ("test_faketensor", "test_aot_dispatch_dynamic")  # (test_schema: no e4m3 arithmetic on CPU)
     for one_split in (False, True):
-        torch.library.opcheck(int4_cuda.int4_gemv, (x, q, s, z, 48, False, one_split),
-                              test_utils=utils + ("test_schema",))
+        for ring in (False, True):
+            torch.library.opcheck(int4_cuda.int4_gemv, (x, q, s, z, 48, False, one_split, ring),
+                                  test_utils=utils + ("test_schema",))
         torch.library.opcheck(fp8_cuda.fp8_gemv, (x, w8, s8, False, one_split), test_utils=utils)
     assert int4_cuda.int4_gemv(x, q, s, z, 48).shape[0] == 2 and fp8_cuda.fp8_gemv(x, w8, s8).shape[0] == 4
     assert int4_cuda.int4_gemv(x, q, s, z, 48, False, True).shape[0] == 1 == fp8_cuda.fp8_gemv(x, w8, s8, False,
@@ -87,11 +88,12 @@ def test_kernel_choices_are_checked_and_a_missing_compiler_names_the_fix(monkeyp
     cfg = presets.config("tiny")
     chosen = check_kernels({"int4": "cuda", "fp8_weight": "cuda"}, cfg, "cpu")
     assert (chosen["int4"], chosen["fp8_weight"]) == ("cuda", "cuda")
+    assert check_kernels({"int4": "cuda-ring"}, cfg, "cpu")["int4"] == "cuda-ring"
     assert (check_kernels(None, cfg, "cpu")["int4"], check_kernels(None, cfg, "cpu")["fp8_weight"]) == (
         "triton", "triton")
-    for op in ("int4", "fp8_weight"):
+    for op, bad in (("int4", "cutlass"), ("fp8_weight", "cutlass"), ("fp8_weight", "cuda-ring")):
         with pytest.raises(ValueError, match="choose from triton, cuda"):
-            check_kernels({op: "cutlass"}, cfg, "cpu")
+            check_kernels({op: bad}, cfg, "cpu")
     monkeypatch.setattr(cuda_build, "nvcc", lambda: None)
     cuda_build.build.cache_clear()
     for module in (int4_cuda, fp8_cuda):
@@ -281,29 +283,47 @@ def _sass_ops(kernel: str) -> list[str]:
     return [o[1] if o[0].startswith("@") else o[0] for o in ops if o]
 
 
-@NVCC
-@pytest.mark.parametrize("name,kernel,instances", [("int4_gemv", "int4_gemv_rows", 12),
-                                                   ("fp8_gemv", "fp8_gemv_rows", 10)])
-def test_kernels_build_for_sm90_without_spills_and_issue_their_loads_before_the_wait(name, kernel, instances,
-                                                                                      tmp_path):
-    """nvcc -Xptxas -v for sm_90: ≤ 128 registers (4 blocks of 128 threads a multiprocessor), no spills; in the
-    SASS of each instance (bf16 / fp16 x, each BATCH, pipelined, one or two blocks of 8 x rows), the first
-    BATCH steps' 16-byte weight loads that skip L1, then the PDL wait, then x and the later batches; 8 MMAs an
-    int4 group of 128 columns, 4 an fp8 chunk of 64, for each block of 8 x rows."""
-    lib = tmp_path / "k.so"
+def _build_sm90(name: str, tmp_path) -> tuple[str, str]:
+    """(ptxas -v's report, the library's path) of ops/cuda/<name>.cu built for sm_90 as cuda_build builds it."""
+    lib = tmp_path / f"{name}.so"
     cmd = cuda_build.build_command(cuda_build.nvcc(), cuda_build.SOURCES / f"{name}.cu", "90", lib)
     done = subprocess.run(cmd[:1] + ["-Xptxas", "-v"] + cmd[1:], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    regs = [int(line.split("Used ")[1].split()[0]) for line in done.stderr.splitlines() if "Used " in line]
-    assert len(regs) == instances and max(regs) <= 128, done.stderr
-    spills = [line.strip() for line in done.stderr.splitlines() if "spill" in line]
-    assert len(spills) == instances and all(
-        line == "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" for line in spills), spills
+    return done.stderr, str(lib)
+
+
+def _sass_functions(lib: str, kernel: str) -> list[str]:
+    """The SASS listings of the library's instances of `kernel` (skips without Triton's cuobjdump)."""
     tool = _cuobjdump()
     if tool is None:
         pytest.skip("no cuobjdump (Triton's, under $FASTQWEN_TRITON_SITE) to read the SASS")
-    sass = subprocess.run([tool, "--dump-sass", str(lib)], capture_output=True, text=True).stdout
-    functions = sass.split("Function : ")[1:]
+    sass = subprocess.run([tool, "--dump-sass", lib], capture_output=True, text=True).stdout
+    return [f for f in sass.split("Function : ")[1:] if kernel in f.split("\n")[0]]
+
+
+@NVCC
+@pytest.mark.parametrize("name,instances", [("int4_gemv", 20), ("fp8_gemv", 10)])
+def test_kernels_build_for_sm90_without_spills(name, instances, tmp_path):
+    """nvcc -Xptxas -v for sm_90: every instance (register and ring kernels) ≤ 128 registers (4 blocks of 128
+    threads a multiprocessor, 3 of the ring's 160), no spills, static shared memory under the 48 KB limit."""
+    report, _ = _build_sm90(name, tmp_path)
+    used = [line.split("Used ")[1] for line in report.splitlines() if "Used " in line]
+    assert len(used) == instances, report
+    assert max(int(u.split()[0]) for u in used) <= 128, report
+    assert max(int(u.split(" bytes smem")[0].split()[-1]) if "smem" in u else 0 for u in used) < 48 << 10, used
+    spills = [line.strip() for line in report.splitlines() if "spill" in line]
+    assert len(spills) == instances and all(
+        line == "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" for line in spills), spills
+
+
+@NVCC
+@pytest.mark.parametrize("name,kernel,instances", [("int4_gemv", "int4_gemv_rows", 12),
+                                                   ("fp8_gemv", "fp8_gemv_rows", 10)])
+def test_register_kernels_issue_their_first_loads_before_the_wait(name, kernel, instances, tmp_path):
+    """In the SASS of each register-kernel instance (bf16 / fp16 x, each BATCH, pipelined, one or two blocks of
+    8 x rows), the first BATCH steps' 16-byte weight loads that skip L1, then the PDL wait, then x and the later
+    batches; 8 MMAs an int4 group of 128 columns, 4 an fp8 chunk of 64, for each block of 8 x rows."""
+    functions = _sass_functions(_build_sm90(name, tmp_path)[1], kernel)
     assert len(functions) == instances
     for k in functions:
         args = k.split(kernel)[1].split("EE")[0].split("E")  # (…ILb1ELi2ELb1ELi1EE…: dtype, BATCH, [PIPE,] NB)
@@ -320,13 +340,48 @@ def test_kernels_build_for_sm90_without_spills_and_issue_their_loads_before_the_
         assert sum(o.startswith("HMMA.16816.F32") for o in ops) == mmas
 
 
+@NVCC
+def test_ring_kernel_splits_producer_from_consumers(tmp_path):
+    """In the SASS of each int4 ring instance (bf16 / fp16 x, 4 or 8 stages, one or two blocks of 8 x rows):
+    after the barriers' initialisation and the block barrier, the producer warp branches off to its bulk copies
+    (the tiles, a group's scales, its zeros: three UBLKCP sites) with no PDL wait and no global load; the consumers
+    wait (PDL) before any load of x, load x before they poll the stage's barrier, read the stage from shared
+    memory (two 16-byte tile loads a lane), arrive on the slot's empty barrier, then issue 8 MMAs a block of 8 x
+    rows; both sides trap rather than spin forever."""
+    functions = _sass_functions(_build_sm90("int4_gemv", tmp_path)[1], "int4_gemv_ring")
+    assert len(functions) == 8
+    for k in functions:
+        nb = int(k.split("int4_gemv_ring")[1].split("EE")[0].split("E")[-1].removeprefix("Li"))
+        lines = [line for line in k.splitlines() if "*/" in line and ";" in line]
+        ops = _sass_ops(k)
+        split = ops.index("BAR.SYNC.DEFER_BLOCKING")  # (after the mbarrier inits: SYNCS.EXCH.64)
+        assert ops[:split].count("SYNCS.EXCH.64") in (8, 16) and split < ops.index("ACQBULK")
+        target = next(int(line.split("BRA ")[1].split()[0].rstrip(";"), 16) for line in lines[split:]
+                      if " BRA " in line and "@" in line)  # the producer's branch
+        at = [int(line.split("/*")[1].split("*/")[0], 16) for line in lines]
+        producer = ops[at.index(target):]
+        consumer = ops[split:at.index(target)]
+        assert producer.count("UBLKCP.S.G") == 3 and "ACQBULK" not in producer, producer
+        assert not any(o.startswith("LDG") for o in producer)
+        assert "SYNCS.PHASECHK.TRANS64.TRYWAIT" in producer and "BPT.TRAP" in producer
+        wait = consumer.index("ACQBULK")
+        xs = [i for i, o in enumerate(consumer) if o == "LDG.E.128"]
+        poll = consumer.index("SYNCS.PHASECHK.TRANS64.TRYWAIT")
+        assert len(xs) == 4 * nb and wait < xs[0] and xs[-1] < poll, (wait, xs, poll)
+        tiles = [i for i, o in enumerate(consumer) if o == "LDS.128"]
+        arrive = consumer.index("SYNCS.ARRIVE.TRANS64.A1T0")
+        mmas = [i for i, o in enumerate(consumer) if o.startswith("HMMA.16816.F32")]
+        assert len(tiles) == 2 and poll < tiles[0] and tiles[-1] < arrive < mmas[0] and len(mmas) == 8 * nb
+        assert "BPT.TRAP" in consumer
+
+
 def test_optimize_routes_quantized_linears_to_the_chosen_kernels(monkeypatch):
     """kernels={"int4": …, "fp8_weight": …} reach every QuantLinear call of the engine's steps as the schemes
     that take the CUDA kernels (eager, CPU: the choice is passed down; QuantLinear.partials takes a CUDA kernel
     only for CUDA rows it can take)."""
     import fastqwen
     from conftest import fresh
-    from fastqwen.quant.linear import QuantLinear
+    from fastqwen.quant.linear import QuantLinear, quantize_modules
 
     seen = []
     forward, partials = QuantLinear.forward, QuantLinear.partials
@@ -335,12 +390,21 @@ def test_optimize_routes_quantized_linears_to_the_chosen_kernels(monkeypatch):
     monkeypatch.setattr(QuantLinear, "partials", lambda self, x, pdl=False, fixup=False, in_dims=1, cuda=():
                         seen.append(cuda) or partials(self, x, pdl, fixup, in_dims, cuda))
     for scheme, kernels, want in (("int4", {"int4": "cuda"}, ("int4",)), ("int4", {}, ()),
+                                  ("int4", {"int4": "cuda-ring"}, ("int4-ring",)),
                                   ("fp8-weight", {"fp8_weight": "cuda"}, ("fp8-weight",)),
                                   ("fp8-weight", {"int4": "cuda", "fp8_weight": "cuda"}, ("int4", "fp8-weight"))):
         m = fastqwen.optimize(fresh("tiny"), max_seq_len=64, compile=False, quant=scheme, kernels=kernels)
         n = len(seen)
         m.generate(torch.randint(1, 500, (1, 5)), max_new_tokens=3, do_sample=False)
         assert len(seen) > n and set(seen[n:]) == {want}, (scheme, kernels)
+    calls = []  # (the tag's ring choice reaches the op: its CPU reference stands in for the kernel)
+    monkeypatch.setattr(int4_cuda, "int4_gemv", lambda *args: calls.append(args[-1]) or int4_cuda.reference(
+        *args[:5], 1))
+    layer = quantize_modules(torch.nn.Sequential(torch.nn.Linear(256, 64)), "int4")[0]
+    x = torch.randn(1, layer.in_features, dtype=torch.bfloat16)
+    for tag in ("int4", "int4-ring"):
+        assert layer._cuda_partials(x, layer.scale, False, False, tag).shape == (1, 1, layer.out_features)
+    assert calls == [False, True]
 
 
 @NVCC
@@ -353,10 +417,12 @@ def test_built_libraries_refuse_arguments_out_of_range_before_touching_the_gpu(t
     try:
         int4, fp8 = int4_cuda.library("90"), fp8_cuda.library("90")  # (the typed entry points)
         assert sorted(p.name.split("-")[0] for p in (tmp_path / "cuda").glob("*.so")) == ["fp8_gemv", "int4_gemv"]
-        call4 = lambda M=1, N=64, K=512, splits=2, per=2, batch=4, pipe=0: int4(  # noqa: E731
-            0, 0, 0, 0, 0, M, N, K, splits, per, batch, pipe, 1, 0, 0, None)
+        call4 = lambda M=1, N=64, K=512, splits=2, per=2, batch=4, pipe=0, stages=0, per_sm=8: int4(  # noqa: E731
+            0, 0, 0, 0, 0, M, N, K, splits, per, batch, pipe, stages, per_sm, 1, 0, 0, None)
         for bad in ({"N": 40}, {"K": 500}, {"M": 0}, {"M": 17}, {"splits": 3}, {"per": 1}, {"batch": 3},
-                    {"batch": 4, "pipe": 1}, {"M": 9, "batch": 8}, {"M": 9, "batch": 2, "pipe": 1}):
+                    {"batch": 4, "pipe": 1}, {"M": 9, "batch": 8}, {"M": 9, "batch": 2, "pipe": 1},
+                    {"stages": 3}, {"stages": 16}, {"stages": 4, "per_sm": 0}, {"stages": 8, "M": 17},
+                    {"stages": 8, "splits": 3}):
             assert call4(**bad) == 1, bad
         call8 = lambda M=1, N=64, K=512, splits=2, per=4, batch=4: fp8(  # noqa: E731
             0, 0, 0, 0, M, N, K, splits, per, batch, 1, 0, 0, None)
@@ -364,6 +430,7 @@ def test_built_libraries_refuse_arguments_out_of_range_before_touching_the_gpu(t
                     {"M": 9, "batch": 8}):
             assert call8(**bad) == 1, bad
         if not torch.cuda.is_available():
-            assert call4() not in (0, 1) and call8() not in (0, 1)  # (no GPU: the runtime's error, e.g. 35)
+            for ok in (call4(), call4(stages=4, batch=3), call4(stages=8, M=16, batch=8, pipe=1), call8()):
+                assert ok not in (0, 1)  # (no GPU: the runtime's error, e.g. 35; the ring ignores batch and pipe)
     finally:
         cuda_build.build.cache_clear()

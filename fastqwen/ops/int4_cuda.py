@@ -3,9 +3,12 @@
 Why a CUDA kernel beside the Triton one (ops/gemv.py): at one row the Triton kernel reads the 27B's int4 weights
 at ~58% of the H200's read ceiling, and with its arithmetic removed its loads alone reach only ~72-76% of the
 copy bandwidth (docs/DESIGN-NOTES.md, 2026-12-03/04): its occupancy (18-25%) and the loads it can keep in
-flight bound it, which no launch config, layout or TMA ring changed. Here each lane issues its 16-byte weight
-loads for BATCH groups (and the scales) before it decodes any of them and before the PDL wait, at 96 registers
-(5 blocks of 4 warps a multiprocessor).
+flight bound it, which no launch config, layout or TMA ring changed. Two ways to feed the tensor cores here:
+the register kernel (each lane issues its 16-byte weight loads for BATCH groups, and the scales, before it
+decodes any of them and before the PDL wait) and the ring kernel (`ring=True`: a persistent grid whose producer
+warp streams each block's run of tiles, scales and zeros into a shared-memory ring of RING_STAGES stages by bulk
+copies, with no PDL wait, while 4 consumer warps decode; the warp-specialised load path Triton 3.6 cannot
+express on Hopper).
 
 The kernel is built on first use with the CUDA toolkit's nvcc (ops/cuda_build.py: cached by source and GPU
 architecture under $FASTQWEN_CACHE or ~/.cache/fastqwen) and called through ctypes on torch's current stream
@@ -25,6 +28,8 @@ TILE_ROWS = 16
 TARGET_BLOCKS = 2048  # splits are added until the grid has about this many blocks (~15 a multiprocessor)
 BATCH = 4  # groups whose weight loads a warp issues before it decodes them (2, 4 or 8: the kernel's instances)
 PIPELINED = False  # the next batch's loads in flight while a batch decodes (an instance with BATCH 2 only)
+RING_STAGES = 8  # the ring kernel's stages (4 or 8), each up to 4 groups of a strip (~4.2 KB)
+RING_BLOCKS_PER_SM = 8  # at most this many ring blocks a multiprocessor (fewer where they do not fit)
 MAX_SPLITS = 8  # inductor unrolls the caller's sum of ≤ 8 partials into the consumer (gemv.wq_linear)
 MAX_ROWS = 16  # rows of x a launch takes: one or two blocks of mma.m16n8k16's 8 B columns (a DFlash verify)
 CHOICE = "kernels['int4']='cuda'"
@@ -32,7 +37,7 @@ CHOICE = "kernels['int4']='cuda'"
 
 def library(arch: str):
     """The kernel's entry point for compute capability `arch` (cuda_build.entry: built on first use)."""
-    return cuda_build.entry("int4_gemv", arch, CHOICE, pointers=5, ints=10)
+    return cuda_build.entry("int4_gemv", arch, CHOICE, pointers=5, ints=12)
 
 
 def variant(rows: int) -> tuple[int, bool]:
@@ -69,28 +74,33 @@ def reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch
 
 @torch.library.custom_op("fastqwen::int4_gemv", mutates_args=())
 def int4_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out_features: int,
-              pdl: bool = False, one_split: bool = False) -> torch.Tensor:
+              pdl: bool = False, one_split: bool = False, ring: bool = False) -> torch.Tensor:
     """x [M ≤ 16, K] (bf16 / fp16) · Wᵀ for an int4 weight in QuantLinear's layout (`takes`) as split-K partial
     sums fp32 [splits, M, out_features] (plan(out_features, K, one_split)); their sum over dim 0 is the product. pdl:
-    launch with programmatic dependent launch. The CUDA kernel on CUDA tensors, `reference` elsewhere."""
+    launch with programmatic dependent launch; ring: the ring kernel (else the register kernel; the same
+    partials). The CUDA kernel on CUDA tensors, `reference` elsewhere."""
     splits, per = plan(out_features, x.shape[-1], one_split)
     if not x.is_cuda:
         return reference(x, w, scale, zero, out_features, splits)
     if not takes(x, w, scale, zero):
         raise ValueError(f"int4_gemv takes 1 … {MAX_ROWS} bf16/fp16 rows of x, codes tiled [N/16, K/128, 16, 64] "
                          "uint8 and group-major fp16 scale / uint8 zero (QuantLinear's layout)")
+    if ring and any(t.data_ptr() % 16 for t in (w, scale, zero)):
+        raise ValueError("int4_gemv's ring kernel copies the codes, scales and zeros in 16-byte pieces: they must "
+                         "start 16-byte aligned (a view at an odd offset: pass a copy)")
     x = cuda_build.aligned(x)
     batch, pipelined = variant(x.shape[0])
     out = torch.empty(splits, x.shape[0], out_features, device=x.device, dtype=torch.float32)
     err = library(cuda_build.device_arch(x.device, CHOICE))(
         x.data_ptr(), w.data_ptr(), scale.data_ptr(), zero.data_ptr(), out.data_ptr(), x.shape[0], out_features,
-        x.shape[-1], splits, per, batch, pipelined, x.dtype == torch.bfloat16, pdl, x.device.index,
-        torch.cuda.current_stream(x.device).cuda_stream)
+        x.shape[-1], splits, per, batch, pipelined, RING_STAGES if ring else 0, RING_BLOCKS_PER_SM,
+        x.dtype == torch.bfloat16, pdl, x.device.index, torch.cuda.current_stream(x.device).cuda_stream)
     if err:
-        raise RuntimeError(f"int4_gemv launch failed: CUDA error {err} (BATCH {batch}, PIPELINED {pipelined})")
+        kernel = f"ring, RING_STAGES {RING_STAGES}" if ring else f"BATCH {batch}, PIPELINED {pipelined}"
+        raise RuntimeError(f"int4_gemv launch failed: CUDA error {err} ({kernel})")
     return out
 
 
 @int4_gemv.register_fake
-def _(x, w, scale, zero, out_features, pdl=False, one_split=False):
+def _(x, w, scale, zero, out_features, pdl=False, one_split=False, ring=False):
     return x.new_empty(plan(out_features, x.shape[-1], one_split)[0], x.shape[0], out_features, dtype=torch.float32)

@@ -1,8 +1,8 @@
 """The CUDA C++ few-row kernels (ops/int4_cuda.py, ops/fp8_cuda.py; built with nvcc on first use) on the GPU:
 their split-K partials against the plain torch references at the 27B's and 35B-A3B's layer shapes, bf16 and fp16
 x, one row and 2 … 16, with and without programmatic dependent launch, every output written, every instance;
-replayed in a CUDA graph; and a compiled decode step under kernels={"int4" | "fp8_weight": "cuda"} against the
-Triton kernel's."""
+replayed in a CUDA graph; int4's ring kernel bit for bit against its register kernel; and a compiled decode step
+under kernels={"int4": "cuda" | "cuda-ring", "fp8_weight": "cuda"} against the Triton kernel's."""
 
 import functools
 
@@ -21,7 +21,7 @@ SHAPES = [(34816, 5120), (5120, 17408), (14336, 5120), (16480, 5120), (5120, 614
 
 
 class Int4:
-    module, op = int4_cuda, "int4"
+    module, op, choice, stored = int4_cuda, "int4", "cuda", "int4"
 
     @staticmethod
     def operands(w):
@@ -36,8 +36,16 @@ class Int4:
         return int4_cuda.reference(x, *ops, N, splits)
 
 
+class Int4Ring(Int4):
+    choice = "cuda-ring"
+
+    @staticmethod
+    def call(x, ops, N, pdl=False, one_split=False):
+        return int4_cuda.int4_gemv(x, *ops, N, pdl, one_split, True)
+
+
 class Fp8:
-    module, op = fp8_cuda, "fp8_weight"
+    module, op, choice, stored = fp8_cuda, "fp8_weight", "cuda", "fp8-weight"
 
     @staticmethod
     def operands(w):
@@ -52,15 +60,19 @@ class Fp8:
         return fp8_cuda.reference(x, *ops, splits)
 
 
-KERNELS = {"int4": Int4, "fp8-weight": Fp8}
+KERNELS = {"int4": Int4, "int4-ring": Int4Ring, "fp8-weight": Fp8}
+
+
+def weight(scheme: str, N: int, K: int) -> tuple:
+    """The stored operands of a random [N, K] weight for `scheme`'s kernel (made once a session and format: the
+    lm_head's take seconds)."""
+    return _stored(KERNELS[KERNELS[scheme].stored], N, K)  # (int4's kernels share the weights)
 
 
 @functools.cache
-def weight(scheme: str, N: int, K: int) -> tuple:
-    """The stored operands of a random [N, K] weight in `scheme` (made once a session: the lm_head's take
-    seconds)."""
+def _stored(kernel, N: int, K: int) -> tuple:
     torch.manual_seed(N + K)
-    return KERNELS[scheme].operands(torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02)
+    return kernel.operands(torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02)
 
 
 # decode's configuration (bf16 x, PDL) at every shape; fp16 x, no PDL and one split at the two largest MLP ones
@@ -119,6 +131,25 @@ def test_every_instance_matches_the_reference(scheme, batch, pipelined, N, K, mo
             assert rel_err(got, kernel.reference(x, ops, N, got.shape[0])) < 1e-5, (scheme, batch, pipelined, M)
 
 
+@pytest.mark.parametrize("stages,per_sm", [(4, 8), (8, 8), (8, 1), (4, 2)])
+@pytest.mark.parametrize("N,K", [(34816, 5120), (5120, 17408), (12352, 2048), (5120, 6144)])
+def test_ring_kernel_gives_the_register_kernels_partials_bit_for_bit(stages, per_sm, N, K, monkeypatch):
+    """The ring kernel deals each warp the same groups in the same order as the register kernel and sums them
+    alike, so its partials are the same bits: every stage count, one block a multiprocessor (long runs of items,
+    the ring wrapping many times) to as many as fit, splits with a last stage of fewer than 4 groups (12352x2048:
+    6 groups a split; 5120x6144: 7), one split, bf16 and fp16 x, 1 to 16 rows."""
+    monkeypatch.setattr(int4_cuda, "RING_STAGES", stages)
+    monkeypatch.setattr(int4_cuda, "RING_BLOCKS_PER_SM", per_sm)
+    ops = weight("int4", N, K)
+    for dtype, M, one_split in ((torch.bfloat16, 1, False), (torch.float16, 5, False), (torch.bfloat16, 11, True),
+                                (torch.bfloat16, 16, False)):
+        x = torch.randn(M, K, device="cuda", dtype=dtype)
+        want = int4_cuda.int4_gemv(x, *ops, N, True, one_split)
+        poison_allocator(tuple(want.shape), dtype=torch.float32)
+        got = int4_cuda.int4_gemv(x, *ops, N, True, one_split, True)
+        assert torch.equal(got, want), (stages, per_sm, N, K, M, one_split, rel_err(got, want))
+
+
 @pytest.mark.parametrize("scheme", KERNELS)
 def test_x_at_an_unaligned_offset_is_taken(scheme):
     """x a view 2 elements into its storage (not 16-byte aligned, as a slice of a fused output can be)."""
@@ -160,9 +191,10 @@ def test_compiled_decode_step_gives_the_triton_kernels_logits(scheme):
     ids = torch.randint(model.config.vocab_size, (1, 16), device="cuda")
     tok = torch.randint(model.config.vocab_size, (1, 1), device="cuda")
     logits = {}
-    for choice in ("triton", "cuda"):
-        fastqwen.optimize(model, max_seq_len=64, quant=scheme, quant_lm_head=True, compile_options=COMPILE,
-                          kernels={KERNELS[scheme].op: choice})
+    kernel = KERNELS[scheme]
+    for choice in ("triton", kernel.choice):
+        fastqwen.optimize(model, max_seq_len=64, quant=kernel.stored, quant_lm_head=True, compile_options=COMPILE,
+                          kernels={kernel.op: choice})
         e = model._fastqwen
         model.generate(ids, max_new_tokens=1)  # (the prefill: the same reference path for both)
         counters.clear()
@@ -172,5 +204,5 @@ def test_compiled_decode_step_gives_the_triton_kernels_logits(scheme):
         assert counters["inductor"]["cudagraph_skips"] == 0
         model.__dict__.pop("_fastqwen"), model.__dict__.pop("generate")
         torch._dynamo.reset()
-    for a, b in zip(logits["cuda"], logits["triton"]):
+    for a, b in zip(logits[kernel.choice], logits["triton"]):
         assert rel_err(a, b) < 1e-2, rel_err(a, b)

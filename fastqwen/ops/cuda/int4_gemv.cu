@@ -21,9 +21,19 @@
 // decode is the same whatever M: rows 2 .. 8 cost their x loads and nothing else, rows 9 .. 16 a second block
 // of 8 B columns (NB = 2: two more MMAs a word).
 // Weights and scales are loaded before the PDL wait (they do not depend on the previous kernel); x after it.
+//
+// Two ways to feed the warps (the entry point's `stages`):
+//   registers (int4_gemv_rows, stages 0): a (N/16, splits) grid, each warp loading its own tiles, BATCH groups
+//     ahead, straight into registers;
+//   ring (int4_gemv_ring, stages 4 or 8): a persistent grid (every block resident at once), each block a
+//     contiguous run of (strip, split) items, its 4 warps fed through a shared-memory ring of `stages` stages
+//     by a fifth, the producer, with bulk copies (cp.async.bulk: a stage is up to 4 consecutive groups of the
+//     strip, one a warp: their tiles, one contiguous run of KB, and their 16 rows' scales and zeros), so the
+//     bytes in flight do not wait on any warp's registers or decode, and the stream runs across items.
 
 #include <cuda_fp16.h>
 
+#include "ring.cuh"
 #include "strip_gemv.cuh"
 
 namespace {
@@ -196,6 +206,125 @@ __global__ void __launch_bounds__(WARPS * 32, 4) int4_gemv_rows(const uint16_t* 
   strip_gemv::write_partials<NB>(sums, 1.f, 1.f, out, M, N, strip, split);  // (the groups' scales: applied)
 }
 
+// One stage of the ring: up to WARPS consecutive groups of one strip, group t of the stage consumer warp t's.
+struct alignas(128) Slot {
+  uint4 tiles[WARPS][64];   // the groups' tiles (one contiguous copy)
+  __half scale[WARPS][16];  // the strip's 16 rows' scales of each group (a 32-byte copy a group)
+  uint8_t zero[WARPS][16];  // and zeros (16 bytes)
+};
+constexpr uint32_t GROUP_BYTES = 64 * sizeof(uint4) + 16 * sizeof(__half) + 16;  // a group's bytes in a stage
+constexpr int RING_THREADS = (WARPS + 1) * 32;                                 // consumers, then the producer
+
+// The stages of items [first, last) in order, for the producer and the consumers alike: f(strip, split, g0, n,
+// ends) for the n <= WARPS groups g0 .. g0 + n - 1 of each stage, `ends` on an item's last stage.
+template <class F>
+__device__ __forceinline__ void for_each_stage(int first, int last, int splits, int groups_per_split, int G, F f) {
+  for (int item = first; item < last; ++item) {
+    const int strip = item / splits, split = item % splits, g_end = min(G, (split + 1) * groups_per_split);
+    for (int g0 = split * groups_per_split; g0 < g_end; g0 += WARPS)
+      f(strip, split, g0, min(WARPS, g_end - g0), g0 + WARPS >= g_end);
+  }
+}
+
+template <bool BF16, int STAGES, int NB>
+__global__ void __launch_bounds__(RING_THREADS) int4_gemv_ring(const uint16_t* x, const uint4* __restrict__ w,
+                                                               const __half* scale, const uint8_t* zero,
+                                                               float* __restrict__ out, int M, int N, int K,
+                                                               int splits, int groups_per_split, int per_block,
+                                                               uint32_t magic) {
+  __shared__ Slot slots[STAGES];
+  __shared__ uint64_t full[STAGES], empty[STAGES];
+  const int G = K / 128, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  int first, last;
+  ring::block_items(blockIdx.x, per_block, (N / 16) * splits, first, last);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      ring::init(&full[s], 1);          // the producer's arrival (and the stage's bytes)
+      ring::init(&empty[s], WARPS);     // one arrival a consumer warp
+    }
+    ring::fence_init();
+  }
+  __syncthreads();
+
+  if (warp == WARPS) {  // the producer: no PDL wait (weights only), no register of a consumer
+    const uint64_t policy = ring::evict_first();
+    int t = 0;  // the stage
+    for_each_stage(first, last, splits, groups_per_split, G, [&](int strip, int, int g0, int n, bool) {
+      const int slot = t % STAGES;
+      if (t >= STAGES) ring::wait(&empty[slot], (t / STAGES - 1) & 1);  // stage t - STAGES let go
+      if (lane == 0) ring::arrive_expect(&full[slot], n * GROUP_BYTES);
+      __syncwarp();
+      if (lane == 0) {
+        ring::copy(slots[slot].tiles, w + ((size_t)strip * G + g0) * 64, n * 64 * sizeof(uint4), &full[slot],
+                   policy);
+      } else if (lane <= n) {  // lanes 1 .. n: group g0 + lane - 1's scales; lanes 9 .. 8 + n: its zeros
+        ring::copy(slots[slot].scale[lane - 1], scale + (size_t)(g0 + lane - 1) * N + strip * 16,
+                   16 * sizeof(__half), &full[slot], policy);
+      } else if (lane > 8 && lane <= 8 + n) {
+        ring::copy(slots[slot].zero[lane - 9], zero + (size_t)(g0 + lane - 9) * N + strip * 16, 16, &full[slot],
+                   policy);
+      }
+      ++t;
+    });
+    return;
+  }
+
+  const int r = lane / 4;  // the lane's strip rows: r and r + 8
+  bool has_x[NB];
+  const uint16_t* xrow[NB];
+  strip_gemv::x_rows<NB>(x, M, K, lane, has_x, xrow);
+  const uint4* xcols[NB];  // x row 8 nb + l/4 at the lane's 32 columns of group g: + g * 16
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) xcols[nb] = reinterpret_cast<const uint4*>(xrow[nb]) + (lane % 4) * 4;
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the previous kernel's output (PDL)
+  int t = 0;
+  float sums[NB][4] = {};  // the item's, over its groups
+  for_each_stage(first, last, splits, groups_per_split, G, [&](int strip, int split, int g0, int n, bool ends) {
+    const int slot = t % STAGES, g = g0 + warp;
+    const bool mine = warp < n;
+    uint4 xs[NB][4];  // (x first: it does not wait for the stage)
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) xs[nb][i] = mine && has_x[nb] ? xcols[nb][(size_t)g * 16 + i] : make_uint4(0, 0, 0, 0);
+    }
+    ring::wait(&full[slot], (t / STAGES) & 1);
+    uint4 a = make_uint4(0, 0, 0, 0), b = a;
+    float sa = 0.f, sb = 0.f;
+    uint32_t za = 0, zb = 0;
+    if (mine) {
+      const Slot& s = slots[slot];
+      a = s.tiles[warp][lane];
+      b = s.tiles[warp][lane + 32];
+      sa = __half2float(s.scale[warp][r]);
+      sb = __half2float(s.scale[warp][r + 8]);
+      za = (Pairs<BF16>::NEG_MAGIC | s.zero[warp][r]) * 0x00010001u;
+      zb = (Pairs<BF16>::NEG_MAGIC | s.zero[warp][r + 8]) * 0x00010001u;
+    }
+    __syncwarp();
+    if (lane == 0) ring::arrive(&empty[slot]);  // (after the warp's reads: the arrival releases them)
+    ++t;
+    if (mine) {
+      float c[NB][4];
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) c[nb][0] = c[nb][1] = c[nb][2] = c[nb][3] = 0.f;
+      group_dot<BF16, NB>(c, a, b, xs, za, zb, magic);
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) {
+        sums[nb][0] = fmaf(sa, c[nb][0], sums[nb][0]);
+        sums[nb][1] = fmaf(sa, c[nb][1], sums[nb][1]);
+        sums[nb][2] = fmaf(sb, c[nb][2], sums[nb][2]);
+        sums[nb][3] = fmaf(sb, c[nb][3], sums[nb][3]);
+      }
+    }
+    if (ends) {
+      strip_gemv::write_partials<NB, true>(sums, 1.f, 1.f, out, M, N, strip, split);
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) sums[nb][0] = sums[nb][1] = sums[nb][2] = sums[nb][3] = 0.f;
+    }
+  });
+}
+
 }  // namespace
 
 template <bool BF16, int BATCH, bool PIPE, int NB>
@@ -232,22 +361,72 @@ cudaError_t launch_variant(int key, const cudaLaunchConfig_t& config, const void
   }
 }
 
+// The ring kernel's persistent launch: as many blocks as fit on the GPU at once (at most blocks_per_sm a
+// multiprocessor), the (strip, split) items dealt out in equal contiguous runs (the grid: ceil(items / run)).
+template <bool BF16, int STAGES, int NB>
+cudaError_t launch_ring(cudaLaunchConfig_t config, int device, int blocks_per_sm, const void* x, const void* w,
+                        const void* scale, const void* zero, float* out, int M, int N, int K, int splits,
+                        int groups_per_split) {
+  const auto kernel = int4_gemv_ring<BF16, STAGES, NB>;
+  static int fits = 0;  // blocks a multiprocessor holds (the instance's, whatever the GPU: it is sm_90 code)
+  int sms = 0;
+  if (!fits)
+    if (cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fits, kernel, RING_THREADS, 0); e != cudaSuccess)
+      return e;
+  if (cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device); e != cudaSuccess) return e;
+  const int items = N / 16 * splits, resident = sms * max(1, min(fits, blocks_per_sm));
+  const int run = (items + resident - 1) / resident;
+  config.gridDim = dim3((items + run - 1) / run);
+  config.blockDim = dim3(RING_THREADS);
+  return cudaLaunchKernelEx(&config, kernel, static_cast<const uint16_t*>(x), static_cast<const uint4*>(w),
+                            static_cast<const __half*>(scale), static_cast<const uint8_t*>(zero), out, M, N, K,
+                            splits, groups_per_split, run, Pairs<BF16>::MAGIC);
+}
+
+template <bool BF16>
+cudaError_t launch_ring_variant(int stages, int NB, const cudaLaunchConfig_t& config, int device, int blocks_per_sm,
+                                const void* x, const void* w, const void* scale, const void* zero, float* out, int M,
+                                int N, int K, int splits, int groups_per_split) {
+  switch (stages * 10 + NB) {
+    case 41: return launch_ring<BF16, 4, 1>(config, device, blocks_per_sm, x, w, scale, zero, out, M, N, K, splits,
+                                            groups_per_split);
+    case 42: return launch_ring<BF16, 4, 2>(config, device, blocks_per_sm, x, w, scale, zero, out, M, N, K, splits,
+                                            groups_per_split);
+    case 81: return launch_ring<BF16, 8, 1>(config, device, blocks_per_sm, x, w, scale, zero, out, M, N, K, splits,
+                                            groups_per_split);
+    case 82: return launch_ring<BF16, 8, 2>(config, device, blocks_per_sm, x, w, scale, zero, out, M, N, K, splits,
+                                            groups_per_split);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
 // Launches the kernel on `stream` of GPU `device`; returns the cudaError_t, cudaErrorInvalidValue (1) before
 // touching the GPU where the arguments are out of the kernel's range: N % 16, K % 128, a split plan that leaves a
-// split empty or a group out, M outside 1 .. 16, a (batch, pipe) with no instance for M (batch 2, 4 or 8, only 2
-// or 4 past 8 rows; pipe only with batch 2 and M <= 8). pdl: programmatic dependent launch (the kernel waits
-// before reading x).
+// split empty or a group out, M outside 1 .. 16; with stages 0 (the register kernel) a (batch, pipe) with no
+// instance for M (batch 2, 4 or 8, only 2 or 4 past 8 rows; pipe only with batch 2 and M <= 8); else stages
+// other than 4 or 8 (the ring kernel; batch and pipe unused) or blocks_per_sm < 1. pdl: programmatic dependent
+// launch (the kernel waits before reading x).
 extern "C" int fastqwen_int4_gemv(const void* x, const void* w, const void* scale, const void* zero, float* out,
                                   int M, int N, int K, int splits, int groups_per_split, int batch, int pipe,
-                                  int bf16, int pdl, int device, void* stream) {
-  const int key = variant_key(M, batch, pipe);
-  if (!strip_gemv::shape_ok(M, N, K, 128, splits, groups_per_split) || key < 0)
+                                  int stages, int blocks_per_sm, int bf16, int pdl, int device, void* stream) {
+  const int key = stages ? 0 : variant_key(M, batch, pipe);
+  if (!strip_gemv::shape_ok(M, N, K, 128, splits, groups_per_split) || key < 0 ||
+      (stages && ((stages != 4 && stages != 8) || blocks_per_sm < 1)))
     return static_cast<int>(cudaErrorInvalidValue);
   cudaLaunchConfig_t config;
   cudaLaunchAttribute attribute;
   if (cudaError_t e = strip_gemv::launch_config(config, attribute, N, splits, pdl, device, stream); e != cudaSuccess)
     return static_cast<int>(e);
-  cudaError_t e = bf16 ? launch_variant<true>(key, config, x, w, scale, zero, out, M, N, K, groups_per_split)
-                       : launch_variant<false>(key, config, x, w, scale, zero, out, M, N, K, groups_per_split);
+  cudaError_t e;
+  if (stages) {
+    const int NB = M > 8 ? 2 : 1;
+    e = bf16 ? launch_ring_variant<true>(stages, NB, config, device, blocks_per_sm, x, w, scale, zero, out, M, N, K,
+                                         splits, groups_per_split)
+             : launch_ring_variant<false>(stages, NB, config, device, blocks_per_sm, x, w, scale, zero, out, M, N, K,
+                                          splits, groups_per_split);
+  } else {
+    e = bf16 ? launch_variant<true>(key, config, x, w, scale, zero, out, M, N, K, groups_per_split)
+             : launch_variant<false>(key, config, x, w, scale, zero, out, M, N, K, groups_per_split);
+  }
   return static_cast<int>(e);
 }

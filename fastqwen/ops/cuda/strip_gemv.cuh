@@ -50,9 +50,15 @@ __device__ __forceinline__ void x_rows(const uint16_t* x, int M, int K, int lane
   }
 }
 
+// A barrier of the block's first WARPS warps only (named barrier 1), where other warps (a ring's producer) never
+// join.
+__device__ __forceinline__ void warps_sync() { asm volatile("bar.sync 1, %0;" ::"n"(WARPS * 32) : "memory"); }
+
 // The block's epilogue: lane l's sums[nb] (c0, c1: strip row l/4 against x rows 8 nb + 2 (l%4) and + 1; c2,
 // c3: row l/4 + 8), times the rows' scales, summed over the 4 warps into out[split, m, strip rows] (M rows).
-template <int NB>
+// AGAIN: the first WARPS warps of a block that calls it once an item, the others not joining (their own
+// barrier, and another after the sums so the next item's writes wait for these reads); else a block's one call.
+template <int NB, bool AGAIN = false>
 __device__ __forceinline__ void write_partials(const float (&sums)[NB][4], float scale_a, float scale_b, float* out,
                                                int M, int N, int strip, int split) {
   __shared__ float part[WARPS][8 * NB][16];  // [warp][x row][strip row]
@@ -64,7 +70,7 @@ __device__ __forceinline__ void write_partials(const float (&sums)[NB][4], float
     part[warp][8 * nb + m][r + 8] = scale_b * sums[nb][2];
     part[warp][8 * nb + m + 1][r + 8] = scale_b * sums[nb][3];
   }
-  __syncthreads();
+  if constexpr (AGAIN) warps_sync(); else __syncthreads();
   for (int t = threadIdx.x; t < 16 * M; t += WARPS * 32) {
     const int row = t % 16, xrow = t / 16;
     float s = 0.f;
@@ -72,6 +78,7 @@ __device__ __forceinline__ void write_partials(const float (&sums)[NB][4], float
     for (int v = 0; v < WARPS; ++v) s += part[v][xrow][row];
     out[((size_t)split * M + xrow) * N + strip * 16 + row] = s;
   }
+  if constexpr (AGAIN) warps_sync();
 }
 
 // Whether (M, N, K, splits, steps a split) are in a kernel's range: N % 16, K % step_columns, 1 <= M <= 16, every
