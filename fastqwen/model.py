@@ -38,7 +38,8 @@ KERNELS = {"attention": ("split", "sdpa"), "experts": ("auto", "gather", "groupe
            "splitk": ("sum", "fixup"), "gdn_norm": ("separate", "fused"),
            "expert_act": ("auto", "separate", "fused", "mlp"), "route": ("auto", "argmax", "packed", "fused"),
            "mlp_act": ("separate", "fused"), "conv": ("fused", "separate"),
-           "int4": ("triton", "cuda", "cuda-ring"), "fp8_weight": ("triton", "cuda")}  # first: the default
+           "int4": ("triton", "cuda", "cuda-ring"),
+           "fp8_weight": ("triton", "cuda", "cuda-ring")}  # first: the default
 CUDA_KERNELS = {"int4": "int4", "fp8_weight": "fp8-weight"}  # kernels option -> the scheme its "cuda" choices take
 
 
@@ -120,8 +121,8 @@ def check_kernels(kernels: dict | None, cfg, device, fp8_experts: bool = False) 
     ("triton", ops/gemv.py) or by a CUDA C++ tensor-core kernel (ops/int4_cuda.py: built with nvcc on first use,
     compute capability 9.0 or later; candidates, not yet timed): "cuda" its warps loading their weights into
     registers, "cuda-ring" a persistent grid fed through a shared-memory ring by bulk copies; more rows take the
-    Triton kernel either way. "fp8_weight": the same for an fp8-weight QuantLinear ("cuda": ops/fp8_cuda.py, e4m3 pairs into
-    the tensor cores; a candidate, not yet timed)."""
+    Triton kernel either way. "fp8_weight": the same for an fp8-weight QuantLinear ("cuda", "cuda-ring": ops/fp8_cuda.py, e4m3
+    pairs into the tensor cores; candidates, not yet timed)."""
     kernels = dict(kernels or {})
     unknown = set(kernels) - set(KERNELS)
     if unknown:

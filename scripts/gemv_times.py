@@ -40,7 +40,7 @@ def main():
     p.add_argument("--cuda-blocks", nargs="+", type=int, default=[int4_cuda.TARGET_BLOCKS],
                    help="the CUDA kernel's TARGET_BLOCKS (the grid size its split plan aims at), each timed")
     p.add_argument("--cuda-ring", nargs="+", type=int, default=[0], choices=[0, 4, 8],
-                   help="int4: 0 the register kernel (--cuda-batch, --cuda-pipelined), 4 or 8 the ring kernel with "
+                   help="0 the register kernel (--cuda-batch, --cuda-pipelined), 4 or 8 the ring kernel with "
                    "that many stages, each timed")
     p.add_argument("--cuda-ring-per-sm", nargs="+", type=int, default=[int4_cuda.RING_BLOCKS_PER_SM],
                    help="the ring kernel's RING_BLOCKS_PER_SM (at most this many blocks a multiprocessor), each timed")
@@ -61,7 +61,7 @@ def main():
         registers = [(b, bool(p), n, 0, 0) for b in args.cuda_batch for p in args.cuda_pipelined
                      for n in args.cuda_blocks if not p or (b == 2 and cuda_module is int4_cuda)]
         rings = [(0, False, n, r, per_sm) for r in args.cuda_ring if r for n in args.cuda_blocks
-                 for per_sm in args.cuda_ring_per_sm] if cuda_module is int4_cuda else []
+                 for per_sm in args.cuda_ring_per_sm]
         cuda = registers * (0 in args.cuda_ring) + rings if "cuda" in args.kernel else []
         for M, kernel in ((M, k) for M in args.rows for k in ["triton"] * ("triton" in args.kernel) + cuda):
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
@@ -75,18 +75,14 @@ def main():
                     continue
                 batch, pipelined, cuda_module.TARGET_BLOCKS, ring, per_sm = kernel
                 splits = f"splits {cuda_module.plan(N, K)[0]}"
-                if ring:
-                    int4_cuda.RING_STAGES, int4_cuda.RING_BLOCKS_PER_SM = ring, per_sm
-                    run = lambda x, q, s, z: int4_cuda.int4_gemv(x, q, s, z, N, ring=True)  # noqa: E731
-                    config = f"cuda ring {ring} stages ≤{per_sm}/SM {splits}"
-                elif cuda_module is int4_cuda:
-                    int4_cuda.BATCH, int4_cuda.PIPELINED = batch, pipelined
-                    run = lambda x, q, s, z: int4_cuda.int4_gemv(x, q, s, z, N)  # noqa: E731
+                cuda_module.RING_STAGES, cuda_module.RING_BLOCKS_PER_SM, cuda_module.BATCH = ring or 8, per_sm, batch
+                if cuda_module is int4_cuda:
+                    int4_cuda.PIPELINED = pipelined
+                    run = lambda x, q, s, z: int4_cuda.int4_gemv(x, q, s, z, N, ring=bool(ring))  # noqa: E731
                 else:
-                    fp8_cuda.BATCH = batch
-                    run = lambda x, q, s, z: fp8_cuda.fp8_gemv(x, q, s)  # noqa: E731
-                if not ring:
-                    config = f"cuda batch {batch}{' pipelined' * pipelined} {splits}"
+                    run = lambda x, q, s, z: fp8_cuda.fp8_gemv(x, q, s, ring=bool(ring))  # noqa: E731
+                config = (f"cuda ring {ring} stages ≤{per_sm}/SM {splits}" if ring else
+                          f"cuda batch {batch}{' pipelined' * pipelined} {splits}")
             t = min(bench.graph_seconds(run, variants=[(x, *c) for c in copies]) for _ in range(args.repeats))
             print(f"| {args.tag} | {layer} | {N}x{K} | M={M} | {config} | {t * 1e6:.1f} µs | "
                   f"{nbytes / 1e6:.1f} MB | {nbytes / t / 1e12:.2f} TB/s |", flush=True)

@@ -50,13 +50,13 @@
 #            SWEEP_LOWP="3 4" adds int4's mma.sync configs. SWEEP_ROW_ORDER=1: int4 codes in row order, not tiled. SWEEP_EXPERTS="1 8 16": then the grouped kernel's configs for
 #            the 35B-A3B routed experts at those token counts (9 pairs a token), in the same formats.
 #   cuda-tests tests/gpu/test_cuda_kernels_gpu.py: the CUDA int4 and fp8-weight kernels (kernels={"int4" |
-#            "fp8_weight": "cuda"}, built with nvcc here) against their references and the Triton kernels' step
+#            "fp8_weight": "cuda" | "cuda-ring"}, built with nvcc here) against their references and the Triton kernels' step
 #   cuda-times the Triton and CUDA kernels' times per layer (scripts/gemv_times.py --kernel triton cuda): int4 on
 #            the 27B's layers and head at each BATCH, pipelining and grid target, the ring kernel at 4 and 8
-#            stages and 2, 4, 8 blocks a multiprocessor, then both at 4, 8, 16 rows; fp8-weight
-#            on the 27B's and 35B-A3B's. The step's A/B is `candidates` with CAND_MODEL=qwen3.5-27b
-#            CAND_SYSTEMS="fastqwen-int4+cuda-int4 fastqwen-int4+cuda-ring-int4" CAND_ARGS="--isolate --quant-lm-head
-#            --no-autotune" (fp8: fastqwen-fp8-weight fastqwen-fp8-weight+cuda-fp8-weight)
+#            stages and 2, 4, 8 blocks a multiprocessor, then both at 4, 8, 16 rows
+#   cuda-times-fp8 the same for fp8-weight's register and ring kernels on the 27B's and 35B-A3B's layers.
+#            The step's A/B is `candidates` with CAND_MODEL=qwen3.5-27b CAND_SYSTEMS="fastqwen-int4+cuda-int4 fastqwen-int4+cuda-ring-int4" CAND_ARGS="--isolate --quant-lm-head
+#            --no-autotune" (fp8: fastqwen-fp8-weight+cuda-fp8-weight fastqwen-fp8-weight+cuda-ring-fp8-weight)
 #   suite    the pytest-benchmark suite (tests/benchmarks, 9B plain and MTP) saved as a baseline under
 #            tests/benchmarks/baselines (copied to $OUT: commit it); later runs compare against it
 #   quant    tests/gpu/test_quant_gpu.py, then scripts/bench_quant.py (per-GEMM table, M = 1..16; QUANT_ARGS, e.g.
@@ -91,9 +91,11 @@ case "$stage" in
              python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel cuda --cuda-ring 4 8 \
                --cuda-ring-per-sm 2 4 8 --cuda-blocks 1024 4096 2>&1 | tee -a "$out/cuda_times.md"
              python scripts/gemv_times.py --format int4 --shapes 27b --kernel triton cuda --cuda-ring 0 8 \
-               --rows 4 8 16 2>&1 | tee -a "$out/cuda_times.md"
-             python scripts/gemv_times.py --format fp8-weight --shapes 27b 27b-head 35b-a3b --kernel triton cuda \
-               --cuda-batch 2 4 8 --cuda-blocks 1024 2048 4096 2>&1 | tee -a "$out/cuda_times.md" ;;
+               --rows 4 8 16 2>&1 | tee -a "$out/cuda_times.md" ;;
+  cuda-times-fp8) python scripts/gemv_times.py --format fp8-weight --shapes 27b 27b-head 35b-a3b --kernel triton cuda \
+               --cuda-batch 2 4 8 --cuda-blocks 1024 2048 4096 2>&1 | tee "$out/cuda_times_fp8.md"
+             python scripts/gemv_times.py --format fp8-weight --shapes 27b 27b-head 35b-a3b --kernel cuda \
+               --cuda-ring 4 8 --cuda-ring-per-sm 2 4 8 --cuda-blocks 1024 4096 2>&1 | tee -a "$out/cuda_times_fp8.md" ;;
   candidate-tests) python -m pytest -q -s -p no:warnings tests/gpu/test_candidates_gpu.py 2>&1 | tail -6 ;;
   bench) python scripts/bench.py --models ${MODELS:-qwen3.5-9b qwen3.5-27b qwen3.5-35b-a3b} ${BENCH_ARGS:-} \
            --out-dir "$out" 2>&1 | grep -v "^\[transformers\]" | tail -20 ;;

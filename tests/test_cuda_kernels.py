@@ -67,7 +67,8 @@ def test_ops_pass_opcheck_and_take_only_their_layouts():
         for ring in (False, True):
             torch.library.opcheck(int4_cuda.int4_gemv, (x, q, s, z, 48, False, one_split, ring),
                                   test_utils=utils + ("test_schema",))
-        torch.library.opcheck(fp8_cuda.fp8_gemv, (x, w8, s8, False, one_split), test_utils=utils)
+        for ring in (False, True):
+            torch.library.opcheck(fp8_cuda.fp8_gemv, (x, w8, s8, False, one_split, ring), test_utils=utils)
     assert int4_cuda.int4_gemv(x, q, s, z, 48).shape[0] == 2 and fp8_cuda.fp8_gemv(x, w8, s8).shape[0] == 4
     assert int4_cuda.int4_gemv(x, q, s, z, 48, False, True).shape[0] == 1 == fp8_cuda.fp8_gemv(x, w8, s8, False,
                                                                                              True).shape[0]
@@ -88,10 +89,11 @@ def test_kernel_choices_are_checked_and_a_missing_compiler_names_the_fix(monkeyp
     cfg = presets.config("tiny")
     chosen = check_kernels({"int4": "cuda", "fp8_weight": "cuda"}, cfg, "cpu")
     assert (chosen["int4"], chosen["fp8_weight"]) == ("cuda", "cuda")
-    assert check_kernels({"int4": "cuda-ring"}, cfg, "cpu")["int4"] == "cuda-ring"
+    chosen = check_kernels({"int4": "cuda-ring", "fp8_weight": "cuda-ring"}, cfg, "cpu")
+    assert (chosen["int4"], chosen["fp8_weight"]) == ("cuda-ring", "cuda-ring")
     assert (check_kernels(None, cfg, "cpu")["int4"], check_kernels(None, cfg, "cpu")["fp8_weight"]) == (
         "triton", "triton")
-    for op, bad in (("int4", "cutlass"), ("fp8_weight", "cutlass"), ("fp8_weight", "cuda-ring")):
+    for op, bad in (("int4", "cutlass"), ("fp8_weight", "cutlass"), ("fp8_weight", "ring")):
         with pytest.raises(ValueError, match="choose from triton, cuda"):
             check_kernels({op: bad}, cfg, "cpu")
     monkeypatch.setattr(cuda_build, "nvcc", lambda: None)
@@ -302,7 +304,7 @@ def _sass_functions(lib: str, kernel: str) -> list[str]:
 
 
 @NVCC
-@pytest.mark.parametrize("name,instances", [("int4_gemv", 20), ("fp8_gemv", 10)])
+@pytest.mark.parametrize("name,instances", [("int4_gemv", 20), ("fp8_gemv", 18)])
 def test_kernels_build_for_sm90_without_spills(name, instances, tmp_path):
     """nvcc -Xptxas -v for sm_90: every instance (register and ring kernels) ≤ 128 registers (4 blocks of 128
     threads a multiprocessor, 3 of the ring's 160), no spills, static shared memory under the 48 KB limit."""
@@ -341,17 +343,20 @@ def test_register_kernels_issue_their_first_loads_before_the_wait(name, kernel, 
 
 
 @NVCC
-def test_ring_kernel_splits_producer_from_consumers(tmp_path):
-    """In the SASS of each int4 ring instance (bf16 / fp16 x, 4 or 8 stages, one or two blocks of 8 x rows):
-    after the barriers' initialisation and the block barrier, the producer warp branches off to its bulk copies
-    (the tiles, a group's scales, its zeros: three UBLKCP sites) with no PDL wait and no global load; the consumers
-    wait (PDL) before any load of x, load x before they poll the stage's barrier, read the stage from shared
-    memory (two 16-byte tile loads a lane), arrive on the slot's empty barrier, then issue 8 MMAs a block of 8 x
-    rows; both sides trap rather than spin forever."""
-    functions = _sass_functions(_build_sm90("int4_gemv", tmp_path)[1], "int4_gemv_ring")
+@pytest.mark.parametrize("name,kernel,copies,xs_a_block,mmas_a_block", [("int4_gemv", "int4_gemv_ring", 3, 4, 8),
+                                                                       ("fp8_gemv", "fp8_gemv_ring", 1, 2, 4)])
+def test_ring_kernels_split_producer_from_consumers(name, kernel, copies, xs_a_block, mmas_a_block, tmp_path):
+    """In the SASS of each ring instance (bf16 / fp16 x, 4 or 8 stages, one or two blocks of 8 x rows): after the
+    barriers' initialisation and the block barrier, the producer warp branches off to its bulk copies (int4: the
+    tiles, a group's scales, its zeros: three UBLKCP sites; fp8: a row's chunks) with no PDL wait and no global
+    load; the consumers wait (PDL) before any load of x, load x (16 bytes a lane for each 8 columns of a
+    step) before they poll the stage's barrier, read the stage from shared memory (two 16-byte loads a lane),
+    arrive on the slot's empty barrier, then issue the step's MMAs (int4 8 a group, fp8 4 a chunk, for each
+    block of 8 x rows); both sides trap rather than spin forever."""
+    functions = _sass_functions(_build_sm90(name, tmp_path)[1], kernel)
     assert len(functions) == 8
     for k in functions:
-        nb = int(k.split("int4_gemv_ring")[1].split("EE")[0].split("E")[-1].removeprefix("Li"))
+        nb = int(k.split(kernel)[1].split("EE")[0].split("E")[-1].removeprefix("Li"))
         lines = [line for line in k.splitlines() if "*/" in line and ";" in line]
         ops = _sass_ops(k)
         split = ops.index("BAR.SYNC.DEFER_BLOCKING")  # (after the mbarrier inits: SYNCS.EXCH.64)
@@ -361,17 +366,17 @@ def test_ring_kernel_splits_producer_from_consumers(tmp_path):
         at = [int(line.split("/*")[1].split("*/")[0], 16) for line in lines]
         producer = ops[at.index(target):]
         consumer = ops[split:at.index(target)]
-        assert producer.count("UBLKCP.S.G") == 3 and "ACQBULK" not in producer, producer
+        assert producer.count("UBLKCP.S.G") == copies and "ACQBULK" not in producer, producer
         assert not any(o.startswith("LDG") for o in producer)
         assert "SYNCS.PHASECHK.TRANS64.TRYWAIT" in producer and "BPT.TRAP" in producer
         wait = consumer.index("ACQBULK")
         xs = [i for i, o in enumerate(consumer) if o == "LDG.E.128"]
         poll = consumer.index("SYNCS.PHASECHK.TRANS64.TRYWAIT")
-        assert len(xs) == 4 * nb and wait < xs[0] and xs[-1] < poll, (wait, xs, poll)
+        assert len(xs) == xs_a_block * nb and wait < xs[0] and xs[-1] < poll, (wait, xs, poll)
         tiles = [i for i, o in enumerate(consumer) if o == "LDS.128"]
         arrive = consumer.index("SYNCS.ARRIVE.TRANS64.A1T0")
         mmas = [i for i, o in enumerate(consumer) if o.startswith("HMMA.16816.F32")]
-        assert len(tiles) == 2 and poll < tiles[0] and tiles[-1] < arrive < mmas[0] and len(mmas) == 8 * nb
+        assert len(tiles) == 2 and poll < tiles[0] and tiles[-1] < arrive < mmas[0] and len(mmas) == mmas_a_block * nb
         assert "BPT.TRAP" in consumer
 
 
@@ -392,7 +397,8 @@ def test_optimize_routes_quantized_linears_to_the_chosen_kernels(monkeypatch):
     for scheme, kernels, want in (("int4", {"int4": "cuda"}, ("int4",)), ("int4", {}, ()),
                                   ("int4", {"int4": "cuda-ring"}, ("int4-ring",)),
                                   ("fp8-weight", {"fp8_weight": "cuda"}, ("fp8-weight",)),
-                                  ("fp8-weight", {"int4": "cuda", "fp8_weight": "cuda"}, ("int4", "fp8-weight"))):
+                                  ("fp8-weight", {"int4": "cuda", "fp8_weight": "cuda"}, ("int4", "fp8-weight")),
+                                  ("fp8-weight", {"fp8_weight": "cuda-ring"}, ("fp8-weight-ring",))):
         m = fastqwen.optimize(fresh("tiny"), max_seq_len=64, compile=False, quant=scheme, kernels=kernels)
         n = len(seen)
         m.generate(torch.randint(1, 500, (1, 5)), max_new_tokens=3, do_sample=False)
@@ -400,11 +406,14 @@ def test_optimize_routes_quantized_linears_to_the_chosen_kernels(monkeypatch):
     calls = []  # (the tag's ring choice reaches the op: its CPU reference stands in for the kernel)
     monkeypatch.setattr(int4_cuda, "int4_gemv", lambda *args: calls.append(args[-1]) or int4_cuda.reference(
         *args[:5], 1))
-    layer = quantize_modules(torch.nn.Sequential(torch.nn.Linear(256, 64)), "int4")[0]
-    x = torch.randn(1, layer.in_features, dtype=torch.bfloat16)
-    for tag in ("int4", "int4-ring"):
-        assert layer._cuda_partials(x, layer.scale, False, False, tag).shape == (1, 1, layer.out_features)
-    assert calls == [False, True]
+    monkeypatch.setattr(fp8_cuda, "fp8_gemv", lambda *args: calls.append(args[-1]) or fp8_cuda.reference(
+        *args[:3], 1))
+    x = torch.randn(1, 256, dtype=torch.bfloat16)
+    for scheme in ("int4", "fp8-weight"):
+        layer = quantize_modules(torch.nn.Sequential(torch.nn.Linear(256, 64)), scheme)[0]
+        for tag in (scheme, f"{scheme}-ring"):
+            assert layer._cuda_partials(x, layer.scale, False, False, tag).shape == (1, 1, layer.out_features)
+    assert calls == [False, True, False, True]
 
 
 @NVCC
@@ -424,13 +433,14 @@ def test_built_libraries_refuse_arguments_out_of_range_before_touching_the_gpu(t
                     {"stages": 3}, {"stages": 16}, {"stages": 4, "per_sm": 0}, {"stages": 8, "M": 17},
                     {"stages": 8, "splits": 3}):
             assert call4(**bad) == 1, bad
-        call8 = lambda M=1, N=64, K=512, splits=2, per=4, batch=4: fp8(  # noqa: E731
-            0, 0, 0, 0, M, N, K, splits, per, batch, 1, 0, 0, None)
+        call8 = lambda M=1, N=64, K=512, splits=2, per=4, batch=4, stages=0, per_sm=8: fp8(  # noqa: E731
+            0, 0, 0, 0, M, N, K, splits, per, batch, stages, per_sm, 1, 0, 0, None)
         for bad in ({"N": 40}, {"K": 500}, {"M": 0}, {"M": 17}, {"splits": 3}, {"per": 3}, {"batch": 3},
-                    {"M": 9, "batch": 8}):
+                    {"M": 9, "batch": 8}, {"stages": 2}, {"stages": 4, "per_sm": 0}, {"stages": 8, "K": 500}):
             assert call8(**bad) == 1, bad
         if not torch.cuda.is_available():
-            for ok in (call4(), call4(stages=4, batch=3), call4(stages=8, M=16, batch=8, pipe=1), call8()):
+            for ok in (call4(), call4(stages=4, batch=3), call4(stages=8, M=16, batch=8, pipe=1), call8(),
+                       call8(stages=4, batch=3), call8(stages=8, M=12)):
                 assert ok not in (0, 1)  # (no GPU: the runtime's error, e.g. 35; the ring ignores batch and pipe)
     finally:
         cuda_build.build.cache_clear()

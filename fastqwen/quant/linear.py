@@ -67,8 +67,8 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor, pdl: bool = False, fixup: bool = False, cuda: tuple = ()) -> torch.Tensor:
         """x [..., in_features] → [..., out_features]; pdl: the kernel with programmatic dependent launch;
         fixup: it sums its split-K partials itself (ops/gemv.py wq_linear); cuda: the schemes whose few-row
-        products take the CUDA C++ kernels ("int4": ops/int4_cuda.py, "int4-ring": its ring kernel, "fp8-weight":
-        ops/fp8_cuda.py) rather than the Triton one (ops/gemv.py)."""
+        products take the CUDA C++ kernels ("int4": ops/int4_cuda.py, "fp8-weight": ops/fp8_cuda.py; "-ring"
+        added: their ring kernels) rather than the Triton one (ops/gemv.py)."""
         parts = self.partials(x, pdl, fixup, cuda=cuda)
         if parts is not None:
             y = parts.sum(0).to(x.dtype)
@@ -105,12 +105,12 @@ class QuantLinear(nn.Module):
                        tag: str) -> torch.Tensor | None:
         """The scheme's CUDA kernel's partials [S, rows, out_features] of x2 [rows, in_features], or None where
         it does not take them (fixup: one split, as the Triton kernel's fixup gives one partial; tag: the
-        scheme's entry in `cuda`, "-ring" for int4's ring kernel)."""
+        scheme's entry in `cuda`, "-ring" for the ring kernel)."""
         if self.scheme == "int4" and int4_cuda.takes(x2, self.qweight, scale, self.zero):
             return int4_cuda.int4_gemv(x2, self.qweight, scale, self.zero, self.out_features, pdl, fixup,
                                        tag.endswith("-ring"))
         if self.scheme == "fp8-weight" and fp8_cuda.takes(x2, self.qweight, scale):
-            return fp8_cuda.fp8_gemv(x2, self.qweight, scale, pdl, fixup)
+            return fp8_cuda.fp8_gemv(x2, self.qweight, scale, pdl, fixup, tag.endswith("-ring"))
         return None
 
     def extra_repr(self) -> str:

@@ -1,8 +1,8 @@
 """The CUDA C++ few-row kernels (ops/int4_cuda.py, ops/fp8_cuda.py; built with nvcc on first use) on the GPU:
 their split-K partials against the plain torch references at the 27B's and 35B-A3B's layer shapes, bf16 and fp16
 x, one row and 2 … 16, with and without programmatic dependent launch, every output written, every instance;
-replayed in a CUDA graph; int4's ring kernel bit for bit against its register kernel; and a compiled decode step
-under kernels={"int4": "cuda" | "cuda-ring", "fp8_weight": "cuda"} against the Triton kernel's."""
+replayed in a CUDA graph; the ring kernels bit for bit against the register kernels; and a compiled decode step
+under kernels={"int4" | "fp8_weight": "cuda" | "cuda-ring"} against the Triton kernel's."""
 
 import functools
 
@@ -60,7 +60,15 @@ class Fp8:
         return fp8_cuda.reference(x, *ops, splits)
 
 
-KERNELS = {"int4": Int4, "int4-ring": Int4Ring, "fp8-weight": Fp8}
+class Fp8Ring(Fp8):
+    choice = "cuda-ring"
+
+    @staticmethod
+    def call(x, ops, N, pdl=False, one_split=False):
+        return fp8_cuda.fp8_gemv(x, *ops, pdl, one_split, True)
+
+
+KERNELS = {"int4": Int4, "int4-ring": Int4Ring, "fp8-weight": Fp8, "fp8-weight-ring": Fp8Ring}
 
 
 def weight(scheme: str, N: int, K: int) -> tuple:
@@ -131,23 +139,26 @@ def test_every_instance_matches_the_reference(scheme, batch, pipelined, N, K, mo
             assert rel_err(got, kernel.reference(x, ops, N, got.shape[0])) < 1e-5, (scheme, batch, pipelined, M)
 
 
+@pytest.mark.parametrize("scheme", ["int4", "fp8-weight"])
 @pytest.mark.parametrize("stages,per_sm", [(4, 8), (8, 8), (8, 1), (4, 2)])
 @pytest.mark.parametrize("N,K", [(34816, 5120), (5120, 17408), (12352, 2048), (5120, 6144)])
-def test_ring_kernel_gives_the_register_kernels_partials_bit_for_bit(stages, per_sm, N, K, monkeypatch):
-    """The ring kernel deals each warp the same groups in the same order as the register kernel and sums them
-    alike, so its partials are the same bits: every stage count, one block a multiprocessor (long runs of items,
-    the ring wrapping many times) to as many as fit, splits with a last stage of fewer than 4 groups (12352x2048:
-    6 groups a split; 5120x6144: 7), one split, bf16 and fp16 x, 1 to 16 rows."""
-    monkeypatch.setattr(int4_cuda, "RING_STAGES", stages)
-    monkeypatch.setattr(int4_cuda, "RING_BLOCKS_PER_SM", per_sm)
-    ops = weight("int4", N, K)
+def test_ring_kernel_gives_the_register_kernels_partials_bit_for_bit(scheme, stages, per_sm, N, K, monkeypatch):
+    """The ring kernel deals each warp the same steps (int4 groups, fp8 chunks) in the same order as the register
+    kernel and sums them alike, so its partials are the same bits: every stage count, one block a
+    multiprocessor (long runs of items, the ring wrapping many times) to as many as fit, splits whose last stage
+    has fewer than 4 steps (int4 12352x2048: 6 groups a split; 5120x6144: 7), one split, bf16 and fp16 x, 1 to
+    16 rows."""
+    kernel, ring = KERNELS[scheme], KERNELS[scheme + "-ring"]
+    monkeypatch.setattr(kernel.module, "RING_STAGES", stages)
+    monkeypatch.setattr(kernel.module, "RING_BLOCKS_PER_SM", per_sm)
+    ops = weight(scheme, N, K)
     for dtype, M, one_split in ((torch.bfloat16, 1, False), (torch.float16, 5, False), (torch.bfloat16, 11, True),
                                 (torch.bfloat16, 16, False)):
         x = torch.randn(M, K, device="cuda", dtype=dtype)
-        want = int4_cuda.int4_gemv(x, *ops, N, True, one_split)
+        want = kernel.call(x, ops, N, True, one_split)
         poison_allocator(tuple(want.shape), dtype=torch.float32)
-        got = int4_cuda.int4_gemv(x, *ops, N, True, one_split, True)
-        assert torch.equal(got, want), (stages, per_sm, N, K, M, one_split, rel_err(got, want))
+        got = ring.call(x, ops, N, True, one_split)
+        assert torch.equal(got, want), (scheme, stages, per_sm, N, K, M, one_split, rel_err(got, want))
 
 
 @pytest.mark.parametrize("scheme", KERNELS)

@@ -16,9 +16,16 @@
 // operand's column n is x row n at the same columns (lane l supplies row l/4 from consecutive pairs, no
 // permute; zero past M). Sums are fp32 over the whole split; the row scale multiplies them at the end.
 // Weights and scales are loaded before the PDL wait (they do not depend on the previous kernel); x after it.
+//
+// Two ways to feed the warps (the entry point's `stages`), as in int4_gemv.cu: the register kernel
+// (fp8_gemv_rows, stages 0: a (N/16, splits) grid, each warp loading BATCH chunks ahead into registers) and the
+// ring kernel (fp8_gemv_ring, stages 4 or 8: a persistent grid, each block a contiguous run of (strip, split)
+// items, its 4 warps fed through a shared-memory ring by a fifth warp's bulk copies; a stage is up to 4
+// consecutive chunks of the strip's 16 rows, one 256-byte copy a row, one chunk a consumer warp).
 
 #include <cuda_fp16.h>
 
+#include "ring.cuh"
 #include "strip_gemv.cuh"
 
 namespace {
@@ -114,15 +121,9 @@ __global__ void __launch_bounds__(WARPS * 32, 4) fp8_gemv_rows(const uint16_t* x
   // row l/4's 16 bytes of chunk c at + c * 4 uint4s (row l/4 + 8: + 8 K / 16 more)
   const uint4* rows = reinterpret_cast<const uint4*>(w + (size_t)row_a * K) + (lane % 4);
   bool has_x[NB];
-  const uint16_t* xrow[NB];
-  strip_gemv::x_rows<NB>(x, M, K, lane, has_x, xrow);
   const uint4* xcols[NB];  // x row 8 nb + l/4 at the lane's 16 columns of chunk c: + c * 8 uint4s
-  float sums[NB][4];
-#pragma unroll
-  for (int nb = 0; nb < NB; ++nb) {
-    xcols[nb] = reinterpret_cast<const uint4*>(xrow[nb]) + (lane % 4) * 2;
-    sums[nb][0] = sums[nb][1] = sums[nb][2] = sums[nb][3] = 0.f;
-  }
+  strip_gemv::x_columns<NB, 2>(x, M, K, lane, has_x, xcols);
+  float sums[NB][4] = {};
   const float scale_a = scale[row_a], scale_b = scale[row_a + 8];
   constexpr int STRIDE = BATCH * WARPS;
   Batch<BATCH> a;
@@ -134,6 +135,80 @@ __global__ void __launch_bounds__(WARPS * 32, 4) fp8_gemv_rows(const uint16_t* x
     a.template dot<BF16, NB>(xcols, has_x, c0, c_end, sums);
   }
   strip_gemv::write_partials<NB>(sums, scale_a, scale_b, out, M, N, strip, split);
+}
+
+// One stage of the ring: the strip's 16 rows at up to WARPS consecutive chunks (chunk t of the stage consumer warp
+// t's), a row every PITCH bytes: 64 more than the 256 a row holds, so that the 8 lanes of a quarter warp (2 rows,
+// 64 bytes each) read all 32 banks once.
+constexpr int PITCH = WARPS * CHUNK + 64;
+struct alignas(128) Slot {
+  uint8_t rows[16][PITCH];
+};
+constexpr int RING_THREADS = (WARPS + 1) * 32;  // consumers, then the producer
+
+template <bool BF16, int STAGES, int NB>
+__global__ void __launch_bounds__(RING_THREADS) fp8_gemv_ring(const uint16_t* x, const uint8_t* __restrict__ w,
+                                                              const float* scale, float* __restrict__ out, int M,
+                                                              int N, int K, int splits, int chunks_per_split,
+                                                              int per_block) {
+  __shared__ Slot slots[STAGES];
+  __shared__ uint64_t full[STAGES], empty[STAGES];
+  const int C = K / CHUNK, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  int first, last;
+  ring::block_items(blockIdx.x, per_block, (N / 16) * splits, first, last);
+  if (threadIdx.x == 0) ring::init_stages(full, empty, WARPS);
+  __syncthreads();
+
+  if (warp == WARPS) {  // the producer: no PDL wait (weights only); lane r copies row r of each stage
+    const uint64_t policy = ring::evict_first();
+    int t = 0;  // the stage
+    ring::for_each_stage<WARPS>(first, last, splits, chunks_per_split, C, [&](int strip, int, int c0, int n, bool) {
+      const int slot = t % STAGES;
+      ring::producer_acquire(empty, t);
+      if (lane == 0) ring::arrive_expect(&full[slot], 16 * n * CHUNK);
+      __syncwarp();
+      if (lane < 16)
+        ring::copy(slots[slot].rows[lane], w + (size_t)(strip * 16 + lane) * K + (size_t)c0 * CHUNK, n * CHUNK,
+                   &full[slot], policy);
+      ++t;
+    });
+    return;
+  }
+
+  const int r = lane / 4;  // the lane's strip rows: r and r + 8, at 16 (l%4) .. + 15 of its chunk
+  bool has_x[NB];
+  const uint4* xcols[NB];  // x row 8 nb + l/4 at the lane's 16 columns of chunk c: + c * 8 uint4s
+  strip_gemv::x_columns<NB, 2>(x, M, K, lane, has_x, xcols);
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the previous kernel's output (PDL)
+  int t = 0;
+  float sums[NB][4] = {};  // the item's, over its chunks
+  ring::for_each_stage<WARPS>(first, last, splits, chunks_per_split, C, [&](int strip, int split, int c0, int n,
+                                                                            bool ends) {
+    const int slot = t % STAGES, c = c0 + warp;
+    const bool mine = warp < n;
+    uint4 xs[NB][2];  // (x first: it does not wait for the stage)
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) xs[nb][i] = mine && has_x[nb] ? xcols[nb][(size_t)c * 8 + i] : make_uint4(0, 0, 0, 0);
+    }
+    ring::consumer_wait(full, t);
+    uint4 a = make_uint4(0, 0, 0, 0), b = a;
+    if (mine) {
+      const int col = warp * CHUNK + (lane % 4) * 16;
+      a = *reinterpret_cast<const uint4*>(&slots[slot].rows[r][col]);
+      b = *reinterpret_cast<const uint4*>(&slots[slot].rows[r + 8][col]);
+    }
+    ring::consumer_release(empty, t);
+    ++t;
+    if (mine) chunk_dot<BF16, NB>(sums, a, b, xs);
+    if (ends) {
+      const int row_a = strip * 16 + r;
+      strip_gemv::write_partials<NB, true>(sums, scale[row_a], scale[row_a + 8], out, M, N, strip, split);
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) sums[nb][0] = sums[nb][1] = sums[nb][2] = sums[nb][3] = 0.f;
+    }
+  });
 }
 
 template <bool BF16, int BATCH, int NB>
@@ -166,23 +241,60 @@ cudaError_t launch_variant(int key, const cudaLaunchConfig_t& config, const void
   }
 }
 
+// The ring kernel's persistent launch over the (strip, split) items (ring::launch_persistent).
+template <bool BF16, int STAGES, int NB>
+cudaError_t launch_ring(cudaLaunchConfig_t config, int device, int blocks_per_sm, const void* x, const void* w,
+                        const void* scale, float* out, int M, int N, int K, int splits, int chunks_per_split) {
+  static int fits = 0;  // blocks a multiprocessor holds (the instance's, whatever the GPU: it is sm_90 code)
+  return ring::launch_persistent(config, fp8_gemv_ring<BF16, STAGES, NB>, RING_THREADS, fits, device, blocks_per_sm,
+                                 N / 16 * splits, static_cast<const uint16_t*>(x), static_cast<const uint8_t*>(w),
+                                 static_cast<const float*>(scale), out, M, N, K, splits, chunks_per_split);
+}
+
+template <bool BF16>
+cudaError_t launch_ring_variant(int stages, int NB, const cudaLaunchConfig_t& config, int device, int blocks_per_sm,
+                                const void* x, const void* w, const void* scale, float* out, int M, int N, int K,
+                                int splits, int chunks_per_split) {
+  switch (stages * 10 + NB) {
+    case 41: return launch_ring<BF16, 4, 1>(config, device, blocks_per_sm, x, w, scale, out, M, N, K, splits,
+                                            chunks_per_split);
+    case 42: return launch_ring<BF16, 4, 2>(config, device, blocks_per_sm, x, w, scale, out, M, N, K, splits,
+                                            chunks_per_split);
+    case 81: return launch_ring<BF16, 8, 1>(config, device, blocks_per_sm, x, w, scale, out, M, N, K, splits,
+                                            chunks_per_split);
+    case 82: return launch_ring<BF16, 8, 2>(config, device, blocks_per_sm, x, w, scale, out, M, N, K, splits,
+                                            chunks_per_split);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
 }  // namespace
 
 // Launches the kernel on `stream` of GPU `device`; returns the cudaError_t, cudaErrorInvalidValue (1) before
 // touching the GPU where the arguments are out of the kernel's range: N % 16, K % 64, a split plan that leaves a
-// split empty or a chunk out, M outside 1 .. 16, a batch with no instance for M (2, 4 or 8; only 2 or 4 past 8
-// rows). pdl: programmatic dependent launch (the kernel waits before reading x).
+// split empty or a chunk out, M outside 1 .. 16; with stages 0 (the register kernel) a batch with no instance
+// for M (2, 4 or 8; only 2 or 4 past 8 rows); else stages other than 4 or 8 (the ring kernel; batch unused) or
+// blocks_per_sm < 1. pdl: programmatic dependent launch (the kernel waits before reading x).
 extern "C" int fastqwen_fp8_gemv(const void* x, const void* w, const void* scale, float* out, int M, int N, int K,
-                                 int splits, int chunks_per_split, int batch, int bf16, int pdl, int device,
-                                 void* stream) {
-  const int key = variant_key(M, batch);
-  if (!strip_gemv::shape_ok(M, N, K, CHUNK, splits, chunks_per_split) || key < 0)
+                                 int splits, int chunks_per_split, int batch, int stages, int blocks_per_sm, int bf16,
+                                 int pdl, int device, void* stream) {
+  const int key = stages ? 0 : variant_key(M, batch);
+  if (!strip_gemv::shape_ok(M, N, K, CHUNK, splits, chunks_per_split) || key < 0 ||
+      (stages && ((stages != 4 && stages != 8) || blocks_per_sm < 1)))
     return static_cast<int>(cudaErrorInvalidValue);
   cudaLaunchConfig_t config;
   cudaLaunchAttribute attribute;
   if (cudaError_t e = strip_gemv::launch_config(config, attribute, N, splits, pdl, device, stream); e != cudaSuccess)
     return static_cast<int>(e);
-  cudaError_t e = bf16 ? launch_variant<true>(key, config, x, w, scale, out, M, N, K, chunks_per_split)
-                       : launch_variant<false>(key, config, x, w, scale, out, M, N, K, chunks_per_split);
+  const int NB = M > 8 ? 2 : 1;
+  cudaError_t e;
+  if (stages)
+    e = bf16 ? launch_ring_variant<true>(stages, NB, config, device, blocks_per_sm, x, w, scale, out, M, N, K, splits,
+                                         chunks_per_split)
+             : launch_ring_variant<false>(stages, NB, config, device, blocks_per_sm, x, w, scale, out, M, N, K, splits,
+                                          chunks_per_split);
+  else
+    e = bf16 ? launch_variant<true>(key, config, x, w, scale, out, M, N, K, chunks_per_split)
+             : launch_variant<false>(key, config, x, w, scale, out, M, N, K, chunks_per_split);
   return static_cast<int>(e);
 }

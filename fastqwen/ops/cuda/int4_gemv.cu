@@ -176,15 +176,9 @@ __global__ void __launch_bounds__(WARPS * 32, 4) int4_gemv_rows(const uint16_t* 
   const uint4* tiles = w + (size_t)strip * G * 64 + lane;  // tile (strip, g) at + g * 64 uint4s
   // x row 8 nb + l/4 at the lane's 32 columns of group g: + g * 16 (K % 128 == 0: every row 16-byte aligned)
   bool has_x[NB];
-  const uint16_t* xrow[NB];
-  strip_gemv::x_rows<NB>(x, M, K, lane, has_x, xrow);
   const uint4* xcols[NB];
-  float sums[NB][4];
-#pragma unroll
-  for (int nb = 0; nb < NB; ++nb) {
-    xcols[nb] = reinterpret_cast<const uint4*>(xrow[nb]) + (lane % 4) * 4;
-    sums[nb][0] = sums[nb][1] = sums[nb][2] = sums[nb][3] = 0.f;
-  }
+  strip_gemv::x_columns<NB, 4>(x, M, K, lane, has_x, xcols);
+  float sums[NB][4] = {};
   constexpr int STRIDE = BATCH * WARPS;
   Batch<BF16, BATCH> a;
   a.load(tiles, scale, zero, N, row_a, g_begin, g_end);  // (weights: before the wait)
@@ -215,43 +209,26 @@ struct alignas(128) Slot {
 constexpr uint32_t GROUP_BYTES = 64 * sizeof(uint4) + 16 * sizeof(__half) + 16;  // a group's bytes in a stage
 constexpr int RING_THREADS = (WARPS + 1) * 32;                                 // consumers, then the producer
 
-// The stages of items [first, last) in order, for the producer and the consumers alike: f(strip, split, g0, n,
-// ends) for the n <= WARPS groups g0 .. g0 + n - 1 of each stage, `ends` on an item's last stage.
-template <class F>
-__device__ __forceinline__ void for_each_stage(int first, int last, int splits, int groups_per_split, int G, F f) {
-  for (int item = first; item < last; ++item) {
-    const int strip = item / splits, split = item % splits, g_end = min(G, (split + 1) * groups_per_split);
-    for (int g0 = split * groups_per_split; g0 < g_end; g0 += WARPS)
-      f(strip, split, g0, min(WARPS, g_end - g0), g0 + WARPS >= g_end);
-  }
-}
-
 template <bool BF16, int STAGES, int NB>
 __global__ void __launch_bounds__(RING_THREADS) int4_gemv_ring(const uint16_t* x, const uint4* __restrict__ w,
                                                                const __half* scale, const uint8_t* zero,
                                                                float* __restrict__ out, int M, int N, int K,
-                                                               int splits, int groups_per_split, int per_block,
-                                                               uint32_t magic) {
+                                                               uint32_t magic, int splits, int groups_per_split,
+                                                               int per_block) {
   __shared__ Slot slots[STAGES];
   __shared__ uint64_t full[STAGES], empty[STAGES];
   const int G = K / 128, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   int first, last;
   ring::block_items(blockIdx.x, per_block, (N / 16) * splits, first, last);
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < STAGES; ++s) {
-      ring::init(&full[s], 1);          // the producer's arrival (and the stage's bytes)
-      ring::init(&empty[s], WARPS);     // one arrival a consumer warp
-    }
-    ring::fence_init();
-  }
+  if (threadIdx.x == 0) ring::init_stages(full, empty, WARPS);
   __syncthreads();
 
   if (warp == WARPS) {  // the producer: no PDL wait (weights only), no register of a consumer
     const uint64_t policy = ring::evict_first();
     int t = 0;  // the stage
-    for_each_stage(first, last, splits, groups_per_split, G, [&](int strip, int, int g0, int n, bool) {
+    ring::for_each_stage<WARPS>(first, last, splits, groups_per_split, G, [&](int strip, int, int g0, int n, bool) {
       const int slot = t % STAGES;
-      if (t >= STAGES) ring::wait(&empty[slot], (t / STAGES - 1) & 1);  // stage t - STAGES let go
+      ring::producer_acquire(empty, t);
       if (lane == 0) ring::arrive_expect(&full[slot], n * GROUP_BYTES);
       __syncwarp();
       if (lane == 0) {
@@ -271,15 +248,13 @@ __global__ void __launch_bounds__(RING_THREADS) int4_gemv_ring(const uint16_t* x
 
   const int r = lane / 4;  // the lane's strip rows: r and r + 8
   bool has_x[NB];
-  const uint16_t* xrow[NB];
-  strip_gemv::x_rows<NB>(x, M, K, lane, has_x, xrow);
   const uint4* xcols[NB];  // x row 8 nb + l/4 at the lane's 32 columns of group g: + g * 16
-#pragma unroll
-  for (int nb = 0; nb < NB; ++nb) xcols[nb] = reinterpret_cast<const uint4*>(xrow[nb]) + (lane % 4) * 4;
+  strip_gemv::x_columns<NB, 4>(x, M, K, lane, has_x, xcols);
   asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the previous kernel's output (PDL)
   int t = 0;
   float sums[NB][4] = {};  // the item's, over its groups
-  for_each_stage(first, last, splits, groups_per_split, G, [&](int strip, int split, int g0, int n, bool ends) {
+  ring::for_each_stage<WARPS>(first, last, splits, groups_per_split, G, [&](int strip, int split, int g0, int n,
+                                                                             bool ends) {
     const int slot = t % STAGES, g = g0 + warp;
     const bool mine = warp < n;
     uint4 xs[NB][4];  // (x first: it does not wait for the stage)
@@ -288,7 +263,7 @@ __global__ void __launch_bounds__(RING_THREADS) int4_gemv_ring(const uint16_t* x
 #pragma unroll
       for (int i = 0; i < 4; ++i) xs[nb][i] = mine && has_x[nb] ? xcols[nb][(size_t)g * 16 + i] : make_uint4(0, 0, 0, 0);
     }
-    ring::wait(&full[slot], (t / STAGES) & 1);
+    ring::consumer_wait(full, t);
     uint4 a = make_uint4(0, 0, 0, 0), b = a;
     float sa = 0.f, sb = 0.f;
     uint32_t za = 0, zb = 0;
@@ -301,8 +276,7 @@ __global__ void __launch_bounds__(RING_THREADS) int4_gemv_ring(const uint16_t* x
       za = (Pairs<BF16>::NEG_MAGIC | s.zero[warp][r]) * 0x00010001u;
       zb = (Pairs<BF16>::NEG_MAGIC | s.zero[warp][r + 8]) * 0x00010001u;
     }
-    __syncwarp();
-    if (lane == 0) ring::arrive(&empty[slot]);  // (after the warp's reads: the arrival releases them)
+    ring::consumer_release(empty, t);
     ++t;
     if (mine) {
       float c[NB][4];
@@ -361,26 +335,16 @@ cudaError_t launch_variant(int key, const cudaLaunchConfig_t& config, const void
   }
 }
 
-// The ring kernel's persistent launch: as many blocks as fit on the GPU at once (at most blocks_per_sm a
-// multiprocessor), the (strip, split) items dealt out in equal contiguous runs (the grid: ceil(items / run)).
+// The ring kernel's persistent launch over the (strip, split) items (ring::launch_persistent).
 template <bool BF16, int STAGES, int NB>
 cudaError_t launch_ring(cudaLaunchConfig_t config, int device, int blocks_per_sm, const void* x, const void* w,
                         const void* scale, const void* zero, float* out, int M, int N, int K, int splits,
                         int groups_per_split) {
-  const auto kernel = int4_gemv_ring<BF16, STAGES, NB>;
   static int fits = 0;  // blocks a multiprocessor holds (the instance's, whatever the GPU: it is sm_90 code)
-  int sms = 0;
-  if (!fits)
-    if (cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fits, kernel, RING_THREADS, 0); e != cudaSuccess)
-      return e;
-  if (cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device); e != cudaSuccess) return e;
-  const int items = N / 16 * splits, resident = sms * max(1, min(fits, blocks_per_sm));
-  const int run = (items + resident - 1) / resident;
-  config.gridDim = dim3((items + run - 1) / run);
-  config.blockDim = dim3(RING_THREADS);
-  return cudaLaunchKernelEx(&config, kernel, static_cast<const uint16_t*>(x), static_cast<const uint4*>(w),
-                            static_cast<const __half*>(scale), static_cast<const uint8_t*>(zero), out, M, N, K,
-                            splits, groups_per_split, run, Pairs<BF16>::MAGIC);
+  return ring::launch_persistent(config, int4_gemv_ring<BF16, STAGES, NB>, RING_THREADS, fits, device, blocks_per_sm,
+                                 N / 16 * splits, static_cast<const uint16_t*>(x), static_cast<const uint4*>(w),
+                                 static_cast<const __half*>(scale), static_cast<const uint8_t*>(zero), out, M, N, K,
+                                 Pairs<BF16>::MAGIC, splits, groups_per_split);
 }
 
 template <bool BF16>

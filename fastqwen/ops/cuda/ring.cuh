@@ -8,6 +8,7 @@
 
 #pragma once
 
+#include <cuda_runtime.h>
 #include <stdint.h>
 
 namespace ring {
@@ -64,11 +65,70 @@ __device__ __forceinline__ void copy(void* dst, const void* src, uint32_t bytes,
       : "memory");
 }
 
-// The items [first, last) of block b when `items` are dealt out in contiguous runs of `per` (the host's grid:
-// blocks = ceil(items / per)).
-__host__ __device__ inline void block_items(int b, int per, int items, int& first, int& last) {
-  first = b * per;
-  last = first + per < items ? first + per : items;
+// One thread (then fence_init and a block barrier): each stage's `full` barrier expecting the producer's one
+// arrival (and the stage's bytes), its `empty` one an arrival from each of `consumers` warps.
+template <int STAGES>
+__device__ __forceinline__ void init_stages(uint64_t (&full)[STAGES], uint64_t (&empty)[STAGES], uint32_t consumers) {
+  for (int s = 0; s < STAGES; ++s) {
+    init(&full[s], 1);
+    init(&empty[s], consumers);
+  }
+  fence_init();
+}
+
+// The producer, before it fills stage t: stage t - STAGES (the slot's last) let go by every consumer.
+template <int STAGES>
+__device__ __forceinline__ void producer_acquire(uint64_t (&empty)[STAGES], int t) {
+  if (t >= STAGES) wait(&empty[t % STAGES], (t / STAGES - 1) & 1);
+}
+
+// A consumer, before it reads stage t: its bytes landed.
+template <int STAGES>
+__device__ __forceinline__ void consumer_wait(uint64_t (&full)[STAGES], int t) {
+  wait(&full[t % STAGES], (t / STAGES) & 1);
+}
+
+// A consumer warp done reading stage t (every lane's reads made before it: the arrival releases them).
+template <int STAGES>
+__device__ __forceinline__ void consumer_release(uint64_t (&empty)[STAGES], int t) {
+  __syncwarp();
+  if (threadIdx.x % 32 == 0) arrive(&empty[t % STAGES]);
+}
+
+// The items [first, last) of block b when `items` are dealt out in contiguous runs of `run`.
+__device__ __forceinline__ void block_items(int b, int run, int items, int& first, int& last) {
+  first = b * run;
+  last = min(first + run, items);
+}
+
+// The stages of items [first, last) in order, for the producer and the consumers alike. Item i is strip
+// i / splits' split i % splits: its steps (K groups or chunks) [split · per, min(steps, (split + 1) · per)),
+// WIDTH a stage (one a consumer warp). f(strip, split, s0, n, ends) for the n <= WIDTH steps s0 .. s0 + n - 1
+// of each stage, `ends` on an item's last stage.
+template <int WIDTH, class F>
+__device__ __forceinline__ void for_each_stage(int first, int last, int splits, int per, int steps, F f) {
+  for (int item = first; item < last; ++item) {
+    const int strip = item / splits, split = item % splits, end = min(steps, (split + 1) * per);
+    for (int s0 = split * per; s0 < end; s0 += WIDTH) f(strip, split, s0, min(WIDTH, end - s0), s0 + WIDTH >= end);
+  }
+}
+
+// A persistent launch of `kernel` (`threads` a block) over `items` with config (stream, PDL): as many blocks as
+// fit on GPU `device` at once (at most blocks_per_sm a multiprocessor), the items dealt out in equal contiguous
+// runs (grid ceil(items / run)); the kernel's arguments are `args`, then the run. `fits`: the kernel's blocks a
+// multiprocessor, cached by the caller (0: not yet asked).
+template <class... Params, class... Args>
+cudaError_t launch_persistent(cudaLaunchConfig_t config, void (*kernel)(Params...), int threads, int& fits,
+                              int device, int blocks_per_sm, int items, Args... args) {
+  if (!fits)
+    if (cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fits, kernel, threads, 0); e != cudaSuccess)
+      return e;
+  int sms = 0;
+  if (cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device); e != cudaSuccess) return e;
+  const int resident = sms * max(1, min(fits, blocks_per_sm)), run = (items + resident - 1) / resident;
+  config.gridDim = dim3((items + run - 1) / run);
+  config.blockDim = dim3(threads);
+  return cudaLaunchKernelEx(&config, kernel, args..., run);
 }
 
 }  // namespace ring

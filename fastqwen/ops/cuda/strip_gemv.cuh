@@ -38,15 +38,16 @@ __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint3
   }
 }
 
-// x row 8 nb + l/4 of the lane's column block nb (the B operand it supplies): whether it is < M, and its start
-// (clamped to row M - 1, never read past M: has_x gates the loads).
-template <int NB>
-__device__ __forceinline__ void x_rows(const uint16_t* x, int M, int K, int lane, bool (&has_x)[NB],
-                                       const uint16_t* (&row)[NB]) {
+// x row 8 nb + l/4 of the lane's column block nb (the B operand it supplies): whether it is < M, and where its
+// columns of step 0 start: LANE uint4s into the row for each lane % 4 (a row clamped to M - 1, never read past
+// M: has_x gates the loads).
+template <int NB, int LANE>
+__device__ __forceinline__ void x_columns(const uint16_t* x, int M, int K, int lane, bool (&has_x)[NB],
+                                          const uint4* (&cols)[NB]) {
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
     has_x[nb] = nb * 8 + lane / 4 < M;
-    row[nb] = x + (size_t)min(nb * 8 + lane / 4, M - 1) * K;
+    cols[nb] = reinterpret_cast<const uint4*>(x + (size_t)min(nb * 8 + lane / 4, M - 1) * K) + (lane % 4) * LANE;
   }
 }
 
