@@ -548,7 +548,7 @@ def run(
     res = {"model": name, "batch_size": batch_size, "prompt_len": prompt_len, "max_seq_len": max_seq_len,
            "n_short": n_short,
            "n_long": n_long, "dtype": str(dtype).removeprefix("torch."), "device": str(device), "systems": {},
-           "quant_lm_head": quant_lm_head, "kernels": dict(kernels or {})}
+           "quant_lm_head": quant_lm_head, "kernels": dict(kernels or {}), "compile_options": compile_options}
     mask = ragged_mask(batch_size, prompt_len, device) if ragged and batch_size > 1 else None
     if mask is not None:
         res["row_lengths"] = mask.sum(1).tolist()

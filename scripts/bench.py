@@ -73,6 +73,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kernels", nargs="*", default=[], metavar="OP=CHOICE",
                    help="optimize's kernels for every fastqwen system (e.g. launch=pdl linears=auto); a candidate "
                    "system's own choice overrides them")
+    p.add_argument("--options", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="inductor options merged over every fastqwen system's (e.g. triton.enable_pdl=True with a "
+                   "quantized system: the option systems alone run unquantized)")
     p.add_argument("--json", type=pathlib.Path, default=pathlib.Path("docs/bench.json"), help="results file")
     p.add_argument("--out-dir", type=pathlib.Path, help="also write bench.json and bench.md here")
     p.add_argument("--isolate", action="store_true", help="time each system in a fresh process of its own and "
@@ -197,7 +200,8 @@ def collect(args: argparse.Namespace, say=functools.partial(print, flush=True), 
                         name, model=model, systems=tuple(args.systems), batch_size=batch_size,
                         prompt_len=prompt_len, n_short=args.n_short, n_long=args.n_long,
                         dtype=getattr(torch, args.dtype), device=args.device, compile=args.compile, progress=say,
-                        compile_options={"triton.cudagraphs": True} if args.no_autotune else None,
+                        compile_options=bench.compile_options(args.no_autotune, args.device.startswith("cuda"),
+                                                              args.options),
                         ragged=args.ragged, quant_lm_head=args.quant_lm_head,
                         kernels=dict(kv.split("=", 1) for kv in args.kernels), max_seq_len=args.max_seq_len,
                         repeats=args.repeats,

@@ -218,8 +218,8 @@ def test_bench_spec_times_candidate_kernels_against_the_default(tmp_path):
 
 
 def test_bench_isolate_times_each_system_in_a_process_of_its_own(tmp_path):
-    """scripts/bench.py --isolate --processes 2 (tiny, CPU): a quantized system and the default each timed in
-    two fresh processes (rounds in alternating order), merged into one row: each system's tok/s and step the
+    """scripts/bench.py --isolate --processes 2 --options … (tiny, CPU): a quantized system and the default each
+    timed in two fresh processes (rounds in alternating order), merged into one row: each system's tok/s and step the
     medians of its processes, listed beside; the ratio taken across processes from the medians."""
     out = tmp_path / "bench.json"
     script = pathlib.Path(__file__).parents[1] / "scripts" / "bench.py"
@@ -228,10 +228,11 @@ def test_bench_isolate_times_each_system_in_a_process_of_its_own(tmp_path):
                          capture_output=True, text=True)
     assert bad.returncode != 0 and "more than 1 only with --isolate" in bad.stderr
     subprocess.run([sys.executable, str(script), "--isolate", "--processes", "2", "--systems", *systems,
-                    "--prompt-len", "16", "--n-short", "2", "--n-long", "24", "--json", str(out)],
-                   check=True, capture_output=True)
+                    "--prompt-len", "16", "--n-short", "2", "--n-long", "24", "--json", str(out),
+                    "--options", "triton.enable_pdl=True"], check=True, capture_output=True)
     (row,) = json.loads(out.read_text())["results"]
     assert row["isolated"] and list(row["systems"]) == systems
+    assert row["compile_options"]["triton.enable_pdl"] is True  # (--options: every system's, recorded)
     assert not [out["error"] for out in row["systems"].values() if "error" in out]  # (22 tokens: not timing noise)
     procs = {s: row["systems"][s]["processes"] for s in systems}
     assert len({p["pid"] for s in systems for p in procs[s]}) == 4 and all(len(p) == 2 for p in procs.values())
