@@ -161,6 +161,45 @@ def test_ring_kernel_gives_the_register_kernels_partials_bit_for_bit(scheme, sta
         assert torch.equal(got, want), (scheme, stages, per_sm, N, K, M, one_split, rel_err(got, want))
 
 
+def _late_writer():
+    """A Triton kernel that lets the next kernel launch at once (PDL's trigger as its first act), then spins for
+    `spins` dependent steps and only then writes out = src: a dependent GEMV that read x before its PDL wait would
+    read the NaNs put there before."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def late_copy(src, out, n, spins, BLOCK: tl.constexpr):
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()  # (out's NaN fill, the kernel before, done)
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        v = tl.load(src + i, mask=i < n)
+        acc = tl.full([BLOCK], 1.0, tl.float32)
+        for _ in range(spins):
+            acc = acc * 1.0000001 + 1e-7  # (stays in (1, 2): the store below depends on it)
+        tl.store(out + i, tl.where(acc < 0.0, acc, v.to(tl.float32)).to(out.dtype.element_ty), mask=i < n)
+
+    return late_copy
+
+
+@pytest.mark.parametrize("scheme", KERNELS)
+def test_x_written_late_by_a_kernel_that_triggers_early_is_waited_for(scheme):
+    """The previous kernel triggers the dependent launch first and writes x ~100 µs later: the GEMV, launched
+    with PDL, starts streaming its weights meanwhile (the ring's producer does not wait at all) and must still
+    read the new x, not the NaNs x held."""
+    kernel, (N, K) = KERNELS[scheme], (5120, 17408)
+    ops = weight(scheme, N, K)
+    src = torch.randn(2, K, device="cuda", dtype=torch.bfloat16)
+    x = torch.full_like(src, float("nan"))
+    late_copy, block = _late_writer(), 1024
+    want = kernel.reference(src, ops, N, kernel.module.plan(N, K)[0])
+    for _ in range(2):
+        x.fill_(float("nan"))
+        late_copy[(-(-src.numel() // block),)](src, x, src.numel(), 20000, BLOCK=block, launch_pdl=True)
+        got = kernel.call(x, ops, N, True)
+        assert not got.isnan().any() and rel_err(got, want) < 1e-5, scheme
+
+
 @pytest.mark.parametrize("scheme", KERNELS)
 def test_x_at_an_unaligned_offset_is_taken(scheme):
     """x a view 2 elements into its storage (not 16-byte aligned, as a slice of a fused output can be)."""
