@@ -91,13 +91,13 @@ case "$stage" in
   cuda-times) python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel triton cuda \
                --cuda-batch 2 4 8 --cuda-pipelined 0 1 --cuda-blocks 1024 2048 4096 2>&1 | tee "$out/cuda_times.md"
              python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel cuda --cuda-ring 4 8 \
-               --cuda-ring-per-sm 2 4 8 --cuda-blocks 1024 4096 2>&1 | tee -a "$out/cuda_times.md"
+               --cuda-ring-per-sm 2 4 8 --cuda-blocks 256 1024 4096 2>&1 | tee -a "$out/cuda_times.md"
              python scripts/gemv_times.py --format int4 --shapes 27b --kernel triton cuda --cuda-ring 0 8 \
                --rows 4 8 16 2>&1 | tee -a "$out/cuda_times.md" ;;
   cuda-times-fp8) python scripts/gemv_times.py --format fp8-weight --shapes 27b 27b-head 35b-a3b --kernel triton cuda \
                --cuda-batch 2 4 8 --cuda-blocks 1024 2048 4096 2>&1 | tee "$out/cuda_times_fp8.md"
              python scripts/gemv_times.py --format fp8-weight --shapes 27b 27b-head 35b-a3b --kernel cuda \
-               --cuda-ring 4 8 --cuda-ring-per-sm 2 4 8 --cuda-blocks 1024 4096 2>&1 | tee -a "$out/cuda_times_fp8.md" ;;
+               --cuda-ring 4 8 --cuda-ring-per-sm 2 4 8 --cuda-blocks 256 1024 4096 2>&1 | tee -a "$out/cuda_times_fp8.md" ;;
   candidate-tests) python -m pytest -q -s -p no:warnings tests/gpu/test_candidates_gpu.py 2>&1 | tail -6 ;;
   bench) python scripts/bench.py --models ${MODELS:-qwen3.5-9b qwen3.5-27b qwen3.5-35b-a3b} ${BENCH_ARGS:-} \
            --out-dir "$out" 2>&1 | grep -v "^\[transformers\]" | tail -20 ;;

@@ -34,19 +34,30 @@ __device__ __forceinline__ void arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem(bar)) : "memory");
 }
 
+__device__ __forceinline__ bool try_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+               : "=r"(done)
+               : "r"(smem(bar)), "r"(parity)
+               : "memory");
+  return done;
+}
+
+__device__ __forceinline__ uint64_t nanoseconds() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+constexpr uint64_t STUCK_NS = 10'000'000'000ull;  // a wait this long is a bookkeeping bug, not a slow stage
+
 // Until the phase of parity `parity` has completed. A barrier that never completes (a bookkeeping bug) traps
-// after ~2^28 polls (seconds) instead of hanging the GPU.
+// after STUCK_NS of wall time (the GPU's global timer) instead of hanging the GPU.
 __device__ __forceinline__ void wait(uint64_t* bar, uint32_t parity) {
-  for (uint32_t polls = 0;; ++polls) {
-    uint32_t done;
-    asm volatile(
-        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-        : "=r"(done)
-        : "r"(smem(bar)), "r"(parity)
-        : "memory");
-    if (done) return;
-    if (polls == (1u << 28)) __trap();
-  }
+  if (try_wait(bar, parity)) return;
+  const uint64_t start = nanoseconds();
+  while (!try_wait(bar, parity))
+    if (nanoseconds() - start > STUCK_NS) __trap();
 }
 
 // An L2 policy for bytes read once: evicted first, so the step's activations and caches stay.
