@@ -50,7 +50,8 @@
 #            SWEEP_LOWP="3 4" adds int4's mma.sync configs. SWEEP_ROW_ORDER=1: int4 codes in row order, not tiled. SWEEP_EXPERTS="1 8 16": then the grouped kernel's configs for
 #            the 35B-A3B routed experts at those token counts (9 pairs a token), in the same formats.
 #   cuda-tests tests/gpu/test_cuda_kernels_gpu.py: the CUDA int4 and fp8-weight kernels (kernels={"int4" |
-#            "fp8_weight": "cuda" | "cuda-ring"}, built with nvcc here) against their references and the Triton kernels' step
+#            "fp8_weight": "cuda" | "cuda-ring"}, built with nvcc here) against their references and the Triton kernels' step;
+#            cut at CUDA_TESTS_TIMEOUT seconds (480), so a kernel that hangs still leaves its log (-v: the test it hung in)
 #   cuda-times the Triton and CUDA kernels' times per layer (scripts/gemv_times.py --kernel triton cuda): int4 on
 #            the 27B's layers and head at each BATCH, pipelining and grid target, the ring kernel at 4 and 8
 #            stages and 2, 4, 8 blocks a multiprocessor, then both at 4, 8, 16 rows
@@ -86,7 +87,8 @@ case "$stage" in
          if [ "$ngpu" -ge 2 ]; then group 4 0 tests/gpu/test_candidates_gpu.py & fi
          wait
          grep -hE 'passed|failed|FAILED|ERROR|divergence|agreed|identical|tau|^[0-9.]+s (call|setup)' "$out"/gpu_tests_*.log ;;
-  cuda-tests) python -m pytest -q -s -p no:warnings --durations=6 tests/gpu/test_cuda_kernels_gpu.py 2>&1 \
+  cuda-tests) timeout ${CUDA_TESTS_TIMEOUT:-480} python -m pytest -v -s -p no:warnings --durations=6 \
+               tests/gpu/test_cuda_kernels_gpu.py 2>&1 \
                | tee "$out/cuda_tests.log" | tail -8 ;;
   cuda-times) python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel triton cuda \
                --cuda-batch 2 4 8 --cuda-pipelined 0 1 --cuda-blocks 1024 2048 4096 2>&1 | tee "$out/cuda_times.md"
