@@ -304,7 +304,7 @@ def _sass_functions(lib: str, kernel: str) -> list[str]:
 
 
 @NVCC
-@pytest.mark.parametrize("name,instances", [("int4_gemv", 20), ("fp8_gemv", 18)])
+@pytest.mark.parametrize("name,instances", [("int4_gemv", 28), ("fp8_gemv", 26)])
 def test_kernels_build_for_sm90_without_spills(name, instances, tmp_path):
     """nvcc -Xptxas -v for sm_90: every instance (register and ring kernels) ≤ 128 registers (4 blocks of 128
     threads a multiprocessor, 3 of the ring's 160), no spills, static shared memory under the 48 KB limit."""
@@ -346,17 +346,18 @@ def test_register_kernels_issue_their_first_loads_before_the_wait(name, kernel, 
 @pytest.mark.parametrize("name,kernel,copies,xs_a_block,mmas_a_block", [("int4_gemv", "int4_gemv_ring", 3, 4, 8),
                                                                        ("fp8_gemv", "fp8_gemv_ring", 1, 2, 4)])
 def test_ring_kernels_split_producer_from_consumers(name, kernel, copies, xs_a_block, mmas_a_block, tmp_path):
-    """In the SASS of each ring instance (bf16 / fp16 x, 4 or 8 stages, one or two blocks of 8 x rows): after the
-    barriers' initialisation and the block barrier, the producer warp branches off to its bulk copies (int4: the
-    tiles, a group's scales, its zeros: three UBLKCP sites; fp8: a row's chunks) with no PDL wait and no global
-    load; the consumers wait (PDL) before any load of x, load x (16 bytes a lane for each 8 columns of a
-    step) before they poll the stage's barrier, read the stage from shared memory (two 16-byte loads a lane),
-    arrive on the slot's empty barrier, then issue the step's MMAs (int4 8 a group, fp8 4 a chunk, for each
-    block of 8 x rows); both sides trap rather than spin forever."""
+    """In the SASS of each ring instance (bf16 / fp16 x, 4 or 8 stages, one or two blocks of 8 x rows, 1 to 4
+    strips a segment): after the barriers' initialisation and the block barrier, the producer warp branches off
+    to its bulk copies (int4: the tiles, a group's scales, its zeros: three UBLKCP sites a strip of the unrolled
+    segment; fp8: a row's chunks) with no PDL wait and no global load; the consumers wait (PDL) before any load
+    of x, load x once a segment's step (16 bytes a lane for each 8 columns) before they poll the stage's
+    barrier, read each strip's stage from shared memory (two 16-byte loads a lane), arrive on the slot's empty
+    barrier, then issue the step's MMAs (int4 8 a group, fp8 4 a chunk, for each block of 8 x rows and each
+    strip); both sides trap rather than spin forever."""
     functions = _sass_functions(_build_sm90(name, tmp_path)[1], kernel)
-    assert len(functions) == 8
+    assert len(functions) == 16
     for k in functions:
-        nb = int(k.split(kernel)[1].split("EE")[0].split("E")[-1].removeprefix("Li"))
+        nb, strips = (int(a.removeprefix("Li")) for a in k.split(kernel)[1].split("EE")[0].split("E")[-2:])
         lines = [line for line in k.splitlines() if "*/" in line and ";" in line]
         ops = _sass_ops(k)
         split = ops.index("BAR.SYNC.DEFER_BLOCKING")  # (after the mbarrier inits: SYNCS.EXCH.64)
@@ -366,7 +367,7 @@ def test_ring_kernels_split_producer_from_consumers(name, kernel, copies, xs_a_b
         at = [int(line.split("/*")[1].split("*/")[0], 16) for line in lines]
         producer = ops[at.index(target):]
         consumer = ops[split:at.index(target)]
-        assert producer.count("UBLKCP.S.G") == copies and "ACQBULK" not in producer, producer
+        assert producer.count("UBLKCP.S.G") == copies * strips and "ACQBULK" not in producer, producer
         assert not any(o.startswith("LDG") for o in producer)
         assert "SYNCS.PHASECHK.TRANS64.TRYWAIT" in producer and "BPT.TRAP" in producer
         wait = consumer.index("ACQBULK")
@@ -376,7 +377,8 @@ def test_ring_kernels_split_producer_from_consumers(name, kernel, copies, xs_a_b
         tiles = [i for i, o in enumerate(consumer) if o == "LDS.128"]
         arrive = consumer.index("SYNCS.ARRIVE.TRANS64.A1T0")
         mmas = [i for i, o in enumerate(consumer) if o.startswith("HMMA.16816.F32")]
-        assert len(tiles) == 2 and poll < tiles[0] and tiles[-1] < arrive < mmas[0] and len(mmas) == mmas_a_block * nb
+        assert len(tiles) == 2 * strips and poll < tiles[0] and tiles[1] < arrive < mmas[0], (poll, tiles, arrive)
+        assert len(mmas) == mmas_a_block * nb * strips
         assert "BPT.TRAP" in consumer
 
 
@@ -426,21 +428,23 @@ def test_built_libraries_refuse_arguments_out_of_range_before_touching_the_gpu(t
     try:
         int4, fp8 = int4_cuda.library("90"), fp8_cuda.library("90")  # (the typed entry points)
         assert sorted(p.name.split("-")[0] for p in (tmp_path / "cuda").glob("*.so")) == ["fp8_gemv", "int4_gemv"]
-        call4 = lambda M=1, N=64, K=512, splits=2, per=2, batch=4, pipe=0, stages=0, per_sm=8: int4(  # noqa: E731
-            0, 0, 0, 0, 0, M, N, K, splits, per, batch, pipe, stages, per_sm, 1, 0, 0, None)
+        call4 = lambda M=1, N=64, K=512, splits=2, per=2, batch=4, pipe=0, stages=0, strips=4, per_sm=8: int4(  # noqa
+            0, 0, 0, 0, 0, M, N, K, splits, per, batch, pipe, stages, strips, per_sm, 1, 0, 0, None)
         for bad in ({"N": 40}, {"K": 500}, {"M": 0}, {"M": 17}, {"splits": 3}, {"per": 1}, {"batch": 3},
                     {"batch": 4, "pipe": 1}, {"M": 9, "batch": 8}, {"M": 9, "batch": 2, "pipe": 1},
                     {"stages": 3}, {"stages": 16}, {"stages": 4, "per_sm": 0}, {"stages": 8, "M": 17},
-                    {"stages": 8, "splits": 3}):
+                    {"stages": 8, "splits": 3}, {"stages": 4, "strips": 2}, {"stages": 4, "M": 9, "strips": 4},
+                    {"stages": 8, "strips": 0}):
             assert call4(**bad) == 1, bad
-        call8 = lambda M=1, N=64, K=512, splits=2, per=4, batch=4, stages=0, per_sm=8: fp8(  # noqa: E731
-            0, 0, 0, 0, M, N, K, splits, per, batch, stages, per_sm, 1, 0, 0, None)
+        call8 = lambda M=1, N=64, K=512, splits=2, per=4, batch=4, stages=0, strips=4, per_sm=8: fp8(  # noqa: E731
+            0, 0, 0, 0, M, N, K, splits, per, batch, stages, strips, per_sm, 1, 0, 0, None)
         for bad in ({"N": 40}, {"K": 500}, {"M": 0}, {"M": 17}, {"splits": 3}, {"per": 3}, {"batch": 3},
-                    {"M": 9, "batch": 8}, {"stages": 2}, {"stages": 4, "per_sm": 0}, {"stages": 8, "K": 500}):
+                    {"M": 9, "batch": 8}, {"stages": 2}, {"stages": 4, "per_sm": 0}, {"stages": 8, "K": 500},
+                    {"stages": 4, "strips": 3}, {"stages": 8, "M": 12, "strips": 4}):
             assert call8(**bad) == 1, bad
         if not torch.cuda.is_available():
-            for ok in (call4(), call4(stages=4, batch=3), call4(stages=8, M=16, batch=8, pipe=1), call8(),
-                       call8(stages=4, batch=3), call8(stages=8, M=12)):
+            for ok in (call4(), call4(stages=4, batch=3), call4(stages=8, M=16, batch=8, pipe=1, strips=2), call8(),
+                       call8(stages=4, batch=3, strips=1), call8(stages=8, M=12, strips=2)):
                 assert ok not in (0, 1)  # (no GPU: the runtime's error, e.g. 35; the ring ignores batch and pipe)
     finally:
         cuda_build.build.cache_clear()

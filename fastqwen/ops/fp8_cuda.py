@@ -24,12 +24,13 @@ MAX_ROWS = 16  # rows of x a launch takes: one or two blocks of mma.m16n8k16's 8
 BATCH = 4  # chunks whose weight loads a warp issues before it decodes them (2, 4 or 8; 2 or 4 past 8 rows)
 RING_STAGES = 8  # the ring kernel's stages (4 or 8), each up to 4 chunks of a strip's 16 rows (4 KB)
 RING_BLOCKS_PER_SM = 8  # at most this many ring blocks a multiprocessor (fewer where they do not fit)
+RING_STRIPS = 4  # neighbouring strips a ring warp takes its chunk of in turn, x loaded once (1 or 4)
 CHOICE = "kernels['fp8_weight']='cuda'"
 
 
 def library(arch: str):
     """The kernel's entry point for compute capability `arch` (cuda_build.entry: built on first use)."""
-    return cuda_build.entry("fp8_gemv", arch, CHOICE, pointers=4, ints=11)
+    return cuda_build.entry("fp8_gemv", arch, CHOICE, pointers=4, ints=12)
 
 
 def plan(N: int, K: int, one_split: bool = False) -> tuple[int, int]:
@@ -77,10 +78,11 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, pdl: bool = 
     out = torch.empty(splits, x.shape[0], N, device=x.device, dtype=torch.float32)
     err = library(cuda_build.device_arch(x.device, CHOICE))(
         x.data_ptr(), w.data_ptr(), scale.data_ptr(), out.data_ptr(), x.shape[0], N, K, splits, per, batch,
-        RING_STAGES if ring else 0, RING_BLOCKS_PER_SM, x.dtype == torch.bfloat16, pdl, x.device.index,
+        RING_STAGES if ring else 0, RING_STRIPS if x.shape[0] <= 8 else min(RING_STRIPS, 2), RING_BLOCKS_PER_SM,
+        x.dtype == torch.bfloat16, pdl, x.device.index,
         torch.cuda.current_stream(x.device).cuda_stream)
     if err:
-        kernel = f"ring, RING_STAGES {RING_STAGES}" if ring else f"BATCH {batch}"
+        kernel = f"ring, RING_STAGES {RING_STAGES}, RING_STRIPS {RING_STRIPS}" if ring else f"BATCH {batch}"
         raise RuntimeError(f"fp8_gemv launch failed: CUDA error {err} ({kernel})")
     return out
 

@@ -30,6 +30,7 @@ BATCH = 4  # groups whose weight loads a warp issues before it decodes them (2, 
 PIPELINED = False  # the next batch's loads in flight while a batch decodes (an instance with BATCH 2 only)
 RING_STAGES = 8  # the ring kernel's stages (4 or 8), each up to 4 groups of a strip (~4.2 KB)
 RING_BLOCKS_PER_SM = 8  # at most this many ring blocks a multiprocessor (fewer where they do not fit)
+RING_STRIPS = 4  # neighbouring strips a ring warp takes its group of in turn, x's operands made once (1 or 4)
 MAX_SPLITS = 8  # inductor unrolls the caller's sum of ≤ 8 partials into the consumer (gemv.wq_linear)
 MAX_ROWS = 16  # rows of x a launch takes: one or two blocks of mma.m16n8k16's 8 B columns (a DFlash verify)
 CHOICE = "kernels['int4']='cuda'"
@@ -37,13 +38,19 @@ CHOICE = "kernels['int4']='cuda'"
 
 def library(arch: str):
     """The kernel's entry point for compute capability `arch` (cuda_build.entry: built on first use)."""
-    return cuda_build.entry("int4_gemv", arch, CHOICE, pointers=5, ints=12)
+    return cuda_build.entry("int4_gemv", arch, CHOICE, pointers=5, ints=13)
 
 
 def variant(rows: int) -> tuple[int, bool]:
     """(BATCH, PIPELINED) of the kernel instance for `rows` rows of x: the module's, but for 9 … 16 rows (two
     column blocks) BATCH ≤ 4 unpipelined (the instances that do not spill)."""
     return (BATCH, PIPELINED) if rows <= 8 else (min(BATCH, 4), False)
+
+
+def ring_strips(rows: int) -> int:
+    """Strips a segment of the ring kernel for `rows` rows of x: RING_STRIPS, at most 2 past 8 rows (its
+    instances: 1 or 4 strips with one column block of 8 x rows, 1 or 2 with two)."""
+    return RING_STRIPS if rows <= 8 else min(RING_STRIPS, 2)
 
 
 def plan(N: int, K: int, one_split: bool = False) -> tuple[int, int]:
@@ -93,10 +100,10 @@ def int4_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch
     out = torch.empty(splits, x.shape[0], out_features, device=x.device, dtype=torch.float32)
     err = library(cuda_build.device_arch(x.device, CHOICE))(
         x.data_ptr(), w.data_ptr(), scale.data_ptr(), zero.data_ptr(), out.data_ptr(), x.shape[0], out_features,
-        x.shape[-1], splits, per, batch, pipelined, RING_STAGES if ring else 0, RING_BLOCKS_PER_SM,
-        x.dtype == torch.bfloat16, pdl, x.device.index, torch.cuda.current_stream(x.device).cuda_stream)
+        x.shape[-1], splits, per, batch, pipelined, RING_STAGES if ring else 0, ring_strips(x.shape[0]),
+        RING_BLOCKS_PER_SM, x.dtype == torch.bfloat16, pdl, x.device.index, torch.cuda.current_stream(x.device).cuda_stream)
     if err:
-        kernel = f"ring, RING_STAGES {RING_STAGES}" if ring else f"BATCH {batch}, PIPELINED {pipelined}"
+        kernel = f"ring, RING_STAGES {RING_STAGES}, RING_STRIPS {RING_STRIPS}" if ring else f"BATCH {batch}, PIPELINED {pipelined}"
         raise RuntimeError(f"int4_gemv launch failed: CUDA error {err} ({kernel})")
     return out
 

@@ -140,17 +140,19 @@ def test_every_instance_matches_the_reference(scheme, batch, pipelined, N, K, mo
 
 
 @pytest.mark.parametrize("scheme", ["int4", "fp8-weight"])
-@pytest.mark.parametrize("stages,per_sm", [(4, 8), (8, 8), (8, 1), (4, 2)])
+@pytest.mark.parametrize("stages,per_sm,strips", [(4, 8, 4), (8, 8, 1), (8, 1, 4), (4, 2, 1)])
 @pytest.mark.parametrize("N,K", [(34816, 5120), (5120, 17408), (12352, 2048), (5120, 6144)])
-def test_ring_kernel_gives_the_register_kernels_partials_bit_for_bit(scheme, stages, per_sm, N, K, monkeypatch):
-    """The ring kernel deals each warp the same steps (int4 groups, fp8 chunks) in the same order as the register
-    kernel and sums them alike, so its partials are the same bits: every stage count, one block a
-    multiprocessor (long runs of items, the ring wrapping many times) to as many as fit, splits whose last stage
-    has fewer than 4 steps (int4 12352x2048: 6 groups a split; 5120x6144: 7), one split, bf16 and fp16 x, 1 to
-    16 rows."""
+def test_ring_kernel_gives_the_register_kernels_partials_bit_for_bit(scheme, stages, per_sm, strips, N, K,
+                                                                     monkeypatch):
+    """The ring kernel deals each warp the same steps (int4 groups, fp8 chunks) of each strip in the same order as
+    the register kernel and sums them alike, so its partials are the same bits: every stage count, one block a
+    multiprocessor (long runs of items, the ring wrapping many times) to as many as fit, segments of 1, 2 (past
+    8 rows) and 4 strips (runs cut at a split's end), splits whose last stage has fewer than 4 steps (int4
+    12352x2048: 6 groups a split; 5120x6144: 7), one split, bf16 and fp16 x, 1 to 16 rows."""
     kernel, ring = KERNELS[scheme], KERNELS[scheme + "-ring"]
     monkeypatch.setattr(kernel.module, "RING_STAGES", stages)
     monkeypatch.setattr(kernel.module, "RING_BLOCKS_PER_SM", per_sm)
+    monkeypatch.setattr(kernel.module, "RING_STRIPS", strips)
     ops = weight(scheme, N, K)
     for dtype, M, one_split in ((torch.bfloat16, 1, False), (torch.float16, 5, False), (torch.bfloat16, 11, True),
                                 (torch.bfloat16, 16, False)):
@@ -158,7 +160,7 @@ def test_ring_kernel_gives_the_register_kernels_partials_bit_for_bit(scheme, sta
         want = kernel.call(x, ops, N, True, one_split)
         poison_allocator(tuple(want.shape), dtype=torch.float32)
         got = ring.call(x, ops, N, True, one_split)
-        assert torch.equal(got, want), (scheme, stages, per_sm, N, K, M, one_split, rel_err(got, want))
+        assert torch.equal(got, want), (scheme, stages, per_sm, strips, N, K, M, one_split, rel_err(got, want))
 
 
 def _late_writer():

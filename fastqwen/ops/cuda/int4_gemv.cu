@@ -27,9 +27,10 @@
 //     ahead, straight into registers;
 //   ring (int4_gemv_ring, stages 4 or 8): a persistent grid (every block resident at once), each block a
 //     contiguous run of (strip, split) items, its 4 warps fed through a shared-memory ring of `stages` stages
-//     by a fifth, the producer, with bulk copies (cp.async.bulk: a stage is up to 4 consecutive groups of the
+//     by a fifth, the producer, with bulk copies (cp.async.bulk: a stage is up to 4 consecutive groups of a
 //     strip, one a warp: their tiles, one contiguous run of KB, and their 16 rows' scales and zeros), so the
-//     bytes in flight do not wait on any warp's registers or decode, and the stream runs across items.
+//     bytes in flight do not wait on any warp's registers or decode, and the stream runs across items; a warp
+//     takes its group of `strips` neighbouring strips in turn, loading and permuting x for it once.
 
 #include <cuda_fp16.h>
 
@@ -80,12 +81,30 @@ __device__ __forceinline__ uint32_t pair_minus_zero(uint32_t u, int j, uint32_t 
   return Pairs<BF16>::fma(t, Pairs<BF16>::ONE, neg_zero);
 }
 
+// x's B operands for one group: xb[nb][i] = the two registers of each of word i's two MMAs (lo: columns
+// 8i + (0, 4) and (1, 5); hi: (2, 6) and (3, 7), as the decode pairs them), from xs[nb][i] = x row 8 nb + l/4 at
+// the lane's columns 8i .. 8i + 7 (zero past M). They depend on the group, not the strip: a warp that multiplies
+// several strips' tiles of one group makes them once.
+template <int NB>
+__device__ __forceinline__ void x_operands(const uint4 (&xs)[NB][4], uint32_t (&xb)[NB][4][4]) {
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint4 v = xs[nb][i];
+      xb[nb][i][0] = __byte_perm(v.x, v.z, 0x5410);
+      xb[nb][i][1] = __byte_perm(v.x, v.z, 0x7632);
+      xb[nb][i][2] = __byte_perm(v.y, v.w, 0x5410);
+      xb[nb][i][3] = __byte_perm(v.y, v.w, 0x7632);
+    }
+  }
+}
+
 // One group of one warp: c[nb] += the group's sums of (q - zero) x for x rows 8 nb .. 8 nb + 7 (c0, c1:
 // strip row l/4 against x rows 8 nb + 2 (l%4) and + 1; c2, c3: row l/4 + 8). a, b: the lane's 16 bytes of rows
-// l/4 and l/4 + 8; xs[nb]: x row 8 nb + l/4 at the lane's 32 columns (8 per word; zero past M). The weight is
-// decoded once for the NB column blocks.
+// l/4 and l/4 + 8; xb: x_operands. The weight is decoded once for the NB column blocks.
 template <bool BF16, int NB>
-__device__ __forceinline__ void group_dot(float (&c)[NB][4], uint4 a, uint4 b, const uint4 (&xs)[NB][4],
+__device__ __forceinline__ void group_mma(float (&c)[NB][4], uint4 a, uint4 b, const uint32_t (&xb)[NB][4][4],
                                           uint32_t za, uint32_t zb, uint32_t magic) {
   const uint32_t wa[4] = {a.x, a.y, a.z, a.w}, wb[4] = {b.x, b.y, b.z, b.w};
 #pragma unroll
@@ -96,11 +115,18 @@ __device__ __forceinline__ void group_dot(float (&c)[NB][4], uint4 a, uint4 b, c
                             pair_minus_zero<BF16>(wa[i], 3, za, magic), pair_minus_zero<BF16>(wb[i], 3, zb, magic)};
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
-      const uint4 v = xs[nb][i];  // x[8i + 0 .. 7] of the lane's columns, two a register
-      strip_gemv::mma<BF16>(c[nb], lo, __byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632));
-      strip_gemv::mma<BF16>(c[nb], hi, __byte_perm(v.y, v.w, 0x5410), __byte_perm(v.y, v.w, 0x7632));
+      strip_gemv::mma<BF16>(c[nb], lo, xb[nb][i][0], xb[nb][i][1]);
+      strip_gemv::mma<BF16>(c[nb], hi, xb[nb][i][2], xb[nb][i][3]);
     }
   }
+}
+
+template <bool BF16, int NB>
+__device__ __forceinline__ void group_dot(float (&c)[NB][4], uint4 a, uint4 b, const uint4 (&xs)[NB][4],
+                                          uint32_t za, uint32_t zb, uint32_t magic) {
+  uint32_t xb[NB][4][4];
+  x_operands<NB>(xs, xb);
+  group_mma<BF16, NB>(c, a, b, xb, za, zb, magic);
 }
 
 // One warp's weights of BATCH groups g0, g0 + WARPS, ... (< g_end): the lane's 16 bytes of both rows of each
@@ -209,7 +235,9 @@ struct alignas(128) Slot {
 constexpr uint32_t GROUP_BYTES = 64 * sizeof(uint4) + 16 * sizeof(__half) + 16;  // a group's bytes in a stage
 constexpr int RING_THREADS = (WARPS + 1) * 32;                                 // consumers, then the producer
 
-template <bool BF16, int STAGES, int NB>
+// STRIPS: neighbouring strips of one split a consumer warp takes a group of in turn (ring::for_each_stage), its
+// x operands for the group made once for all of them.
+template <bool BF16, int STAGES, int NB, int STRIPS>
 __global__ void __launch_bounds__(RING_THREADS) int4_gemv_ring(const uint16_t* x, const uint4* __restrict__ w,
                                                                const __half* scale, const uint8_t* zero,
                                                                float* __restrict__ out, int M, int N, int K,
@@ -217,16 +245,17 @@ __global__ void __launch_bounds__(RING_THREADS) int4_gemv_ring(const uint16_t* x
                                                                int per_block) {
   __shared__ Slot slots[STAGES];
   __shared__ uint64_t full[STAGES], empty[STAGES];
-  const int G = K / 128, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int G = K / 128, strips = N / 16, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   int first, last;
-  ring::block_items(blockIdx.x, per_block, (N / 16) * splits, first, last);
+  ring::block_items(blockIdx.x, per_block, strips * splits, first, last);
   if (threadIdx.x == 0) ring::init_stages(full, empty, WARPS);
   __syncthreads();
 
   if (warp == WARPS) {  // the producer: no PDL wait (weights only), no register of a consumer
     const uint64_t policy = ring::evict_first();
     int t = 0;  // the stage
-    ring::for_each_stage<WARPS>(first, last, splits, groups_per_split, G, [&](int strip, int, int g0, int n, bool) {
+    ring::for_each_stage<WARPS, STRIPS>(first, last, strips, groups_per_split, G,
+                                        [&](int strip, int, int g0, int n, int, int, bool) {
       const int slot = t % STAGES;
       ring::producer_acquire(empty, t);
       if (lane == 0) ring::arrive_expect(&full[slot], n * GROUP_BYTES);
@@ -246,22 +275,28 @@ __global__ void __launch_bounds__(RING_THREADS) int4_gemv_ring(const uint16_t* x
     return;
   }
 
-  const int r = lane / 4;  // the lane's strip rows: r and r + 8
+  const int row = lane / 4;  // the lane's strip rows: row and row + 8
   bool has_x[NB];
   const uint4* xcols[NB];  // x row 8 nb + l/4 at the lane's 32 columns of group g: + g * 16
   strip_gemv::x_columns<NB, 4>(x, M, K, lane, has_x, xcols);
   asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the previous kernel's output (PDL)
   int t = 0;
-  float sums[NB][4] = {};  // the item's, over its groups
-  ring::for_each_stage<WARPS>(first, last, splits, groups_per_split, G, [&](int strip, int split, int g0, int n,
-                                                                             bool ends) {
+  float sums[STRIPS][NB][4] = {};  // the segment's strips', over their groups
+  uint32_t xb[NB][4][4];           // x's operands for the warp's group of the segment's strips
+  ring::for_each_stage<WARPS, STRIPS>(first, last, strips, groups_per_split, G, [&](int strip, int split, int g0,
+                                                                                     int n, int r, int rows,
+                                                                                     bool ends) {
     const int slot = t % STAGES, g = g0 + warp;
     const bool mine = warp < n;
-    uint4 xs[NB][4];  // (x first: it does not wait for the stage)
+    if (r == 0) {  // (x first: it does not wait for the stage)
+      uint4 xs[NB][4];
 #pragma unroll
-    for (int nb = 0; nb < NB; ++nb) {
+      for (int nb = 0; nb < NB; ++nb) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) xs[nb][i] = mine && has_x[nb] ? xcols[nb][(size_t)g * 16 + i] : make_uint4(0, 0, 0, 0);
+        for (int i = 0; i < 4; ++i)
+          xs[nb][i] = mine && has_x[nb] ? xcols[nb][(size_t)g * 16 + i] : make_uint4(0, 0, 0, 0);
+      }
+      x_operands<NB>(xs, xb);
     }
     ring::consumer_wait(full, t);
     uint4 a = make_uint4(0, 0, 0, 0), b = a;
@@ -271,30 +306,34 @@ __global__ void __launch_bounds__(RING_THREADS) int4_gemv_ring(const uint16_t* x
       const Slot& s = slots[slot];
       a = s.tiles[warp][lane];
       b = s.tiles[warp][lane + 32];
-      sa = __half2float(s.scale[warp][r]);
-      sb = __half2float(s.scale[warp][r + 8]);
-      za = (Pairs<BF16>::NEG_MAGIC | s.zero[warp][r]) * 0x00010001u;
-      zb = (Pairs<BF16>::NEG_MAGIC | s.zero[warp][r + 8]) * 0x00010001u;
+      sa = __half2float(s.scale[warp][row]);
+      sb = __half2float(s.scale[warp][row + 8]);
+      za = (Pairs<BF16>::NEG_MAGIC | s.zero[warp][row]) * 0x00010001u;
+      zb = (Pairs<BF16>::NEG_MAGIC | s.zero[warp][row + 8]) * 0x00010001u;
     }
     ring::consumer_release(empty, t);
     ++t;
     if (mine) {
-      float c[NB][4];
-#pragma unroll
-      for (int nb = 0; nb < NB; ++nb) c[nb][0] = c[nb][1] = c[nb][2] = c[nb][3] = 0.f;
-      group_dot<BF16, NB>(c, a, b, xs, za, zb, magic);
+      float c[NB][4] = {};
+      group_mma<BF16, NB>(c, a, b, xb, za, zb, magic);
 #pragma unroll
       for (int nb = 0; nb < NB; ++nb) {
-        sums[nb][0] = fmaf(sa, c[nb][0], sums[nb][0]);
-        sums[nb][1] = fmaf(sa, c[nb][1], sums[nb][1]);
-        sums[nb][2] = fmaf(sb, c[nb][2], sums[nb][2]);
-        sums[nb][3] = fmaf(sb, c[nb][3], sums[nb][3]);
+        sums[r][nb][0] = fmaf(sa, c[nb][0], sums[r][nb][0]);
+        sums[r][nb][1] = fmaf(sa, c[nb][1], sums[r][nb][1]);
+        sums[r][nb][2] = fmaf(sb, c[nb][2], sums[r][nb][2]);
+        sums[r][nb][3] = fmaf(sb, c[nb][3], sums[r][nb][3]);
       }
     }
     if (ends) {
-      strip_gemv::write_partials<NB, true>(sums, 1.f, 1.f, out, M, N, strip, split);
+      float unit[STRIPS];  // (the groups' scales are applied: none at the end)
 #pragma unroll
-      for (int nb = 0; nb < NB; ++nb) sums[nb][0] = sums[nb][1] = sums[nb][2] = sums[nb][3] = 0.f;
+      for (int q = 0; q < STRIPS; ++q) unit[q] = 1.f;
+      strip_gemv::write_strips<NB, STRIPS, true>(sums, unit, unit, out, M, N, strip - r, rows, split);
+#pragma unroll
+      for (int q = 0; q < STRIPS; ++q) {
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) sums[q][nb][0] = sums[q][nb][1] = sums[q][nb][2] = sums[q][nb][3] = 0.f;
+      }
     }
   });
 }
@@ -336,61 +375,69 @@ cudaError_t launch_variant(int key, const cudaLaunchConfig_t& config, const void
 }
 
 // The ring kernel's persistent launch over the (strip, split) items (ring::launch_persistent).
-template <bool BF16, int STAGES, int NB>
+template <bool BF16, int STAGES, int NB, int STRIPS>
 cudaError_t launch_ring(cudaLaunchConfig_t config, int device, int blocks_per_sm, const void* x, const void* w,
                         const void* scale, const void* zero, float* out, int M, int N, int K, int splits,
                         int groups_per_split) {
   static int fits = 0;  // blocks a multiprocessor holds (the instance's, whatever the GPU: it is sm_90 code)
-  return ring::launch_persistent(config, int4_gemv_ring<BF16, STAGES, NB>, RING_THREADS, fits, device, blocks_per_sm,
-                                 N / 16 * splits, static_cast<const uint16_t*>(x), static_cast<const uint4*>(w),
-                                 static_cast<const __half*>(scale), static_cast<const uint8_t*>(zero), out, M, N, K,
-                                 Pairs<BF16>::MAGIC, splits, groups_per_split);
+  return ring::launch_persistent(config, int4_gemv_ring<BF16, STAGES, NB, STRIPS>, RING_THREADS, fits, device,
+                                 blocks_per_sm, N / 16 * splits, static_cast<const uint16_t*>(x),
+                                 static_cast<const uint4*>(w), static_cast<const __half*>(scale),
+                                 static_cast<const uint8_t*>(zero), out, M, N, K, Pairs<BF16>::MAGIC, splits,
+                                 groups_per_split);
+}
+
+// The ring instance for (stages, NB, strips a segment) as one key: stages 4 or 8; one column block of 8 x rows
+// with 1 or 4 strips a segment, two with 1 or 2; -1 where there is none.
+static int ring_key(int stages, int NB, int strips) {
+  const int key = stages * 100 + NB * 10 + strips;
+  switch (key) {
+    case 411: case 414: case 421: case 422: case 811: case 814: case 821: case 822: return key;
+    default: return -1;
+  }
 }
 
 template <bool BF16>
-cudaError_t launch_ring_variant(int stages, int NB, const cudaLaunchConfig_t& config, int device, int blocks_per_sm,
+cudaError_t launch_ring_variant(int key, const cudaLaunchConfig_t& config, int device, int blocks_per_sm,
                                 const void* x, const void* w, const void* scale, const void* zero, float* out, int M,
                                 int N, int K, int splits, int groups_per_split) {
-  switch (stages * 10 + NB) {
-    case 41: return launch_ring<BF16, 4, 1>(config, device, blocks_per_sm, x, w, scale, zero, out, M, N, K, splits,
-                                            groups_per_split);
-    case 42: return launch_ring<BF16, 4, 2>(config, device, blocks_per_sm, x, w, scale, zero, out, M, N, K, splits,
-                                            groups_per_split);
-    case 81: return launch_ring<BF16, 8, 1>(config, device, blocks_per_sm, x, w, scale, zero, out, M, N, K, splits,
-                                            groups_per_split);
-    case 82: return launch_ring<BF16, 8, 2>(config, device, blocks_per_sm, x, w, scale, zero, out, M, N, K, splits,
-                                            groups_per_split);
+#define FASTQWEN_RING(S, NB, R)                                                                               \
+  case S * 100 + NB * 10 + R:                                                                                 \
+    return launch_ring<BF16, S, NB, R>(config, device, blocks_per_sm, x, w, scale, zero, out, M, N, K, splits, \
+                                       groups_per_split);
+  switch (key) {
+    FASTQWEN_RING(4, 1, 1) FASTQWEN_RING(4, 1, 4) FASTQWEN_RING(4, 2, 1) FASTQWEN_RING(4, 2, 2)
+    FASTQWEN_RING(8, 1, 1) FASTQWEN_RING(8, 1, 4) FASTQWEN_RING(8, 2, 1) FASTQWEN_RING(8, 2, 2)
     default: return cudaErrorInvalidValue;
   }
+#undef FASTQWEN_RING
 }
 
 // Launches the kernel on `stream` of GPU `device`; returns the cudaError_t, cudaErrorInvalidValue (1) before
 // touching the GPU where the arguments are out of the kernel's range: N % 16, K % 128, a split plan that leaves a
 // split empty or a group out, M outside 1 .. 16; with stages 0 (the register kernel) a (batch, pipe) with no
-// instance for M (batch 2, 4 or 8, only 2 or 4 past 8 rows; pipe only with batch 2 and M <= 8); else stages
-// other than 4 or 8 (the ring kernel; batch and pipe unused) or blocks_per_sm < 1. pdl: programmatic dependent
-// launch (the kernel waits before reading x).
+// instance for M (batch 2, 4 or 8, only 2 or 4 past 8 rows; pipe only with batch 2 and M <= 8); else (the ring
+// kernel; batch and pipe unused) stages other than 4 or 8, strips a segment other than 1 or 4 (1 or 2 past 8
+// rows), or blocks_per_sm < 1. pdl: programmatic dependent launch (the kernel waits before reading x).
 extern "C" int fastqwen_int4_gemv(const void* x, const void* w, const void* scale, const void* zero, float* out,
                                   int M, int N, int K, int splits, int groups_per_split, int batch, int pipe,
-                                  int stages, int blocks_per_sm, int bf16, int pdl, int device, void* stream) {
-  const int key = stages ? 0 : variant_key(M, batch, pipe);
-  if (!strip_gemv::shape_ok(M, N, K, 128, splits, groups_per_split) || key < 0 ||
-      (stages && ((stages != 4 && stages != 8) || blocks_per_sm < 1)))
+                                  int stages, int strips, int blocks_per_sm, int bf16, int pdl, int device,
+                                  void* stream) {
+  const int NB = M > 8 ? 2 : 1, key = stages ? ring_key(stages, NB, strips) : variant_key(M, batch, pipe);
+  if (!strip_gemv::shape_ok(M, N, K, 128, splits, groups_per_split) || key < 0 || (stages && blocks_per_sm < 1))
     return static_cast<int>(cudaErrorInvalidValue);
   cudaLaunchConfig_t config;
   cudaLaunchAttribute attribute;
   if (cudaError_t e = strip_gemv::launch_config(config, attribute, N, splits, pdl, device, stream); e != cudaSuccess)
     return static_cast<int>(e);
   cudaError_t e;
-  if (stages) {
-    const int NB = M > 8 ? 2 : 1;
-    e = bf16 ? launch_ring_variant<true>(stages, NB, config, device, blocks_per_sm, x, w, scale, zero, out, M, N, K,
-                                         splits, groups_per_split)
-             : launch_ring_variant<false>(stages, NB, config, device, blocks_per_sm, x, w, scale, zero, out, M, N, K,
-                                          splits, groups_per_split);
-  } else {
+  if (stages)
+    e = bf16 ? launch_ring_variant<true>(key, config, device, blocks_per_sm, x, w, scale, zero, out, M, N, K, splits,
+                                         groups_per_split)
+             : launch_ring_variant<false>(key, config, device, blocks_per_sm, x, w, scale, zero, out, M, N, K, splits,
+                                          groups_per_split);
+  else
     e = bf16 ? launch_variant<true>(key, config, x, w, scale, zero, out, M, N, K, groups_per_split)
              : launch_variant<false>(key, config, x, w, scale, zero, out, M, N, K, groups_per_split);
-  }
   return static_cast<int>(e);
 }

@@ -112,15 +112,25 @@ __device__ __forceinline__ void block_items(int b, int run, int items, int& firs
   last = min(first + run, items);
 }
 
-// The stages of items [first, last) in order, for the producer and the consumers alike. Item i is strip
-// i / splits' split i % splits: its steps (K groups or chunks) [split · per, min(steps, (split + 1) · per)),
-// WIDTH a stage (one a consumer warp). f(strip, split, s0, n, ends) for the n <= WIDTH steps s0 .. s0 + n - 1
-// of each stage, `ends` on an item's last stage.
-template <int WIDTH, class F>
-__device__ __forceinline__ void for_each_stage(int first, int last, int splits, int per, int steps, F f) {
-  for (int item = first; item < last; ++item) {
-    const int strip = item / splits, split = item % splits, end = min(steps, (split + 1) * per);
-    for (int s0 = split * per; s0 < end; s0 += WIDTH) f(strip, split, s0, min(WIDTH, end - s0), s0 + WIDTH >= end);
+// The stages of items [first, last) in order, for the producer and the consumers alike. Items are split-major:
+// item i is strip i % strips of split i / strips, so that a run's neighbouring items are neighbouring strips of
+// one split, whose tiles of a step share x. A run is walked in segments of at most R neighbouring strips of one
+// split; a segment's steps (K groups or chunks) [split · per, min(steps, (split + 1) · per)), WIDTH at a time
+// (one a consumer warp), each such block of steps for each strip of the segment in turn: a stage each.
+// f(strip, split, s0, n, r, rows, ends) for the stage of steps s0 .. s0 + n - 1 (n <= WIDTH) of strip `strip`,
+// the segment's r-th (r a compile-time constant: the loop over a segment's strips is unrolled, so that a
+// consumer's sums[r] stay in registers) of `rows` strips; `ends` on a segment's last stage.
+template <int WIDTH, int R, class F>
+__device__ __forceinline__ void for_each_stage(int first, int last, int strips, int per, int steps, F f) {
+  for (int item = first; item < last;) {
+    const int split = item / strips, strip0 = item % strips;
+    const int rows = min(R, min(last - item, strips - strip0)), end = min(steps, (split + 1) * per);
+    for (int s0 = split * per; s0 < end; s0 += WIDTH) {
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+        if (r < rows) f(strip0 + r, split, s0, min(WIDTH, end - s0), r, rows, s0 + WIDTH >= end && r == rows - 1);
+    }
+    item += rows;
   }
 }
 
