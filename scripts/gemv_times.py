@@ -46,6 +46,9 @@ def main():
                    help="the ring kernel's RING_BLOCKS_PER_SM (at most this many blocks a multiprocessor), each timed")
     p.add_argument("--cuda-ring-strips", nargs="+", type=int, default=[int4_cuda.RING_STRIPS], choices=[1, 4],
                    help="the ring kernel's RING_STRIPS (neighbouring strips a warp takes a step of in turn), each timed")
+    p.add_argument("--cuda-ring-loads-only", action="store_true",
+                   help="also time each ring config as its loads-only probe (consumers decode nothing: the load "
+                   "path's own rate; its output is zeros)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gemv_times.py times the CUDA kernel: it needs a GPU")
@@ -60,10 +63,11 @@ def main():
         nbytes = sum(t.numel() * t.element_size() for t in stored if t is not None)
         copies = [stored] + [tuple(None if t is None else t.clone() for t in stored)
                              for _ in range(bench.cold_copies(nbytes, "cuda") - 1)]
-        registers = [(b, bool(p), n, 0, 0, 1) for b in args.cuda_batch for p in args.cuda_pipelined
+        registers = [(b, bool(p), n, 0, 0, 1, False) for b in args.cuda_batch for p in args.cuda_pipelined
                      for n in args.cuda_blocks if not p or (b == 2 and cuda_module is int4_cuda)]
-        rings = [(0, False, n, r, per_sm, strips) for r in args.cuda_ring if r for n in args.cuda_blocks
-                 for per_sm in args.cuda_ring_per_sm for strips in args.cuda_ring_strips]
+        rings = [(0, False, n, r, per_sm, strips, probe) for r in args.cuda_ring if r for n in args.cuda_blocks
+                 for per_sm in args.cuda_ring_per_sm for strips in args.cuda_ring_strips
+                 for probe in (False, True)[:1 + args.cuda_ring_loads_only]]
         cuda = registers * (0 in args.cuda_ring) + rings if "cuda" in args.kernel else []
         for M, kernel in ((M, k) for M in args.rows for k in ["triton"] * ("triton" in args.kernel) + cuda):
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
@@ -75,16 +79,19 @@ def main():
                 if N % 16 or K % (128 if cuda_module is int4_cuda else 64):  # (the kernels' tiles)
                     print(f"| {args.tag} | {layer} | {N}x{K} | M={M} | cuda: shape not taken | — | — | — |")
                     continue
-                batch, pipelined, cuda_module.TARGET_BLOCKS, ring, per_sm, strips = kernel
+                batch, pipelined, cuda_module.TARGET_BLOCKS, ring, per_sm, strips, probe = kernel
                 splits = f"splits {cuda_module.plan(N, K)[0]}"
                 cuda_module.RING_STAGES, cuda_module.RING_BLOCKS_PER_SM, cuda_module.BATCH = ring or 8, per_sm, batch
                 cuda_module.RING_STRIPS = strips
                 if cuda_module is int4_cuda:
                     int4_cuda.PIPELINED = pipelined
-                    run = lambda x, q, s, z: int4_cuda.int4_gemv(x, q, s, z, N, ring=bool(ring))  # noqa: E731
+                    run = ((lambda x, q, s, z: int4_cuda.ring_loads_only(x, q, s, z, N)) if probe else  # noqa: E731
+                           (lambda x, q, s, z: int4_cuda.int4_gemv(x, q, s, z, N, ring=bool(ring))))
                 else:
-                    run = lambda x, q, s, z: fp8_cuda.fp8_gemv(x, q, s, ring=bool(ring))  # noqa: E731
-                config = (f"cuda ring {ring} stages ≤{per_sm}/SM {strips} strips {splits}" if ring else
+                    run = ((lambda x, q, s, z: fp8_cuda.ring_loads_only(x, q, s)) if probe else  # noqa: E731
+                           (lambda x, q, s, z: fp8_cuda.fp8_gemv(x, q, s, ring=bool(ring))))
+                config = (f"cuda ring {ring} stages ≤{per_sm}/SM {strips} strips {splits}"
+                          f"{' LOADS ONLY' * probe}" if ring else
                           f"cuda batch {batch}{' pipelined' * pipelined} {splits}")
             t = min(bench.graph_seconds(run, variants=[(x, *c) for c in copies]) for _ in range(args.repeats))
             print(f"| {args.tag} | {layer} | {N}x{K} | M={M} | {config} | {t * 1e6:.1f} µs | "

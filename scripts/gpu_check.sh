@@ -54,7 +54,8 @@
 #            cut at CUDA_TESTS_TIMEOUT seconds (480), so a kernel that hangs still leaves its log (-v: the test it hung in)
 #   cuda-times the Triton and CUDA kernels' times per layer (scripts/gemv_times.py --kernel triton cuda): int4 on
 #            the 27B's layers and head at each BATCH, pipelining and grid target, the ring kernel at 4 and 8
-#            stages, 2, 4, 8 blocks a multiprocessor and 1 or 4 strips a segment, then both at 4, 8, 16 rows
+#            stages, 2, 4, 8 blocks a multiprocessor and 1 or 4 strips a segment (each beside its loads-only
+#            probe: the load path's own rate), then both at 4, 8, 16 rows
 #   cuda-times-fp8 the same for fp8-weight's register and ring kernels on the 27B's and 35B-A3B's layers.
 #            The step's A/B is `candidates` with CAND_MODEL=qwen3.5-27b CAND_SYSTEMS="fastqwen-int4+cuda-int4 fastqwen-int4+cuda-ring-int4" CAND_ARGS="--isolate --quant-lm-head
 #            --no-autotune" (fp8: fastqwen-fp8-weight+cuda-fp8-weight fastqwen-fp8-weight+cuda-ring-fp8-weight);
@@ -94,14 +95,14 @@ case "$stage" in
                --cuda-batch 2 4 8 --cuda-pipelined 0 1 --cuda-blocks 1024 2048 4096 2>&1 | tee "$out/cuda_times.md"
              python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel cuda --cuda-ring 4 8 \
                --cuda-ring-per-sm 2 4 8 --cuda-ring-strips 1 4 \
-               --cuda-blocks 256 1024 4096 2>&1 | tee -a "$out/cuda_times.md"
+               --cuda-blocks 256 1024 4096 --cuda-ring-loads-only 2>&1 | tee -a "$out/cuda_times.md"
              python scripts/gemv_times.py --format int4 --shapes 27b --kernel triton cuda --cuda-ring 0 8 \
                --rows 4 8 16 2>&1 | tee -a "$out/cuda_times.md" ;;
   cuda-times-fp8) python scripts/gemv_times.py --format fp8-weight --shapes 27b 27b-head 35b-a3b --kernel triton cuda \
                --cuda-batch 2 4 8 --cuda-blocks 1024 2048 4096 2>&1 | tee "$out/cuda_times_fp8.md"
              python scripts/gemv_times.py --format fp8-weight --shapes 27b 27b-head 35b-a3b --kernel cuda \
                --cuda-ring 4 8 --cuda-ring-per-sm 2 4 8 --cuda-ring-strips 1 4 \
-               --cuda-blocks 256 1024 4096 2>&1 | tee -a "$out/cuda_times_fp8.md" ;;
+               --cuda-blocks 256 1024 4096 --cuda-ring-loads-only 2>&1 | tee -a "$out/cuda_times_fp8.md" ;;
   candidate-tests) python -m pytest -q -s -p no:warnings tests/gpu/test_candidates_gpu.py 2>&1 | tail -6 ;;
   bench) python scripts/bench.py --models ${MODELS:-qwen3.5-9b qwen3.5-27b qwen3.5-35b-a3b} ${BENCH_ARGS:-} \
            --out-dir "$out" 2>&1 | grep -v "^\[transformers\]" | tail -20 ;;

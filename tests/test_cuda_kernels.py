@@ -74,6 +74,9 @@ def test_ops_pass_opcheck_and_take_only_their_layouts():
                                                                                              True).shape[0]
     for rows in (x, x.half(), x.expand(16, -1)):
         assert int4_cuda.takes(rows, q, s, z) and fp8_cuda.takes(rows, w8, s8)
+    for probe in (lambda: int4_cuda.ring_loads_only(x, q, s, z, 48), lambda: fp8_cuda.ring_loads_only(x, w8, s8)):
+        with pytest.raises(ValueError, match="takes CUDA tensors"):  # (a timing probe: its output is zeros)
+            probe()
     untiled, _, _ = stored_operands(INT4, torch.randn(48, 1024), tiled=False)
     for args in ((x.expand(17, -1), q, s, z), (x[0], q, s, z), (x.float(), q, s, z), (x, untiled, s, z),
                  (x, q, s.contiguous(), z), (x, q, s, z.contiguous()), (x[:, :512], q, s, z)):
@@ -429,7 +432,7 @@ def test_built_libraries_refuse_arguments_out_of_range_before_touching_the_gpu(t
         int4, fp8 = int4_cuda.library("90"), fp8_cuda.library("90")  # (the typed entry points)
         assert sorted(p.name.split("-")[0] for p in (tmp_path / "cuda").glob("*.so")) == ["fp8_gemv", "int4_gemv"]
         call4 = lambda M=1, N=64, K=512, splits=2, per=2, batch=4, pipe=0, stages=0, strips=4, per_sm=8: int4(  # noqa
-            0, 0, 0, 0, 0, M, N, K, splits, per, batch, pipe, stages, strips, per_sm, 1, 0, 0, None)
+            0, 0, 0, 0, 0, M, N, K, splits, per, batch, pipe, stages, strips, per_sm, 0, 1, 0, 0, None)
         for bad in ({"N": 40}, {"K": 500}, {"M": 0}, {"M": 17}, {"splits": 3}, {"per": 1}, {"batch": 3},
                     {"batch": 4, "pipe": 1}, {"M": 9, "batch": 8}, {"M": 9, "batch": 2, "pipe": 1},
                     {"stages": 3}, {"stages": 16}, {"stages": 4, "per_sm": 0}, {"stages": 8, "M": 17},
@@ -437,7 +440,7 @@ def test_built_libraries_refuse_arguments_out_of_range_before_touching_the_gpu(t
                     {"stages": 8, "strips": 0}):
             assert call4(**bad) == 1, bad
         call8 = lambda M=1, N=64, K=512, splits=2, per=4, batch=4, stages=0, strips=4, per_sm=8: fp8(  # noqa: E731
-            0, 0, 0, 0, M, N, K, splits, per, batch, stages, strips, per_sm, 1, 0, 0, None)
+            0, 0, 0, 0, M, N, K, splits, per, batch, stages, strips, per_sm, 0, 1, 0, 0, None)
         for bad in ({"N": 40}, {"K": 500}, {"M": 0}, {"M": 17}, {"splits": 3}, {"per": 3}, {"batch": 3},
                     {"M": 9, "batch": 8}, {"stages": 2}, {"stages": 4, "per_sm": 0}, {"stages": 8, "K": 500},
                     {"stages": 4, "strips": 3}, {"stages": 8, "M": 12, "strips": 4}):

@@ -30,7 +30,7 @@ CHOICE = "kernels['fp8_weight']='cuda'"
 
 def library(arch: str):
     """The kernel's entry point for compute capability `arch` (cuda_build.entry: built on first use)."""
-    return cuda_build.entry("fp8_gemv", arch, CHOICE, pointers=4, ints=12)
+    return cuda_build.entry("fp8_gemv", arch, CHOICE, pointers=4, ints=13)
 
 
 def plan(N: int, K: int, one_split: bool = False) -> tuple[int, int]:
@@ -56,13 +56,8 @@ def reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, splits: int
     return torch.stack([xf[:, k:k + per] @ W[:, k:k + per].t() for k in range(0, W.shape[1], per)])
 
 
-@torch.library.custom_op("fastqwen::fp8_gemv", mutates_args=())
-def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, pdl: bool = False,
-             one_split: bool = False, ring: bool = False) -> torch.Tensor:
-    """x [M ≤ 16, K] (bf16 / fp16) · (scale · w)ᵀ for e4m3 codes w [N, K] as split-K partial sums fp32
-    [splits, M, N] (plan(N, K, one_split)); their sum over dim 0 is the product. pdl: launch with programmatic
-    dependent launch; ring: the ring kernel (else the register kernel; the same partials). The CUDA kernel on
-    CUDA tensors, `reference` elsewhere."""
+def _launch(x, w, scale, pdl, one_split, ring, loads_only) -> torch.Tensor:
+    """fp8_gemv's body; loads_only: the ring kernel's probe (ring_loads_only)."""
     N, K = w.shape
     splits, per = plan(N, K, one_split)
     if not x.is_cuda:
@@ -79,7 +74,7 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, pdl: bool = 
     err = library(cuda_build.device_arch(x.device, CHOICE))(
         x.data_ptr(), w.data_ptr(), scale.data_ptr(), out.data_ptr(), x.shape[0], N, K, splits, per, batch,
         RING_STAGES if ring else 0, RING_STRIPS if x.shape[0] <= 8 else min(RING_STRIPS, 2), RING_BLOCKS_PER_SM,
-        x.dtype == torch.bfloat16, pdl, x.device.index,
+        loads_only, x.dtype == torch.bfloat16, pdl, x.device.index,
         torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         kernel = f"ring, RING_STAGES {RING_STAGES}, RING_STRIPS {RING_STRIPS}" if ring else f"BATCH {batch}"
@@ -87,6 +82,25 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, pdl: bool = 
     return out
 
 
+@torch.library.custom_op("fastqwen::fp8_gemv", mutates_args=())
+def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, pdl: bool = False,
+             one_split: bool = False, ring: bool = False) -> torch.Tensor:
+    """x [M ≤ 16, K] (bf16 / fp16) · (scale · w)ᵀ for e4m3 codes w [N, K] as split-K partial sums fp32
+    [splits, M, N] (plan(N, K, one_split)); their sum over dim 0 is the product. pdl: launch with programmatic
+    dependent launch; ring: the ring kernel (else the register kernel; the same partials). The CUDA kernel on
+    CUDA tensors, `reference` elsewhere."""
+    return _launch(x, w, scale, pdl, one_split, ring, False)
+
+
 @fp8_gemv.register_fake
 def _(x, w, scale, pdl=False, one_split=False, ring=False):
     return x.new_empty(plan(*w.shape, one_split)[0], x.shape[0], w.shape[0], dtype=torch.float32)
+
+
+def ring_loads_only(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """A probe, for timing only (scripts/gemv_times.py --cuda-ring-loads-only): the ring kernel at the module's
+    settings with its consumers taking every stage and converting nothing, so its time is the load path's own.
+    Returns zeros [splits, M, N]. CUDA tensors only."""
+    if not x.is_cuda:
+        raise ValueError("ring_loads_only times the CUDA ring kernel: it takes CUDA tensors")
+    return _launch(x, w, scale, False, False, True, True)

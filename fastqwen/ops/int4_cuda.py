@@ -38,7 +38,7 @@ CHOICE = "kernels['int4']='cuda'"
 
 def library(arch: str):
     """The kernel's entry point for compute capability `arch` (cuda_build.entry: built on first use)."""
-    return cuda_build.entry("int4_gemv", arch, CHOICE, pointers=5, ints=13)
+    return cuda_build.entry("int4_gemv", arch, CHOICE, pointers=5, ints=14)
 
 
 def variant(rows: int) -> tuple[int, bool]:
@@ -79,13 +79,8 @@ def reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch
     return torch.stack([xf[:, k:k + per] @ W[:, k:k + per].t() for k in range(0, W.shape[1], per)])
 
 
-@torch.library.custom_op("fastqwen::int4_gemv", mutates_args=())
-def int4_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out_features: int,
-              pdl: bool = False, one_split: bool = False, ring: bool = False) -> torch.Tensor:
-    """x [M ≤ 16, K] (bf16 / fp16) · Wᵀ for an int4 weight in QuantLinear's layout (`takes`) as split-K partial
-    sums fp32 [splits, M, out_features] (plan(out_features, K, one_split)); their sum over dim 0 is the product. pdl:
-    launch with programmatic dependent launch; ring: the ring kernel (else the register kernel; the same
-    partials). The CUDA kernel on CUDA tensors, `reference` elsewhere."""
+def _launch(x, w, scale, zero, out_features, pdl, one_split, ring, loads_only) -> torch.Tensor:
+    """int4_gemv's body; loads_only: the ring kernel's probe (ring_loads_only)."""
     splits, per = plan(out_features, x.shape[-1], one_split)
     if not x.is_cuda:
         return reference(x, w, scale, zero, out_features, splits)
@@ -101,13 +96,35 @@ def int4_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch
     err = library(cuda_build.device_arch(x.device, CHOICE))(
         x.data_ptr(), w.data_ptr(), scale.data_ptr(), zero.data_ptr(), out.data_ptr(), x.shape[0], out_features,
         x.shape[-1], splits, per, batch, pipelined, RING_STAGES if ring else 0, ring_strips(x.shape[0]),
-        RING_BLOCKS_PER_SM, x.dtype == torch.bfloat16, pdl, x.device.index, torch.cuda.current_stream(x.device).cuda_stream)
+        RING_BLOCKS_PER_SM, loads_only, x.dtype == torch.bfloat16, pdl, x.device.index,
+        torch.cuda.current_stream(x.device).cuda_stream)
     if err:
-        kernel = f"ring, RING_STAGES {RING_STAGES}, RING_STRIPS {RING_STRIPS}" if ring else f"BATCH {batch}, PIPELINED {pipelined}"
+        kernel = (f"ring, RING_STAGES {RING_STAGES}, RING_STRIPS {RING_STRIPS}" if ring else
+                  f"BATCH {batch}, PIPELINED {pipelined}")
         raise RuntimeError(f"int4_gemv launch failed: CUDA error {err} ({kernel})")
     return out
+
+
+@torch.library.custom_op("fastqwen::int4_gemv", mutates_args=())
+def int4_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out_features: int,
+              pdl: bool = False, one_split: bool = False, ring: bool = False) -> torch.Tensor:
+    """x [M ≤ 16, K] (bf16 / fp16) · Wᵀ for an int4 weight in QuantLinear's layout (`takes`) as split-K partial
+    sums fp32 [splits, M, out_features] (plan(out_features, K, one_split)); their sum over dim 0 is the product. pdl:
+    launch with programmatic dependent launch; ring: the ring kernel (else the register kernel; the same
+    partials). The CUDA kernel on CUDA tensors, `reference` elsewhere."""
+    return _launch(x, w, scale, zero, out_features, pdl, one_split, ring, False)
 
 
 @int4_gemv.register_fake
 def _(x, w, scale, zero, out_features, pdl=False, one_split=False, ring=False):
     return x.new_empty(plan(out_features, x.shape[-1], one_split)[0], x.shape[0], out_features, dtype=torch.float32)
+
+
+def ring_loads_only(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                    out_features: int) -> torch.Tensor:
+    """A probe, for timing only (scripts/gemv_times.py --cuda-ring-loads-only): the ring kernel at the module's
+    settings with its consumers taking every stage and decoding nothing, so its time is the load path's own.
+    Returns zeros [splits, M, out_features]. CUDA tensors only."""
+    if not x.is_cuda:
+        raise ValueError("ring_loads_only times the CUDA ring kernel: it takes CUDA tensors")
+    return _launch(x, w, scale, zero, out_features, False, False, True, True)

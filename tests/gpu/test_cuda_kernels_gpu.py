@@ -184,6 +184,17 @@ def _late_writer():
     return late_copy
 
 
+@pytest.mark.parametrize("scheme", ["int4", "fp8-weight"])
+def test_ring_loads_only_probe_runs_and_writes_zeros(scheme):
+    """gemv_times.py's probe of the ring's load path: the same grid and stages, every output written (zeros)."""
+    kernel, (N, K) = KERNELS[scheme], (5120, 17408)
+    ops = weight(scheme, N, K)
+    x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+    poison_allocator((kernel.module.plan(N, K)[0], 1, N), dtype=torch.float32)
+    got = kernel.module.ring_loads_only(x, *ops, N) if scheme == "int4" else fp8_cuda.ring_loads_only(x, *ops)
+    assert got.shape == (kernel.module.plan(N, K)[0], 1, N) and not got.any() and not got.isnan().any()
+
+
 @pytest.mark.parametrize("scheme", KERNELS)
 def test_x_written_late_by_a_kernel_that_triggers_early_is_waited_for(scheme):
     """The previous kernel triggers the dependent launch first and writes x ~100 µs later: the GEMV, launched

@@ -149,12 +149,13 @@ struct alignas(128) Slot {
 constexpr int RING_THREADS = (WARPS + 1) * 32;  // consumers, then the producer
 
 // STRIPS: neighbouring strips of one split a consumer warp takes a chunk of in turn (ring::for_each_stage), its
-// x loads for the chunk made once for all of them.
+// x loads for the chunk made once for all of them. loads_only (a probe of the load path's own rate): the
+// consumers take each stage into registers and let it go, but convert and multiply nothing (out: zeros).
 template <bool BF16, int STAGES, int NB, int STRIPS>
 __global__ void __launch_bounds__(RING_THREADS, 1) fp8_gemv_ring(const uint16_t* x, const uint8_t* __restrict__ w,
                                                               const float* scale, float* __restrict__ out, int M,
                                                               int N, int K, int splits, int chunks_per_split,
-                                                              int per_block) {
+                                                              int loads_only, int per_block) {
   __shared__ Slot slots[STAGES];
   __shared__ uint64_t full[STAGES], empty[STAGES];
   const int C = K / CHUNK, strips = N / 16, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -210,7 +211,10 @@ __global__ void __launch_bounds__(RING_THREADS, 1) fp8_gemv_ring(const uint16_t*
     }
     ring::consumer_release(empty, t);
     ++t;
-    if (mine) chunk_dot<BF16, NB>(sums[r], a, b, xs);
+    if (loads_only)  // (the stage's registers kept alive, not used: the loads stay)
+      asm volatile("" ::"r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b.x), "r"(b.y), "r"(b.z), "r"(b.w));
+    else if (mine)
+      chunk_dot<BF16, NB>(sums[r], a, b, xs);
     if (ends) {
       float scale_a[STRIPS], scale_b[STRIPS];
 #pragma unroll
@@ -262,12 +266,13 @@ cudaError_t launch_variant(int key, const cudaLaunchConfig_t& config, const void
 // The ring kernel's persistent launch over the (strip, split) items (ring::launch_persistent).
 template <bool BF16, int STAGES, int NB, int STRIPS>
 cudaError_t launch_ring(cudaLaunchConfig_t config, int device, int blocks_per_sm, const void* x, const void* w,
-                        const void* scale, float* out, int M, int N, int K, int splits, int chunks_per_split) {
+                        const void* scale, float* out, int M, int N, int K, int splits, int chunks_per_split,
+                        int loads_only) {
   static int fits = 0;  // blocks a multiprocessor holds (the instance's, whatever the GPU: it is sm_90 code)
   return ring::launch_persistent(config, fp8_gemv_ring<BF16, STAGES, NB, STRIPS>, RING_THREADS, fits, device,
                                  blocks_per_sm, N / 16 * splits, static_cast<const uint16_t*>(x),
                                  static_cast<const uint8_t*>(w), static_cast<const float*>(scale), out, M, N, K,
-                                 splits, chunks_per_split);
+                                 splits, chunks_per_split, loads_only);
 }
 
 // The ring instance for (stages, NB, strips a segment) as one key: stages 4 or 8; one column block of 8 x rows
@@ -283,11 +288,11 @@ int ring_key(int stages, int NB, int strips) {
 template <bool BF16>
 cudaError_t launch_ring_variant(int key, const cudaLaunchConfig_t& config, int device, int blocks_per_sm,
                                 const void* x, const void* w, const void* scale, float* out, int M, int N, int K,
-                                int splits, int chunks_per_split) {
+                                int splits, int chunks_per_split, int loads_only) {
 #define FASTQWEN_RING(S, NB, R)                                                                                     \
   case S * 100 + NB * 10 + R:                                                                                       \
     return launch_ring<BF16, S, NB, R>(config, device, blocks_per_sm, x, w, scale, out, M, N, K, splits,            \
-                                       chunks_per_split);
+                                       chunks_per_split, loads_only);
   switch (key) {
     FASTQWEN_RING(4, 1, 1) FASTQWEN_RING(4, 1, 4) FASTQWEN_RING(4, 2, 1) FASTQWEN_RING(4, 2, 2)
     FASTQWEN_RING(8, 1, 1) FASTQWEN_RING(8, 1, 4) FASTQWEN_RING(8, 2, 1) FASTQWEN_RING(8, 2, 2)
@@ -302,11 +307,11 @@ cudaError_t launch_ring_variant(int key, const cudaLaunchConfig_t& config, int d
 // touching the GPU where the arguments are out of the kernel's range: N % 16, K % 64, a split plan that leaves a
 // split empty or a chunk out, M outside 1 .. 16; with stages 0 (the register kernel) a batch with no instance
 // for M (2, 4 or 8; only 2 or 4 past 8 rows); else (the ring kernel; batch unused) stages other than 4 or 8,
-// strips a segment other than 1 or 4 (1 or 2 past 8 rows), or blocks_per_sm < 1. pdl: programmatic dependent
-// launch (the kernel waits before reading x).
+// strips a segment other than 1 or 4 (1 or 2 past 8 rows), or blocks_per_sm < 1. loads_only: the ring's probe
+// (fp8_gemv_ring; out all zeros). pdl: programmatic dependent launch (the kernel waits before reading x).
 extern "C" int fastqwen_fp8_gemv(const void* x, const void* w, const void* scale, float* out, int M, int N, int K,
                                  int splits, int chunks_per_split, int batch, int stages, int strips,
-                                 int blocks_per_sm, int bf16, int pdl, int device, void* stream) {
+                                 int blocks_per_sm, int loads_only, int bf16, int pdl, int device, void* stream) {
   const int NB = M > 8 ? 2 : 1, key = stages ? ring_key(stages, NB, strips) : variant_key(M, batch);
   if (!strip_gemv::shape_ok(M, N, K, CHUNK, splits, chunks_per_split) || key < 0 || (stages && blocks_per_sm < 1))
     return static_cast<int>(cudaErrorInvalidValue);
@@ -317,9 +322,9 @@ extern "C" int fastqwen_fp8_gemv(const void* x, const void* w, const void* scale
   cudaError_t e;
   if (stages)
     e = bf16 ? launch_ring_variant<true>(key, config, device, blocks_per_sm, x, w, scale, out, M, N, K, splits,
-                                         chunks_per_split)
+                                         chunks_per_split, loads_only)
              : launch_ring_variant<false>(key, config, device, blocks_per_sm, x, w, scale, out, M, N, K, splits,
-                                          chunks_per_split);
+                                          chunks_per_split, loads_only);
   else
     e = bf16 ? launch_variant<true>(key, config, x, w, scale, out, M, N, K, chunks_per_split)
              : launch_variant<false>(key, config, x, w, scale, out, M, N, K, chunks_per_split);

@@ -236,13 +236,14 @@ constexpr uint32_t GROUP_BYTES = 64 * sizeof(uint4) + 16 * sizeof(__half) + 16; 
 constexpr int RING_THREADS = (WARPS + 1) * 32;                                 // consumers, then the producer
 
 // STRIPS: neighbouring strips of one split a consumer warp takes a group of in turn (ring::for_each_stage), its
-// x operands for the group made once for all of them.
+// x operands for the group made once for all of them. loads_only (a probe of the load path's own rate): the
+// consumers take each stage into registers and let it go, but decode and multiply nothing (out: zeros).
 template <bool BF16, int STAGES, int NB, int STRIPS>
 __global__ void __launch_bounds__(RING_THREADS) int4_gemv_ring(const uint16_t* x, const uint4* __restrict__ w,
                                                                const __half* scale, const uint8_t* zero,
                                                                float* __restrict__ out, int M, int N, int K,
                                                                uint32_t magic, int splits, int groups_per_split,
-                                                               int per_block) {
+                                                               int loads_only, int per_block) {
   __shared__ Slot slots[STAGES];
   __shared__ uint64_t full[STAGES], empty[STAGES];
   const int G = K / 128, strips = N / 16, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -313,7 +314,10 @@ __global__ void __launch_bounds__(RING_THREADS) int4_gemv_ring(const uint16_t* x
     }
     ring::consumer_release(empty, t);
     ++t;
-    if (mine) {
+    if (loads_only) {  // (the stage's registers kept alive, not used: the loads stay)
+      asm volatile("" ::"r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b.x), "r"(b.y), "r"(b.z), "r"(b.w), "f"(sa),
+                   "f"(sb), "r"(za), "r"(zb));
+    } else if (mine) {
       float c[NB][4] = {};
       group_mma<BF16, NB>(c, a, b, xb, za, zb, magic);
 #pragma unroll
@@ -378,13 +382,13 @@ cudaError_t launch_variant(int key, const cudaLaunchConfig_t& config, const void
 template <bool BF16, int STAGES, int NB, int STRIPS>
 cudaError_t launch_ring(cudaLaunchConfig_t config, int device, int blocks_per_sm, const void* x, const void* w,
                         const void* scale, const void* zero, float* out, int M, int N, int K, int splits,
-                        int groups_per_split) {
+                        int groups_per_split, int loads_only) {
   static int fits = 0;  // blocks a multiprocessor holds (the instance's, whatever the GPU: it is sm_90 code)
   return ring::launch_persistent(config, int4_gemv_ring<BF16, STAGES, NB, STRIPS>, RING_THREADS, fits, device,
                                  blocks_per_sm, N / 16 * splits, static_cast<const uint16_t*>(x),
                                  static_cast<const uint4*>(w), static_cast<const __half*>(scale),
                                  static_cast<const uint8_t*>(zero), out, M, N, K, Pairs<BF16>::MAGIC, splits,
-                                 groups_per_split);
+                                 groups_per_split, loads_only);
 }
 
 // The ring instance for (stages, NB, strips a segment) as one key: stages 4 or 8; one column block of 8 x rows
@@ -400,11 +404,11 @@ static int ring_key(int stages, int NB, int strips) {
 template <bool BF16>
 cudaError_t launch_ring_variant(int key, const cudaLaunchConfig_t& config, int device, int blocks_per_sm,
                                 const void* x, const void* w, const void* scale, const void* zero, float* out, int M,
-                                int N, int K, int splits, int groups_per_split) {
+                                int N, int K, int splits, int groups_per_split, int loads_only) {
 #define FASTQWEN_RING(S, NB, R)                                                                               \
   case S * 100 + NB * 10 + R:                                                                                 \
     return launch_ring<BF16, S, NB, R>(config, device, blocks_per_sm, x, w, scale, zero, out, M, N, K, splits, \
-                                       groups_per_split);
+                                       groups_per_split, loads_only);
   switch (key) {
     FASTQWEN_RING(4, 1, 1) FASTQWEN_RING(4, 1, 4) FASTQWEN_RING(4, 2, 1) FASTQWEN_RING(4, 2, 2)
     FASTQWEN_RING(8, 1, 1) FASTQWEN_RING(8, 1, 4) FASTQWEN_RING(8, 2, 1) FASTQWEN_RING(8, 2, 2)
@@ -418,11 +422,12 @@ cudaError_t launch_ring_variant(int key, const cudaLaunchConfig_t& config, int d
 // split empty or a group out, M outside 1 .. 16; with stages 0 (the register kernel) a (batch, pipe) with no
 // instance for M (batch 2, 4 or 8, only 2 or 4 past 8 rows; pipe only with batch 2 and M <= 8); else (the ring
 // kernel; batch and pipe unused) stages other than 4 or 8, strips a segment other than 1 or 4 (1 or 2 past 8
-// rows), or blocks_per_sm < 1. pdl: programmatic dependent launch (the kernel waits before reading x).
+// rows), or blocks_per_sm < 1. loads_only: the ring's probe (int4_gemv_ring; out all zeros). pdl: programmatic
+// dependent launch (the kernel waits before reading x).
 extern "C" int fastqwen_int4_gemv(const void* x, const void* w, const void* scale, const void* zero, float* out,
                                   int M, int N, int K, int splits, int groups_per_split, int batch, int pipe,
-                                  int stages, int strips, int blocks_per_sm, int bf16, int pdl, int device,
-                                  void* stream) {
+                                  int stages, int strips, int blocks_per_sm, int loads_only, int bf16, int pdl,
+                                  int device, void* stream) {
   const int NB = M > 8 ? 2 : 1, key = stages ? ring_key(stages, NB, strips) : variant_key(M, batch, pipe);
   if (!strip_gemv::shape_ok(M, N, K, 128, splits, groups_per_split) || key < 0 || (stages && blocks_per_sm < 1))
     return static_cast<int>(cudaErrorInvalidValue);
@@ -433,9 +438,9 @@ extern "C" int fastqwen_int4_gemv(const void* x, const void* w, const void* scal
   cudaError_t e;
   if (stages)
     e = bf16 ? launch_ring_variant<true>(key, config, device, blocks_per_sm, x, w, scale, zero, out, M, N, K, splits,
-                                         groups_per_split)
+                                         groups_per_split, loads_only)
              : launch_ring_variant<false>(key, config, device, blocks_per_sm, x, w, scale, zero, out, M, N, K, splits,
-                                          groups_per_split);
+                                          groups_per_split, loads_only);
   else
     e = bf16 ? launch_variant<true>(key, config, x, w, scale, zero, out, M, N, K, groups_per_split)
              : launch_variant<false>(key, config, x, w, scale, zero, out, M, N, K, groups_per_split);
