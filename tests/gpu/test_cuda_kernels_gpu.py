@@ -110,7 +110,7 @@ def test_partials_match_the_reference_at_real_shapes(scheme, N, K, dtype, pdl, o
 def test_rows_of_a_verify_block_or_batch_match_the_reference(scheme, M, N, K):
     kernel, ops = KERNELS[scheme], weight(scheme, N, K)
     torch.manual_seed(M)
-    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16) * torch.logspace(-3, 3, M, device="cuda")[:, None]
+    x = (torch.randn(M, K, device="cuda") * torch.logspace(-3, 3, M, device="cuda")[:, None]).to(torch.bfloat16)
     splits, _ = kernel.module.plan(N, K)
     poison_allocator((splits, M, N), dtype=torch.float32)
     got = kernel.call(x, ops, N, True)
