@@ -32,7 +32,7 @@ def test_plans_cover_every_step_once_in_nonempty_splits():
             steps = K // step
             assert 1 <= splits <= 8 and (splits - 1) * per < steps <= splits * per, (N, K)
             assert splits == 1 or per >= 4, (N, K)  # a step for each of the block's 4 warps
-    assert int4_cuda.plan(34816, 5120) == (1, 40) and int4_cuda.plan(5120, 17408) == (7, 20)
+    assert int4_cuda.plan(34816, 5120) == (2, 20) and int4_cuda.plan(5120, 17408) == (8, 17)
     assert int4_cuda.plan(5120, 17408, one_split=True) == (1, 136)
     assert fp8_cuda.plan(34816, 5120) == (1, 80) and fp8_cuda.plan(5120, 17408) == (7, 39)
 

@@ -25,8 +25,10 @@ from .gemv import INT4, STEP, dequantized
 
 SOURCE = cuda_build.SOURCES / "int4_gemv.cu"
 TILE_ROWS = 16
-TARGET_BLOCKS = 2048  # splits are added until the grid has about this many blocks (~15 a multiprocessor)
-BATCH = 4  # groups whose weight loads a warp issues before it decodes them (2, 4 or 8: the kernel's instances)
+TARGET_BLOCKS = 4096  # splits are added until the grid has about this many blocks (~30 a multiprocessor)
+BATCH = 2  # groups whose weight loads a warp issues before it decodes them (2, 4 or 8: the kernel's instances)
+# (BATCH 2 unpipelined was the fastest instance on every 27B layer, TARGET_BLOCKS 4096 on gate | up, within 3%
+# elsewhere: H100, 2026-12-05, docs/BENCHMARKS.md)
 PIPELINED = False  # the next batch's loads in flight while a batch decodes (an instance with BATCH 2 only)
 RING_STAGES = 8  # the ring kernel's stages (4 or 8), each up to 4 groups of a strip (~4.2 KB)
 RING_BLOCKS_PER_SM = 8  # at most this many ring blocks a multiprocessor (fewer where they do not fit)
