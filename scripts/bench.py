@@ -184,7 +184,7 @@ def collect(args: argparse.Namespace, say=functools.partial(print, flush=True), 
     """The `bench.run` rows of args: each model, then each batch size, then each prompt length, all systems
     of a row in this process; `save(results)` after each row."""
     results = []
-    quantized = any(s in bench.QUANT_SYSTEMS for s in args.systems)  # quantizes in place: a model per row
+    quantized = any(s in bench.QUANT_SYSTEMS or s in bench.QUANT_VARIANTS for s in args.systems)  # (in place: a model a row)
     for name in args.models:
         try:
             model = None if quantized else presets.build(name, dtype=getattr(torch, args.dtype),
