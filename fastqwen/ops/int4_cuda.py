@@ -12,7 +12,8 @@ express on Hopper).
 
 The kernel is built on first use with the CUDA toolkit's nvcc (ops/cuda_build.py: cached by source and GPU
 architecture under $FASTQWEN_CACHE or ~/.cache/fastqwen) and called through ctypes on torch's current stream
-(CUDA-graph capture records it like any launch). optimize's kernels={"int4": "cuda"} routes QuantLinear's int4 products
+(CUDA-graph capture records it like any launch). optimize's kernels={"int4": "cuda"} (the default "auto" on sm_90+
+where nvcc is found: a 27B int4 step 2.65× faster than Triton's on an H100) routes QuantLinear's int4 products
 of up to MAX_ROWS rows here (decode, MTP's and DFlash's verify, small batches; the kernel decodes the weight
 once for all of them, as one or two blocks of mma's 8 columns); `int4_gemv` is the registered op, `reference`
 its plain torch twin (also what runs off CUDA).
