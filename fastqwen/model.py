@@ -11,6 +11,8 @@ recurrent and conv states are only read; `commit(keep)` then advances them (and 
 accepted prefix by replaying the stashed per-position inputs.
 """
 
+import warnings
+
 import torch
 
 from .cache import HybridCache
@@ -122,7 +124,7 @@ def check_kernels(kernels: dict | None, cfg, device, fp8_experts: bool = False) 
     compute capability 9.0 or later): "cuda" its warps loading their weights into registers, "cuda-ring" (a
     candidate) a persistent grid fed through a shared-memory ring by bulk copies; more rows take the Triton
     kernel either way. "auto" (the default) is "cuda" on a GPU of compute capability 9.0 or later where nvcc is
-    found, else "triton": a 27B int4 step took 7088 µs against Triton's 18766 on one H100 (2026-12-05). "fp8_weight": the same for an fp8-weight QuantLinear ("cuda", "cuda-ring": ops/fp8_cuda.py, e4m3
+    found and the kernel builds, else "triton" (a failed build warns): a 27B int4 step took 7088 µs against Triton's 18766 on one H100 (2026-12-05). "fp8_weight": the same for an fp8-weight QuantLinear ("cuda", "cuda-ring": ops/fp8_cuda.py, e4m3
     pairs into the tensor cores; candidates, not yet timed)."""
     kernels = dict(kernels or {})
     unknown = set(kernels) - set(KERNELS)
@@ -162,6 +164,14 @@ def check_kernels(kernels: dict | None, cfg, device, fp8_experts: bool = False) 
                          f"'auto' or 'gemv' (they are {kernels['projections']!r} and {kernels['linears']!r})")
     if kernels["int4"] == "auto":
         kernels["int4"] = "cuda" if _cuda_kernels_build(torch.device(device)) else "triton"
+        if kernels["int4"] == "cuda":  # (the default: a failed build warns and takes Triton's kernel)
+            from .ops import cuda_build, int4_cuda
+
+            try:
+                int4_cuda.library(cuda_build.device_arch(torch.device(device), int4_cuda.CHOICE))
+            except RuntimeError as e:
+                warnings.warn(f"kernels['int4']='auto' takes the Triton kernel: the CUDA one did not build ({e})")
+                kernels["int4"] = "triton"
     if torch.device(device).type == "cuda":  # build the CUDA kernels asked for now: errors before any compile
         from .ops import cuda_build, fp8_cuda, int4_cuda
 

@@ -108,6 +108,29 @@ def test_kernel_choices_are_checked_and_a_missing_compiler_names_the_fix(monkeyp
     cuda_build.build.cache_clear()
 
 
+def test_int4_auto_takes_the_cuda_kernel_where_it_builds_and_else_warns_and_takes_triton(monkeypatch):
+    """kernels['int4'] "auto" (the default): "cuda" where _cuda_kernels_build says a Hopper GPU and nvcc are here
+    and the library builds; a build that fails warns, naming the error, and takes "triton"; "triton" where
+    there is no such GPU or no nvcc (CPU here: the check itself)."""
+    from fastqwen import model, presets
+
+    cfg = presets.config("tiny")
+    assert check_kernels({}, cfg, "cpu")["int4"] == "triton"
+    monkeypatch.setattr(model, "_cuda_kernels_build", lambda device: True)
+    monkeypatch.setattr(cuda_build, "device_arch", lambda device, choice: "90")
+    monkeypatch.setattr(int4_cuda, "library", lambda arch: None)
+    assert check_kernels({}, cfg, "cpu")["int4"] == "cuda"
+
+    def fails(arch):
+        raise RuntimeError("nvcc failed to build int4_gemv.cu for sm_90: …")
+
+    monkeypatch.setattr(int4_cuda, "library", fails)
+    with pytest.warns(UserWarning, match="takes the Triton kernel: the CUDA one did not build .nvcc failed"):
+        assert check_kernels({}, cfg, "cpu")["int4"] == "triton"
+    with pytest.raises(RuntimeError, match="nvcc failed"):  # (asked for by name: the error stands)
+        check_kernels({"int4": "cuda", "launch": "serial"}, cfg, "cuda")
+
+
 def _u32(words: torch.Tensor) -> list[int]:
     return [int(v) & 0xFFFFFFFF for v in words.tolist()]
 
