@@ -144,7 +144,9 @@ __global__ void __launch_bounds__(WARPS * 32, 4) fp8_gemv_rows(const uint16_t* x
 struct alignas(128) Slot {
   uint8_t bytes[16 * WARPS * CHUNK + 64];
 
-  __device__ __forceinline__ static int row(int r) { return (r / 2) * WARPS * CHUNK + (r % 2) * (8 * WARPS * CHUNK + 64); }
+  __device__ __forceinline__ static int row(int r) {
+    return (r / 2) * WARPS * CHUNK + (r % 2) * (8 * WARPS * CHUNK + 64);
+  }
 };
 constexpr int RING_THREADS = (WARPS + 1) * 32;  // consumers, then the producer
 
@@ -174,8 +176,8 @@ __global__ void __launch_bounds__(RING_THREADS, 1) fp8_gemv_ring(const uint16_t*
       if (lane == 0) ring::arrive_expect(&full[slot], 16 * n * CHUNK);
       __syncwarp();
       if (lane < 16)
-        ring::copy(slots[slot].bytes + Slot::row(lane), w + (size_t)(strip * 16 + lane) * K + (size_t)c0 * CHUNK, n * CHUNK,
-                   &full[slot], policy);
+        ring::copy(slots[slot].bytes + Slot::row(lane), w + (size_t)(strip * 16 + lane) * K + (size_t)c0 * CHUNK,
+                   n * CHUNK, &full[slot], policy);
       ++t;
     });
     return;
@@ -275,16 +277,6 @@ cudaError_t launch_ring(cudaLaunchConfig_t config, int device, int blocks_per_sm
                                  splits, chunks_per_split, loads_only);
 }
 
-// The ring instance for (stages, NB, strips a segment) as one key: stages 4 or 8; one column block of 8 x rows
-// with 1 or 4 strips a segment, two with 1 or 2; -1 where there is none.
-int ring_key(int stages, int NB, int strips) {
-  const int key = stages * 100 + NB * 10 + strips;
-  switch (key) {
-    case 411: case 414: case 421: case 422: case 811: case 814: case 821: case 822: return key;
-    default: return -1;
-  }
-}
-
 template <bool BF16>
 cudaError_t launch_ring_variant(int key, const cudaLaunchConfig_t& config, int device, int blocks_per_sm,
                                 const void* x, const void* w, const void* scale, float* out, int M, int N, int K,
@@ -312,7 +304,8 @@ cudaError_t launch_ring_variant(int key, const cudaLaunchConfig_t& config, int d
 extern "C" int fastqwen_fp8_gemv(const void* x, const void* w, const void* scale, float* out, int M, int N, int K,
                                  int splits, int chunks_per_split, int batch, int stages, int strips,
                                  int blocks_per_sm, int loads_only, int bf16, int pdl, int device, void* stream) {
-  const int NB = M > 8 ? 2 : 1, key = stages ? ring_key(stages, NB, strips) : variant_key(M, batch);
+  const int NB = M > 8 ? 2 : 1;
+  const int key = stages ? ring::instance_key(stages, NB, strips) : variant_key(M, batch);
   if (!strip_gemv::shape_ok(M, N, K, CHUNK, splits, chunks_per_split) || key < 0 || (stages && blocks_per_sm < 1))
     return static_cast<int>(cudaErrorInvalidValue);
   cudaLaunchConfig_t config;

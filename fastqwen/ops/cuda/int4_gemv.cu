@@ -391,16 +391,6 @@ cudaError_t launch_ring(cudaLaunchConfig_t config, int device, int blocks_per_sm
                                  groups_per_split, loads_only);
 }
 
-// The ring instance for (stages, NB, strips a segment) as one key: stages 4 or 8; one column block of 8 x rows
-// with 1 or 4 strips a segment, two with 1 or 2; -1 where there is none.
-static int ring_key(int stages, int NB, int strips) {
-  const int key = stages * 100 + NB * 10 + strips;
-  switch (key) {
-    case 411: case 414: case 421: case 422: case 811: case 814: case 821: case 822: return key;
-    default: return -1;
-  }
-}
-
 template <bool BF16>
 cudaError_t launch_ring_variant(int key, const cudaLaunchConfig_t& config, int device, int blocks_per_sm,
                                 const void* x, const void* w, const void* scale, const void* zero, float* out, int M,
@@ -428,7 +418,8 @@ extern "C" int fastqwen_int4_gemv(const void* x, const void* w, const void* scal
                                   int M, int N, int K, int splits, int groups_per_split, int batch, int pipe,
                                   int stages, int strips, int blocks_per_sm, int loads_only, int bf16, int pdl,
                                   int device, void* stream) {
-  const int NB = M > 8 ? 2 : 1, key = stages ? ring_key(stages, NB, strips) : variant_key(M, batch, pipe);
+  const int NB = M > 8 ? 2 : 1;
+  const int key = stages ? ring::instance_key(stages, NB, strips) : variant_key(M, batch, pipe);
   if (!strip_gemv::shape_ok(M, N, K, 128, splits, groups_per_split) || key < 0 || (stages && blocks_per_sm < 1))
     return static_cast<int>(cudaErrorInvalidValue);
   cudaLaunchConfig_t config;

@@ -152,4 +152,14 @@ cudaError_t launch_persistent(cudaLaunchConfig_t config, void (*kernel)(Params..
   return cudaLaunchKernelEx(&config, kernel, args..., run);
 }
 
+// The ring kernels' instance for (stages, NB column blocks of 8 x rows, strips a segment) as one key: stages 4
+// or 8; NB 1 with 1 or 4 strips a segment, NB 2 with 1 or 2; -1 where there is none.
+inline int instance_key(int stages, int NB, int strips) {
+  const int key = stages * 100 + NB * 10 + strips;
+  switch (key) {
+    case 411: case 414: case 421: case 422: case 811: case 814: case 821: case 822: return key;
+    default: return -1;
+  }
+}
+
 }  // namespace ring
