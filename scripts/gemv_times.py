@@ -37,6 +37,15 @@ def main():
                    help="the CUDA kernel's BATCH (groups loaded before any decode), each timed")
     p.add_argument("--cuda-pipelined", nargs="+", type=int, default=[int(int4_cuda.PIPELINED)], choices=[0, 1],
                    help="the CUDA int4 kernel with the next batch's loads in flight while one decodes (BATCH 2 only)")
+    p.add_argument("--cuda-min-blocks", nargs="+", type=int, default=[int4_cuda.MIN_BLOCKS], choices=[4, 8],
+                   help="the CUDA int4 kernel's MIN_BLOCKS (blocks a multiprocessor must hold: registers capped to "
+                   "fit; 8 with BATCH 2 unpipelined only), each timed")
+    p.add_argument("--cuda-chains", nargs="+", type=int, default=[int4_cuda.CHAINS], choices=[1, 2],
+                   help="the CUDA int4 kernel's CHAINS (a group's MMAs as one dependent chain or two; 2 with BATCH 2 "
+                   "unpipelined only), each timed")
+    p.add_argument("--check", action="store_true",
+                   help="also print each kernel's relative error against the plain torch reference (the sum of its "
+                   "partials against x · dequantized Wᵀ in fp32)")
     p.add_argument("--cuda-blocks", nargs="+", type=int, default=[int4_cuda.TARGET_BLOCKS],
                    help="the CUDA kernel's TARGET_BLOCKS (the grid size its split plan aims at), each timed")
     p.add_argument("--cuda-ring", nargs="+", type=int, default=[0], choices=[0, 4, 8],
@@ -49,6 +58,9 @@ def main():
     p.add_argument("--cuda-ring-loads-only", action="store_true",
                    help="also time each ring config as its loads-only probe (consumers decode nothing: the load "
                    "path's own rate; its output is zeros)")
+    p.add_argument("--warm", action="store_true",
+                   help="also time each config on one copy of the weight, read again and again (L2-resident where "
+                   "it fits: what a GEMV would gain from a weight staged in L2 during the kernels before it)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gemv_times.py times the CUDA kernel: it needs a GPU")
@@ -63,9 +75,11 @@ def main():
         nbytes = sum(t.numel() * t.element_size() for t in stored if t is not None)
         copies = [stored] + [tuple(None if t is None else t.clone() for t in stored)
                              for _ in range(bench.cold_copies(nbytes, "cuda") - 1)]
-        registers = [(b, bool(p), n, 0, 0, 1, False) for b in args.cuda_batch for p in args.cuda_pipelined
-                     for n in args.cuda_blocks if not p or (b == 2 and cuda_module is int4_cuda)]
-        rings = [(0, False, n, r, per_sm, strips, probe) for r in args.cuda_ring if r for n in args.cuda_blocks
+        int4 = cuda_module is int4_cuda
+        registers = [(b, bool(p), n, 0, 0, 1, False, mb, ch) for b in args.cuda_batch for p in args.cuda_pipelined
+                     for n in args.cuda_blocks for mb in args.cuda_min_blocks for ch in args.cuda_chains
+                     if (not p or (b == 2 and int4)) and ((mb, ch) == (4, 1) or (int4 and b == 2 and not p))]
+        rings = [(0, False, n, r, per_sm, strips, probe, 4, 1) for r in args.cuda_ring if r for n in args.cuda_blocks
                  for per_sm in args.cuda_ring_per_sm for strips in args.cuda_ring_strips
                  for probe in (False, True)[:1 + args.cuda_ring_loads_only]]
         cuda = registers * (0 in args.cuda_ring) + rings if "cuda" in args.kernel else []
@@ -79,12 +93,12 @@ def main():
                 if N % 16 or K % (128 if cuda_module is int4_cuda else 64):  # (the kernels' tiles)
                     print(f"| {args.tag} | {layer} | {N}x{K} | M={M} | cuda: shape not taken | — | — | — |")
                     continue
-                batch, pipelined, cuda_module.TARGET_BLOCKS, ring, per_sm, strips, probe = kernel
+                batch, pipelined, cuda_module.TARGET_BLOCKS, ring, per_sm, strips, probe, min_blocks, chains = kernel
                 splits = f"splits {cuda_module.plan(N, K)[0]}"
                 cuda_module.RING_STAGES, cuda_module.RING_BLOCKS_PER_SM, cuda_module.BATCH = ring or 8, per_sm, batch
                 cuda_module.RING_STRIPS = strips
                 if cuda_module is int4_cuda:
-                    int4_cuda.PIPELINED = pipelined
+                    int4_cuda.PIPELINED, int4_cuda.MIN_BLOCKS, int4_cuda.CHAINS = pipelined, min_blocks, chains
                     run = ((lambda x, q, s, z: int4_cuda.ring_loads_only(x, q, s, z, N)) if probe else  # noqa: E731
                            (lambda x, q, s, z: int4_cuda.int4_gemv(x, q, s, z, N, ring=bool(ring))))
                 else:
@@ -92,10 +106,17 @@ def main():
                            (lambda x, q, s, z: fp8_cuda.fp8_gemv(x, q, s, ring=bool(ring))))
                 config = (f"cuda ring {ring} stages ≤{per_sm}/SM {strips} strips {splits}"
                           f"{' LOADS ONLY' * probe}" if ring else
-                          f"cuda batch {batch}{' pipelined' * pipelined} {splits}")
-            t = min(bench.graph_seconds(run, variants=[(x, *c) for c in copies]) for _ in range(args.repeats))
-            print(f"| {args.tag} | {layer} | {N}x{K} | M={M} | {config} | {t * 1e6:.1f} µs | "
-                  f"{nbytes / 1e6:.1f} MB | {nbytes / t / 1e12:.2f} TB/s |", flush=True)
+                          f"cuda batch {batch}{' pipelined' * pipelined}"
+                          f"{f' min {min_blocks} blocks' * (min_blocks != 4)}{' 2 chains' * (chains == 2)} {splits}")
+            if args.check and not (kernel != "triton" and kernel[6]):  # (not a loads-only probe)
+                got = run(x, *stored).sum(0)
+                want = x.float() @ gemv.dequantized(fmt, *stored).float().t()
+                config += f" (error {((got - want).norm() / want.norm()).item():.1e})"
+            for warm in (False, True)[:1 + args.warm]:
+                variants = [(x, *c) for c in copies[:1 if warm else None]]
+                t = min(bench.graph_seconds(run, variants=variants) for _ in range(args.repeats))
+                print(f"| {args.tag} | {layer} | {N}x{K} | M={M} | {config}{' WARM' * warm} | {t * 1e6:.1f} µs | "
+                      f"{nbytes / 1e6:.1f} MB | {nbytes / t / 1e12:.2f} TB/s |", flush=True)
         del copies, stored, w
         torch.cuda.empty_cache()
 

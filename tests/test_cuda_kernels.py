@@ -329,15 +329,26 @@ def _sass_functions(lib: str, kernel: str) -> list[str]:
     return [f for f in sass.split("Function : ")[1:] if kernel in f.split("\n")[0]]
 
 
+def _template_args(mangled: str, kernel: str) -> list[int]:
+    """The integer and bool template arguments of a mangled instance of `kernel`, in order
+    (…int4_gemv_rowsILb1ELi2ELb0ELi1ELi8ELi2EE…: [1, 2, 0, 1, 8, 2])."""
+    return [int(a[2:]) for a in mangled.split(kernel + "I")[1].split("EE")[0].split("E")]
+
+
 @NVCC
-@pytest.mark.parametrize("name,instances", [("int4_gemv", 28), ("fp8_gemv", 26)])
+@pytest.mark.parametrize("name,instances", [("int4_gemv", 34), ("fp8_gemv", 26)])
 def test_kernels_build_for_sm90_without_spills(name, instances, tmp_path):
     """nvcc -Xptxas -v for sm_90: every instance (register and ring kernels) ≤ 128 registers (4 blocks of 128
-    threads a multiprocessor, 3 of the ring's 160), no spills, static shared memory under the 48 KB limit."""
+    threads a multiprocessor, 3 of the ring's 160; int4's instances for 8 blocks ≤ 64), no spills, static shared
+    memory under the 48 KB limit."""
     report, _ = _build_sm90(name, tmp_path)
     used = [line.split("Used ")[1] for line in report.splitlines() if "Used " in line]
     assert len(used) == instances, report
     assert max(int(u.split()[0]) for u in used) <= 128, report
+    entries = [line for line in report.splitlines() if "Compiling entry function" in line]
+    eight = [int(u.split()[0]) for e, u in zip(entries, used)
+             if "int4_gemv_rows" in e and _template_args(e, "int4_gemv_rows")[4] == 8]  # (MINB 8)
+    assert len(eight) == (4 if name == "int4_gemv" else 0) and max(eight, default=0) <= 64, (eight, report)
     assert max(int(u.split(" bytes smem")[0].split()[-1]) if "smem" in u else 0 for u in used) < 48 << 10, used
     spills = [line.strip() for line in report.splitlines() if "spill" in line]
     assert len(spills) == instances and all(
@@ -345,18 +356,18 @@ def test_kernels_build_for_sm90_without_spills(name, instances, tmp_path):
 
 
 @NVCC
-@pytest.mark.parametrize("name,kernel,instances", [("int4_gemv", "int4_gemv_rows", 12),
+@pytest.mark.parametrize("name,kernel,instances", [("int4_gemv", "int4_gemv_rows", 18),
                                                    ("fp8_gemv", "fp8_gemv_rows", 10)])
 def test_register_kernels_issue_their_first_loads_before_the_wait(name, kernel, instances, tmp_path):
     """In the SASS of each register-kernel instance (bf16 / fp16 x, each BATCH, pipelined, one or two blocks of
-    8 x rows), the first BATCH steps' 16-byte weight loads that skip L1, then the PDL wait, then x and the later
-    batches; 8 MMAs an int4 group of 128 columns, 4 an fp8 chunk of 64, for each block of 8 x rows."""
+    8 x rows; int4's for 8 blocks a multiprocessor and with two MMA chains too), the first BATCH steps' 16-byte
+    weight loads that skip L1, then the PDL wait, then x and the later batches; 8 MMAs an int4 group of 128
+    columns, 4 an fp8 chunk of 64, for each block of 8 x rows."""
     functions = _sass_functions(_build_sm90(name, tmp_path)[1], kernel)
     assert len(functions) == instances
     for k in functions:
-        args = k.split(kernel)[1].split("EE")[0].split("E")  # (…ILb1ELi2ELb1ELi1EE…: dtype, BATCH, [PIPE,] NB)
-        batch, nb = int(args[1].removeprefix("Li")), int(args[-1].removeprefix("Li"))
-        pipe = len(args) == 4 and args[2] == "Lb1"
+        args = _template_args(k.split("\n")[0], kernel)  # int4: dtype, BATCH, PIPE, NB, MINB, CHAINS; fp8: dtype, BATCH, NB
+        batch, nb, pipe = args[1], args[3 if name == "int4_gemv" else 2], name == "int4_gemv" and args[2] == 1
         ops = _sass_ops(k)
         wait = ops.index("ACQBULK")  # griddepcontrol.wait
         weights = [i for i, o in enumerate(ops) if o == "LDG.E.NA.128"]
@@ -454,13 +465,15 @@ def test_built_libraries_refuse_arguments_out_of_range_before_touching_the_gpu(t
     try:
         int4, fp8 = int4_cuda.library("90"), fp8_cuda.library("90")  # (the typed entry points)
         assert sorted(p.name.split("-")[0] for p in (tmp_path / "cuda").glob("*.so")) == ["fp8_gemv", "int4_gemv"]
-        call4 = lambda M=1, N=64, K=512, splits=2, per=2, batch=4, pipe=0, stages=0, strips=4, per_sm=8: int4(  # noqa
-            0, 0, 0, 0, 0, M, N, K, splits, per, batch, pipe, stages, strips, per_sm, 0, 1, 0, 0, None)
+        call4 = lambda M=1, N=64, K=512, splits=2, per=2, batch=4, pipe=0, stages=0, strips=4, per_sm=8, min_blocks=4, \
+            chains=1: int4(0, 0, 0, 0, 0, M, N, K, splits, per, batch, pipe, min_blocks, chains, stages, strips, per_sm,
+                           0, 1, 0, 0, None)
         for bad in ({"N": 40}, {"K": 500}, {"M": 0}, {"M": 17}, {"splits": 3}, {"per": 1}, {"batch": 3},
                     {"batch": 4, "pipe": 1}, {"M": 9, "batch": 8}, {"M": 9, "batch": 2, "pipe": 1},
                     {"stages": 3}, {"stages": 16}, {"stages": 4, "per_sm": 0}, {"stages": 8, "M": 17},
                     {"stages": 8, "splits": 3}, {"stages": 4, "strips": 2}, {"stages": 4, "M": 9, "strips": 4},
-                    {"stages": 8, "strips": 0}):
+                    {"stages": 8, "strips": 0}, {"min_blocks": 6}, {"chains": 3}, {"batch": 4, "min_blocks": 8},
+                    {"batch": 2, "pipe": 1, "chains": 2}, {"M": 9, "batch": 2, "min_blocks": 8}):
             assert call4(**bad) == 1, bad
         call8 = lambda M=1, N=64, K=512, splits=2, per=4, batch=4, stages=0, strips=4, per_sm=8: fp8(  # noqa: E731
             0, 0, 0, 0, M, N, K, splits, per, batch, stages, strips, per_sm, 0, 1, 0, 0, None)
@@ -469,7 +482,7 @@ def test_built_libraries_refuse_arguments_out_of_range_before_touching_the_gpu(t
                     {"stages": 4, "strips": 3}, {"stages": 8, "M": 12, "strips": 4}):
             assert call8(**bad) == 1, bad
         if not torch.cuda.is_available():
-            for ok in (call4(), call4(stages=4, batch=3), call4(stages=8, M=16, batch=8, pipe=1, strips=2), call8(),
+            for ok in (call4(), call4(batch=2, min_blocks=8, chains=2), call4(stages=4, batch=3), call4(stages=8, M=16, batch=8, pipe=1, strips=2), call8(),
                        call8(stages=4, batch=3, strips=1), call8(stages=8, M=12, strips=2)):
                 assert ok not in (0, 1)  # (no GPU: the runtime's error, e.g. 35; the ring ignores batch and pipe)
     finally:

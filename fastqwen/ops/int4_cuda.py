@@ -13,7 +13,8 @@ express on Hopper).
 The kernel is built on first use with the CUDA toolkit's nvcc (ops/cuda_build.py: cached by source and GPU
 architecture under $FASTQWEN_CACHE or ~/.cache/fastqwen) and called through ctypes on torch's current stream
 (CUDA-graph capture records it like any launch). optimize's kernels={"int4": "cuda"} (the default "auto" on sm_90+
-where nvcc is found: a 27B int4 step 2.65× faster than Triton's on an H100) routes QuantLinear's int4 products
+where nvcc is found: a 27B int4 step 2.65× faster than Triton's on an H100, level on an H200; its GEMVs there
+2.4-3× faster than Triton's at 2-16 rows) routes QuantLinear's int4 products
 of up to MAX_ROWS rows here (decode, MTP's and DFlash's verify, small batches; the kernel decodes the weight
 once for all of them, as one or two blocks of mma's 8 columns); `int4_gemv` is the registered op, `reference`
 its plain torch twin (also what runs off CUDA).
@@ -31,6 +32,9 @@ BATCH = 2  # groups whose weight loads a warp issues before it decodes them (2, 
 # (BATCH 2 unpipelined was the fastest instance on every 27B layer, TARGET_BLOCKS 4096 on gate | up, within 3%
 # elsewhere: H100, 2026-12-05, docs/BENCHMARKS.md)
 PIPELINED = False  # the next batch's loads in flight while a batch decodes (an instance with BATCH 2 only)
+MIN_BLOCKS = 4  # blocks a multiprocessor must hold (4: 71 registers, 7 fit; 8: ptxas keeps it to 63, 8 fit)
+CHAINS = 1  # a group's 8 MMAs as one dependent chain (1) or lo and hi apart (2: two chains of 4)
+# (MIN_BLOCKS 8 and CHAINS 2: instances of BATCH 2 unpipelined at up to 8 rows only)
 RING_STAGES = 8  # the ring kernel's stages (4 or 8), each up to 4 groups of a strip (~4.2 KB)
 RING_BLOCKS_PER_SM = 8  # at most this many ring blocks a multiprocessor (fewer where they do not fit)
 RING_STRIPS = 4  # neighbouring strips a ring warp takes its group of in turn, x's operands made once (1 or 4)
@@ -41,13 +45,17 @@ CHOICE = "kernels['int4']='cuda'"
 
 def library(arch: str):
     """The kernel's entry point for compute capability `arch` (cuda_build.entry: built on first use)."""
-    return cuda_build.entry("int4_gemv", arch, CHOICE, pointers=5, ints=14)
+    return cuda_build.entry("int4_gemv", arch, CHOICE, pointers=5, ints=16)
 
 
-def variant(rows: int) -> tuple[int, bool]:
-    """(BATCH, PIPELINED) of the kernel instance for `rows` rows of x: the module's, but for 9 … 16 rows (two
-    column blocks) BATCH ≤ 4 unpipelined (the instances that do not spill)."""
-    return (BATCH, PIPELINED) if rows <= 8 else (min(BATCH, 4), False)
+def variant(rows: int) -> tuple[int, bool, int, int]:
+    """(BATCH, PIPELINED, MIN_BLOCKS, CHAINS) of the kernel instance for `rows` rows of x: the module's, but for 9
+    … 16 rows (two column blocks) BATCH ≤ 4 unpipelined (the instances that do not spill), and MIN_BLOCKS 8 /
+    CHAINS 2 only with BATCH 2 unpipelined at up to 8 rows (else 4 and 1)."""
+    if rows > 8:
+        return min(BATCH, 4), False, 4, 1
+    tuned = BATCH == 2 and not PIPELINED
+    return BATCH, PIPELINED, MIN_BLOCKS if tuned else 4, CHAINS if tuned else 1
 
 
 def ring_strips(rows: int) -> int:
@@ -94,16 +102,16 @@ def _launch(x, w, scale, zero, out_features, pdl, one_split, ring, loads_only) -
         raise ValueError("int4_gemv's ring kernel copies the codes, scales and zeros in 16-byte pieces: they must "
                          "start 16-byte aligned (a view at an odd offset: pass a copy)")
     x = cuda_build.aligned(x)
-    batch, pipelined = variant(x.shape[0])
+    batch, pipelined, min_blocks, chains = variant(x.shape[0])
     out = torch.empty(splits, x.shape[0], out_features, device=x.device, dtype=torch.float32)
     err = library(cuda_build.device_arch(x.device, CHOICE))(
         x.data_ptr(), w.data_ptr(), scale.data_ptr(), zero.data_ptr(), out.data_ptr(), x.shape[0], out_features,
-        x.shape[-1], splits, per, batch, pipelined, RING_STAGES if ring else 0, ring_strips(x.shape[0]),
+        x.shape[-1], splits, per, batch, pipelined, min_blocks, chains, RING_STAGES if ring else 0, ring_strips(x.shape[0]),
         RING_BLOCKS_PER_SM, loads_only, x.dtype == torch.bfloat16, pdl, x.device.index,
         torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         kernel = (f"ring, RING_STAGES {RING_STAGES}, RING_STRIPS {RING_STRIPS}" if ring else
-                  f"BATCH {batch}, PIPELINED {pipelined}")
+                  f"BATCH {batch}, PIPELINED {pipelined}, MIN_BLOCKS {min_blocks}, CHAINS {chains}")
         raise RuntimeError(f"int4_gemv launch failed: CUDA error {err} ({kernel})")
     return out
 

@@ -139,6 +139,21 @@ def test_every_instance_matches_the_reference(scheme, batch, pipelined, N, K, mo
             assert rel_err(got, kernel.reference(x, ops, N, got.shape[0])) < 1e-5, (scheme, batch, pipelined, M)
 
 
+@pytest.mark.parametrize("min_blocks,chains", [(8, 1), (4, 2), (8, 2)])
+@pytest.mark.parametrize("N,K", [(34816, 5120), (5120, 17408), (5120, 6144)])
+def test_int4_occupancy_and_chain_instances_match_the_reference(min_blocks, chains, N, K, monkeypatch):
+    """int4's BATCH 2 instances for 8 blocks a multiprocessor and / or two MMA chains (up to 8 rows; 11 rows
+    take the plain instance), bf16 and fp16 x, with PDL."""
+    monkeypatch.setattr(int4_cuda, "MIN_BLOCKS", min_blocks)
+    monkeypatch.setattr(int4_cuda, "CHAINS", chains)
+    kernel, ops = KERNELS["int4"], weight("int4", N, K)
+    for dtype in (torch.bfloat16, torch.float16):
+        for M in (1, 5, 11):
+            x = torch.randn(M, K, device="cuda", dtype=dtype)
+            got = kernel.call(x, ops, N, True)
+            assert rel_err(got, kernel.reference(x, ops, N, got.shape[0])) < 1e-5, (min_blocks, chains, M)
+
+
 @pytest.mark.parametrize("scheme", ["int4", "fp8-weight"])
 @pytest.mark.parametrize("stages,per_sm,strips", [(4, 8, 4), (8, 8, 1), (8, 1, 4), (4, 2, 1)])
 @pytest.mark.parametrize("N,K", [(34816, 5120), (5120, 17408), (12352, 2048), (5120, 6144)])

@@ -102,11 +102,14 @@ __device__ __forceinline__ void x_operands(const uint4 (&xs)[NB][4], uint32_t (&
 
 // One group of one warp: c[nb] += the group's sums of (q - zero) x for x rows 8 nb .. 8 nb + 7 (c0, c1:
 // strip row l/4 against x rows 8 nb + 2 (l%4) and + 1; c2, c3: row l/4 + 8). a, b: the lane's 16 bytes of rows
-// l/4 and l/4 + 8; xb: x_operands. The weight is decoded once for the NB column blocks.
-template <bool BF16, int NB>
+// l/4 and l/4 + 8; xb: x_operands. The weight is decoded once for the NB column blocks. CHAINS 2: the hi MMAs
+// accumulate apart from the lo ones (two dependent chains of 4 MMAs, added at the end, instead of one of 8).
+template <bool BF16, int NB, int CHAINS = 1>
 __device__ __forceinline__ void group_mma(float (&c)[NB][4], uint4 a, uint4 b, const uint32_t (&xb)[NB][4][4],
                                           uint32_t za, uint32_t zb, uint32_t magic) {
   const uint32_t wa[4] = {a.x, a.y, a.z, a.w}, wb[4] = {b.x, b.y, b.z, b.w};
+  float h[NB][4] = {};
+  float (&ch)[NB][4] = CHAINS == 2 ? h : c;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const uint32_t lo[4] = {pair_minus_zero<BF16>(wa[i], 0, za, magic), pair_minus_zero<BF16>(wb[i], 0, zb, magic),
@@ -116,17 +119,24 @@ __device__ __forceinline__ void group_mma(float (&c)[NB][4], uint4 a, uint4 b, c
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
       strip_gemv::mma<BF16>(c[nb], lo, xb[nb][i][0], xb[nb][i][1]);
-      strip_gemv::mma<BF16>(c[nb], hi, xb[nb][i][2], xb[nb][i][3]);
+      strip_gemv::mma<BF16>(ch[nb], hi, xb[nb][i][2], xb[nb][i][3]);
+    }
+  }
+  if constexpr (CHAINS == 2) {
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) c[nb][k] += h[nb][k];
     }
   }
 }
 
-template <bool BF16, int NB>
+template <bool BF16, int NB, int CHAINS>
 __device__ __forceinline__ void group_dot(float (&c)[NB][4], uint4 a, uint4 b, const uint4 (&xs)[NB][4],
                                           uint32_t za, uint32_t zb, uint32_t magic) {
   uint32_t xb[NB][4][4];
   x_operands<NB>(xs, xb);
-  group_mma<BF16, NB>(c, a, b, xb, za, zb, magic);
+  group_mma<BF16, NB, CHAINS>(c, a, b, xb, za, zb, magic);
 }
 
 // One warp's weights of BATCH groups g0, g0 + WARPS, ... (< g_end): the lane's 16 bytes of both rows of each
@@ -155,7 +165,7 @@ struct Batch {
 
   // sums[nb]: strip row l/4 against x rows 8 nb + 2 (l%4) and + 1, then row l/4 + 8 against them; xcols[nb]:
   // x row 8 nb + l/4 at the lane's columns (+ g * 16 for group g), has_x[nb]: whether that row is < M.
-  template <int NB>
+  template <int NB, int CHAINS>
   __device__ __forceinline__ void dot(const uint4* const (&xcols)[NB], const bool (&has_x)[NB], int g0, int g_end,
                                       uint32_t magic, float (&sums)[NB][4]) const {
 #pragma unroll
@@ -172,7 +182,7 @@ struct Batch {
             c[nb][i] = 0.f;
           }
         }
-        group_dot<BF16, NB>(c, ta[t], tb[t], xs, za[t], zb[t], magic);
+        group_dot<BF16, NB, CHAINS>(c, ta[t], tb[t], xs, za[t], zb[t], magic);
 #pragma unroll
         for (int nb = 0; nb < NB; ++nb) {
           sums[nb][0] = fmaf(sa[t], c[nb][0], sums[nb][0]);
@@ -186,10 +196,11 @@ struct Batch {
 };
 
 // PIPE: two batches in flight, the next one's loads issued before the current one's decode (ping-pong);
-// else each batch is loaded, then decoded. (x without __restrict__: plain loads, made after the PDL wait, not
-// the read-only path.)
-template <bool BF16, int BATCH, bool PIPE, int NB>
-__global__ void __launch_bounds__(WARPS * 32, 4) int4_gemv_rows(const uint16_t* x,
+// else each batch is loaded, then decoded. MINB: blocks a multiprocessor must hold (ptxas caps the registers
+// to fit them); CHAINS: group_mma's. (x without __restrict__: plain loads, made after the PDL wait, not the
+// read-only path.)
+template <bool BF16, int BATCH, bool PIPE, int NB, int MINB, int CHAINS>
+__global__ void __launch_bounds__(WARPS * 32, MINB) int4_gemv_rows(const uint16_t* x,
                                                                 const uint4* __restrict__ w,
                                                                 const __half* scale,  // (coherent loads:
                                                                 const uint8_t* zero,  //  before the wait)
@@ -213,14 +224,14 @@ __global__ void __launch_bounds__(WARPS * 32, 4) int4_gemv_rows(const uint16_t* 
     Batch<BF16, BATCH> b;
     for (int g0 = g_begin; g0 < g_end; g0 += 2 * STRIDE) {
       b.load(tiles, scale, zero, N, row_a, g0 + STRIDE, g_end);
-      a.template dot<NB>(xcols, has_x, g0, g_end, magic, sums);
+      a.template dot<NB, CHAINS>(xcols, has_x, g0, g_end, magic, sums);
       a.load(tiles, scale, zero, N, row_a, g0 + 2 * STRIDE, g_end);
-      b.template dot<NB>(xcols, has_x, g0 + STRIDE, g_end, magic, sums);
+      b.template dot<NB, CHAINS>(xcols, has_x, g0 + STRIDE, g_end, magic, sums);
     }
   } else {
     for (int g0 = g_begin; g0 < g_end; g0 += STRIDE) {
       if (g0 != g_begin) a.load(tiles, scale, zero, N, row_a, g0, g_end);
-      a.template dot<NB>(xcols, has_x, g0, g_end, magic, sums);
+      a.template dot<NB, CHAINS>(xcols, has_x, g0, g_end, magic, sums);
     }
   }
   strip_gemv::write_partials<NB>(sums, 1.f, 1.f, out, M, N, strip, split);  // (the groups' scales: applied)
@@ -344,21 +355,25 @@ __global__ void __launch_bounds__(RING_THREADS) int4_gemv_ring(const uint16_t* x
 
 }  // namespace
 
-template <bool BF16, int BATCH, bool PIPE, int NB>
+template <bool BF16, int BATCH, bool PIPE, int NB, int MINB = 4, int CHAINS = 1>
 cudaError_t launch(const cudaLaunchConfig_t& config, const void* x, const void* w, const void* scale,
                    const void* zero, float* out, int M, int N, int K, int groups_per_split) {
   // (MAGIC passed as an argument: a register in the kernel, see pair_minus_zero)
-  return cudaLaunchKernelEx(&config, int4_gemv_rows<BF16, BATCH, PIPE, NB>, static_cast<const uint16_t*>(x),
+  return cudaLaunchKernelEx(&config, int4_gemv_rows<BF16, BATCH, PIPE, NB, MINB, CHAINS>, static_cast<const uint16_t*>(x),
                             static_cast<const uint4*>(w), static_cast<const __half*>(scale),
                             static_cast<const uint8_t*>(zero), out, M, N, K, groups_per_split, Pairs<BF16>::MAGIC);
 }
 
-// The instance for M rows and (batch, pipe) as one key: one column block of 8 x rows (M <= 8) or two (M <= 16,
-// BATCH 2 or 4 unpipelined: the others would spill); -1 where there is none.
-static int variant_key(int M, int batch, int pipe) {
+// The instance for M rows, (batch, pipe) and (min_blocks, chains) as one key: one column block of 8 x rows (M <=
+// 8) or two (M <= 16, BATCH 2 or 4 unpipelined: the others would spill), 4 blocks a multiprocessor at least and
+// one MMA chain, but BATCH 2 unpipelined at one column block also at 8 blocks (63 registers, no spill) and / or
+// two chains; -1 where there is none.
+static int variant_key(int M, int batch, int pipe, int min_blocks, int chains) {
   const int key = (M > 8) * 100 + batch * 2 + (pipe != 0);
+  const int tuned = (min_blocks == 8) * 1000 + (chains == 2) * 2000;
+  if ((min_blocks != 4 && min_blocks != 8) || (chains != 1 && chains != 2) || (tuned && key != 4)) return -1;
   switch (key) {
-    case 4: case 5: case 8: case 16: case 104: case 108: return key;
+    case 4: case 5: case 8: case 16: case 104: case 108: return key + tuned;
     default: return -1;
   }
 }
@@ -374,6 +389,9 @@ cudaError_t launch_variant(int key, const cudaLaunchConfig_t& config, const void
     case 16: return launch<BF16, 8, false, 1>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
     case 104: return launch<BF16, 2, false, 2>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
     case 108: return launch<BF16, 4, false, 2>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
+    case 1004: return launch<BF16, 2, false, 1, 8, 1>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
+    case 2004: return launch<BF16, 2, false, 1, 4, 2>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
+    case 3004: return launch<BF16, 2, false, 1, 8, 2>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -412,14 +430,15 @@ cudaError_t launch_ring_variant(int key, const cudaLaunchConfig_t& config, int d
 // split empty or a group out, M outside 1 .. 16; with stages 0 (the register kernel) a (batch, pipe) with no
 // instance for M (batch 2, 4 or 8, only 2 or 4 past 8 rows; pipe only with batch 2 and M <= 8); else (the ring
 // kernel; batch and pipe unused) stages other than 4 or 8, strips a segment other than 1 or 4 (1 or 2 past 8
-// rows), or blocks_per_sm < 1. loads_only: the ring's probe (int4_gemv_ring; out all zeros). pdl: programmatic
-// dependent launch (the kernel waits before reading x).
+// rows), or blocks_per_sm < 1. min_blocks (4 or 8), chains (1 or 2): the register kernel's (variant_key).
+// loads_only: the ring's probe (int4_gemv_ring; out all zeros). pdl: programmatic dependent launch (the kernel
+// waits before reading x).
 extern "C" int fastqwen_int4_gemv(const void* x, const void* w, const void* scale, const void* zero, float* out,
                                   int M, int N, int K, int splits, int groups_per_split, int batch, int pipe,
-                                  int stages, int strips, int blocks_per_sm, int loads_only, int bf16, int pdl,
-                                  int device, void* stream) {
+                                  int min_blocks, int chains, int stages, int strips, int blocks_per_sm,
+                                  int loads_only, int bf16, int pdl, int device, void* stream) {
   const int NB = M > 8 ? 2 : 1;
-  const int key = stages ? ring::instance_key(stages, NB, strips) : variant_key(M, batch, pipe);
+  const int key = stages ? ring::instance_key(stages, NB, strips) : variant_key(M, batch, pipe, min_blocks, chains);
   if (!strip_gemv::shape_ok(M, N, K, 128, splits, groups_per_split) || key < 0 || (stages && blocks_per_sm < 1))
     return static_cast<int>(cudaErrorInvalidValue);
   cudaLaunchConfig_t config;
