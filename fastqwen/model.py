@@ -124,7 +124,7 @@ def check_kernels(kernels: dict | None, cfg, device, fp8_experts: bool = False) 
     compute capability 9.0 or later): "cuda" its warps loading their weights into registers, "cuda-ring" (a
     candidate) a persistent grid fed through a shared-memory ring by bulk copies; more rows take the Triton
     kernel either way. "auto" (the default) is "cuda" on a GPU of compute capability 9.0 or later where nvcc is
-    found and the kernel builds, else "triton" (a failed build warns): a 27B int4 step took 7088 µs against Triton's 18766 on one H100 (2026-12-05). "fp8_weight": the same for an fp8-weight QuantLinear ("cuda", "cuda-ring": ops/fp8_cuda.py, e4m3
+    found and the kernel builds, else "triton" (a failed build warns): a 27B int4 step took 7088 µs against Triton's 18766 on one H100, and 6375 µs against Triton's 6396 (the day before) on one H200, where its per-layer times are level with Triton's at one row and 2.4–3× faster at 2–16 rows (2026-12-05). "fp8_weight": the same for an fp8-weight QuantLinear ("cuda", "cuda-ring": ops/fp8_cuda.py, e4m3
     pairs into the tensor cores; candidates, not yet timed)."""
     kernels = dict(kernels or {})
     unknown = set(kernels) - set(KERNELS)
