@@ -52,7 +52,7 @@
 #   cuda-tests tests/gpu/test_cuda_kernels_gpu.py: the CUDA int4 and fp8-weight kernels (kernels={"int4" |
 #            "fp8_weight": "cuda" | "cuda-ring"}, built with nvcc here) against their references and the Triton kernels' step;
 #            cut at CUDA_TESTS_TIMEOUT seconds (480), so a kernel that hangs still leaves its log (-v: the test it hung in)
-#   cuda-times the CUDA int4 kernel's occupancy (MIN_BLOCKS 4 / 8) and MMA-chain (CHAINS 1 / 2) instances with
+#   cuda-times the CUDA int4 kernel's occupancy (MIN_BLOCKS 4 / 8) and MMA-chain (CHAINS 1 / 2) instances and its stream kernel with
 #            their error against the reference, then the Triton and CUDA kernels' times per layer (scripts/gemv_times.py --kernel triton cuda): int4 on
 #            the 27B's layers and head at each BATCH, pipelining and grid target, the ring kernel at 4 and 8
 #            stages, 2, 4, 8 blocks a multiprocessor and 1 or 4 strips a segment (each beside its loads-only
@@ -92,7 +92,7 @@ case "$stage" in
   cuda-tests) timeout ${CUDA_TESTS_TIMEOUT:-480} python -m pytest -v -s -p no:warnings --durations=6 \
                tests/gpu/test_cuda_kernels_gpu.py 2>&1 \
                | tee "$out/cuda_tests.log" | tail -8 ;;
-  cuda-times) python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel cuda --cuda-min-blocks 4 8 \
+  cuda-times) python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel cuda --cuda-min-blocks 4 8 --cuda-stream \
                --cuda-chains 1 2 --rows 1 4 --check 2>&1 | tee "$out/cuda_times_occupancy.md"
              python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel triton cuda \
                --cuda-batch 2 4 8 --cuda-pipelined 0 1 --cuda-blocks 1024 2048 4096 2>&1 | tee "$out/cuda_times.md"

@@ -13,7 +13,7 @@ import torch
 
 from fastqwen.model import check_kernels
 from fastqwen.ops import cuda_build, fp8_cuda, int4_cuda
-from fastqwen.ops.gemv import INT4, STEP, reference, stored_operands
+from fastqwen.ops.gemv import INT4, STEP, dequantized, reference, stored_operands
 from fastqwen.quant.formats import quantize_fp8_rows
 
 NVCC = pytest.mark.skipif(cuda_build.nvcc() is None, reason="needs the CUDA toolkit's nvcc")
@@ -35,6 +35,62 @@ def test_plans_cover_every_step_once_in_nonempty_splits():
     assert int4_cuda.plan(34816, 5120) == (2, 20) and int4_cuda.plan(5120, 17408) == (8, 17)
     assert int4_cuda.plan(5120, 17408, one_split=True) == (1, 136)
     assert fp8_cuda.plan(34816, 5120) == (1, 80) and fp8_cuda.plan(5120, 17408) == (7, 39)
+
+
+@pytest.mark.parametrize("N,K,blocks", [(64, 512, 7), (48, 1024, 5), (16, 8192, 64), (16, 128, 1), (5120, 17408, 924),
+                                        (5120, 6144, 528), (34816, 5120, 924), (48, 2048, 7)])
+def test_stream_plan_deals_every_group_once_in_even_shares(N, K, blocks):
+    """The stream kernel's dealing, enumerated: block b takes units [b U / B, (b + 1) U / B) of the strip-major
+    (strip, group) sequence, shares within one unit of each other; a strip's pieces are consecutive blocks whose
+    slots stream_pieces numbers from 0, and stream_slots is the most pieces of any strip."""
+    G, strips = K // STEP, N // 16
+    U = strips * G
+    owner = torch.empty(U, dtype=torch.int64)
+    shares = []
+    for b in range(blocks):
+        lo, hi = b * U // blocks, (b + 1) * U // blocks
+        owner[lo:hi] = b
+        shares.append(hi - lo)
+    assert max(shares) - min(shares) <= 1 and sum(shares) == U and min(shares) >= 1
+    owner = owner.view(strips, G)
+    want = owner - owner[:, :1]
+    assert torch.equal(int4_cuda.stream_pieces(N, K, blocks).long(), want)
+    assert int4_cuda.stream_slots(N, K, blocks) == max(len(set(row.tolist())) for row in owner)
+
+
+def test_stream_grid_fills_a_hopper_gpu_and_keeps_every_strip_within_max_splits():
+    """On 132 multiprocessors the 27B's and 35B-A3B's large linears get 7 blocks each at up to 8 rows (4 past),
+    and every weight, however few its strips, ≤ MAX_SPLITS slots (inductor folds their sum into the consumer):
+    a small one gets fewer blocks instead."""
+    for N, K in ((34816, 5120), (5120, 17408), (14336, 5120), (16480, 5120), (5120, 6144), (248320, 5120),
+                 (12352, 2048), (2048, 4096), (1024, 2048), (16, 8192), (16, 128), (48, 17408)):
+        for rows in (1, 8, 9, 16):
+            blocks = int4_cuda.stream_blocks(N, K, 132, rows)
+            assert 1 <= blocks <= 132 * (7 if rows <= 8 else 4), (N, K, rows)
+            assert int4_cuda.stream_slots(N, K, blocks) <= int4_cuda.MAX_SPLITS, (N, K, rows)
+            if N * K >= 5120 * 5120:
+                assert blocks == 132 * (7 if rows <= 8 else 4), (N, K, rows)
+
+
+def test_stream_reference_pieces_sum_to_the_product():
+    """stream_reference, the stream kernel's torch twin: slot k of strip s the product over the groups
+    stream_pieces puts there, zeros where the strip has no k-th piece; the slots sum to x · Wᵀ."""
+    torch.manual_seed(3)
+    N, K, blocks = 48, 1024, 5
+    q, s, z = stored_operands(INT4, torch.randn(N, K))
+    x = torch.randn(3, K, dtype=torch.bfloat16)
+    got = int4_cuda.stream_reference(x, q, s, z, N, blocks)
+    W = dequantized(INT4, q, s, z)
+    slot = int4_cuda.stream_pieces(N, K, blocks)
+    assert got.shape == (int4_cuda.stream_slots(N, K, blocks), 3, N)
+    for strip in range(N // 16):
+        rows = slice(16 * strip, 16 * strip + 16)
+        for k in range(got.shape[0]):
+            groups = (slot[strip] == k).nonzero().flatten().tolist()
+            cols = [c for g in groups for c in range(g * STEP, (g + 1) * STEP)]
+            want = x.float()[:, cols] @ W[rows][:, cols].t() if cols else torch.zeros(3, 16)
+            assert torch.allclose(got[k, :, rows], want, rtol=1e-5, atol=1e-4), (strip, k)
+    assert torch.allclose(got.sum(0), x.float() @ W.t(), rtol=1e-5, atol=1e-3)
 
 
 @pytest.mark.parametrize("N,K,M", [(64, 512, 1), (48, 1024, 3), (32, 128, 8), (16, 2048, 1), (64, 512, 16)])
@@ -64,8 +120,8 @@ def test_ops_pass_opcheck_and_take_only_their_layouts():
     x = torch.randn(1, 1024, dtype=torch.bfloat16)
     utils = ("test_faketensor", "test_aot_dispatch_dynamic")  # (test_schema: no e4m3 arithmetic on CPU)
     for one_split in (False, True):
-        for ring in (False, True):
-            torch.library.opcheck(int4_cuda.int4_gemv, (x, q, s, z, 48, False, one_split, ring),
+        for ring, stream in ((False, False), (True, False), (False, True)):
+            torch.library.opcheck(int4_cuda.int4_gemv, (x, q, s, z, 48, False, one_split, ring, stream),
                                   test_utils=utils + ("test_schema",))
         for ring in (False, True):
             torch.library.opcheck(fp8_cuda.fp8_gemv, (x, w8, s8, False, one_split, ring), test_utils=utils)
@@ -94,6 +150,7 @@ def test_kernel_choices_are_checked_and_a_missing_compiler_names_the_fix(monkeyp
     assert (chosen["int4"], chosen["fp8_weight"]) == ("cuda", "cuda")
     chosen = check_kernels({"int4": "cuda-ring", "fp8_weight": "cuda-ring"}, cfg, "cpu")
     assert (chosen["int4"], chosen["fp8_weight"]) == ("cuda-ring", "cuda-ring")
+    assert check_kernels({"int4": "cuda-stream"}, cfg, "cpu")["int4"] == "cuda-stream"
     assert (check_kernels(None, cfg, "cpu")["int4"], check_kernels(None, cfg, "cpu")["fp8_weight"]) == (
         "triton", "triton")  # (int4's "auto": the CUDA kernel only on a Hopper GPU with nvcc)
     for op, bad in (("int4", "cutlass"), ("fp8_weight", "cutlass"), ("fp8_weight", "ring")):
@@ -336,7 +393,7 @@ def _template_args(mangled: str, kernel: str) -> list[int]:
 
 
 @NVCC
-@pytest.mark.parametrize("name,instances", [("int4_gemv", 34), ("fp8_gemv", 26)])
+@pytest.mark.parametrize("name,instances", [("int4_gemv", 38), ("fp8_gemv", 26)])
 def test_kernels_build_for_sm90_without_spills(name, instances, tmp_path):
     """nvcc -Xptxas -v for sm_90: every instance (register and ring kernels) ≤ 128 registers (4 blocks of 128
     threads a multiprocessor, 3 of the ring's 160; int4's instances for 8 blocks ≤ 64), no spills, static shared
@@ -377,6 +434,30 @@ def test_register_kernels_issue_their_first_loads_before_the_wait(name, kernel, 
         assert weights[2 * batch - 1] < wait < min(xs + weights[2 * batch:]), (batch, pipe, weights, wait, xs)
         mmas = (8 if name == "int4_gemv" else 4) * nb * batch * (2 if pipe else 1)
         assert sum(o.startswith("HMMA.16816.F32") for o in ops) == mmas
+
+
+@NVCC
+def test_stream_kernel_issues_each_pieces_first_loads_before_the_wait(tmp_path):
+    """In the SASS of each stream instance (bf16 / fp16 x, one or two blocks of 8 x rows): a piece's first batch
+    (2 groups: four 16-byte weight loads that skip L1) before the PDL wait, x after it, the later batches' loads in
+    the loop; 8 MMAs a group for each block of 8 x rows, 2 groups a batch; at most 72 registers with one block
+    of 8 x rows (7 blocks a multiprocessor, as int4_cuda.STREAM_BLOCKS_PER_SM says)."""
+    functions = _sass_functions(_build_sm90("int4_gemv", tmp_path)[1], "int4_gemv_stream")
+    assert len(functions) == 4
+    for k in functions:
+        nb = _template_args(k.split("\n")[0], "int4_gemv_stream")[1]
+        ops = _sass_ops(k)
+        wait = ops.index("ACQBULK")
+        weights = [i for i, o in enumerate(ops) if o == "LDG.E.NA.128"]
+        xs = [i for i, o in enumerate(ops) if o == "LDG.E.128"]
+        assert len(weights) == 8 and weights[3] < wait < min(xs + weights[4:]), (weights, wait, xs)
+        assert sum(o.startswith("HMMA.16816.F32") for o in ops) == 8 * nb * 2
+    report, _ = _build_sm90("int4_gemv", tmp_path)
+    lines = report.splitlines()
+    used = [int(next(u for u in lines[i:] if "Used " in u).split("Used ")[1].split()[0]) for i, line in enumerate(lines)
+            if "Compiling entry function" in line and "int4_gemv_stream" in line
+            and _template_args(line, "int4_gemv_stream")[1] == 1]
+    assert len(used) == 2 and max(used) <= 72, used
 
 
 @NVCC
@@ -435,6 +516,7 @@ def test_optimize_routes_quantized_linears_to_the_chosen_kernels(monkeypatch):
                         seen.append(cuda) or partials(self, x, pdl, fixup, in_dims, cuda))
     for scheme, kernels, want in (("int4", {"int4": "cuda"}, ("int4",)), ("int4", {}, ()),
                                   ("int4", {"int4": "cuda-ring"}, ("int4-ring",)),
+                                  ("int4", {"int4": "cuda-stream"}, ("int4-stream",)),
                                   ("fp8-weight", {"fp8_weight": "cuda"}, ("fp8-weight",)),
                                   ("fp8-weight", {"int4": "cuda", "fp8_weight": "cuda"}, ("int4", "fp8-weight")),
                                   ("fp8-weight", {"fp8_weight": "cuda-ring"}, ("fp8-weight-ring",))):
@@ -442,17 +524,17 @@ def test_optimize_routes_quantized_linears_to_the_chosen_kernels(monkeypatch):
         n = len(seen)
         m.generate(torch.randint(1, 500, (1, 5)), max_new_tokens=3, do_sample=False)
         assert len(seen) > n and set(seen[n:]) == {want}, (scheme, kernels)
-    calls = []  # (the tag's ring choice reaches the op: its CPU reference stands in for the kernel)
-    monkeypatch.setattr(int4_cuda, "int4_gemv", lambda *args: calls.append(args[-1]) or int4_cuda.reference(
+    calls = []  # (the tag's ring / stream choice reaches the op: its CPU reference stands in for the kernel)
+    monkeypatch.setattr(int4_cuda, "int4_gemv", lambda *args: calls.append(args[-2:]) or int4_cuda.reference(
         *args[:5], 1))
     monkeypatch.setattr(fp8_cuda, "fp8_gemv", lambda *args: calls.append(args[-1]) or fp8_cuda.reference(
         *args[:3], 1))
     x = torch.randn(1, 256, dtype=torch.bfloat16)
     for scheme in ("int4", "fp8-weight"):
         layer = quantize_modules(torch.nn.Sequential(torch.nn.Linear(256, 64)), scheme)[0]
-        for tag in (scheme, f"{scheme}-ring"):
+        for tag in (scheme, f"{scheme}-ring") + (("int4-stream",) if scheme == "int4" else ()):
             assert layer._cuda_partials(x, layer.scale, False, False, tag).shape == (1, 1, layer.out_features)
-    assert calls == [False, True, False, True]
+    assert calls == [(False, False), (True, False), (False, True), False, True]
 
 
 @NVCC
@@ -466,14 +548,18 @@ def test_built_libraries_refuse_arguments_out_of_range_before_touching_the_gpu(t
         int4, fp8 = int4_cuda.library("90"), fp8_cuda.library("90")  # (the typed entry points)
         assert sorted(p.name.split("-")[0] for p in (tmp_path / "cuda").glob("*.so")) == ["fp8_gemv", "int4_gemv"]
         call4 = lambda M=1, N=64, K=512, splits=2, per=2, batch=4, pipe=0, stages=0, strips=4, per_sm=8, min_blocks=4, \
-            chains=1: int4(0, 0, 0, 0, 0, M, N, K, splits, per, batch, pipe, min_blocks, chains, stages, strips, per_sm,
-                           0, 1, 0, 0, None)
+            chains=1, stream=0: int4(0, 0, 0, 0, 0, M, N, K, splits, per, batch, pipe, min_blocks, chains, stages, strips,
+                                     per_sm, 0, stream, 1, 0, 0, None)
+        slots = int4_cuda.stream_slots(64, 512, 7)  # (16 units on 7 blocks: 3 pieces a strip at most)
+        assert slots == 3
         for bad in ({"N": 40}, {"K": 500}, {"M": 0}, {"M": 17}, {"splits": 3}, {"per": 1}, {"batch": 3},
                     {"batch": 4, "pipe": 1}, {"M": 9, "batch": 8}, {"M": 9, "batch": 2, "pipe": 1},
                     {"stages": 3}, {"stages": 16}, {"stages": 4, "per_sm": 0}, {"stages": 8, "M": 17},
                     {"stages": 8, "splits": 3}, {"stages": 4, "strips": 2}, {"stages": 4, "M": 9, "strips": 4},
                     {"stages": 8, "strips": 0}, {"min_blocks": 6}, {"chains": 3}, {"batch": 4, "min_blocks": 8},
-                    {"batch": 2, "pipe": 1, "chains": 2}, {"M": 9, "batch": 2, "min_blocks": 8}):
+                    {"batch": 2, "pipe": 1, "chains": 2}, {"M": 9, "batch": 2, "min_blocks": 8},
+                    {"stream": 7, "splits": slots - 1}, {"stream": 7, "splits": slots + 1}, {"stream": 17, "splits": 1},
+                    {"stream": -1}, {"stream": 7, "splits": slots, "N": 40}, {"stream": 7, "splits": slots, "M": 17}):
             assert call4(**bad) == 1, bad
         call8 = lambda M=1, N=64, K=512, splits=2, per=4, batch=4, stages=0, strips=4, per_sm=8: fp8(  # noqa: E731
             0, 0, 0, 0, M, N, K, splits, per, batch, stages, strips, per_sm, 0, 1, 0, 0, None)
@@ -482,7 +568,8 @@ def test_built_libraries_refuse_arguments_out_of_range_before_touching_the_gpu(t
                     {"stages": 4, "strips": 3}, {"stages": 8, "M": 12, "strips": 4}):
             assert call8(**bad) == 1, bad
         if not torch.cuda.is_available():
-            for ok in (call4(), call4(batch=2, min_blocks=8, chains=2), call4(stages=4, batch=3), call4(stages=8, M=16, batch=8, pipe=1, strips=2), call8(),
+            for ok in (call4(), call4(batch=2, min_blocks=8, chains=2), call4(stream=7, splits=slots, batch=3),
+                       call4(stream=16, splits=4, M=16), call4(stages=4, batch=3), call4(stages=8, M=16, batch=8, pipe=1, strips=2), call8(),
                        call8(stages=4, batch=3, strips=1), call8(stages=8, M=12, strips=2)):
                 assert ok not in (0, 1)  # (no GPU: the runtime's error, e.g. 35; the ring ignores batch and pipe)
     finally:

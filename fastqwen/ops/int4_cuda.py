@@ -38,6 +38,7 @@ CHAINS = 1  # a group's 8 MMAs as one dependent chain (1) or lo and hi apart (2:
 RING_STAGES = 8  # the ring kernel's stages (4 or 8), each up to 4 groups of a strip (~4.2 KB)
 RING_BLOCKS_PER_SM = 8  # at most this many ring blocks a multiprocessor (fewer where they do not fit)
 RING_STRIPS = 4  # neighbouring strips a ring warp takes its group of in turn, x's operands made once (1 or 4)
+STREAM_BLOCKS_PER_SM = (7, 4)  # the stream kernel's grid a multiprocessor, one / two column blocks (as fit)
 MAX_SPLITS = 8  # inductor unrolls the caller's sum of ≤ 8 partials into the consumer (gemv.wq_linear)
 MAX_ROWS = 16  # rows of x a launch takes: one or two blocks of mma.m16n8k16's 8 B columns (a DFlash verify)
 CHOICE = "kernels['int4']='cuda'"
@@ -45,7 +46,7 @@ CHOICE = "kernels['int4']='cuda'"
 
 def library(arch: str):
     """The kernel's entry point for compute capability `arch` (cuda_build.entry: built on first use)."""
-    return cuda_build.entry("int4_gemv", arch, CHOICE, pointers=5, ints=16)
+    return cuda_build.entry("int4_gemv", arch, CHOICE, pointers=5, ints=17)
 
 
 def variant(rows: int) -> tuple[int, bool, int, int]:
@@ -69,6 +70,36 @@ def plan(N: int, K: int, one_split: bool = False) -> tuple[int, int]:
     return cuda_build.split_plan(N // TILE_ROWS, K // STEP, one_split, TARGET_BLOCKS, MAX_SPLITS)
 
 
+def stream_pieces(N: int, K: int, blocks: int) -> torch.Tensor:
+    """[N/16, K/128] int16: the slot of out each strip's group goes to in the stream kernel on `blocks` (≤ N/16 ·
+    K/128) blocks. The U strip-major units (strip, group) are dealt as [b U / B, (b + 1) U / B), so block b holds
+    unit u iff b = ((u + 1) B - 1) // U, and a strip's piece in block b goes to slot b - the block of its first
+    group (cuda/int4_gemv.cu stream_block)."""
+    G, strips = K // STEP, N // TILE_ROWS
+    U = strips * G
+    block = ((torch.arange(U, dtype=torch.int64) + 1) * blocks - 1).div(U, rounding_mode="floor").view(strips, G)
+    return (block - block[:, :1]).to(torch.int16)
+
+
+def stream_slots(N: int, K: int, blocks: int) -> int:
+    """Slots of out the stream kernel needs: the most pieces of one strip (cuda/int4_gemv.cu stream_slots, which
+    the entry point checks the caller's against)."""
+    return int(stream_pieces(N, K, blocks).max()) + 1
+
+
+def stream_blocks(N: int, K: int, sms: int, rows: int) -> int:
+    """The stream kernel's grid for x of `rows` rows on `sms` multiprocessors: STREAM_BLOCKS_PER_SM each, but
+    each block at least ceil(G / (MAX_SPLITS - 1)) units, so that no strip has more than MAX_SPLITS pieces."""
+    G = K // STEP
+    return min(sms * STREAM_BLOCKS_PER_SM[rows > 8], N // TILE_ROWS * G // -(-G // (MAX_SPLITS - 1)))
+
+
+def stream_plan(x: torch.Tensor, N: int, K: int) -> tuple[int, int]:
+    """(blocks, slots) of the stream kernel for x's rows on its GPU."""
+    blocks = stream_blocks(N, K, torch.cuda.get_device_properties(x.device).multi_processor_count, x.shape[0])
+    return blocks, stream_slots(N, K, blocks)
+
+
 def takes(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> bool:
     """Whether the kernel takes these operands: 1 … MAX_ROWS rows of bf16 or fp16 x [M, K], codes tiled (4-D,
     tile_int4), scale fp16 and zero uint8 group-major (QuantLinear's layout)."""
@@ -90,9 +121,29 @@ def reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch
     return torch.stack([xf[:, k:k + per] @ W[:, k:k + per].t() for k in range(0, W.shape[1], per)])
 
 
-def _launch(x, w, scale, zero, out_features, pdl, one_split, ring, loads_only) -> torch.Tensor:
+def stream_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out_features: int,
+                     blocks: int) -> torch.Tensor:
+    """The stream kernel's output in plain torch: fp32 [slots, M, out_features], slot k of strip s the product
+    over the groups stream_pieces puts there (zeros where the strip has fewer pieces)."""
+    W = dequantized(INT4, w, scale, zero)
+    slot = stream_pieces(out_features, W.shape[1], blocks).to(W.device)
+    slot = slot.repeat_interleave(TILE_ROWS, 0).repeat_interleave(STEP, 1)
+    xf = x.float().reshape(x.shape[0], -1)
+    return torch.stack([xf @ torch.where(slot == k, W, 0).t() for k in range(int(slot.max()) + 1)])
+
+
+def _splits(x: torch.Tensor, out_features: int, one_split: bool, stream: bool) -> tuple[int, int, int]:
+    """(splits, groups a split, stream kernel blocks or 0) of a launch: the stream kernel's slots where it is
+    asked for (on CUDA, more than one split allowed), else plan's."""
+    if stream and x.is_cuda and not one_split:
+        blocks, slots = stream_plan(x, out_features, x.shape[-1])
+        return slots, 0, blocks
+    return (*plan(out_features, x.shape[-1], one_split), 0)
+
+
+def _launch(x, w, scale, zero, out_features, pdl, one_split, ring, loads_only, stream=False) -> torch.Tensor:
     """int4_gemv's body; loads_only: the ring kernel's probe (ring_loads_only)."""
-    splits, per = plan(out_features, x.shape[-1], one_split)
+    splits, per, blocks = _splits(x, out_features, one_split, stream and not ring)
     if not x.is_cuda:
         return reference(x, w, scale, zero, out_features, splits)
     if not takes(x, w, scale, zero):
@@ -107,10 +158,11 @@ def _launch(x, w, scale, zero, out_features, pdl, one_split, ring, loads_only) -
     err = library(cuda_build.device_arch(x.device, CHOICE))(
         x.data_ptr(), w.data_ptr(), scale.data_ptr(), zero.data_ptr(), out.data_ptr(), x.shape[0], out_features,
         x.shape[-1], splits, per, batch, pipelined, min_blocks, chains, RING_STAGES if ring else 0, ring_strips(x.shape[0]),
-        RING_BLOCKS_PER_SM, loads_only, x.dtype == torch.bfloat16, pdl, x.device.index,
+        RING_BLOCKS_PER_SM, loads_only, blocks, x.dtype == torch.bfloat16, pdl, x.device.index,
         torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         kernel = (f"ring, RING_STAGES {RING_STAGES}, RING_STRIPS {RING_STRIPS}" if ring else
+                  f"stream, {blocks} blocks, {splits} slots" if blocks else
                   f"BATCH {batch}, PIPELINED {pipelined}, MIN_BLOCKS {min_blocks}, CHAINS {chains}")
         raise RuntimeError(f"int4_gemv launch failed: CUDA error {err} ({kernel})")
     return out
@@ -118,17 +170,19 @@ def _launch(x, w, scale, zero, out_features, pdl, one_split, ring, loads_only) -
 
 @torch.library.custom_op("fastqwen::int4_gemv", mutates_args=())
 def int4_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out_features: int,
-              pdl: bool = False, one_split: bool = False, ring: bool = False) -> torch.Tensor:
+              pdl: bool = False, one_split: bool = False, ring: bool = False, stream: bool = False) -> torch.Tensor:
     """x [M ≤ 16, K] (bf16 / fp16) · Wᵀ for an int4 weight in QuantLinear's layout (`takes`) as split-K partial
     sums fp32 [splits, M, out_features] (plan(out_features, K, one_split)); their sum over dim 0 is the product. pdl:
     launch with programmatic dependent launch; ring: the ring kernel (else the register kernel; the same
-    partials). The CUDA kernel on CUDA tensors, `reference` elsewhere."""
-    return _launch(x, w, scale, zero, out_features, pdl, one_split, ring, False)
+    partials); stream: the stream kernel (its [slots, M, out_features] pieces: stream_plan; off CUDA and with
+    one_split as without). The CUDA kernel on CUDA tensors, `reference` elsewhere."""
+    return _launch(x, w, scale, zero, out_features, pdl, one_split, ring, False, stream)
 
 
 @int4_gemv.register_fake
-def _(x, w, scale, zero, out_features, pdl=False, one_split=False, ring=False):
-    return x.new_empty(plan(out_features, x.shape[-1], one_split)[0], x.shape[0], out_features, dtype=torch.float32)
+def _(x, w, scale, zero, out_features, pdl=False, one_split=False, ring=False, stream=False):
+    splits = _splits(x, out_features, one_split, stream and not ring)[0]
+    return x.new_empty(splits, x.shape[0], out_features, dtype=torch.float32)
 
 
 def ring_loads_only(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,

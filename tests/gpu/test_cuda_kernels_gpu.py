@@ -1,8 +1,9 @@
 """The CUDA C++ few-row kernels (ops/int4_cuda.py, ops/fp8_cuda.py; built with nvcc on first use) on the GPU:
 their split-K partials against the plain torch references at the 27B's and 35B-A3B's layer shapes, bf16 and fp16
 x, one row and 2 … 16, with and without programmatic dependent launch, every output written, every instance;
-replayed in a CUDA graph; the ring kernels bit for bit against the register kernels; and a compiled decode step
-under kernels={"int4" | "fp8_weight": "cuda" | "cuda-ring"} against the Triton kernel's."""
+replayed in a CUDA graph; the ring kernels bit for bit against the register kernels; int4's stream kernel against
+its own torch twin (int4_cuda.stream_reference: its pieces, not plan's splits); and a compiled decode step under
+kernels={"int4" | "fp8_weight": "cuda" | "cuda-ring"}, {"int4": "cuda-stream"} against the Triton kernel's."""
 
 import functools
 
@@ -20,7 +21,14 @@ SHAPES = [(34816, 5120), (5120, 17408), (14336, 5120), (16480, 5120), (5120, 614
           (12352, 2048), (2048, 4096), (1024, 2048)]
 
 
-class Int4:
+class Kernel:
+    @classmethod
+    def expected(cls, x, ops, N, one_split=False):
+        """The reference partials in the kernel's own split of K (its module's plan)."""
+        return cls.reference(x, ops, N, cls.module.plan(N, x.shape[-1], one_split)[0])
+
+
+class Int4(Kernel):
     module, op, choice, stored = int4_cuda, "int4", "cuda", "int4"
 
     @staticmethod
@@ -36,6 +44,20 @@ class Int4:
         return int4_cuda.reference(x, *ops, N, splits)
 
 
+class Int4Stream(Int4):
+    choice = "cuda-stream"
+
+    @staticmethod
+    def call(x, ops, N, pdl=False, one_split=False):
+        return int4_cuda.int4_gemv(x, *ops, N, pdl, one_split, False, True)
+
+    @classmethod
+    def expected(cls, x, ops, N, one_split=False):
+        if one_split:
+            return cls.reference(x, ops, N, 1)
+        return int4_cuda.stream_reference(x, *ops, N, int4_cuda.stream_plan(x, N, x.shape[-1])[0])
+
+
 class Int4Ring(Int4):
     choice = "cuda-ring"
 
@@ -44,7 +66,7 @@ class Int4Ring(Int4):
         return int4_cuda.int4_gemv(x, *ops, N, pdl, one_split, True)
 
 
-class Fp8:
+class Fp8(Kernel):
     module, op, choice, stored = fp8_cuda, "fp8_weight", "cuda", "fp8-weight"
 
     @staticmethod
@@ -68,7 +90,8 @@ class Fp8Ring(Fp8):
         return fp8_cuda.fp8_gemv(x, *ops, pdl, one_split, True)
 
 
-KERNELS = {"int4": Int4, "int4-ring": Int4Ring, "fp8-weight": Fp8, "fp8-weight-ring": Fp8Ring}
+KERNELS = {"int4": Int4, "int4-ring": Int4Ring, "int4-stream": Int4Stream, "fp8-weight": Fp8,
+           "fp8-weight-ring": Fp8Ring}
 
 
 def weight(scheme: str, N: int, K: int) -> tuple:
@@ -95,9 +118,8 @@ def test_partials_match_the_reference_at_real_shapes(scheme, N, K, dtype, pdl, o
     kernel = KERNELS[scheme]
     ops = weight(scheme, N, K)
     x = torch.randn(1, K, device="cuda", dtype=dtype)
-    splits, _ = kernel.module.plan(N, K, one_split)
-    want = kernel.reference(x, ops, N, splits)
-    poison_allocator((splits, 1, N), dtype=torch.float32)
+    want = kernel.expected(x, ops, N, one_split)
+    poison_allocator(tuple(want.shape), dtype=torch.float32)
     got = kernel.call(x, ops, N, pdl, one_split)
     assert got.shape == want.shape and not got.isnan().any(), "an output left unwritten"
     err = rel_err(got, want)
@@ -111,11 +133,10 @@ def test_rows_of_a_verify_block_or_batch_match_the_reference(scheme, M, N, K):
     kernel, ops = KERNELS[scheme], weight(scheme, N, K)
     torch.manual_seed(M)
     x = (torch.randn(M, K, device="cuda") * torch.logspace(-3, 3, M, device="cuda")[:, None]).to(torch.bfloat16)
-    splits, _ = kernel.module.plan(N, K)
-    poison_allocator((splits, M, N), dtype=torch.float32)
+    want = kernel.expected(x, ops, N)
+    poison_allocator(tuple(want.shape), dtype=torch.float32)
     got = kernel.call(x, ops, N, True)
-    want = kernel.reference(x, ops, N, splits)
-    assert got.shape == (splits, M, N) and not got.isnan().any(), "an output left unwritten"
+    assert got.shape == want.shape and not got.isnan().any(), "an output left unwritten"
     for m in range(M):  # (rows 10^6 apart in scale: each against its own)
         assert rel_err(got[:, m], want[:, m]) < 1e-5, (scheme, M, m, rel_err(got[:, m], want[:, m]))
 
@@ -220,7 +241,7 @@ def test_x_written_late_by_a_kernel_that_triggers_early_is_waited_for(scheme):
     src = torch.randn(2, K, device="cuda", dtype=torch.bfloat16)
     x = torch.full_like(src, float("nan"))
     late_copy, block = _late_writer(), 1024
-    want = kernel.reference(src, ops, N, kernel.module.plan(N, K)[0])
+    want = kernel.expected(src, ops, N)
     for _ in range(2):
         x.fill_(float("nan"))
         late_copy[(-(-src.numel() // block),)](src, x, src.numel(), 20000, BLOCK=block, launch_pdl=True)
@@ -236,7 +257,7 @@ def test_x_at_an_unaligned_offset_is_taken(scheme):
     x = torch.randn(K + 2, device="cuda", dtype=torch.bfloat16)[2:].view(1, K)
     assert x.data_ptr() % 16
     got = kernel.call(x, ops, N)
-    assert rel_err(got, kernel.reference(x, ops, N, got.shape[0])) < 1e-5
+    assert rel_err(got, kernel.expected(x, ops, N)) < 1e-5
 
 
 @pytest.mark.parametrize("scheme", KERNELS)

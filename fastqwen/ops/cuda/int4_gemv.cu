@@ -22,9 +22,14 @@
 // of 8 B columns (NB = 2: two more MMAs a word).
 // Weights and scales are loaded before the PDL wait (they do not depend on the previous kernel); x after it.
 //
-// Two ways to feed the warps (the entry point's `stages`):
+// Three ways to feed the warps (the entry point's `stages` and `stream_blocks`):
 //   registers (int4_gemv_rows, stages 0): a (N/16, splits) grid, each warp loading its own tiles, BATCH groups
 //     ahead, straight into registers;
+//   stream (int4_gemv_stream, stream_blocks > 0): the same warps and loads, but a grid of about as many blocks
+//     as fit at once dealing the strips' groups as one strip-major sequence, block b the units [b U / B,
+//     (b + 1) U / B) of U = N/16 · K/128: every block the same work to within one group, so no last wave of a
+//     few blocks and no per-block ramp past the first; a strip's pieces (its groups in one block's range) go to
+//     consecutive slots of out (the piece of block b to slot b − the strip's first block), zeros past its last;
 //   ring (int4_gemv_ring, stages 4 or 8): a persistent grid (every block resident at once), each block a
 //     contiguous run of (strip, split) items, its 4 warps fed through a shared-memory ring of `stages` stages
 //     by a fifth, the producer, with bulk copies (cp.async.bulk: a stage is up to 4 consecutive groups of a
@@ -237,6 +242,54 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) int4_gemv_rows(const uint16_
   strip_gemv::write_partials<NB>(sums, 1.f, 1.f, out, M, N, strip, split);  // (the groups' scales: applied)
 }
 
+// The block holding unit u (a strip's group, strip-major) when U units are dealt to B blocks as [b U / B, (b + 1)
+// U / B): the largest b with b U / B <= u. (int4_cuda.stream_slots mirrors it.)
+__device__ __forceinline__ int stream_block(long long u, long long U, long long B) {
+  return static_cast<int>(((u + 1) * B - 1) / U);
+}
+
+// The stream kernel (see the top of the file): each piece loaded, decoded and written as int4_gemv_rows does a
+// (strip, split) block, BATCH 2 unpipelined; every piece's first batch is loaded before the PDL wait (the first
+// piece's before the previous kernel has finished; later ones find it done). out [slots, M, N]. 7 blocks an SM
+// with one column block (72 registers: as many as int4_gemv_rows' 71 allow; its 64-bit unit arithmetic would
+// otherwise take 92), 4 with two (118: fewer spill).
+template <bool BF16, int NB>
+__global__ void __launch_bounds__(WARPS * 32, NB == 1 ? 7 : 4) int4_gemv_stream(const uint16_t* x, const uint4* __restrict__ w,
+                                                                  const __half* scale, const uint8_t* zero,
+                                                                  float* __restrict__ out, int M, int N, int K,
+                                                                  int slots, uint32_t magic) {
+  const int G = K / 128, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const long long U = static_cast<long long>(N / 16) * G, B = gridDim.x;
+  const long long lo = blockIdx.x * U / B, hi = (blockIdx.x + 1) * U / B;
+  bool has_x[NB];
+  const uint4* xcols[NB];
+  strip_gemv::x_columns<NB, 4>(x, M, K, lane, has_x, xcols);
+  constexpr int STRIDE = 2 * WARPS;
+  for (long long u = lo; u < hi;) {
+    const int strip = static_cast<int>(u / G), first = static_cast<int>(u % G);
+    const int end = static_cast<int>(min(static_cast<long long>(G), first + (hi - u)));
+    const int row_a = strip * 16 + lane / 4;
+    const uint4* tiles = w + (size_t)strip * G * 64 + lane;
+    float sums[NB][4] = {};
+    Batch<BF16, 2> a;
+    a.load(tiles, scale, zero, N, row_a, first + warp, end);  // (weights: before the wait)
+    asm volatile("griddepcontrol.wait;" ::: "memory");        // x is the previous kernel's output (PDL)
+    for (int g0 = first + warp; g0 < end; g0 += STRIDE) {
+      if (g0 != first + warp) a.load(tiles, scale, zero, N, row_a, g0, end);
+      a.template dot<NB, 1>(xcols, has_x, g0, end, magic, sums);
+    }
+    const int slot = blockIdx.x - stream_block(static_cast<long long>(strip) * G, U, B);
+    const float unit[1] = {1.f};  // (the groups' scales are applied)
+    strip_gemv::write_strips<NB, 1, true>(reinterpret_cast<const float(&)[1][NB][4]>(sums), unit, unit, out, M, N,
+                                          strip, 1, slot);
+    if (end == G) {  // the strip's last piece: its later slots are zeros
+      for (int t = threadIdx.x; t < (slots - 1 - slot) * M * 16; t += WARPS * 32)
+        out[((size_t)(slot + 1 + t / (M * 16)) * M + t / 16 % M) * N + strip * 16 + t % 16] = 0.f;
+    }
+    u += end - first;
+  }
+}
+
 // One stage of the ring: up to WARPS consecutive groups of one strip, group t of the stage consumer warp t's.
 struct alignas(128) Slot {
   uint4 tiles[WARPS][64];   // the groups' tiles (one contiguous copy)
@@ -396,6 +449,31 @@ cudaError_t launch_variant(int key, const cudaLaunchConfig_t& config, const void
   }
 }
 
+// Slots the stream kernel needs for an [N, K] weight dealt to `blocks` blocks: the most pieces any strip has.
+static int stream_slots(int N, int K, int blocks) {
+  const long long G = K / 128, U = static_cast<long long>(N / 16) * G, B = blocks;
+  int most = 0;
+  for (long long s = 0; s < N / 16; ++s) {
+    const long long b0 = ((s * G + 1) * B - 1) / U, b1 = (((s + 1) * G) * B - 1) / U;
+    most = static_cast<int>(b1 - b0 + 1 > most ? b1 - b0 + 1 : most);
+  }
+  return most;
+}
+
+template <bool BF16>
+cudaError_t launch_stream(cudaLaunchConfig_t config, int blocks, const void* x, const void* w, const void* scale,
+                          const void* zero, float* out, int M, int N, int K, int slots) {
+  config.gridDim = dim3(blocks);
+  const auto* x16 = static_cast<const uint16_t*>(x);
+  const auto* w4 = static_cast<const uint4*>(w);
+  const auto* s16 = static_cast<const __half*>(scale);
+  const auto* z8 = static_cast<const uint8_t*>(zero);
+  return M > 8 ? cudaLaunchKernelEx(&config, int4_gemv_stream<BF16, 2>, x16, w4, s16, z8, out, M, N, K, slots,
+                                    Pairs<BF16>::MAGIC)
+               : cudaLaunchKernelEx(&config, int4_gemv_stream<BF16, 1>, x16, w4, s16, z8, out, M, N, K, slots,
+                                    Pairs<BF16>::MAGIC);
+}
+
 // The ring kernel's persistent launch over the (strip, split) items (ring::launch_persistent).
 template <bool BF16, int STAGES, int NB, int STRIPS>
 cudaError_t launch_ring(cudaLaunchConfig_t config, int device, int blocks_per_sm, const void* x, const void* w,
@@ -431,13 +509,27 @@ cudaError_t launch_ring_variant(int key, const cudaLaunchConfig_t& config, int d
 // instance for M (batch 2, 4 or 8, only 2 or 4 past 8 rows; pipe only with batch 2 and M <= 8); else (the ring
 // kernel; batch and pipe unused) stages other than 4 or 8, strips a segment other than 1 or 4 (1 or 2 past 8
 // rows), or blocks_per_sm < 1. min_blocks (4 or 8), chains (1 or 2): the register kernel's (variant_key).
-// loads_only: the ring's probe (int4_gemv_ring; out all zeros). pdl: programmatic dependent launch (the kernel
-// waits before reading x).
+// loads_only: the ring's probe (int4_gemv_ring; out all zeros). stream_blocks > 0: the stream kernel on that many
+// blocks (at most N/16 · K/128), out [splits, M, N] with splits the slots it needs (stream_slots, exactly; the
+// other split and instance arguments unused). pdl: programmatic dependent launch (the kernel waits before reading
+// x).
 extern "C" int fastqwen_int4_gemv(const void* x, const void* w, const void* scale, const void* zero, float* out,
                                   int M, int N, int K, int splits, int groups_per_split, int batch, int pipe,
                                   int min_blocks, int chains, int stages, int strips, int blocks_per_sm,
-                                  int loads_only, int bf16, int pdl, int device, void* stream) {
+                                  int loads_only, int stream_blocks, int bf16, int pdl, int device, void* stream) {
   const int NB = M > 8 ? 2 : 1;
+  if (stream_blocks) {
+    if (N <= 0 || N % 16 || K <= 0 || K % 128 || M < 1 || M > 16 || stream_blocks < 1 ||
+        stream_blocks > static_cast<long long>(N / 16) * (K / 128) || splits != stream_slots(N, K, stream_blocks))
+      return static_cast<int>(cudaErrorInvalidValue);
+    cudaLaunchConfig_t config;
+    cudaLaunchAttribute attribute;
+    if (cudaError_t e = strip_gemv::launch_config(config, attribute, N, 1, pdl, device, stream); e != cudaSuccess)
+      return static_cast<int>(e);
+    return static_cast<int>(bf16 ? launch_stream<true>(config, stream_blocks, x, w, scale, zero, out, M, N, K, splits)
+                                 : launch_stream<false>(config, stream_blocks, x, w, scale, zero, out, M, N, K,
+                                                        splits));
+  }
   const int key = stages ? ring::instance_key(stages, NB, strips) : variant_key(M, batch, pipe, min_blocks, chains);
   if (!strip_gemv::shape_ok(M, N, K, 128, splits, groups_per_split) || key < 0 || (stages && blocks_per_sm < 1))
     return static_cast<int>(cudaErrorInvalidValue);
