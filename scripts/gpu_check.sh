@@ -51,7 +51,8 @@
 #            the 35B-A3B routed experts at those token counts (9 pairs a token), in the same formats.
 #   cuda-tests tests/gpu/test_cuda_kernels_gpu.py: the CUDA int4 and fp8-weight kernels (kernels={"int4" |
 #            "fp8_weight": "cuda" | "cuda-ring"}, built with nvcc here) against their references and the Triton kernels' step;
-#            cut at CUDA_TESTS_TIMEOUT seconds (480), so a kernel that hangs still leaves its log (-v: the test it hung in)
+#            cut at CUDA_TESTS_TIMEOUT seconds (480), so a kernel that hangs still leaves its log (-v: the test it hung in);
+#            CUDA_TESTS_ARGS adds pytest arguments (e.g. -k "stream or occupancy": the int4 candidates of 2026-12-05)
 #   cuda-times the CUDA int4 kernel's occupancy (MIN_BLOCKS 4 / 8) and MMA-chain (CHAINS 1 / 2) instances and its stream kernel with
 #            their error against the reference, then the Triton and CUDA kernels' times per layer (scripts/gemv_times.py --kernel triton cuda): int4 on
 #            the 27B's layers and head at each BATCH, pipelining and grid target, the ring kernel at 4 and 8
@@ -90,7 +91,7 @@ case "$stage" in
          wait
          grep -hE 'passed|failed|FAILED|ERROR|divergence|agreed|identical|tau|^[0-9.]+s (call|setup)' "$out"/gpu_tests_*.log ;;
   cuda-tests) timeout ${CUDA_TESTS_TIMEOUT:-480} python -m pytest -v -s -p no:warnings --durations=6 \
-               tests/gpu/test_cuda_kernels_gpu.py 2>&1 \
+               tests/gpu/test_cuda_kernels_gpu.py ${CUDA_TESTS_ARGS:-} 2>&1 \
                | tee "$out/cuda_tests.log" | tail -8 ;;
   cuda-times) python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel cuda --cuda-min-blocks 4 8 --cuda-stream \
                --cuda-chains 1 2 --rows 1 4 --check 2>&1 | tee "$out/cuda_times_occupancy.md"
