@@ -2,7 +2,9 @@
 # One device call of the GPU plan: `bash scripts/gpu_check.sh STAGE` on the H200 (logs and JSON go to $OUT).
 #   tests    tests/gpu but the quant tests (default inductor + CUDA graphs) as parallel pytest processes: on
 #            nvidia-h200-x2 (the way to run it) five at once, the candidates' test included; on one GPU four, two
-#            at a time, without the candidates'
+#            at a time, without the candidates'; TESTS_GROUPS picks some of them (0 generate, 1 MTP, 2 DFlash + oracle,
+#            3 ops + attention, 4 candidates; on one H200 all four took more than one 10-minute call on 2026-12-05:
+#            TESTS_GROUPS="0 1" then "2 3")
 #   candidate-tests  tests/gpu/test_candidates_gpu.py: every kernel candidate at once against the default, 9B
 #   bench    scripts/bench.py for the models in $MODELS (default: all three real shapes)
 #   spec     scripts/bench_spec.py: MTP k=3 tau=3 and DFlash k=15 tau=6.5 in one process on $SPEC_MODEL
@@ -80,6 +82,7 @@ case "$stage" in
          # fp32 near-tie copy): on two GPUs all five, the candidates' test too; on one, four, two at a time
          ngpu=$(nvidia-smi -L | wc -l)
          group() { local i=$1 gpu=$(($2 < ngpu ? $2 : 0)); shift 2  # log index, GPU (0 on one GPU), pytest args
+                   case " ${TESTS_GROUPS:-0 1 2 3 4} " in *" $i "*) ;; *) return 0 ;; esac
                    CUDA_VISIBLE_DEVICES=$gpu python -m pytest -q -s -p no:warnings --durations=6 ${TESTS_ARGS:-} "$@" \
                      >"$out/gpu_tests_$i.log" 2>&1; }
          group 0 0 tests/gpu/test_generate_gpu.py &
