@@ -78,10 +78,12 @@ def main():
         copies = [stored] + [tuple(None if t is None else t.clone() for t in stored)
                              for _ in range(bench.cold_copies(nbytes, "cuda") - 1)]
         int4 = cuda_module is int4_cuda
-        registers = [(b, bool(p), n, 0, 0, 1, False, mb, ch, False) for b in args.cuda_batch for p in args.cuda_pipelined
-                     for n in args.cuda_blocks for mb in args.cuda_min_blocks for ch in args.cuda_chains
+        registers = [(b, bool(p), n, 0, 0, 1, False, mb, ch, False) for b in args.cuda_batch
+                     for p in args.cuda_pipelined for n in args.cuda_blocks for mb in args.cuda_min_blocks
+                     for ch in args.cuda_chains
                      if (not p or (b == 2 and int4)) and ((mb, ch) == (4, 1) or (int4 and b == 2 and not p))]
-        rings = [(0, False, n, r, per_sm, strips, probe, 4, 1, False) for r in args.cuda_ring if r for n in args.cuda_blocks
+        rings = [(0, False, n, r, per_sm, strips, probe, 4, 1, False) for r in args.cuda_ring if r
+                 for n in args.cuda_blocks
                  for per_sm in args.cuda_ring_per_sm for strips in args.cuda_ring_strips
                  for probe in (False, True)[:1 + args.cuda_ring_loads_only]]
         streams = [(2, False, int4_cuda.TARGET_BLOCKS, 0, 0, 1, False, 4, 1, True)] * (args.cuda_stream and int4)

@@ -423,7 +423,8 @@ def test_register_kernels_issue_their_first_loads_before_the_wait(name, kernel, 
     functions = _sass_functions(_build_sm90(name, tmp_path)[1], kernel)
     assert len(functions) == instances
     for k in functions:
-        args = _template_args(k.split("\n")[0], kernel)  # int4: dtype, BATCH, PIPE, NB, MINB, CHAINS; fp8: dtype, BATCH, NB
+        args = _template_args(k.split("\n")[0], kernel)  # int4: dtype, BATCH, PIPE, NB, MINB, CHAINS; fp8: dtype,
+        # BATCH, NB
         batch, nb, pipe = args[1], args[3 if name == "int4_gemv" else 2], name == "int4_gemv" and args[2] == 1
         ops = _sass_ops(k)
         wait = ops.index("ACQBULK")  # griddepcontrol.wait
@@ -548,8 +549,8 @@ def test_built_libraries_refuse_arguments_out_of_range_before_touching_the_gpu(t
         int4, fp8 = int4_cuda.library("90"), fp8_cuda.library("90")  # (the typed entry points)
         assert sorted(p.name.split("-")[0] for p in (tmp_path / "cuda").glob("*.so")) == ["fp8_gemv", "int4_gemv"]
         call4 = lambda M=1, N=64, K=512, splits=2, per=2, batch=4, pipe=0, stages=0, strips=4, per_sm=8, min_blocks=4, \
-            chains=1, stream=0: int4(0, 0, 0, 0, 0, M, N, K, splits, per, batch, pipe, min_blocks, chains, stages, strips,
-                                     per_sm, 0, stream, 1, 0, 0, None)
+            chains=1, stream=0: int4(0, 0, 0, 0, 0, M, N, K, splits, per, batch, pipe, min_blocks, chains, stages,
+                                     strips, per_sm, 0, stream, 1, 0, 0, None)
         slots = int4_cuda.stream_slots(64, 512, 7)  # (16 units on 7 blocks: 3 pieces a strip at most)
         assert slots == 3
         for bad in ({"N": 40}, {"K": 500}, {"M": 0}, {"M": 17}, {"splits": 3}, {"per": 1}, {"batch": 3},
@@ -569,7 +570,8 @@ def test_built_libraries_refuse_arguments_out_of_range_before_touching_the_gpu(t
             assert call8(**bad) == 1, bad
         if not torch.cuda.is_available():
             for ok in (call4(), call4(batch=2, min_blocks=8, chains=2), call4(stream=7, splits=slots, batch=3),
-                       call4(stream=16, splits=4, M=16), call4(stages=4, batch=3), call4(stages=8, M=16, batch=8, pipe=1, strips=2), call8(),
+                       call4(stream=16, splits=4, M=16), call4(stages=4, batch=3),
+                       call4(stages=8, M=16, batch=8, pipe=1, strips=2), call8(),
                        call8(stages=4, batch=3, strips=1), call8(stages=8, M=12, strips=2)):
                 assert ok not in (0, 1)  # (no GPU: the runtime's error, e.g. 35; the ring ignores batch and pipe)
     finally:

@@ -20,6 +20,8 @@ once for all of them, as one or two blocks of mma's 8 columns); `int4_gemv` is t
 its plain torch twin (also what runs off CUDA).
 """
 
+import functools
+
 import torch
 
 from . import cuda_build
@@ -81,6 +83,7 @@ def stream_pieces(N: int, K: int, blocks: int) -> torch.Tensor:
     return (block - block[:, :1]).to(torch.int16)
 
 
+@functools.cache
 def stream_slots(N: int, K: int, blocks: int) -> int:
     """Slots of out the stream kernel needs: the most pieces of one strip (cuda/int4_gemv.cu stream_slots, which
     the entry point checks the caller's against)."""
@@ -157,8 +160,8 @@ def _launch(x, w, scale, zero, out_features, pdl, one_split, ring, loads_only, s
     out = torch.empty(splits, x.shape[0], out_features, device=x.device, dtype=torch.float32)
     err = library(cuda_build.device_arch(x.device, CHOICE))(
         x.data_ptr(), w.data_ptr(), scale.data_ptr(), zero.data_ptr(), out.data_ptr(), x.shape[0], out_features,
-        x.shape[-1], splits, per, batch, pipelined, min_blocks, chains, RING_STAGES if ring else 0, ring_strips(x.shape[0]),
-        RING_BLOCKS_PER_SM, loads_only, blocks, x.dtype == torch.bfloat16, pdl, x.device.index,
+        x.shape[-1], splits, per, batch, pipelined, min_blocks, chains, RING_STAGES if ring else 0,
+        ring_strips(x.shape[0]), RING_BLOCKS_PER_SM, loads_only, blocks, x.dtype == torch.bfloat16, pdl, x.device.index,
         torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         kernel = (f"ring, RING_STAGES {RING_STAGES}, RING_STRIPS {RING_STRIPS}" if ring else

@@ -254,10 +254,9 @@ __device__ __forceinline__ int stream_block(long long u, long long U, long long 
 // with one column block (72 registers: as many as int4_gemv_rows' 71 allow; its 64-bit unit arithmetic would
 // otherwise take 92), 4 with two (118: fewer spill).
 template <bool BF16, int NB>
-__global__ void __launch_bounds__(WARPS * 32, NB == 1 ? 7 : 4) int4_gemv_stream(const uint16_t* x, const uint4* __restrict__ w,
-                                                                  const __half* scale, const uint8_t* zero,
-                                                                  float* __restrict__ out, int M, int N, int K,
-                                                                  int slots, uint32_t magic) {
+__global__ void __launch_bounds__(WARPS * 32, NB == 1 ? 7 : 4)
+    int4_gemv_stream(const uint16_t* x, const uint4* __restrict__ w, const __half* scale, const uint8_t* zero,
+                     float* __restrict__ out, int M, int N, int K, int slots, uint32_t magic) {
   const int G = K / 128, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const long long U = static_cast<long long>(N / 16) * G, B = gridDim.x;
   const long long lo = blockIdx.x * U / B, hi = (blockIdx.x + 1) * U / B;
@@ -412,9 +411,10 @@ template <bool BF16, int BATCH, bool PIPE, int NB, int MINB = 4, int CHAINS = 1>
 cudaError_t launch(const cudaLaunchConfig_t& config, const void* x, const void* w, const void* scale,
                    const void* zero, float* out, int M, int N, int K, int groups_per_split) {
   // (MAGIC passed as an argument: a register in the kernel, see pair_minus_zero)
-  return cudaLaunchKernelEx(&config, int4_gemv_rows<BF16, BATCH, PIPE, NB, MINB, CHAINS>, static_cast<const uint16_t*>(x),
-                            static_cast<const uint4*>(w), static_cast<const __half*>(scale),
-                            static_cast<const uint8_t*>(zero), out, M, N, K, groups_per_split, Pairs<BF16>::MAGIC);
+  return cudaLaunchKernelEx(&config, int4_gemv_rows<BF16, BATCH, PIPE, NB, MINB, CHAINS>,
+                            static_cast<const uint16_t*>(x), static_cast<const uint4*>(w),
+                            static_cast<const __half*>(scale), static_cast<const uint8_t*>(zero), out, M, N, K,
+                            groups_per_split, Pairs<BF16>::MAGIC);
 }
 
 // The instance for M rows, (batch, pipe) and (min_blocks, chains) as one key: one column block of 8 x rows (M <=
