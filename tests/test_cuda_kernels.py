@@ -56,6 +56,9 @@ def test_stream_plan_deals_every_group_once_in_even_shares(N, K, blocks):
     want = owner - owner[:, :1]
     assert torch.equal(int4_cuda.stream_pieces(N, K, blocks).long(), want)
     assert int4_cuda.stream_slots(N, K, blocks) == max(len(set(row.tolist())) for row in owner)
+    slots, _ = int(want.max()) + 1, int4_cuda.stream_slots.cache_clear()
+    with torch._subclasses.fake_tensor.FakeTensorMode():  # (as the op's fake implementation meets it in a compile)
+        assert int4_cuda.stream_slots(N, K, blocks) == slots
 
 
 def test_stream_grid_fills_a_hopper_gpu_and_keeps_every_strip_within_max_splits():

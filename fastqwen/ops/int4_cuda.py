@@ -85,9 +85,11 @@ def stream_pieces(N: int, K: int, blocks: int) -> torch.Tensor:
 
 @functools.cache
 def stream_slots(N: int, K: int, blocks: int) -> int:
-    """Slots of out the stream kernel needs: the most pieces of one strip (cuda/int4_gemv.cu stream_slots, which
-    the entry point checks the caller's against)."""
-    return int(stream_pieces(N, K, blocks).max()) + 1
+    """Slots of out the stream kernel needs: the most pieces of one strip, stream_pieces' largest slot + 1, in
+    plain integers (the op's fake implementation calls it under torch.compile's fake tensors; cuda/int4_gemv.cu
+    stream_slots, which the entry point checks the caller's against, is the same loop)."""
+    G, U = K // STEP, N // TILE_ROWS * (K // STEP)
+    return max(((s + 1) * G * blocks - 1) // U - ((s * G + 1) * blocks - 1) // U + 1 for s in range(N // TILE_ROWS))
 
 
 def stream_blocks(N: int, K: int, sms: int, rows: int) -> int:
