@@ -75,6 +75,28 @@ def test_stream_grid_fills_a_hopper_gpu_and_keeps_every_strip_within_max_splits(
                 assert blocks == 132 * (7 if rows <= 8 else 4), (N, K, rows)
 
 
+def test_fake_implementation_gives_the_stream_kernels_slots_on_a_cuda_device(monkeypatch):
+    """What torch.compile traces on a GPU: under fake tensors on a CUDA device the op's output has the stream
+    kernel's slots ([4, M, N] for the 27B down projection on 132 multiprocessors; 3 past 8 rows, on 4 blocks an
+    SM), plan's splits without `stream` or with one_split."""
+    import types
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(multi_processor_count=132))
+    int4_cuda.stream_slots.cache_clear()  # (computed here, under fake tensors)
+    N, K = 5120, 17408
+    with FakeTensorMode():
+        w = torch.empty(N // 16, K // STEP, 16, STEP // 2, dtype=torch.uint8, device="cuda")
+        s = torch.empty(K // STEP, N, dtype=torch.float16, device="cuda").t()
+        z = torch.empty(K // STEP, N, dtype=torch.uint8, device="cuda").t()
+        for M, slots in ((1, 4), (16, 3)):
+            x = torch.empty(M, K, dtype=torch.bfloat16, device="cuda")
+            assert int4_cuda.int4_gemv(x, w, s, z, N, True, False, False, True).shape == (slots, M, N)
+            assert int4_cuda.int4_gemv(x, w, s, z, N, True, False, False, False).shape == (8, M, N)
+            assert int4_cuda.int4_gemv(x, w, s, z, N, True, True, False, True).shape == (1, M, N)
+
+
 def test_stream_reference_pieces_sum_to_the_product():
     """stream_reference, the stream kernel's torch twin: slot k of strip s the product over the groups
     stream_pieces puts there, zeros where the strip has no k-th piece; the slots sum to x · Wᵀ."""
