@@ -120,7 +120,7 @@ def main():
             if args.check and not (kernel != "triton" and kernel[6]):  # (not a loads-only probe)
                 got = run(x, *stored).sum(0)
                 want = x.float() @ gemv.dequantized(fmt, *stored).float().t()
-                config += f" (error {((got - want).norm() / want.norm()).item():.1e})"
+                config = f"{config} (error {((got - want).norm() / want.norm()).item():.1e})"  # (Triton: a tuple)
             for warm in (False, True)[:1 + args.warm]:
                 variants = [(x, *c) for c in copies[:1 if warm else None]]
                 t = min(bench.graph_seconds(run, variants=variants) for _ in range(args.repeats))
