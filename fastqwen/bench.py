@@ -48,6 +48,7 @@ CANDIDATE_SYSTEMS = {"fastqwen+split-attention": {"attention": "split"},  # (the
                      "fastqwen+triton-int4": {"int4": "triton"},  # int4's "auto" on sm_90 with nvcc; Triton's)
                      "fastqwen+cuda-ring-int4": {"int4": "cuda-ring"},  # (fastqwen-int4+cuda-ring-int4)
                      "fastqwen+cuda-stream-int4": {"int4": "cuda-stream"},  # (fastqwen-int4+cuda-stream-int4)
+                     "fastqwen+cuda-async-int4": {"int4": "cuda-async"},  # (fastqwen-int4+cuda-async-int4)
                      "fastqwen+cuda-fp8-weight": {"fp8_weight": "cuda"},  # (fastqwen-fp8-weight+cuda-fp8-weight)
                      "fastqwen+cuda-ring-fp8-weight": {"fp8_weight": "cuda-ring"}}
 # fastqwen with inductor options merged over the run's (launch count: combo kernels launch independent

@@ -43,6 +43,9 @@ def main():
     p.add_argument("--cuda-chains", nargs="+", type=int, default=[int4_cuda.CHAINS], choices=[1, 2],
                    help="the CUDA int4 kernel's CHAINS (a group's MMAs as one dependent chain or two; 2 with BATCH 2 "
                    "unpipelined only), each timed")
+    p.add_argument("--cuda-async", nargs="+", type=int, default=[], choices=[3, 6],
+                   help="also the CUDA int4 async kernel at these ASYNC_STAGES (each warp's groups through its own "
+                   "shared-memory slots by cp.async)")
     p.add_argument("--cuda-stream", action="store_true",
                    help="also time int4's stream kernel (a resident grid, each block the same share of the groups)")
     p.add_argument("--check", action="store_true",
@@ -78,16 +81,18 @@ def main():
         copies = [stored] + [tuple(None if t is None else t.clone() for t in stored)
                              for _ in range(bench.cold_copies(nbytes, "cuda") - 1)]
         int4 = cuda_module is int4_cuda
-        registers = [(b, bool(p), n, 0, 0, 1, False, mb, ch, False) for b in args.cuda_batch
+        registers = [(b, bool(p), n, 0, 0, 1, False, mb, ch, False, 0) for b in args.cuda_batch
                      for p in args.cuda_pipelined for n in args.cuda_blocks for mb in args.cuda_min_blocks
                      for ch in args.cuda_chains
                      if (not p or (b == 2 and int4)) and ((mb, ch) == (4, 1) or (int4 and b == 2 and not p))]
-        rings = [(0, False, n, r, per_sm, strips, probe, 4, 1, False) for r in args.cuda_ring if r
+        rings = [(0, False, n, r, per_sm, strips, probe, 4, 1, False, 0) for r in args.cuda_ring if r
                  for n in args.cuda_blocks
                  for per_sm in args.cuda_ring_per_sm for strips in args.cuda_ring_strips
                  for probe in (False, True)[:1 + args.cuda_ring_loads_only]]
-        streams = [(2, False, int4_cuda.TARGET_BLOCKS, 0, 0, 1, False, 4, 1, True)] * (args.cuda_stream and int4)
-        cuda = registers * (0 in args.cuda_ring) + rings + streams if "cuda" in args.kernel else []
+        streams = [(2, False, int4_cuda.TARGET_BLOCKS, 0, 0, 1, False, 4, 1, True, 0)] * (args.cuda_stream and int4)
+        asyncs = [(2, False, n, 0, 0, 1, False, 4, 1, False, st) for st in args.cuda_async if int4
+                  for n in args.cuda_blocks]
+        cuda = registers * (0 in args.cuda_ring) + rings + streams + asyncs if "cuda" in args.kernel else []
         for M, kernel in ((M, k) for M in args.rows for k in ["triton"] * ("triton" in args.kernel) + cuda):
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             if kernel == "triton":
@@ -99,20 +104,23 @@ def main():
                     print(f"| {args.tag} | {layer} | {N}x{K} | M={M} | cuda: shape not taken | — | — | — |")
                     continue
                 (batch, pipelined, cuda_module.TARGET_BLOCKS, ring, per_sm, strips, probe, min_blocks, chains,
-                 stream) = kernel
+                 stream, stages) = kernel
                 splits = f"splits {cuda_module.plan(N, K)[0]}"
                 cuda_module.RING_STAGES, cuda_module.RING_BLOCKS_PER_SM, cuda_module.BATCH = ring or 8, per_sm, batch
                 cuda_module.RING_STRIPS = strips
                 if cuda_module is int4_cuda:
                     int4_cuda.PIPELINED, int4_cuda.MIN_BLOCKS, int4_cuda.CHAINS = pipelined, min_blocks, chains
+                    int4_cuda.ASYNC_STAGES = stages or int4_cuda.ASYNC_STAGES
                     run = ((lambda x, q, s, z: int4_cuda.ring_loads_only(x, q, s, z, N)) if probe else  # noqa: E731
-                           (lambda x, q, s, z: int4_cuda.int4_gemv(x, q, s, z, N, ring=bool(ring), stream=stream)))
+                           (lambda x, q, s, z: int4_cuda.int4_gemv(x, q, s, z, N, ring=bool(ring), stream=stream,
+                                                                   copies=bool(stages))))
                     if stream:
                         splits = "{} blocks {} slots".format(*int4_cuda.stream_plan(x, N, K))
                 else:
                     run = ((lambda x, q, s, z: fp8_cuda.ring_loads_only(x, q, s)) if probe else  # noqa: E731
                            (lambda x, q, s, z: fp8_cuda.fp8_gemv(x, q, s, ring=bool(ring))))
                 config = (f"cuda stream {splits}" if stream else
+                          f"cuda async {stages} stages {splits}" if stages else
                           f"cuda ring {ring} stages ≤{per_sm}/SM {strips} strips {splits}"
                           f"{' LOADS ONLY' * probe}" if ring else
                           f"cuda batch {batch}{' pipelined' * pipelined}"

@@ -96,7 +96,7 @@ case "$stage" in
   cuda-tests) timeout ${CUDA_TESTS_TIMEOUT:-480} python -m pytest -v -s -p no:warnings --durations=6 \
                tests/gpu/test_cuda_kernels_gpu.py ${CUDA_TESTS_ARGS:-} 2>&1 \
                | tee "$out/cuda_tests.log" | tail -8 ;;
-  cuda-times) python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel cuda --cuda-min-blocks 4 8 --cuda-stream \
+  cuda-times) python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel cuda --cuda-min-blocks 4 8 --cuda-stream --cuda-async 3 6 \
                --cuda-chains 1 2 --rows 1 4 --check 2>&1 | tee "$out/cuda_times_occupancy.md"
              python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel triton cuda \
                --cuda-batch 2 4 8 --cuda-pipelined 0 1 --cuda-blocks 1024 2048 4096 2>&1 | tee "$out/cuda_times.md"

@@ -418,7 +418,7 @@ def _template_args(mangled: str, kernel: str) -> list[int]:
 
 
 @NVCC
-@pytest.mark.parametrize("name,instances", [("int4_gemv", 38), ("fp8_gemv", 26)])
+@pytest.mark.parametrize("name,instances", [("int4_gemv", 46), ("fp8_gemv", 26)])
 def test_kernels_build_for_sm90_without_spills(name, instances, tmp_path):
     """nvcc -Xptxas -v for sm_90: every instance (register and ring kernels) ≤ 128 registers (4 blocks of 128
     threads a multiprocessor, 3 of the ring's 160; int4's instances for 8 blocks ≤ 64), no spills, static shared
@@ -487,6 +487,36 @@ def test_stream_kernel_issues_each_pieces_first_loads_before_the_wait(tmp_path):
 
 
 @NVCC
+def test_async_kernel_copies_its_first_groups_before_the_wait_and_waits_on_each(tmp_path):
+    """In the SASS of each async instance (bf16 / fp16 x, 3 or 6 slots, one or two blocks of 8 x rows): the first
+    STAGES - 1 groups' cp.async copies (the tile's two 16-byte pieces a lane and a scale or zero piece, each group
+    committed) before the PDL wait; in the loop one group's copies and commit, a wait on the copies (at most
+    STAGES - 1 groups still in flight), then x and the group's 8 MMAs for each block of 8 x rows; nothing spills,
+    and at 3 slots with one block of 8 x rows at most 64 registers (8 blocks a multiprocessor)."""
+    report, lib = _build_sm90("int4_gemv", tmp_path)
+    functions = _sass_functions(lib, "int4_gemv_async")
+    assert len(functions) == 8
+    for k in functions:
+        _, stages, nb = _template_args(k.split("\n")[0], "int4_gemv_async")
+        ops = _sass_ops(k)
+        wait = ops.index("ACQBULK")
+        copies = [i for i, o in enumerate(ops) if o.startswith("LDGSTS")]
+        commits = [i for i, o in enumerate(ops) if o == "LDGDEPBAR"]
+        drains = [i for i, o in enumerate(ops) if o.startswith("DEPBAR")]
+        xs = [i for i, o in enumerate(ops) if o == "LDG.E.128"]
+        assert len(copies) == 3 * stages and len(commits) == stages, (stages, nb, len(copies), len(commits))
+        assert copies[3 * (stages - 1) - 1] < commits[stages - 2] < wait < copies[3 * (stages - 1)], (stages, nb)
+        assert commits[-1] < drains[0] < xs[0] and len(xs) == 4 * nb, (drains, xs)
+        assert sum(o.startswith("HMMA.16816.F32") for o in ops) == 8 * nb
+        assert not any(o.startswith(("STL", "LDL")) for o in ops)
+    lines = report.splitlines()
+    used = [int(next(u for u in lines[i:] if "Used " in u).split("Used ")[1].split()[0]) for i, line in enumerate(lines)
+            if "Compiling entry function" in line and "int4_gemv_async" in line
+            and _template_args(line, "int4_gemv_async")[1:] == [3, 1]]
+    assert len(used) == 2 and max(used) <= 64, used
+
+
+@NVCC
 @pytest.mark.parametrize("name,kernel,copies,xs_a_block,mmas_a_block", [("int4_gemv", "int4_gemv_ring", 3, 4, 8),
                                                                        ("fp8_gemv", "fp8_gemv_ring", 1, 2, 4)])
 def test_ring_kernels_split_producer_from_consumers(name, kernel, copies, xs_a_block, mmas_a_block, tmp_path):
@@ -543,6 +573,7 @@ def test_optimize_routes_quantized_linears_to_the_chosen_kernels(monkeypatch):
     for scheme, kernels, want in (("int4", {"int4": "cuda"}, ("int4",)), ("int4", {}, ()),
                                   ("int4", {"int4": "cuda-ring"}, ("int4-ring",)),
                                   ("int4", {"int4": "cuda-stream"}, ("int4-stream",)),
+                                  ("int4", {"int4": "cuda-async"}, ("int4-async",)),
                                   ("fp8-weight", {"fp8_weight": "cuda"}, ("fp8-weight",)),
                                   ("fp8-weight", {"int4": "cuda", "fp8_weight": "cuda"}, ("int4", "fp8-weight")),
                                   ("fp8-weight", {"fp8_weight": "cuda-ring"}, ("fp8-weight-ring",))):
@@ -550,17 +581,18 @@ def test_optimize_routes_quantized_linears_to_the_chosen_kernels(monkeypatch):
         n = len(seen)
         m.generate(torch.randint(1, 500, (1, 5)), max_new_tokens=3, do_sample=False)
         assert len(seen) > n and set(seen[n:]) == {want}, (scheme, kernels)
-    calls = []  # (the tag's ring / stream choice reaches the op: its CPU reference stands in for the kernel)
-    monkeypatch.setattr(int4_cuda, "int4_gemv", lambda *args: calls.append(args[-2:]) or int4_cuda.reference(
+    calls = []  # (the tag's ring / stream / async choice reaches the op: its CPU reference stands in for the kernel)
+    monkeypatch.setattr(int4_cuda, "int4_gemv", lambda *args: calls.append(args[-3:]) or int4_cuda.reference(
         *args[:5], 1))
     monkeypatch.setattr(fp8_cuda, "fp8_gemv", lambda *args: calls.append(args[-1]) or fp8_cuda.reference(
         *args[:3], 1))
     x = torch.randn(1, 256, dtype=torch.bfloat16)
     for scheme in ("int4", "fp8-weight"):
         layer = quantize_modules(torch.nn.Sequential(torch.nn.Linear(256, 64)), scheme)[0]
-        for tag in (scheme, f"{scheme}-ring") + (("int4-stream",) if scheme == "int4" else ()):
+        for tag in (scheme, f"{scheme}-ring") + (("int4-stream", "int4-async") if scheme == "int4" else ()):
             assert layer._cuda_partials(x, layer.scale, False, False, tag).shape == (1, 1, layer.out_features)
-    assert calls == [(False, False), (True, False), (False, True), False, True]
+    assert calls == [(False, False, False), (True, False, False), (False, True, False), (False, False, True), False,
+                     True]
 
 
 @NVCC
@@ -574,8 +606,8 @@ def test_built_libraries_refuse_arguments_out_of_range_before_touching_the_gpu(t
         int4, fp8 = int4_cuda.library("90"), fp8_cuda.library("90")  # (the typed entry points)
         assert sorted(p.name.split("-")[0] for p in (tmp_path / "cuda").glob("*.so")) == ["fp8_gemv", "int4_gemv"]
         call4 = lambda M=1, N=64, K=512, splits=2, per=2, batch=4, pipe=0, stages=0, strips=4, per_sm=8, min_blocks=4, \
-            chains=1, stream=0: int4(0, 0, 0, 0, 0, M, N, K, splits, per, batch, pipe, min_blocks, chains, stages,
-                                     strips, per_sm, 0, stream, 1, 0, 0, None)
+            chains=1, stream=0, copies=0: int4(0, 0, 0, 0, 0, M, N, K, splits, per, batch, pipe, min_blocks, chains,
+                                               stages, strips, per_sm, 0, stream, copies, 1, 0, 0, None)
         slots = int4_cuda.stream_slots(64, 512, 7)  # (16 units on 7 blocks: 3 pieces a strip at most)
         assert slots == 3
         for bad in ({"N": 40}, {"K": 500}, {"M": 0}, {"M": 17}, {"splits": 3}, {"per": 1}, {"batch": 3},
@@ -585,7 +617,9 @@ def test_built_libraries_refuse_arguments_out_of_range_before_touching_the_gpu(t
                     {"stages": 8, "strips": 0}, {"min_blocks": 6}, {"chains": 3}, {"batch": 4, "min_blocks": 8},
                     {"batch": 2, "pipe": 1, "chains": 2}, {"M": 9, "batch": 2, "min_blocks": 8},
                     {"stream": 7, "splits": slots - 1}, {"stream": 7, "splits": slots + 1}, {"stream": 17, "splits": 1},
-                    {"stream": -1}, {"stream": 7, "splits": slots, "N": 40}, {"stream": 7, "splits": slots, "M": 17}):
+                    {"stream": -1}, {"stream": 7, "splits": slots, "N": 40}, {"stream": 7, "splits": slots, "M": 17},
+                    {"copies": 2}, {"copies": 4}, {"copies": 3, "stages": 4}, {"copies": 3, "M": 17},
+                    {"copies": 6, "splits": 3}):
             assert call4(**bad) == 1, bad
         call8 = lambda M=1, N=64, K=512, splits=2, per=4, batch=4, stages=0, strips=4, per_sm=8: fp8(  # noqa: E731
             0, 0, 0, 0, M, N, K, splits, per, batch, stages, strips, per_sm, 0, 1, 0, 0, None)
@@ -595,6 +629,7 @@ def test_built_libraries_refuse_arguments_out_of_range_before_touching_the_gpu(t
             assert call8(**bad) == 1, bad
         if not torch.cuda.is_available():
             for ok in (call4(), call4(batch=2, min_blocks=8, chains=2), call4(stream=7, splits=slots, batch=3),
+                       call4(copies=3, batch=3), call4(copies=6, M=16),
                        call4(stream=16, splits=4, M=16), call4(stages=4, batch=3),
                        call4(stages=8, M=16, batch=8, pipe=1, strips=2), call8(),
                        call8(stages=4, batch=3, strips=1), call8(stages=8, M=12, strips=2)):

@@ -8,7 +8,10 @@ the register kernel (each lane issues its 16-byte weight loads for BATCH groups,
 decodes any of them and before the PDL wait) and the ring kernel (`ring=True`: a persistent grid whose producer
 warp streams each block's run of tiles, scales and zeros into a shared-memory ring of RING_STAGES stages by bulk
 copies, with no PDL wait, while 4 consumer warps decode; the warp-specialised load path Triton 3.6 cannot
-express on Hopper).
+express on Hopper). Two candidates on the register kernel's warps: the stream kernel (`stream=True`: one resident
+wave, every block the same share) and the async kernel (`copies=True`: each warp's groups through ASYNC_STAGES
+slots of its own in shared memory by cp.async, ASYNC_STAGES - 1 groups in flight during each decode, at the
+registers of one group).
 
 The kernel is built on first use with the CUDA toolkit's nvcc (ops/cuda_build.py: cached by source and GPU
 architecture under $FASTQWEN_CACHE or ~/.cache/fastqwen) and called through ctypes on torch's current stream
@@ -41,6 +44,7 @@ RING_STAGES = 8  # the ring kernel's stages (4 or 8), each up to 4 groups of a s
 RING_BLOCKS_PER_SM = 8  # at most this many ring blocks a multiprocessor (fewer where they do not fit)
 RING_STRIPS = 4  # neighbouring strips a ring warp takes its group of in turn, x's operands made once (1 or 4)
 STREAM_BLOCKS_PER_SM = (7, 4)  # the stream kernel's grid a multiprocessor, one / two column blocks (as fit)
+ASYNC_STAGES = 3  # the async kernel's one-group slots a warp (3 or 6): STAGES - 1 groups in flight during a decode
 MAX_SPLITS = 8  # inductor unrolls the caller's sum of ≤ 8 partials into the consumer (gemv.wq_linear)
 MAX_ROWS = 16  # rows of x a launch takes: one or two blocks of mma.m16n8k16's 8 B columns (a DFlash verify)
 CHOICE = "kernels['int4']='cuda'"
@@ -48,7 +52,7 @@ CHOICE = "kernels['int4']='cuda'"
 
 def library(arch: str):
     """The kernel's entry point for compute capability `arch` (cuda_build.entry: built on first use)."""
-    return cuda_build.entry("int4_gemv", arch, CHOICE, pointers=5, ints=17)
+    return cuda_build.entry("int4_gemv", arch, CHOICE, pointers=5, ints=18)
 
 
 def variant(rows: int) -> tuple[int, bool, int, int]:
@@ -146,28 +150,32 @@ def _splits(x: torch.Tensor, out_features: int, one_split: bool, stream: bool) -
     return (*plan(out_features, x.shape[-1], one_split), 0)
 
 
-def _launch(x, w, scale, zero, out_features, pdl, one_split, ring, loads_only, stream=False) -> torch.Tensor:
+def _launch(x, w, scale, zero, out_features, pdl, one_split, ring, loads_only, stream=False,
+            copies=False) -> torch.Tensor:
     """int4_gemv's body; loads_only: the ring kernel's probe (ring_loads_only)."""
+    copies = copies and not (ring or stream)
     splits, per, blocks = _splits(x, out_features, one_split, stream and not ring)
     if not x.is_cuda:
         return reference(x, w, scale, zero, out_features, splits)
     if not takes(x, w, scale, zero):
         raise ValueError(f"int4_gemv takes 1 … {MAX_ROWS} bf16/fp16 rows of x, codes tiled [N/16, K/128, 16, 64] "
                          "uint8 and group-major fp16 scale / uint8 zero (QuantLinear's layout)")
-    if ring and any(t.data_ptr() % 16 for t in (w, scale, zero)):
-        raise ValueError("int4_gemv's ring kernel copies the codes, scales and zeros in 16-byte pieces: they must "
-                         "start 16-byte aligned (a view at an odd offset: pass a copy)")
+    if (ring or copies) and any(t.data_ptr() % 16 for t in (w, scale, zero)):
+        raise ValueError(f"int4_gemv's {'ring' if ring else 'async'} kernel copies the codes, scales and zeros in "
+                         "16-byte pieces: they must start 16-byte aligned (a view at an odd offset: pass a copy)")
     x = cuda_build.aligned(x)
     batch, pipelined, min_blocks, chains = variant(x.shape[0])
     out = torch.empty(splits, x.shape[0], out_features, device=x.device, dtype=torch.float32)
     err = library(cuda_build.device_arch(x.device, CHOICE))(
         x.data_ptr(), w.data_ptr(), scale.data_ptr(), zero.data_ptr(), out.data_ptr(), x.shape[0], out_features,
         x.shape[-1], splits, per, batch, pipelined, min_blocks, chains, RING_STAGES if ring else 0,
-        ring_strips(x.shape[0]), RING_BLOCKS_PER_SM, loads_only, blocks, x.dtype == torch.bfloat16, pdl, x.device.index,
+        ring_strips(x.shape[0]), RING_BLOCKS_PER_SM, loads_only, blocks, ASYNC_STAGES if copies else 0,
+        x.dtype == torch.bfloat16, pdl, x.device.index,
         torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         kernel = (f"ring, RING_STAGES {RING_STAGES}, RING_STRIPS {RING_STRIPS}" if ring else
                   f"stream, {blocks} blocks, {splits} slots" if blocks else
+                  f"async, ASYNC_STAGES {ASYNC_STAGES}" if copies else
                   f"BATCH {batch}, PIPELINED {pipelined}, MIN_BLOCKS {min_blocks}, CHAINS {chains}")
         raise RuntimeError(f"int4_gemv launch failed: CUDA error {err} ({kernel})")
     return out
@@ -175,17 +183,20 @@ def _launch(x, w, scale, zero, out_features, pdl, one_split, ring, loads_only, s
 
 @torch.library.custom_op("fastqwen::int4_gemv", mutates_args=())
 def int4_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out_features: int,
-              pdl: bool = False, one_split: bool = False, ring: bool = False, stream: bool = False) -> torch.Tensor:
+              pdl: bool = False, one_split: bool = False, ring: bool = False, stream: bool = False,
+              copies: bool = False) -> torch.Tensor:
     """x [M ≤ 16, K] (bf16 / fp16) · Wᵀ for an int4 weight in QuantLinear's layout (`takes`) as split-K partial
     sums fp32 [splits, M, out_features] (plan(out_features, K, one_split)); their sum over dim 0 is the product. pdl:
     launch with programmatic dependent launch; ring: the ring kernel (else the register kernel; the same
     partials); stream: the stream kernel (its [slots, M, out_features] pieces: stream_plan; off CUDA and with
-    one_split as without). The CUDA kernel on CUDA tensors, `reference` elsewhere."""
-    return _launch(x, w, scale, zero, out_features, pdl, one_split, ring, False, stream)
+    one_split as without); copies: the async kernel (each warp's weights through its own shared-memory slots by
+    cp.async; the register kernel's partials, bit for bit). The CUDA kernel on CUDA tensors, `reference`
+    elsewhere."""
+    return _launch(x, w, scale, zero, out_features, pdl, one_split, ring, False, stream, copies)
 
 
 @int4_gemv.register_fake
-def _(x, w, scale, zero, out_features, pdl=False, one_split=False, ring=False, stream=False):
+def _(x, w, scale, zero, out_features, pdl=False, one_split=False, ring=False, stream=False, copies=False):
     splits = _splits(x, out_features, one_split, stream and not ring)[0]
     return x.new_empty(splits, x.shape[0], out_features, dtype=torch.float32)
 

@@ -3,7 +3,8 @@ their split-K partials against the plain torch references at the 27B's and 35B-A
 x, one row and 2 … 16, with and without programmatic dependent launch, every output written, every instance;
 replayed in a CUDA graph; the ring kernels bit for bit against the register kernels; int4's stream kernel against
 its own torch twin (int4_cuda.stream_reference: its pieces, not plan's splits); and a compiled decode step under
-kernels={"int4" | "fp8_weight": "cuda" | "cuda-ring"}, {"int4": "cuda-stream"} against the Triton kernel's."""
+kernels={"int4" | "fp8_weight": "cuda" | "cuda-ring"}, {"int4": "cuda-stream" | "cuda-async"} against the Triton
+kernel's; the async kernel bit for bit against the register kernel at every slot count."""
 
 import functools
 
@@ -58,6 +59,14 @@ class Int4Stream(Int4):
         return int4_cuda.stream_reference(x, *ops, N, int4_cuda.stream_plan(x, N, x.shape[-1])[0])
 
 
+class Int4Async(Int4):
+    choice = "cuda-async"
+
+    @staticmethod
+    def call(x, ops, N, pdl=False, one_split=False):
+        return int4_cuda.int4_gemv(x, *ops, N, pdl, one_split, False, False, True)
+
+
 class Int4Ring(Int4):
     choice = "cuda-ring"
 
@@ -90,8 +99,8 @@ class Fp8Ring(Fp8):
         return fp8_cuda.fp8_gemv(x, *ops, pdl, one_split, True)
 
 
-KERNELS = {"int4": Int4, "int4-ring": Int4Ring, "int4-stream": Int4Stream, "fp8-weight": Fp8,
-           "fp8-weight-ring": Fp8Ring}
+KERNELS = {"int4": Int4, "int4-ring": Int4Ring, "int4-stream": Int4Stream, "int4-async": Int4Async,
+           "fp8-weight": Fp8, "fp8-weight-ring": Fp8Ring}
 
 
 def weight(scheme: str, N: int, K: int) -> tuple:
@@ -197,6 +206,23 @@ def test_ring_kernel_gives_the_register_kernels_partials_bit_for_bit(scheme, sta
         poison_allocator(tuple(want.shape), dtype=torch.float32)
         got = ring.call(x, ops, N, True, one_split)
         assert torch.equal(got, want), (scheme, stages, per_sm, strips, N, K, M, one_split, rel_err(got, want))
+
+
+@pytest.mark.parametrize("stages", [3, 6])
+@pytest.mark.parametrize("N,K", [(34816, 5120), (5120, 17408), (12352, 2048), (5120, 6144)])
+def test_async_kernel_gives_the_register_kernels_partials_bit_for_bit(stages, N, K, monkeypatch):
+    """The async kernel's warps take the register kernel's groups in the same order and sum them alike: the same
+    bits, at 3 and 6 slots a warp, splits with warps of 1 … many groups (12352x2048: 6 groups a split, so some
+    warps have 1 and copy past nothing), one split, bf16 and fp16 x, 1 to 16 rows."""
+    monkeypatch.setattr(int4_cuda, "ASYNC_STAGES", stages)
+    kernel, ops = KERNELS["int4"], weight("int4", N, K)
+    for dtype, M, one_split in ((torch.bfloat16, 1, False), (torch.float16, 5, False), (torch.bfloat16, 11, True),
+                                (torch.bfloat16, 16, False)):
+        x = torch.randn(M, K, device="cuda", dtype=dtype)
+        want = kernel.call(x, ops, N, True, one_split)
+        poison_allocator(tuple(want.shape), dtype=torch.float32)
+        got = KERNELS["int4-async"].call(x, ops, N, True, one_split)
+        assert torch.equal(got, want), (stages, N, K, M, one_split, rel_err(got, want))
 
 
 def _late_writer():

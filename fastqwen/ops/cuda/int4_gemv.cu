@@ -30,6 +30,10 @@
 //     (b + 1) U / B) of U = N/16 · K/128: every block the same work to within one group, so no last wave of a
 //     few blocks and no per-block ramp past the first; a strip's pieces (its groups in one block's range) go to
 //     consecutive slots of out (the piece of block b to slot b − the strip's first block), zeros past its last;
+//   async (int4_gemv_async, async_stages 3 or 6): the register kernel's grid, warps, loads and math, but each
+//     warp streams its groups through a ring of its own in shared memory, one group a slot, by cp.async (16-byte
+//     copies, L2 to shared memory: no register held while they fly), async_stages - 1 groups ahead of its decode,
+//     so a warp keeps that many KB in flight all the time, decode included, at ~the registers of BATCH 1;
 //   ring (int4_gemv_ring, stages 4 or 8): a persistent grid (every block resident at once), each block a
 //     contiguous run of (strip, split) items, its 4 warps fed through a shared-memory ring of `stages` stages
 //     by a fifth, the producer, with bulk copies (cp.async.bulk: a stage is up to 4 consecutive groups of a
@@ -289,6 +293,99 @@ __global__ void __launch_bounds__(WARPS * 32, NB == 1 ? 7 : 4)
   }
 }
 
+// 16 bytes from global `src` to shared `dst` (both 16-byte aligned) by cp.async, around L1 (.cg): its bytes land
+// without a register; commit() closes the thread's group of copies, wait<N>() returns once at most N of its
+// latest groups are still in flight.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(ring::smem(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// One slot of a warp's ring: one group of its strip (the tile's KB, its 16 rows' scales and zeros).
+struct alignas(16) GroupSlot {
+  uint4 tile[64];
+  __half scale[16];
+  uint8_t zero[16];
+};
+
+// The async kernel (see the top of the file): a (N/16, splits) grid as int4_gemv_rows', each warp the same groups
+// in the same order with the same math (so the same partials, bit for bit), but fed through STAGES slots of
+// shared memory of its own: group k + STAGES - 1's copies are issued before group k is decoded, the first STAGES -
+// 1 before the PDL wait. Lane l copies (and later reads) its own 2 x 16 bytes of a tile; lanes 0, 1 copy the
+// strip's 16 scales, lane 2 its 16 zeros, which every lane reads after a warp barrier. Blocks an SM: 8 at 3
+// stages (~15 KB of shared memory a block), 5 at 6; 4 with two column blocks.
+template <bool BF16, int STAGES, int NB>
+__global__ void __launch_bounds__(WARPS * 32, NB == 2 ? 4 : STAGES <= 3 ? 8 : 5)
+    int4_gemv_async(const uint16_t* x, const uint4* __restrict__ w, const __half* scale, const uint8_t* zero,
+                    float* __restrict__ out, int M, int N, int K, int groups_per_split, uint32_t magic) {
+  __shared__ GroupSlot slots[WARPS][STAGES];
+  const int G = K / 128, strip = blockIdx.x, split = blockIdx.y;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, row = lane / 4;
+  const int g_begin = split * groups_per_split + warp, g_end = min(G, (split + 1) * groups_per_split);
+  const int n = g_begin < g_end ? (g_end - g_begin + WARPS - 1) / WARPS : 0;  // the warp's groups
+  // the next group to copy: its tile words of this lane, and (lanes 0 .. 2) its scales or zeros
+  const uint4* tile = w + ((size_t)strip * G + g_begin) * 64 + lane;
+  const char* side = lane < 2 ? reinterpret_cast<const char*>(scale + (size_t)g_begin * N + strip * 16 + 8 * lane)
+                              : reinterpret_cast<const char*>(zero + (size_t)g_begin * N + strip * 16);
+  const size_t side_step = (size_t)WARPS * N * (lane < 2 ? sizeof(__half) : 1);
+  GroupSlot* ring = slots[warp];
+  int copied = 0, to = 0;  // groups copied, the slot the next goes to
+  const auto issue = [&]() {  // the warp's next group into its slot (none past its last)
+    if (copied < n) {
+      GroupSlot& slot = ring[to];
+      cp_async16(&slot.tile[lane], tile);
+      cp_async16(&slot.tile[lane + 32], tile + 32);
+      if (lane < 3) cp_async16(lane < 2 ? static_cast<void*>(&slot.scale[8 * lane]) : slot.zero, side);
+      tile += WARPS * 64;
+      side += side_step;
+      ++copied;
+      to = to + 1 == STAGES ? 0 : to + 1;
+    }
+    cp_async_commit();  // (an empty group past the last: every iteration's wait counts alike)
+  };
+#pragma unroll
+  for (int k = 0; k < STAGES - 1; ++k) issue();  // (weights: before the wait)
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the previous kernel's output (PDL)
+  bool has_x[NB];
+  const uint4* xg[NB];  // x row 8 nb + l/4 at the lane's columns of the warp's next group
+  strip_gemv::x_columns<NB, 4>(x, M, K, lane, has_x, xg);
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) xg[nb] += (size_t)g_begin * 16;
+  float sums[NB][4] = {};
+  for (int k = 0, from = 0; k < n; ++k, from = from + 1 == STAGES ? 0 : from + 1) {
+    __syncwarp();  // (every lane's reads of the slot refilled next, group k - 1's, are done)
+    issue();
+    cp_async_wait<STAGES - 1>();  // (this lane's copies of group k have landed)
+    __syncwarp();                 // (and lanes 0 .. 2's scales and zeros)
+    const GroupSlot& slot = ring[from];
+    uint4 xs[NB][4];
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) xs[nb][i] = has_x[nb] ? xg[nb][i] : make_uint4(0, 0, 0, 0);
+      xg[nb] += WARPS * 16;
+    }
+    const float sa = __half2float(slot.scale[row]), sb = __half2float(slot.scale[row + 8]);
+    const uint32_t za = (Pairs<BF16>::NEG_MAGIC | slot.zero[row]) * 0x00010001u;
+    const uint32_t zb = (Pairs<BF16>::NEG_MAGIC | slot.zero[row + 8]) * 0x00010001u;
+    float c[NB][4] = {};
+    group_dot<BF16, NB, 1>(c, slot.tile[lane], slot.tile[lane + 32], xs, za, zb, magic);
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      sums[nb][0] = fmaf(sa, c[nb][0], sums[nb][0]);
+      sums[nb][1] = fmaf(sa, c[nb][1], sums[nb][1]);
+      sums[nb][2] = fmaf(sb, c[nb][2], sums[nb][2]);
+      sums[nb][3] = fmaf(sb, c[nb][3], sums[nb][3]);
+    }
+  }
+  cp_async_wait<0>();  // (no copy in flight past the block's end)
+  strip_gemv::write_partials<NB>(sums, 1.f, 1.f, out, M, N, strip, split);  // (the groups' scales: applied)
+}
+
 // One stage of the ring: up to WARPS consecutive groups of one strip, group t of the stage consumer warp t's.
 struct alignas(128) Slot {
   uint4 tiles[WARPS][64];   // the groups' tiles (one contiguous copy)
@@ -474,6 +571,24 @@ cudaError_t launch_stream(cudaLaunchConfig_t config, int blocks, const void* x, 
                                     Pairs<BF16>::MAGIC);
 }
 
+// The async kernel's launch: the register kernel's grid (config), STAGES 3 or 6, one or two column blocks.
+template <bool BF16>
+cudaError_t launch_async(const cudaLaunchConfig_t& config, int stages, const void* x, const void* w,
+                         const void* scale, const void* zero, float* out, int M, int N, int K, int groups_per_split) {
+  const auto* x16 = static_cast<const uint16_t*>(x);
+  const auto* w4 = static_cast<const uint4*>(w);
+  const auto* s16 = static_cast<const __half*>(scale);
+  const auto* z8 = static_cast<const uint8_t*>(zero);
+  const uint32_t magic = Pairs<BF16>::MAGIC;
+#define FASTQWEN_ASYNC(S, NB)                                                                                    \
+  if (stages == S && (M > 8) == (NB == 2))                                                                       \
+    return cudaLaunchKernelEx(&config, int4_gemv_async<BF16, S, NB>, x16, w4, s16, z8, out, M, N, K,            \
+                              groups_per_split, magic);
+  FASTQWEN_ASYNC(3, 1) FASTQWEN_ASYNC(3, 2) FASTQWEN_ASYNC(6, 1) FASTQWEN_ASYNC(6, 2)
+#undef FASTQWEN_ASYNC
+  return cudaErrorInvalidValue;
+}
+
 // The ring kernel's persistent launch over the (strip, split) items (ring::launch_persistent).
 template <bool BF16, int STAGES, int NB, int STRIPS>
 cudaError_t launch_ring(cudaLaunchConfig_t config, int device, int blocks_per_sm, const void* x, const void* w,
@@ -511,12 +626,14 @@ cudaError_t launch_ring_variant(int key, const cudaLaunchConfig_t& config, int d
 // rows), or blocks_per_sm < 1. min_blocks (4 or 8), chains (1 or 2): the register kernel's (variant_key).
 // loads_only: the ring's probe (int4_gemv_ring; out all zeros). stream_blocks > 0: the stream kernel on that many
 // blocks (at most N/16 · K/128), out [splits, M, N] with splits the slots it needs (stream_slots, exactly; the
-// other split and instance arguments unused). pdl: programmatic dependent launch (the kernel waits before reading
-// x).
+// other split and instance arguments unused). async_stages 3 or 6: the async kernel with that many slots a warp
+// (the register kernel's split plan; its instance arguments unused; with stages 0 only), 0: not. pdl: programmatic
+// dependent launch (the kernel waits before reading x).
 extern "C" int fastqwen_int4_gemv(const void* x, const void* w, const void* scale, const void* zero, float* out,
                                   int M, int N, int K, int splits, int groups_per_split, int batch, int pipe,
                                   int min_blocks, int chains, int stages, int strips, int blocks_per_sm,
-                                  int loads_only, int stream_blocks, int bf16, int pdl, int device, void* stream) {
+                                  int loads_only, int stream_blocks, int async_stages, int bf16, int pdl, int device,
+                                  void* stream) {
   const int NB = M > 8 ? 2 : 1;
   if (stream_blocks) {
     if (N <= 0 || N % 16 || K <= 0 || K % 128 || M < 1 || M > 16 || stream_blocks < 1 ||
@@ -530,15 +647,21 @@ extern "C" int fastqwen_int4_gemv(const void* x, const void* w, const void* scal
                                  : launch_stream<false>(config, stream_blocks, x, w, scale, zero, out, M, N, K,
                                                         splits));
   }
-  const int key = stages ? ring::instance_key(stages, NB, strips) : variant_key(M, batch, pipe, min_blocks, chains);
-  if (!strip_gemv::shape_ok(M, N, K, 128, splits, groups_per_split) || key < 0 || (stages && blocks_per_sm < 1))
+  const int key = stages         ? ring::instance_key(stages, NB, strips)
+                  : async_stages ? 0
+                                 : variant_key(M, batch, pipe, min_blocks, chains);
+  if (!strip_gemv::shape_ok(M, N, K, 128, splits, groups_per_split) || key < 0 || (stages && blocks_per_sm < 1) ||
+      (async_stages != 0 && async_stages != 3 && async_stages != 6) || (async_stages && stages))
     return static_cast<int>(cudaErrorInvalidValue);
   cudaLaunchConfig_t config;
   cudaLaunchAttribute attribute;
   if (cudaError_t e = strip_gemv::launch_config(config, attribute, N, splits, pdl, device, stream); e != cudaSuccess)
     return static_cast<int>(e);
   cudaError_t e;
-  if (stages)
+  if (async_stages)
+    e = bf16 ? launch_async<true>(config, async_stages, x, w, scale, zero, out, M, N, K, groups_per_split)
+             : launch_async<false>(config, async_stages, x, w, scale, zero, out, M, N, K, groups_per_split);
+  else if (stages)
     e = bf16 ? launch_ring_variant<true>(key, config, device, blocks_per_sm, x, w, scale, zero, out, M, N, K, splits,
                                          groups_per_split, loads_only)
              : launch_ring_variant<false>(key, config, device, blocks_per_sm, x, w, scale, zero, out, M, N, K, splits,
