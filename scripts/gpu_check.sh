@@ -60,6 +60,11 @@
 #            the 27B's layers and head at each BATCH, pipelining and grid target, the ring kernel at 4 and 8
 #            stages, 2, 4, 8 blocks a multiprocessor and 1 or 4 strips a segment (each beside its loads-only
 #            probe: the load path's own rate), then both at 4, 8, 16 rows
+#   async    the int4 async kernel (kernels={"int4": "cuda-async"}, 2026-12-05): its GPU tests (bit for bit against the
+#            register kernel), then its per-layer times at 3 and 6 slots beside the register kernel and Triton's, 1
+#            and 4 rows (~3 min); the step's A/B in a call of its own: python scripts/bench.py --models qwen3.5-27b
+#            --systems fastqwen-int4 fastqwen-int4+cuda-async-int4 --isolate --quant-lm-head --n-long 544 --repeats 3
+#            --no-autotune (bf16's step of the same GPU for the ratio: 13520 µs on an H200, 20015 on an H100)
 #   cuda-times-fp8 the same for fp8-weight's register and ring kernels on the 27B's and 35B-A3B's layers.
 #            The step's A/B is `candidates` with CAND_MODEL=qwen3.5-27b CAND_SYSTEMS="fastqwen-int4+cuda-int4 fastqwen-int4+cuda-ring-int4" CAND_ARGS="--isolate --quant-lm-head
 #            --no-autotune" (fp8: fastqwen-fp8-weight+cuda-fp8-weight fastqwen-fp8-weight+cuda-ring-fp8-weight);
@@ -105,6 +110,10 @@ case "$stage" in
                --cuda-blocks 256 1024 4096 --cuda-ring-loads-only 2>&1 | tee -a "$out/cuda_times.md"
              python scripts/gemv_times.py --format int4 --shapes 27b --kernel triton cuda --cuda-ring 0 8 \
                --rows 4 8 16 2>&1 | tee -a "$out/cuda_times.md" ;;
+  async) timeout 200 python -m pytest -q -p no:warnings tests/gpu/test_cuda_kernels_gpu.py -k async 2>&1 \
+           | tee "$out/async_tests.log" | tail -3
+         python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel triton cuda --cuda-async 3 6 \
+           --rows 1 4 --check 2>&1 | grep "^|" | tee "$out/async_times.md" ;;
   cuda-times-fp8) python scripts/gemv_times.py --format fp8-weight --shapes 27b 27b-head 35b-a3b --kernel triton cuda \
                --cuda-batch 2 4 8 --cuda-blocks 1024 2048 4096 2>&1 | tee "$out/cuda_times_fp8.md"
              python scripts/gemv_times.py --format fp8-weight --shapes 27b 27b-head 35b-a3b --kernel cuda \
