@@ -46,6 +46,10 @@ def main():
     p.add_argument("--cuda-async", nargs="+", type=int, default=[], choices=[3, 6],
                    help="also the CUDA int4 async kernel at these ASYNC_STAGES (each warp's groups through its own "
                    "shared-memory slots by cp.async)")
+    p.add_argument("--cuda-loads-only", action="store_true",
+                   help="also time the int4 register kernel's BATCH 2 instance and each async config as their "
+                   "loads-only probes (every weight loaded as the kernel loads it, nothing decoded, at the kernel's "
+                   "blocks a multiprocessor: the load path's own rate; up to 8 rows)")
     p.add_argument("--cuda-stream", action="store_true",
                    help="also time int4's stream kernel (a resident grid, each block the same share of the groups)")
     p.add_argument("--check", action="store_true",
@@ -90,9 +94,11 @@ def main():
                  for per_sm in args.cuda_ring_per_sm for strips in args.cuda_ring_strips
                  for probe in (False, True)[:1 + args.cuda_ring_loads_only]]
         streams = [(2, False, int4_cuda.TARGET_BLOCKS, 0, 0, 1, False, 4, 1, True, 0)] * (args.cuda_stream and int4)
-        asyncs = [(2, False, n, 0, 0, 1, False, 4, 1, False, st) for st in args.cuda_async if int4
-                  for n in args.cuda_blocks]
-        cuda = registers * (0 in args.cuda_ring) + rings + streams + asyncs if "cuda" in args.kernel else []
+        asyncs = [(2, False, n, 0, 0, 1, probe, 4, 1, False, st) for st in args.cuda_async if int4
+                  for n in args.cuda_blocks for probe in (False, True)[:1 + args.cuda_loads_only]]
+        probes = [(2, False, n, 0, 0, 1, True, 4, 1, False, 0) for n in args.cuda_blocks] * (
+            args.cuda_loads_only and int4)
+        cuda = registers * (0 in args.cuda_ring) + probes + rings + streams + asyncs if "cuda" in args.kernel else []
         for M, kernel in ((M, k) for M in args.rows for k in ["triton"] * ("triton" in args.kernel) + cuda):
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             if kernel == "triton":
@@ -100,6 +106,8 @@ def main():
                     x, fmt, q, s, z, False, N, x.shape[0], partials=True)
                 config = gemv.full_config(gemv.gemv_config(fmt, N, K, M))
             else:
+                if kernel[6] and not kernel[3] and M > 8:  # (the register and async probes: up to 8 rows)
+                    continue
                 if N % 16 or K % (128 if cuda_module is int4_cuda else 64):  # (the kernels' tiles)
                     print(f"| {args.tag} | {layer} | {N}x{K} | M={M} | cuda: shape not taken | — | — | — |")
                     continue
@@ -111,7 +119,8 @@ def main():
                 if cuda_module is int4_cuda:
                     int4_cuda.PIPELINED, int4_cuda.MIN_BLOCKS, int4_cuda.CHAINS = pipelined, min_blocks, chains
                     int4_cuda.ASYNC_STAGES = stages or int4_cuda.ASYNC_STAGES
-                    run = ((lambda x, q, s, z: int4_cuda.ring_loads_only(x, q, s, z, N)) if probe else  # noqa: E731
+                    probed = "ring" if ring else "async" if stages else "register"
+                    run = ((lambda x, q, s, z: int4_cuda.loads_only(x, q, s, z, N, probed)) if probe else  # noqa: E731
                            (lambda x, q, s, z: int4_cuda.int4_gemv(x, q, s, z, N, ring=bool(ring), stream=stream,
                                                                    copies=bool(stages))))
                     if stream:
@@ -120,11 +129,12 @@ def main():
                     run = ((lambda x, q, s, z: fp8_cuda.ring_loads_only(x, q, s)) if probe else  # noqa: E731
                            (lambda x, q, s, z: fp8_cuda.fp8_gemv(x, q, s, ring=bool(ring))))
                 config = (f"cuda stream {splits}" if stream else
-                          f"cuda async {stages} stages {splits}" if stages else
+                          f"cuda async {stages} stages {splits}{' LOADS ONLY' * probe}" if stages else
                           f"cuda ring {ring} stages ≤{per_sm}/SM {strips} strips {splits}"
                           f"{' LOADS ONLY' * probe}" if ring else
                           f"cuda batch {batch}{' pipelined' * pipelined}"
-                          f"{f' min {min_blocks} blocks' * (min_blocks != 4)}{' 2 chains' * (chains == 2)} {splits}")
+                          f"{f' min {min_blocks} blocks' * (min_blocks != 4)}{' 2 chains' * (chains == 2)} {splits}"
+                          f"{' LOADS ONLY' * probe}")
             if args.check and not (kernel != "triton" and kernel[6]):  # (not a loads-only probe)
                 got = run(x, *stored).sum(0)
                 want = x.float() @ gemv.dequantized(fmt, *stored).float().t()

@@ -62,7 +62,8 @@
 #            probe: the load path's own rate), then both at 4, 8, 16 rows
 #   async    the int4 async kernel (kernels={"int4": "cuda-async"}, 2026-12-05): its GPU tests (bit for bit against the
 #            register kernel), then its per-layer times at 3 and 6 slots beside the register kernel and Triton's, 1
-#            and 4 rows (~3 min); the step's A/B in a call of its own: python scripts/bench.py --models qwen3.5-27b
+#            and 4 rows, each CUDA kernel beside its loads-only probe (int4_cuda.loads_only: its load path's own
+#            rate at its own blocks an SM; ~3 min); the step's A/B in a call of its own: python scripts/bench.py --models qwen3.5-27b
 #            --systems fastqwen-int4 fastqwen-int4+cuda-async-int4 --isolate --quant-lm-head --n-long 544 --repeats 3
 #            --no-autotune (bf16's step of the same GPU for the ratio: 13520 µs on an H200, 20015 on an H100)
 #   cuda-times-fp8 the same for fp8-weight's register and ring kernels on the 27B's and 35B-A3B's layers.
@@ -101,7 +102,7 @@ case "$stage" in
   cuda-tests) timeout ${CUDA_TESTS_TIMEOUT:-480} python -m pytest -v -s -p no:warnings --durations=6 \
                tests/gpu/test_cuda_kernels_gpu.py ${CUDA_TESTS_ARGS:-} 2>&1 \
                | tee "$out/cuda_tests.log" | tail -8 ;;
-  cuda-times) python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel cuda --cuda-min-blocks 4 8 --cuda-stream --cuda-async 3 6 \
+  cuda-times) python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel cuda --cuda-min-blocks 4 8 --cuda-stream --cuda-async 3 6 --cuda-loads-only \
                --cuda-chains 1 2 --rows 1 4 --check 2>&1 | tee "$out/cuda_times_occupancy.md"
              python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel triton cuda \
                --cuda-batch 2 4 8 --cuda-pipelined 0 1 --cuda-blocks 1024 2048 4096 2>&1 | tee "$out/cuda_times.md"
@@ -112,7 +113,7 @@ case "$stage" in
                --rows 4 8 16 2>&1 | tee -a "$out/cuda_times.md" ;;
   async) timeout 200 python -m pytest -q -p no:warnings tests/gpu/test_cuda_kernels_gpu.py -k async 2>&1 \
            | tee "$out/async_tests.log" | tail -3
-         python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel triton cuda --cuda-async 3 6 \
+         python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel triton cuda --cuda-async 3 6 --cuda-loads-only \
            --rows 1 4 --check 2>&1 | grep "^|" | tee "$out/async_times.md" ;;
   cuda-times-fp8) python scripts/gemv_times.py --format fp8-weight --shapes 27b 27b-head 35b-a3b --kernel triton cuda \
                --cuda-batch 2 4 8 --cuda-blocks 1024 2048 4096 2>&1 | tee "$out/cuda_times_fp8.md"

@@ -155,9 +155,12 @@ def test_ops_pass_opcheck_and_take_only_their_layouts():
                                                                                              True).shape[0]
     for rows in (x, x.half(), x.expand(16, -1)):
         assert int4_cuda.takes(rows, q, s, z) and fp8_cuda.takes(rows, w8, s8)
-    for probe in (lambda: int4_cuda.ring_loads_only(x, q, s, z, 48), lambda: fp8_cuda.ring_loads_only(x, w8, s8)):
+    for probe in [lambda k=k: int4_cuda.loads_only(x, q, s, z, 48, k) for k in int4_cuda.PROBES] + [
+            lambda: fp8_cuda.ring_loads_only(x, w8, s8)]:
         with pytest.raises(ValueError, match="takes CUDA tensors"):  # (a timing probe: its output is zeros)
             probe()
+    with pytest.raises(ValueError, match="probes one of"):
+        int4_cuda.loads_only(x, q, s, z, 48, "stream")
     untiled, _, _ = stored_operands(INT4, torch.randn(48, 1024), tiled=False)
     for args in ((x.expand(17, -1), q, s, z), (x[0], q, s, z), (x.float(), q, s, z), (x, untiled, s, z),
                  (x, q, s.contiguous(), z), (x, q, s, z.contiguous()), (x[:, :512], q, s, z)):
@@ -418,7 +421,7 @@ def _template_args(mangled: str, kernel: str) -> list[int]:
 
 
 @NVCC
-@pytest.mark.parametrize("name,instances", [("int4_gemv", 46), ("fp8_gemv", 26)])
+@pytest.mark.parametrize("name,instances", [("int4_gemv", 52), ("fp8_gemv", 26)])
 def test_kernels_build_for_sm90_without_spills(name, instances, tmp_path):
     """nvcc -Xptxas -v for sm_90: every instance (register and ring kernels) ≤ 128 registers (4 blocks of 128
     threads a multiprocessor, 3 of the ring's 160; int4's instances for 8 blocks ≤ 64), no spills, static shared
@@ -438,7 +441,7 @@ def test_kernels_build_for_sm90_without_spills(name, instances, tmp_path):
 
 
 @NVCC
-@pytest.mark.parametrize("name,kernel,instances", [("int4_gemv", "int4_gemv_rows", 18),
+@pytest.mark.parametrize("name,kernel,instances", [("int4_gemv", "int4_gemv_rows", 20),
                                                    ("fp8_gemv", "fp8_gemv_rows", 10)])
 def test_register_kernels_issue_their_first_loads_before_the_wait(name, kernel, instances, tmp_path):
     """In the SASS of each register-kernel instance (bf16 / fp16 x, each BATCH, pipelined, one or two blocks of
@@ -448,9 +451,10 @@ def test_register_kernels_issue_their_first_loads_before_the_wait(name, kernel, 
     functions = _sass_functions(_build_sm90(name, tmp_path)[1], kernel)
     assert len(functions) == instances
     for k in functions:
-        args = _template_args(k.split("\n")[0], kernel)  # int4: dtype, BATCH, PIPE, NB, MINB, CHAINS; fp8: dtype,
-        # BATCH, NB
+        args = _template_args(k.split("\n")[0], kernel)  # int4: dtype, BATCH, PIPE, NB, MINB, CHAINS, PROBE;
+        # fp8: dtype, BATCH, NB
         batch, nb, pipe = args[1], args[3 if name == "int4_gemv" else 2], name == "int4_gemv" and args[2] == 1
+        probe = name == "int4_gemv" and args[6] == 1  # (the loads-only probe: no x, no MMA)
         ops = _sass_ops(k)
         wait = ops.index("ACQBULK")  # griddepcontrol.wait
         weights = [i for i, o in enumerate(ops) if o == "LDG.E.NA.128"]
@@ -459,7 +463,8 @@ def test_register_kernels_issue_their_first_loads_before_the_wait(name, kernel, 
         assert len(weights) == 2 * batch * copies, (batch, pipe, len(weights))
         assert weights[2 * batch - 1] < wait < min(xs + weights[2 * batch:]), (batch, pipe, weights, wait, xs)
         mmas = (8 if name == "int4_gemv" else 4) * nb * batch * (2 if pipe else 1)
-        assert sum(o.startswith("HMMA.16816.F32") for o in ops) == mmas
+        assert sum(o.startswith("HMMA.16816.F32") for o in ops) == (0 if probe else mmas)
+        assert (len(xs) == 0) == probe
 
 
 @NVCC
@@ -492,13 +497,20 @@ def test_async_kernel_copies_its_first_groups_before_the_wait_and_waits_on_each(
     STAGES - 1 groups' cp.async copies (the tile's two 16-byte pieces a lane and a scale or zero piece, each group
     committed) before the PDL wait; in the loop one group's copies and commit, a wait on the copies (at most
     STAGES - 1 groups still in flight), then x and the group's 8 MMAs for each block of 8 x rows; nothing spills,
-    and at 3 slots with one block of 8 x rows at most 64 registers (8 blocks a multiprocessor)."""
+    and at 3 slots with one block of 8 x rows at most 64 registers (8 blocks a multiprocessor). Its loads-only
+    probes (one block of 8 x rows): the first groups' copies before the wait, then copies and slot reads, no x and
+    no MMA."""
     report, lib = _build_sm90("int4_gemv", tmp_path)
     functions = _sass_functions(lib, "int4_gemv_async")
-    assert len(functions) == 8
+    assert len(functions) == 12
     for k in functions:
-        _, stages, nb = _template_args(k.split("\n")[0], "int4_gemv_async")
+        _, stages, nb, probe = _template_args(k.split("\n")[0], "int4_gemv_async")
         ops = _sass_ops(k)
+        if probe:
+            copies = [i for i, o in enumerate(ops) if o.startswith("LDGSTS")]
+            assert nb == 1 and copies[3 * (stages - 1) - 1] < ops.index("ACQBULK") < copies[3 * (stages - 1)]
+            assert "LDG.E.128" not in ops and not any(o.startswith("HMMA") for o in ops) and "LDS.128" in ops
+            continue
         wait = ops.index("ACQBULK")
         copies = [i for i, o in enumerate(ops) if o.startswith("LDGSTS")]
         commits = [i for i, o in enumerate(ops) if o == "LDGDEPBAR"]
@@ -512,7 +524,7 @@ def test_async_kernel_copies_its_first_groups_before_the_wait_and_waits_on_each(
     lines = report.splitlines()
     used = [int(next(u for u in lines[i:] if "Used " in u).split("Used ")[1].split()[0]) for i, line in enumerate(lines)
             if "Compiling entry function" in line and "int4_gemv_async" in line
-            and _template_args(line, "int4_gemv_async")[1:] == [3, 1]]
+            and _template_args(line, "int4_gemv_async")[1:] == [3, 1, 0]]
     assert len(used) == 2 and max(used) <= 64, used
 
 
@@ -606,8 +618,9 @@ def test_built_libraries_refuse_arguments_out_of_range_before_touching_the_gpu(t
         int4, fp8 = int4_cuda.library("90"), fp8_cuda.library("90")  # (the typed entry points)
         assert sorted(p.name.split("-")[0] for p in (tmp_path / "cuda").glob("*.so")) == ["fp8_gemv", "int4_gemv"]
         call4 = lambda M=1, N=64, K=512, splits=2, per=2, batch=4, pipe=0, stages=0, strips=4, per_sm=8, min_blocks=4, \
-            chains=1, stream=0, copies=0: int4(0, 0, 0, 0, 0, M, N, K, splits, per, batch, pipe, min_blocks, chains,
-                                               stages, strips, per_sm, 0, stream, copies, 1, 0, 0, None)
+            chains=1, stream=0, copies=0, loads_only=0: int4(0, 0, 0, 0, 0, M, N, K, splits, per, batch, pipe,
+                                                             min_blocks, chains, stages, strips, per_sm, loads_only,
+                                                             stream, copies, 1, 0, 0, None)
         slots = int4_cuda.stream_slots(64, 512, 7)  # (16 units on 7 blocks: 3 pieces a strip at most)
         assert slots == 3
         for bad in ({"N": 40}, {"K": 500}, {"M": 0}, {"M": 17}, {"splits": 3}, {"per": 1}, {"batch": 3},
@@ -619,7 +632,9 @@ def test_built_libraries_refuse_arguments_out_of_range_before_touching_the_gpu(t
                     {"stream": 7, "splits": slots - 1}, {"stream": 7, "splits": slots + 1}, {"stream": 17, "splits": 1},
                     {"stream": -1}, {"stream": 7, "splits": slots, "N": 40}, {"stream": 7, "splits": slots, "M": 17},
                     {"copies": 2}, {"copies": 4}, {"copies": 3, "stages": 4}, {"copies": 3, "M": 17},
-                    {"copies": 6, "splits": 3}):
+                    {"copies": 6, "splits": 3}, {"loads_only": 1, "batch": 4}, {"loads_only": 1, "M": 9, "batch": 2},
+                    {"loads_only": 1, "copies": 3, "M": 9}, {"loads_only": 1, "batch": 2, "min_blocks": 8},
+                    {"stream": 7, "splits": slots, "loads_only": 1}, {"stream": 7, "splits": slots, "copies": 3}):
             assert call4(**bad) == 1, bad
         call8 = lambda M=1, N=64, K=512, splits=2, per=4, batch=4, stages=0, strips=4, per_sm=8: fp8(  # noqa: E731
             0, 0, 0, 0, M, N, K, splits, per, batch, stages, strips, per_sm, 0, 1, 0, 0, None)
@@ -629,7 +644,8 @@ def test_built_libraries_refuse_arguments_out_of_range_before_touching_the_gpu(t
             assert call8(**bad) == 1, bad
         if not torch.cuda.is_available():
             for ok in (call4(), call4(batch=2, min_blocks=8, chains=2), call4(stream=7, splits=slots, batch=3),
-                       call4(copies=3, batch=3), call4(copies=6, M=16),
+                       call4(copies=3, batch=3), call4(copies=6, M=16), call4(loads_only=1, batch=2),
+                       call4(loads_only=1, copies=6, M=8),
                        call4(stream=16, splits=4, M=16), call4(stages=4, batch=3),
                        call4(stages=8, M=16, batch=8, pipe=1, strips=2), call8(),
                        call8(stages=4, batch=3, strips=1), call8(stages=8, M=12, strips=2)):

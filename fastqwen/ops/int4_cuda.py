@@ -152,7 +152,8 @@ def _splits(x: torch.Tensor, out_features: int, one_split: bool, stream: bool) -
 
 def _launch(x, w, scale, zero, out_features, pdl, one_split, ring, loads_only, stream=False,
             copies=False) -> torch.Tensor:
-    """int4_gemv's body; loads_only: the ring kernel's probe (ring_loads_only)."""
+    """int4_gemv's body; loads_only: the chosen kernel's probe (`loads_only`; the register kernel's is its BATCH 2
+    instance)."""
     copies = copies and not (ring or stream)
     splits, per, blocks = _splits(x, out_features, one_split, stream and not ring)
     if not x.is_cuda:
@@ -164,7 +165,7 @@ def _launch(x, w, scale, zero, out_features, pdl, one_split, ring, loads_only, s
         raise ValueError(f"int4_gemv's {'ring' if ring else 'async'} kernel copies the codes, scales and zeros in "
                          "16-byte pieces: they must start 16-byte aligned (a view at an odd offset: pass a copy)")
     x = cuda_build.aligned(x)
-    batch, pipelined, min_blocks, chains = variant(x.shape[0])
+    batch, pipelined, min_blocks, chains = (2, False, 4, 1) if loads_only and not ring else variant(x.shape[0])
     out = torch.empty(splits, x.shape[0], out_features, device=x.device, dtype=torch.float32)
     err = library(cuda_build.device_arch(x.device, CHOICE))(
         x.data_ptr(), w.data_ptr(), scale.data_ptr(), zero.data_ptr(), out.data_ptr(), x.shape[0], out_features,
@@ -201,11 +202,18 @@ def _(x, w, scale, zero, out_features, pdl=False, one_split=False, ring=False, s
     return x.new_empty(splits, x.shape[0], out_features, dtype=torch.float32)
 
 
-def ring_loads_only(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                    out_features: int) -> torch.Tensor:
-    """A probe, for timing only (scripts/gemv_times.py --cuda-ring-loads-only): the ring kernel at the module's
-    settings with its consumers taking every stage and decoding nothing, so its time is the load path's own.
-    Returns zeros [splits, M, out_features]. CUDA tensors only."""
+PROBES = ("register", "async", "ring")  # the kernels with a loads-only probe
+
+
+def loads_only(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out_features: int,
+               kernel: str = "register") -> torch.Tensor:
+    """A probe, for timing only (scripts/gemv_times.py --cuda-loads-only, --cuda-ring-loads-only): the kernel
+    loading every weight, scale and zero as it does and decoding nothing, so its time is its load path's own —
+    "register": the register kernel's BATCH 2 instance, "async": the async kernel at ASYNC_STAGES (both up to 8
+    rows, and at as many blocks a multiprocessor as the kernel they probe), "ring": the ring kernel at the
+    module's settings. Returns zeros [splits, M, out_features]. CUDA tensors only."""
+    if kernel not in PROBES:
+        raise ValueError(f"loads_only probes one of {PROBES}, not {kernel!r}")
     if not x.is_cuda:
-        raise ValueError("ring_loads_only times the CUDA ring kernel: it takes CUDA tensors")
-    return _launch(x, w, scale, zero, out_features, False, False, True, True)
+        raise ValueError("loads_only times the CUDA kernels: it takes CUDA tensors")
+    return _launch(x, w, scale, zero, out_features, False, False, kernel == "ring", True, copies=kernel == "async")

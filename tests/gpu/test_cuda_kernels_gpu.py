@@ -246,14 +246,15 @@ def _late_writer():
     return late_copy
 
 
-@pytest.mark.parametrize("scheme", ["int4", "fp8-weight"])
-def test_ring_loads_only_probe_runs_and_writes_zeros(scheme):
-    """gemv_times.py's probe of the ring's load path: the same grid and stages, every output written (zeros)."""
+@pytest.mark.parametrize("scheme,probe", [("int4", k) for k in int4_cuda.PROBES] + [("fp8-weight", "ring")])
+def test_loads_only_probes_run_and_write_zeros(scheme, probe):
+    """gemv_times.py's probes of the kernels' load paths (int4's register, async and ring kernels, fp8's ring): the
+    same grid, every output written (zeros)."""
     kernel, (N, K) = KERNELS[scheme], (5120, 17408)
     ops = weight(scheme, N, K)
     x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
     poison_allocator((kernel.module.plan(N, K)[0], 1, N), dtype=torch.float32)
-    got = kernel.module.ring_loads_only(x, *ops, N) if scheme == "int4" else fp8_cuda.ring_loads_only(x, *ops)
+    got = int4_cuda.loads_only(x, *ops, N, probe) if scheme == "int4" else fp8_cuda.ring_loads_only(x, *ops)
     assert got.shape == (kernel.module.plan(N, K)[0], 1, N) and not got.any() and not got.isnan().any()
 
 

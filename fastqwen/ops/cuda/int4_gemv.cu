@@ -148,6 +148,16 @@ __device__ __forceinline__ void group_dot(float (&c)[NB][4], uint4 a, uint4 b, c
   group_mma<BF16, NB, CHAINS>(c, a, b, xb, za, zb, magic);
 }
 
+// A loads-only probe's end: its sums hold the bits of what it loaded (so that no load is dead code), zeroed unless
+// M < 0, which no launch passes (so the probe writes zeros, and the compiler cannot drop the loads).
+template <int NB>
+__device__ __forceinline__ void probe_sums(float (&sums)[NB][4], int M) {
+  if (M >= 0) {
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) sums[nb][0] = sums[nb][1] = sums[nb][2] = sums[nb][3] = 0.f;
+  }
+}
+
 // One warp's weights of BATCH groups g0, g0 + WARPS, ... (< g_end): the lane's 16 bytes of both rows of each
 // tile, their scales and -(MAGIC + zero) pairs. load() issues the loads; dot() adds the groups' sums.
 template <bool BF16, int BATCH>
@@ -174,13 +184,18 @@ struct Batch {
 
   // sums[nb]: strip row l/4 against x rows 8 nb + 2 (l%4) and + 1, then row l/4 + 8 against them; xcols[nb]:
   // x row 8 nb + l/4 at the lane's columns (+ g * 16 for group g), has_x[nb]: whether that row is < M.
-  template <int NB, int CHAINS>
+  // PROBE: the loads kept (their registers used), nothing decoded or summed (loads_only).
+  template <int NB, int CHAINS, bool PROBE = false>
   __device__ __forceinline__ void dot(const uint4* const (&xcols)[NB], const bool (&has_x)[NB], int g0, int g_end,
                                       uint32_t magic, float (&sums)[NB][4]) const {
 #pragma unroll
     for (int t = 0; t < BATCH; ++t) {
       const int g = g0 + t * WARPS;
-      if (g < g_end) {
+      if (PROBE && g < g_end) {  // (every loaded word folded into sums[0][0]'s bits: no load is dead)
+        const uint32_t v = ta[t].x ^ ta[t].y ^ ta[t].z ^ ta[t].w ^ tb[t].x ^ tb[t].y ^ tb[t].z ^ tb[t].w ^
+                           __float_as_uint(sa[t]) ^ __float_as_uint(sb[t]) ^ za[t] ^ zb[t];
+        sums[0][0] = __uint_as_float(__float_as_uint(sums[0][0]) ^ v);
+      } else if (g < g_end) {
         uint4 xs[NB][4];
         float c[NB][4];
 #pragma unroll
@@ -206,9 +221,9 @@ struct Batch {
 
 // PIPE: two batches in flight, the next one's loads issued before the current one's decode (ping-pong);
 // else each batch is loaded, then decoded. MINB: blocks a multiprocessor must hold (ptxas caps the registers
-// to fit them); CHAINS: group_mma's. (x without __restrict__: plain loads, made after the PDL wait, not the
-// read-only path.)
-template <bool BF16, int BATCH, bool PIPE, int NB, int MINB, int CHAINS>
+// to fit them); CHAINS: group_mma's; PROBE: loads only (the load path's own rate; out all zeros). (x without
+// __restrict__: plain loads, made after the PDL wait, not the read-only path.)
+template <bool BF16, int BATCH, bool PIPE, int NB, int MINB, int CHAINS, bool PROBE>
 __global__ void __launch_bounds__(WARPS * 32, MINB) int4_gemv_rows(const uint16_t* x,
                                                                 const uint4* __restrict__ w,
                                                                 const __half* scale,  // (coherent loads:
@@ -240,9 +255,10 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) int4_gemv_rows(const uint16_
   } else {
     for (int g0 = g_begin; g0 < g_end; g0 += STRIDE) {
       if (g0 != g_begin) a.load(tiles, scale, zero, N, row_a, g0, g_end);
-      a.template dot<NB, CHAINS>(xcols, has_x, g0, g_end, magic, sums);
+      a.template dot<NB, CHAINS, PROBE>(xcols, has_x, g0, g_end, magic, sums);
     }
   }
+  if constexpr (PROBE) probe_sums(sums, M);
   strip_gemv::write_partials<NB>(sums, 1.f, 1.f, out, M, N, strip, split);  // (the groups' scales: applied)
 }
 
@@ -317,8 +333,9 @@ struct alignas(16) GroupSlot {
 // shared memory of its own: group k + STAGES - 1's copies are issued before group k is decoded, the first STAGES -
 // 1 before the PDL wait. Lane l copies (and later reads) its own 2 x 16 bytes of a tile; lanes 0, 1 copy the
 // strip's 16 scales, lane 2 its 16 zeros, which every lane reads after a warp barrier. Blocks an SM: 8 at 3
-// stages (~15 KB of shared memory a block), 5 at 6; 4 with two column blocks.
-template <bool BF16, int STAGES, int NB>
+// stages (~15 KB of shared memory a block), 5 at 6; 4 with two column blocks. PROBE: the copies and the slot reads
+// only, nothing decoded (loads_only; out all zeros).
+template <bool BF16, int STAGES, int NB, bool PROBE>
 __global__ void __launch_bounds__(WARPS * 32, NB == 2 ? 4 : STAGES <= 3 ? 8 : 5)
     int4_gemv_async(const uint16_t* x, const uint4* __restrict__ w, const __half* scale, const uint8_t* zero,
                     float* __restrict__ out, int M, int N, int K, int groups_per_split, uint32_t magic) {
@@ -362,27 +379,35 @@ __global__ void __launch_bounds__(WARPS * 32, NB == 2 ? 4 : STAGES <= 3 ? 8 : 5)
     cp_async_wait<STAGES - 1>();  // (this lane's copies of group k have landed)
     __syncwarp();                 // (and lanes 0 .. 2's scales and zeros)
     const GroupSlot& slot = ring[from];
-    uint4 xs[NB][4];
+    if constexpr (PROBE) {  // (the slot's words folded into sums[0][0]'s bits: no read is dead)
+      const uint4 a = slot.tile[lane], b = slot.tile[lane + 32];
+      const uint32_t v = a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w ^ __half_as_ushort(slot.scale[row]) ^
+                         slot.zero[row];
+      sums[0][0] = __uint_as_float(__float_as_uint(sums[0][0]) ^ v);
+    } else {
+      uint4 xs[NB][4];
 #pragma unroll
-    for (int nb = 0; nb < NB; ++nb) {
+      for (int nb = 0; nb < NB; ++nb) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) xs[nb][i] = has_x[nb] ? xg[nb][i] : make_uint4(0, 0, 0, 0);
-      xg[nb] += WARPS * 16;
-    }
-    const float sa = __half2float(slot.scale[row]), sb = __half2float(slot.scale[row + 8]);
-    const uint32_t za = (Pairs<BF16>::NEG_MAGIC | slot.zero[row]) * 0x00010001u;
-    const uint32_t zb = (Pairs<BF16>::NEG_MAGIC | slot.zero[row + 8]) * 0x00010001u;
-    float c[NB][4] = {};
-    group_dot<BF16, NB, 1>(c, slot.tile[lane], slot.tile[lane + 32], xs, za, zb, magic);
+        for (int i = 0; i < 4; ++i) xs[nb][i] = has_x[nb] ? xg[nb][i] : make_uint4(0, 0, 0, 0);
+        xg[nb] += WARPS * 16;
+      }
+      const float sa = __half2float(slot.scale[row]), sb = __half2float(slot.scale[row + 8]);
+      const uint32_t za = (Pairs<BF16>::NEG_MAGIC | slot.zero[row]) * 0x00010001u;
+      const uint32_t zb = (Pairs<BF16>::NEG_MAGIC | slot.zero[row + 8]) * 0x00010001u;
+      float c[NB][4] = {};
+      group_dot<BF16, NB, 1>(c, slot.tile[lane], slot.tile[lane + 32], xs, za, zb, magic);
 #pragma unroll
-    for (int nb = 0; nb < NB; ++nb) {
-      sums[nb][0] = fmaf(sa, c[nb][0], sums[nb][0]);
-      sums[nb][1] = fmaf(sa, c[nb][1], sums[nb][1]);
-      sums[nb][2] = fmaf(sb, c[nb][2], sums[nb][2]);
-      sums[nb][3] = fmaf(sb, c[nb][3], sums[nb][3]);
+      for (int nb = 0; nb < NB; ++nb) {
+        sums[nb][0] = fmaf(sa, c[nb][0], sums[nb][0]);
+        sums[nb][1] = fmaf(sa, c[nb][1], sums[nb][1]);
+        sums[nb][2] = fmaf(sb, c[nb][2], sums[nb][2]);
+        sums[nb][3] = fmaf(sb, c[nb][3], sums[nb][3]);
+      }
     }
   }
   cp_async_wait<0>();  // (no copy in flight past the block's end)
+  if constexpr (PROBE) probe_sums(sums, M);
   strip_gemv::write_partials<NB>(sums, 1.f, 1.f, out, M, N, strip, split);  // (the groups' scales: applied)
 }
 
@@ -504,24 +529,26 @@ __global__ void __launch_bounds__(RING_THREADS) int4_gemv_ring(const uint16_t* x
 
 }  // namespace
 
-template <bool BF16, int BATCH, bool PIPE, int NB, int MINB = 4, int CHAINS = 1>
+template <bool BF16, int BATCH, bool PIPE, int NB, int MINB = 4, int CHAINS = 1, bool PROBE = false>
 cudaError_t launch(const cudaLaunchConfig_t& config, const void* x, const void* w, const void* scale,
                    const void* zero, float* out, int M, int N, int K, int groups_per_split) {
   // (MAGIC passed as an argument: a register in the kernel, see pair_minus_zero)
-  return cudaLaunchKernelEx(&config, int4_gemv_rows<BF16, BATCH, PIPE, NB, MINB, CHAINS>,
+  return cudaLaunchKernelEx(&config, int4_gemv_rows<BF16, BATCH, PIPE, NB, MINB, CHAINS, PROBE>,
                             static_cast<const uint16_t*>(x), static_cast<const uint4*>(w),
                             static_cast<const __half*>(scale), static_cast<const uint8_t*>(zero), out, M, N, K,
                             groups_per_split, Pairs<BF16>::MAGIC);
 }
 
-// The instance for M rows, (batch, pipe) and (min_blocks, chains) as one key: one column block of 8 x rows (M <=
-// 8) or two (M <= 16, BATCH 2 or 4 unpipelined: the others would spill), 4 blocks a multiprocessor at least and
-// one MMA chain, but BATCH 2 unpipelined at one column block also at 8 blocks (63 registers, no spill) and / or
-// two chains; -1 where there is none.
-static int variant_key(int M, int batch, int pipe, int min_blocks, int chains) {
+// The instance for M rows, (batch, pipe), (min_blocks, chains) and the loads-only probe as one key: one column
+// block of 8 x rows (M <= 8) or two (M <= 16, BATCH 2 or 4 unpipelined: the others would spill), 4 blocks a
+// multiprocessor at least and one MMA chain, but BATCH 2 unpipelined at one column block also at 8 blocks (63
+// registers, no spill) and / or two chains, or (4 blocks, one chain) as the probe; -1 where there is none.
+static int variant_key(int M, int batch, int pipe, int min_blocks, int chains, int probe) {
   const int key = (M > 8) * 100 + batch * 2 + (pipe != 0);
-  const int tuned = (min_blocks == 8) * 1000 + (chains == 2) * 2000;
-  if ((min_blocks != 4 && min_blocks != 8) || (chains != 1 && chains != 2) || (tuned && key != 4)) return -1;
+  const int tuned = (min_blocks == 8) * 1000 + (chains == 2) * 2000 + (probe != 0) * 8000;
+  if ((min_blocks != 4 && min_blocks != 8) || (chains != 1 && chains != 2) || (tuned && key != 4) ||
+      (probe && tuned != 8000))
+    return -1;
   switch (key) {
     case 4: case 5: case 8: case 16: case 104: case 108: return key + tuned;
     default: return -1;
@@ -542,6 +569,8 @@ cudaError_t launch_variant(int key, const cudaLaunchConfig_t& config, const void
     case 1004: return launch<BF16, 2, false, 1, 8, 1>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
     case 2004: return launch<BF16, 2, false, 1, 4, 2>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
     case 3004: return launch<BF16, 2, false, 1, 8, 2>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
+    case 8004:
+      return launch<BF16, 2, false, 1, 4, 1, true>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -571,20 +600,32 @@ cudaError_t launch_stream(cudaLaunchConfig_t config, int blocks, const void* x, 
                                     Pairs<BF16>::MAGIC);
 }
 
-// The async kernel's launch: the register kernel's grid (config), STAGES 3 or 6, one or two column blocks.
+// A loads-only probe's extra (dynamic, unused) shared memory a block, so that as many of its blocks fit a
+// multiprocessor as of the kernel it probes, whose registers allow fewer than the probe's own ~40: 228 KB an SM,
+// ~1 KB a block reserved; the register kernel (BATCH 2: 71 registers) 7 blocks, so 30 KB a block in all; the async
+// kernel 8 at 3 slots (64 registers: 26 KB), 7 at 6 (its shared memory: 30 KB).
+static size_t probe_bytes(int async_stages) {
+  constexpr size_t part = WARPS * 8 * 16 * sizeof(float), slot = sizeof(GroupSlot);  // (static shared memory)
+  if (!async_stages) return 30 * 1024 - part;
+  return (async_stages <= 3 ? 26 : 30) * 1024 - part - WARPS * async_stages * slot;
+}
+
+// The async kernel's launch: the register kernel's grid (config), STAGES 3 or 6, one or two column blocks; probe:
+// its loads-only instance (one column block only).
 template <bool BF16>
-cudaError_t launch_async(const cudaLaunchConfig_t& config, int stages, const void* x, const void* w,
+cudaError_t launch_async(const cudaLaunchConfig_t& config, int stages, int probe, const void* x, const void* w,
                          const void* scale, const void* zero, float* out, int M, int N, int K, int groups_per_split) {
   const auto* x16 = static_cast<const uint16_t*>(x);
   const auto* w4 = static_cast<const uint4*>(w);
   const auto* s16 = static_cast<const __half*>(scale);
   const auto* z8 = static_cast<const uint8_t*>(zero);
   const uint32_t magic = Pairs<BF16>::MAGIC;
-#define FASTQWEN_ASYNC(S, NB)                                                                                    \
-  if (stages == S && (M > 8) == (NB == 2))                                                                       \
-    return cudaLaunchKernelEx(&config, int4_gemv_async<BF16, S, NB>, x16, w4, s16, z8, out, M, N, K,            \
+#define FASTQWEN_ASYNC(S, NB, P)                                                                                 \
+  if (stages == S && (M > 8) == (NB == 2) && (probe != 0) == P)                                                  \
+    return cudaLaunchKernelEx(&config, int4_gemv_async<BF16, S, NB, P>, x16, w4, s16, z8, out, M, N, K,         \
                               groups_per_split, magic);
-  FASTQWEN_ASYNC(3, 1) FASTQWEN_ASYNC(3, 2) FASTQWEN_ASYNC(6, 1) FASTQWEN_ASYNC(6, 2)
+  FASTQWEN_ASYNC(3, 1, false) FASTQWEN_ASYNC(3, 2, false) FASTQWEN_ASYNC(6, 1, false) FASTQWEN_ASYNC(6, 2, false)
+  FASTQWEN_ASYNC(3, 1, true) FASTQWEN_ASYNC(6, 1, true)
 #undef FASTQWEN_ASYNC
   return cudaErrorInvalidValue;
 }
@@ -624,11 +665,12 @@ cudaError_t launch_ring_variant(int key, const cudaLaunchConfig_t& config, int d
 // instance for M (batch 2, 4 or 8, only 2 or 4 past 8 rows; pipe only with batch 2 and M <= 8); else (the ring
 // kernel; batch and pipe unused) stages other than 4 or 8, strips a segment other than 1 or 4 (1 or 2 past 8
 // rows), or blocks_per_sm < 1. min_blocks (4 or 8), chains (1 or 2): the register kernel's (variant_key).
-// loads_only: the ring's probe (int4_gemv_ring; out all zeros). stream_blocks > 0: the stream kernel on that many
-// blocks (at most N/16 · K/128), out [splits, M, N] with splits the slots it needs (stream_slots, exactly; the
-// other split and instance arguments unused). async_stages 3 or 6: the async kernel with that many slots a warp
-// (the register kernel's split plan; its instance arguments unused; with stages 0 only), 0: not. pdl: programmatic
-// dependent launch (the kernel waits before reading x).
+// loads_only: the kernel's probe of its load path (out all zeros): the ring's, the async kernel's (up to 8 rows),
+// the register kernel's (BATCH 2 unpipelined, 4 blocks, one chain, up to 8 rows). stream_blocks > 0: the stream
+// kernel on that many blocks (at most N/16 · K/128), out [splits, M, N] with splits the slots it needs
+// (stream_slots, exactly; the other split and instance arguments unused; no probe, no async). async_stages 3 or
+// 6: the async kernel with that many slots a warp (the register kernel's split plan; its instance arguments
+// unused; with stages 0 only), 0: not. pdl: programmatic dependent launch (the kernel waits before reading x).
 extern "C" int fastqwen_int4_gemv(const void* x, const void* w, const void* scale, const void* zero, float* out,
                                   int M, int N, int K, int splits, int groups_per_split, int batch, int pipe,
                                   int min_blocks, int chains, int stages, int strips, int blocks_per_sm,
@@ -637,7 +679,8 @@ extern "C" int fastqwen_int4_gemv(const void* x, const void* w, const void* scal
   const int NB = M > 8 ? 2 : 1;
   if (stream_blocks) {
     if (N <= 0 || N % 16 || K <= 0 || K % 128 || M < 1 || M > 16 || stream_blocks < 1 ||
-        stream_blocks > static_cast<long long>(N / 16) * (K / 128) || splits != stream_slots(N, K, stream_blocks))
+        stream_blocks > static_cast<long long>(N / 16) * (K / 128) || splits != stream_slots(N, K, stream_blocks) ||
+        loads_only || async_stages)
       return static_cast<int>(cudaErrorInvalidValue);
     cudaLaunchConfig_t config;
     cudaLaunchAttribute attribute;
@@ -648,8 +691,8 @@ extern "C" int fastqwen_int4_gemv(const void* x, const void* w, const void* scal
                                                         splits));
   }
   const int key = stages         ? ring::instance_key(stages, NB, strips)
-                  : async_stages ? 0
-                                 : variant_key(M, batch, pipe, min_blocks, chains);
+                  : async_stages ? (loads_only && M > 8 ? -1 : 0)
+                                 : variant_key(M, batch, pipe, min_blocks, chains, loads_only);
   if (!strip_gemv::shape_ok(M, N, K, 128, splits, groups_per_split) || key < 0 || (stages && blocks_per_sm < 1) ||
       (async_stages != 0 && async_stages != 3 && async_stages != 6) || (async_stages && stages))
     return static_cast<int>(cudaErrorInvalidValue);
@@ -657,10 +700,14 @@ extern "C" int fastqwen_int4_gemv(const void* x, const void* w, const void* scal
   cudaLaunchAttribute attribute;
   if (cudaError_t e = strip_gemv::launch_config(config, attribute, N, splits, pdl, device, stream); e != cudaSuccess)
     return static_cast<int>(e);
+  if (loads_only && !stages) {  // (a probe: as many blocks an SM as the kernel it probes, see probe_bytes)
+    config.dynamicSmemBytes = probe_bytes(async_stages);
+  }
   cudaError_t e;
   if (async_stages)
-    e = bf16 ? launch_async<true>(config, async_stages, x, w, scale, zero, out, M, N, K, groups_per_split)
-             : launch_async<false>(config, async_stages, x, w, scale, zero, out, M, N, K, groups_per_split);
+    e = bf16 ? launch_async<true>(config, async_stages, loads_only, x, w, scale, zero, out, M, N, K, groups_per_split)
+             : launch_async<false>(config, async_stages, loads_only, x, w, scale, zero, out, M, N, K,
+                                   groups_per_split);
   else if (stages)
     e = bf16 ? launch_ring_variant<true>(key, config, device, blocks_per_sm, x, w, scale, zero, out, M, N, K, splits,
                                          groups_per_split, loads_only)
