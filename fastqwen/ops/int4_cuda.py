@@ -9,7 +9,9 @@ decodes any of them and before the PDL wait) and the ring kernel (`ring=True`: a
 warp streams each block's run of tiles, scales and zeros into a shared-memory ring of RING_STAGES stages by bulk
 copies, with no PDL wait, while 4 consumer warps decode; the warp-specialised load path Triton 3.6 cannot
 express on Hopper). Two candidates on the register kernel's warps: the stream kernel (`stream=True`: one resident
-wave, every block the same share) and the async kernel (`copies=True`: each warp's groups through ASYNC_STAGES
+wave, every block the same share; STREAM_HELD groups a warp copied into shared memory before the PDL wait and,
+STREAM_EARLY, the next kernel let launch at its start: the weight stream run through the gaps between a step's
+kernels) and the async kernel (`copies=True`: each warp's groups through ASYNC_STAGES
 slots of its own in shared memory by cp.async, ASYNC_STAGES - 1 groups in flight during each decode, at the
 registers of one group).
 
@@ -44,6 +46,8 @@ RING_STAGES = 8  # the ring kernel's stages (4 or 8), each up to 4 groups of a s
 RING_BLOCKS_PER_SM = 8  # at most this many ring blocks a multiprocessor (fewer where they do not fit)
 RING_STRIPS = 4  # neighbouring strips a ring warp takes its group of in turn, x's operands made once (1 or 4)
 STREAM_BLOCKS_PER_SM = (7, 4)  # the stream kernel's grid a multiprocessor, one / two column blocks (as fit)
+STREAM_HELD = 6  # the stream kernel's groups a warp copies into shared memory before the PDL wait (0 or 6)
+STREAM_EARLY = True  # the stream kernel lets the next kernel launch at its start (its grid is one wave)
 ASYNC_STAGES = 3  # the async kernel's one-group slots a warp (3 or 6): STAGES - 1 groups in flight during a decode
 MAX_SPLITS = 8  # inductor unrolls the caller's sum of ≤ 8 partials into the consumer (gemv.wq_linear)
 MAX_ROWS = 16  # rows of x a launch takes: one or two blocks of mma.m16n8k16's 8 B columns (a DFlash verify)
@@ -52,7 +56,7 @@ CHOICE = "kernels['int4']='cuda'"
 
 def library(arch: str):
     """The kernel's entry point for compute capability `arch` (cuda_build.entry: built on first use)."""
-    return cuda_build.entry("int4_gemv", arch, CHOICE, pointers=5, ints=18)
+    return cuda_build.entry("int4_gemv", arch, CHOICE, pointers=5, ints=20)
 
 
 def variant(rows: int) -> tuple[int, bool, int, int]:
@@ -170,12 +174,13 @@ def _launch(x, w, scale, zero, out_features, pdl, one_split, ring, loads_only, s
     err = library(cuda_build.device_arch(x.device, CHOICE))(
         x.data_ptr(), w.data_ptr(), scale.data_ptr(), zero.data_ptr(), out.data_ptr(), x.shape[0], out_features,
         x.shape[-1], splits, per, batch, pipelined, min_blocks, chains, RING_STAGES if ring else 0,
-        ring_strips(x.shape[0]), RING_BLOCKS_PER_SM, loads_only, blocks, ASYNC_STAGES if copies else 0,
+        ring_strips(x.shape[0]), RING_BLOCKS_PER_SM, loads_only, blocks, STREAM_HELD if blocks else 0,
+        int(STREAM_EARLY and blocks > 0), ASYNC_STAGES if copies else 0,
         x.dtype == torch.bfloat16, pdl, x.device.index,
         torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         kernel = (f"ring, RING_STAGES {RING_STAGES}, RING_STRIPS {RING_STRIPS}" if ring else
-                  f"stream, {blocks} blocks, {splits} slots" if blocks else
+                  f"stream, {blocks} blocks, {splits} slots, STREAM_HELD {STREAM_HELD}" if blocks else
                   f"async, ASYNC_STAGES {ASYNC_STAGES}" if copies else
                   f"BATCH {batch}, PIPELINED {pipelined}, MIN_BLOCKS {min_blocks}, CHAINS {chains}")
         raise RuntimeError(f"int4_gemv launch failed: CUDA error {err} ({kernel})")

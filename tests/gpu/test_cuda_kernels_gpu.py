@@ -225,6 +225,49 @@ def test_async_kernel_gives_the_register_kernels_partials_bit_for_bit(stages, N,
         assert torch.equal(got, want), (stages, N, K, M, one_split, rel_err(got, want))
 
 
+@pytest.mark.parametrize("N,K", [(34816, 5120), (5120, 17408), (12352, 2048), (5120, 6144), (248320, 5120)])
+def test_stream_kernel_holding_groups_gives_the_same_partials_bit_for_bit(N, K, monkeypatch):
+    """The stream kernel with STREAM_HELD groups a warp copied into shared memory before the wait (and its early
+    trigger) decodes the same groups in the same order as without: the same bits, where a block's first piece
+    gives a warp more groups than it holds and fewer (12352x2048: 16 groups a strip), bf16 and fp16 x, 1 to 16
+    rows."""
+    kernel, ops = KERNELS["int4-stream"], weight("int4-stream", N, K)
+    for dtype, M in ((torch.bfloat16, 1), (torch.float16, 3), (torch.bfloat16, 9), (torch.bfloat16, 16)):
+        x = torch.randn(M, K, device="cuda", dtype=dtype)
+        monkeypatch.setattr(int4_cuda, "STREAM_HELD", 0)
+        monkeypatch.setattr(int4_cuda, "STREAM_EARLY", False)
+        want = kernel.call(x, ops, N, True)
+        monkeypatch.setattr(int4_cuda, "STREAM_HELD", 6)
+        monkeypatch.setattr(int4_cuda, "STREAM_EARLY", True)
+        poison_allocator(tuple(want.shape), dtype=torch.float32)
+        got = kernel.call(x, ops, N, True)
+        assert torch.equal(got, want), (N, K, M, dtype, rel_err(got, want))
+
+
+def test_a_dependent_launched_at_the_stream_kernels_start_reads_its_whole_output():
+    """The stream kernel's early trigger lets the next kernel launch while it runs: a PDL-launched copy of its
+    output (griddepcontrol.wait first, as every kernel of a step does) must still read all of it, every launch of
+    a row of them."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def copy_after_wait(src, out, n, BLOCK: tl.constexpr):
+        tl.extra.cuda.gdc_wait()
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(out + i, tl.load(src + i, mask=i < n), mask=i < n)
+
+    kernel, (N, K) = KERNELS["int4-stream"], (34816, 5120)
+    ops = weight("int4-stream", N, K)
+    x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+    want = kernel.call(x, ops, N, True)
+    for _ in range(3):
+        got = torch.full_like(want, float("nan"))
+        partials = kernel.call(x, ops, N, True)
+        copy_after_wait[(-(-want.numel() // 1024),)](partials, got, want.numel(), BLOCK=1024, launch_pdl=True)
+        assert torch.equal(got, want)
+
+
 def _late_writer():
     """A Triton kernel that lets the next kernel launch at once (PDL's trigger as its first act), then spins for
     `spins` dependent steps and only then writes out = src: a dependent GEMV that read x before its PDL wait would

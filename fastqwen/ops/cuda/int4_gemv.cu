@@ -30,6 +30,9 @@
 //     (b + 1) U / B) of U = N/16 · K/128: every block the same work to within one group, so no last wave of a
 //     few blocks and no per-block ramp past the first; a strip's pieces (its groups in one block's range) go to
 //     consecutive slots of out (the piece of block b to slot b − the strip's first block), zeros past its last;
+//     optionally each warp's first groups held in shared memory before the PDL wait and an early trigger (being
+//     one wave, its dependents can launch at its start): the weight stream running through the gaps between
+//     kernels of a step;
 //   async (int4_gemv_async, async_stages 3 or 6): the register kernel's grid, warps, loads and math, but each
 //     warp streams its groups through a ring of its own in shared memory, one group a slot, by cp.async (16-byte
 //     copies, L2 to shared memory: no register held while they fly), async_stages - 1 groups ahead of its decode,
@@ -262,53 +265,6 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) int4_gemv_rows(const uint16_
   strip_gemv::write_partials<NB>(sums, 1.f, 1.f, out, M, N, strip, split);  // (the groups' scales: applied)
 }
 
-// The block holding unit u (a strip's group, strip-major) when U units are dealt to B blocks as [b U / B, (b + 1)
-// U / B): the largest b with b U / B <= u. (int4_cuda.stream_slots mirrors it.)
-__device__ __forceinline__ int stream_block(long long u, long long U, long long B) {
-  return static_cast<int>(((u + 1) * B - 1) / U);
-}
-
-// The stream kernel (see the top of the file): each piece loaded, decoded and written as int4_gemv_rows does a
-// (strip, split) block, BATCH 2 unpipelined; every piece's first batch is loaded before the PDL wait (the first
-// piece's before the previous kernel has finished; later ones find it done). out [slots, M, N]. 7 blocks an SM
-// with one column block (72 registers: as many as int4_gemv_rows' 71 allow; its 64-bit unit arithmetic would
-// otherwise take 92), 4 with two (118: fewer spill).
-template <bool BF16, int NB>
-__global__ void __launch_bounds__(WARPS * 32, NB == 1 ? 7 : 4)
-    int4_gemv_stream(const uint16_t* x, const uint4* __restrict__ w, const __half* scale, const uint8_t* zero,
-                     float* __restrict__ out, int M, int N, int K, int slots, uint32_t magic) {
-  const int G = K / 128, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const long long U = static_cast<long long>(N / 16) * G, B = gridDim.x;
-  const long long lo = blockIdx.x * U / B, hi = (blockIdx.x + 1) * U / B;
-  bool has_x[NB];
-  const uint4* xcols[NB];
-  strip_gemv::x_columns<NB, 4>(x, M, K, lane, has_x, xcols);
-  constexpr int STRIDE = 2 * WARPS;
-  for (long long u = lo; u < hi;) {
-    const int strip = static_cast<int>(u / G), first = static_cast<int>(u % G);
-    const int end = static_cast<int>(min(static_cast<long long>(G), first + (hi - u)));
-    const int row_a = strip * 16 + lane / 4;
-    const uint4* tiles = w + (size_t)strip * G * 64 + lane;
-    float sums[NB][4] = {};
-    Batch<BF16, 2> a;
-    a.load(tiles, scale, zero, N, row_a, first + warp, end);  // (weights: before the wait)
-    asm volatile("griddepcontrol.wait;" ::: "memory");        // x is the previous kernel's output (PDL)
-    for (int g0 = first + warp; g0 < end; g0 += STRIDE) {
-      if (g0 != first + warp) a.load(tiles, scale, zero, N, row_a, g0, end);
-      a.template dot<NB, 1>(xcols, has_x, g0, end, magic, sums);
-    }
-    const int slot = blockIdx.x - stream_block(static_cast<long long>(strip) * G, U, B);
-    const float unit[1] = {1.f};  // (the groups' scales are applied)
-    strip_gemv::write_strips<NB, 1, true>(reinterpret_cast<const float(&)[1][NB][4]>(sums), unit, unit, out, M, N,
-                                          strip, 1, slot);
-    if (end == G) {  // the strip's last piece: its later slots are zeros
-      for (int t = threadIdx.x; t < (slots - 1 - slot) * M * 16; t += WARPS * 32)
-        out[((size_t)(slot + 1 + t / (M * 16)) * M + t / 16 % M) * N + strip * 16 + t % 16] = 0.f;
-    }
-    u += end - first;
-  }
-}
-
 // 16 bytes from global `src` to shared `dst` (both 16-byte aligned) by cp.async, around L1 (.cg): its bytes land
 // without a register; commit() closes the thread's group of copies, wait<N>() returns once at most N of its
 // latest groups are still in flight.
@@ -327,6 +283,119 @@ struct alignas(16) GroupSlot {
   __half scale[16];
   uint8_t zero[16];
 };
+
+// One group from a warp's shared-memory slot: sums[nb] += its products with xs[nb] (x row 8 nb + l/4 at the
+// lane's columns of the group), scaled by the slot's scales, in Batch::dot's arithmetic (the same sums bit for bit).
+template <bool BF16, int NB>
+__device__ __forceinline__ void slot_dot(float (&sums)[NB][4], const GroupSlot& slot, const uint4 (&xs)[NB][4],
+                                         int lane, uint32_t magic) {
+  const int row = lane / 4;
+  const float sa = __half2float(slot.scale[row]), sb = __half2float(slot.scale[row + 8]);
+  const uint32_t za = (Pairs<BF16>::NEG_MAGIC | slot.zero[row]) * 0x00010001u;
+  const uint32_t zb = (Pairs<BF16>::NEG_MAGIC | slot.zero[row + 8]) * 0x00010001u;
+  float c[NB][4] = {};
+  group_dot<BF16, NB, 1>(c, slot.tile[lane], slot.tile[lane + 32], xs, za, zb, magic);
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    sums[nb][0] = fmaf(sa, c[nb][0], sums[nb][0]);
+    sums[nb][1] = fmaf(sa, c[nb][1], sums[nb][1]);
+    sums[nb][2] = fmaf(sb, c[nb][2], sums[nb][2]);
+    sums[nb][3] = fmaf(sb, c[nb][3], sums[nb][3]);
+  }
+}
+
+// A warp's copy of group g of a strip into its slot: lane l its two 16-byte pieces of the tile (tiles: the strip's
+// tiles + l), lanes 0, 1 the 16 rows' scales, lane 2 their zeros (scale, zero: at the strip's first row).
+__device__ __forceinline__ void copy_group(GroupSlot& slot, const uint4* tiles, const __half* scale,
+                                           const uint8_t* zero, int N, int g, int lane) {
+  cp_async16(&slot.tile[lane], tiles + (size_t)g * 64);
+  cp_async16(&slot.tile[lane + 32], tiles + (size_t)g * 64 + 32);
+  if (lane < 2) cp_async16(&slot.scale[8 * lane], scale + (size_t)g * N + 8 * lane);
+  else if (lane == 2) cp_async16(slot.zero, zero + (size_t)g * N);
+}
+
+// The block holding unit u (a strip's group, strip-major) when U units are dealt to B blocks as [b U / B, (b + 1)
+// U / B): the largest b with b U / B <= u. (int4_cuda.stream_slots mirrors it.)
+__device__ __forceinline__ int stream_block(long long u, long long U, long long B) {
+  return static_cast<int>(((u + 1) * B - 1) / U);
+}
+
+constexpr int STREAM_HELD = 6;  // the stream kernel's groups a warp copies into shared memory before the wait (or 0)
+
+// The stream kernel (see the top of the file): each piece loaded, decoded and written as int4_gemv_rows does a
+// (strip, split) block, BATCH 2 unpipelined; every piece's first batch is loaded before the PDL wait (the first
+// piece's before the previous kernel has finished; later ones find it done). out [slots, M, N]. 7 blocks an SM
+// with one column block (72 registers: as many as int4_gemv_rows' 71 allow; its 64-bit unit arithmetic would
+// otherwise take 92), 4 with two (118: fewer spill). HELD > 0: before the wait each warp also copies the first
+// HELD groups of its first piece into shared memory of its own (cp.async, ~1 KB a group): with 7 blocks an SM,
+// 8 groups a warp and ~30 MB over 132 SMs in flight before the previous kernel is done, against 2 and ~7 MB;
+// decoded first after the wait, while the first register batch, the groups after them, is in flight (the same
+// groups in the same order with the same arithmetic: the same partials). early: every block lets the next kernel in the stream
+// launch as it starts (griddepcontrol.launch_dependents; the grid is one wave, so the
+// dependent's blocks take no slot any of these blocks wait for, only the slots they leave), so that kernel and,
+// through its own early trigger, the weight stream after it start during this kernel's last pieces.
+template <bool BF16, int NB, int HELD>
+__global__ void __launch_bounds__(WARPS * 32, NB == 1 ? 7 : 4)
+    int4_gemv_stream(const uint16_t* x, const uint4* __restrict__ w, const __half* scale, const uint8_t* zero,
+                     float* __restrict__ out, int M, int N, int K, int slots, uint32_t magic, int early) {
+  __shared__ GroupSlot held[WARPS][HELD > 0 ? HELD : 1];
+  const int G = K / 128, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const long long U = static_cast<long long>(N / 16) * G, B = gridDim.x;
+  const int lo = static_cast<int>(blockIdx.x * U / B), hi = static_cast<int>((blockIdx.x + 1) * U / B);  // (U < 2^31)
+  bool has_x[NB];
+  const uint4* xcols[NB];
+  strip_gemv::x_columns<NB, 4>(x, M, K, lane, has_x, xcols);
+  constexpr int STRIDE = 2 * WARPS;
+  if (early) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  bool holds = HELD > 0;  // (the first piece only)
+  for (int u = lo; u < hi;) {
+    const int strip = u / G, first = u % G, end = min(G, first + (hi - u));
+    const int row_a = strip * 16 + lane / 4;
+    const uint4* tiles = w + (size_t)strip * G * 64 + lane;
+    const int g_held = first + warp, g_regs = holds ? g_held + HELD * WARPS : g_held;  // the warp's first groups
+    if (holds) {
+#pragma unroll
+      for (int j = 0; j < HELD; ++j) {
+        if (g_held + j * WARPS < end)
+          copy_group(held[warp][j], tiles, scale + strip * 16, zero + strip * 16, N, g_held + j * WARPS, lane);
+      }
+      cp_async_commit();
+    }
+    float sums[NB][4] = {};
+    Batch<BF16, 2> a;
+    a.load(tiles, scale, zero, N, row_a, g_regs, end);  // (weights: before the wait)
+    asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the previous kernel's output (PDL)
+    if (holds) {
+      cp_async_wait<0>();
+      __syncwarp();  // (lanes 0 .. 2's scales and zeros landed)
+#pragma unroll 1
+      for (int j = 0; j < HELD && g_held + j * WARPS < end; ++j) {
+        uint4 xs[NB][4];
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+            xs[nb][i] = has_x[nb] ? xcols[nb][(size_t)(g_held + j * WARPS) * 16 + i] : make_uint4(0, 0, 0, 0);
+        }
+        slot_dot<BF16, NB>(sums, held[warp][j], xs, lane, magic);
+      }
+      holds = false;
+    }
+    for (int g0 = g_regs; g0 < end; g0 += STRIDE) {
+      if (g0 != g_regs) a.load(tiles, scale, zero, N, row_a, g0, end);
+      a.template dot<NB, 1>(xcols, has_x, g0, end, magic, sums);
+    }
+    const int slot = blockIdx.x - stream_block(static_cast<long long>(strip) * G, U, B);
+    const float unit[1] = {1.f};  // (the groups' scales are applied)
+    strip_gemv::write_strips<NB, 1, true>(reinterpret_cast<const float(&)[1][NB][4]>(sums), unit, unit, out, M, N,
+                                          strip, 1, slot);
+    if (end == G) {  // the strip's last piece: its later slots are zeros
+      for (int t = threadIdx.x; t < (slots - 1 - slot) * M * 16; t += WARPS * 32)
+        out[((size_t)(slot + 1 + t / (M * 16)) * M + t / 16 % M) * N + strip * 16 + t % 16] = 0.f;
+    }
+    u += end - first;
+  }
+}
 
 // The async kernel (see the top of the file): a (N/16, splits) grid as int4_gemv_rows', each warp the same groups
 // in the same order with the same math (so the same partials, bit for bit), but fed through STAGES slots of
@@ -392,18 +461,7 @@ __global__ void __launch_bounds__(WARPS * 32, NB == 2 ? 4 : STAGES <= 3 ? 8 : 5)
         for (int i = 0; i < 4; ++i) xs[nb][i] = has_x[nb] ? xg[nb][i] : make_uint4(0, 0, 0, 0);
         xg[nb] += WARPS * 16;
       }
-      const float sa = __half2float(slot.scale[row]), sb = __half2float(slot.scale[row + 8]);
-      const uint32_t za = (Pairs<BF16>::NEG_MAGIC | slot.zero[row]) * 0x00010001u;
-      const uint32_t zb = (Pairs<BF16>::NEG_MAGIC | slot.zero[row + 8]) * 0x00010001u;
-      float c[NB][4] = {};
-      group_dot<BF16, NB, 1>(c, slot.tile[lane], slot.tile[lane + 32], xs, za, zb, magic);
-#pragma unroll
-      for (int nb = 0; nb < NB; ++nb) {
-        sums[nb][0] = fmaf(sa, c[nb][0], sums[nb][0]);
-        sums[nb][1] = fmaf(sa, c[nb][1], sums[nb][1]);
-        sums[nb][2] = fmaf(sb, c[nb][2], sums[nb][2]);
-        sums[nb][3] = fmaf(sb, c[nb][3], sums[nb][3]);
-      }
+      slot_dot<BF16, NB>(sums, slot, xs, lane, magic);
     }
   }
   cp_async_wait<0>();  // (no copy in flight past the block's end)
@@ -587,17 +645,21 @@ static int stream_slots(int N, int K, int blocks) {
 }
 
 template <bool BF16>
-cudaError_t launch_stream(cudaLaunchConfig_t config, int blocks, const void* x, const void* w, const void* scale,
-                          const void* zero, float* out, int M, int N, int K, int slots) {
+cudaError_t launch_stream(cudaLaunchConfig_t config, int blocks, int held, int early, const void* x, const void* w,
+                          const void* scale, const void* zero, float* out, int M, int N, int K, int slots) {
   config.gridDim = dim3(blocks);
   const auto* x16 = static_cast<const uint16_t*>(x);
   const auto* w4 = static_cast<const uint4*>(w);
   const auto* s16 = static_cast<const __half*>(scale);
   const auto* z8 = static_cast<const uint8_t*>(zero);
-  return M > 8 ? cudaLaunchKernelEx(&config, int4_gemv_stream<BF16, 2>, x16, w4, s16, z8, out, M, N, K, slots,
-                                    Pairs<BF16>::MAGIC)
-               : cudaLaunchKernelEx(&config, int4_gemv_stream<BF16, 1>, x16, w4, s16, z8, out, M, N, K, slots,
-                                    Pairs<BF16>::MAGIC);
+  const uint32_t magic = Pairs<BF16>::MAGIC;
+#define FASTQWEN_STREAM(NB, H)                                                                                      \
+  if ((M > 8) == (NB == 2) && held == H)                                                                            \
+    return cudaLaunchKernelEx(&config, int4_gemv_stream<BF16, NB, H>, x16, w4, s16, z8, out, M, N, K, slots, magic, \
+                              early);
+  FASTQWEN_STREAM(1, 0) FASTQWEN_STREAM(2, 0) FASTQWEN_STREAM(1, STREAM_HELD) FASTQWEN_STREAM(2, STREAM_HELD)
+#undef FASTQWEN_STREAM
+  return cudaErrorInvalidValue;
 }
 
 // A loads-only probe's extra (dynamic, unused) shared memory a block, so that as many of its blocks fit a
@@ -668,27 +730,34 @@ cudaError_t launch_ring_variant(int key, const cudaLaunchConfig_t& config, int d
 // loads_only: the kernel's probe of its load path (out all zeros): the ring's, the async kernel's (up to 8 rows),
 // the register kernel's (BATCH 2 unpipelined, 4 blocks, one chain, up to 8 rows). stream_blocks > 0: the stream
 // kernel on that many blocks (at most N/16 · K/128), out [splits, M, N] with splits the slots it needs
-// (stream_slots, exactly; the other split and instance arguments unused; no probe, no async). async_stages 3 or
+// (stream_slots, exactly; the other split and instance arguments unused; no probe, no async); stream_held 0 or
+// STREAM_HELD: the groups a warp copies into shared memory before the PDL wait; stream_early 0 or 1: whether
+// its blocks let the next kernel launch at their start (both stream kernel only). async_stages 3 or
 // 6: the async kernel with that many slots a warp (the register kernel's split plan; its instance arguments
 // unused; with stages 0 only), 0: not. pdl: programmatic dependent launch (the kernel waits before reading x).
 extern "C" int fastqwen_int4_gemv(const void* x, const void* w, const void* scale, const void* zero, float* out,
                                   int M, int N, int K, int splits, int groups_per_split, int batch, int pipe,
                                   int min_blocks, int chains, int stages, int strips, int blocks_per_sm,
-                                  int loads_only, int stream_blocks, int async_stages, int bf16, int pdl, int device,
-                                  void* stream) {
+                                  int loads_only, int stream_blocks, int stream_held, int stream_early,
+                                  int async_stages, int bf16, int pdl, int device, void* stream) {
   const int NB = M > 8 ? 2 : 1;
+  if ((stream_held != 0 && stream_held != STREAM_HELD) || (stream_early != 0 && stream_early != 1) ||
+      ((stream_held || stream_early) && !stream_blocks))
+    return static_cast<int>(cudaErrorInvalidValue);
   if (stream_blocks) {
     if (N <= 0 || N % 16 || K <= 0 || K % 128 || M < 1 || M > 16 || stream_blocks < 1 ||
-        stream_blocks > static_cast<long long>(N / 16) * (K / 128) || splits != stream_slots(N, K, stream_blocks) ||
+        stream_blocks > static_cast<long long>(N / 16) * (K / 128) ||
+        static_cast<long long>(N / 16) * (K / 128) > INT32_MAX || splits != stream_slots(N, K, stream_blocks) ||
         loads_only || async_stages)
       return static_cast<int>(cudaErrorInvalidValue);
     cudaLaunchConfig_t config;
     cudaLaunchAttribute attribute;
     if (cudaError_t e = strip_gemv::launch_config(config, attribute, N, 1, pdl, device, stream); e != cudaSuccess)
       return static_cast<int>(e);
-    return static_cast<int>(bf16 ? launch_stream<true>(config, stream_blocks, x, w, scale, zero, out, M, N, K, splits)
-                                 : launch_stream<false>(config, stream_blocks, x, w, scale, zero, out, M, N, K,
-                                                        splits));
+    return static_cast<int>(bf16 ? launch_stream<true>(config, stream_blocks, stream_held, stream_early, x, w, scale,
+                                                       zero, out, M, N, K, splits)
+                                 : launch_stream<false>(config, stream_blocks, stream_held, stream_early, x, w, scale,
+                                                        zero, out, M, N, K, splits));
   }
   const int key = stages         ? ring::instance_key(stages, NB, strips)
                   : async_stages ? (loads_only && M > 8 ? -1 : 0)
