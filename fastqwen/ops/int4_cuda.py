@@ -46,8 +46,10 @@ RING_STAGES = 8  # the ring kernel's stages (4 or 8), each up to 4 groups of a s
 RING_BLOCKS_PER_SM = 8  # at most this many ring blocks a multiprocessor (fewer where they do not fit)
 RING_STRIPS = 4  # neighbouring strips a ring warp takes its group of in turn, x's operands made once (1 or 4)
 STREAM_BLOCKS_PER_SM = (7, 4)  # the stream kernel's grid a multiprocessor, one / two column blocks (as fit)
-STREAM_HELD = 6  # the stream kernel's groups a warp copies into shared memory before the PDL wait (0 or 6)
-STREAM_EARLY = True  # the stream kernel lets the next kernel launch at its start (its grid is one wave)
+STREAM_HELD = 0  # the stream kernel's groups a warp copies into shared memory before the PDL wait (0 or 6)
+STREAM_EARLY = False  # the stream kernel lets the next kernel launch at its start (its grid is one wave)
+# (both on: a 9B int4 step 3152 µs against the register kernel's 2560, one H100, 2026-12-05; which of the two
+# or the stream kernel itself costs it is not yet known: docs/DESIGN-NOTES.md)
 ASYNC_STAGES = 3  # the async kernel's one-group slots a warp (3 or 6): STAGES - 1 groups in flight during a decode
 MAX_SPLITS = 8  # inductor unrolls the caller's sum of ≤ 8 partials into the consumer (gemv.wq_linear)
 MAX_ROWS = 16  # rows of x a launch takes: one or two blocks of mma.m16n8k16's 8 B columns (a DFlash verify)

@@ -244,10 +244,12 @@ def test_stream_kernel_holding_groups_gives_the_same_partials_bit_for_bit(N, K, 
         assert torch.equal(got, want), (N, K, M, dtype, rel_err(got, want))
 
 
-def test_a_dependent_launched_at_the_stream_kernels_start_reads_its_whole_output():
-    """The stream kernel's early trigger lets the next kernel launch while it runs: a PDL-launched copy of its
-    output (griddepcontrol.wait first, as every kernel of a step does) must still read all of it, every launch of
-    a row of them."""
+def test_a_dependent_launched_at_the_stream_kernels_start_reads_its_whole_output(monkeypatch):
+    """The stream kernel's early trigger (STREAM_EARLY, with groups held) lets the next kernel launch while it
+    runs: a PDL-launched copy of its output (griddepcontrol.wait first, as every kernel of a step does) must still
+    read all of it, every launch of a row of them."""
+    monkeypatch.setattr(int4_cuda, "STREAM_HELD", 6)
+    monkeypatch.setattr(int4_cuda, "STREAM_EARLY", True)
     import triton
     import triton.language as tl
 
