@@ -10,6 +10,11 @@ prefetch depth (docs/DESIGN-NOTES.md, 2026-12-05). Here every inductor kernel st
 programs have started, and this one touches no memory before the kernel before it has completed. Ordering is
 as sound as serial launch: every wait returns only once its predecessor, which waited for its own, has
 completed, while inductor's own placement lets a kernel read what a kernel two back wrote before its wait.
+What it asks of the kernels launched with PDL: as a chain of kernels that trigger at their start can all be
+launched while the kernel before the chain still runs, a load issued before a kernel's wait must read nothing
+an earlier kernel of the same graph writes: weights (the GEMVs', the conv's, the routers'), or a layer's GDN
+state, which in a step graph only that layer's walk (decode) or, in a round, its verify reads and its commit
+writes after its own wait.
 
 `trigger_at_start()` holds while fastqwen compiles (Engine.generate); the code inductor writes meanwhile for
 a CUDA device with PDL on gets the two lines at its start. The compiled step's cache key carries the choice
