@@ -54,7 +54,8 @@
 #   cuda-tests tests/gpu/test_cuda_kernels_gpu.py: the CUDA int4 and fp8-weight kernels (kernels={"int4" |
 #            "fp8_weight": "cuda" | "cuda-ring"}, built with nvcc here) against their references and the Triton kernels' step;
 #            cut at CUDA_TESTS_TIMEOUT seconds (480), so a kernel that hangs still leaves its log (-v: the test it hung in);
-#            CUDA_TESTS_ARGS adds pytest arguments (e.g. -k "stream or occupancy": the int4 candidates of 2026-12-05)
+#            CUDA_TESTS_ARGS adds pytest arguments (split on spaces), CUDA_TESTS_K a -k expression (one argument, e.g.
+#            CUDA_TESTS_K="stream or occupancy": the int4 candidates of 2026-12-05)
 #   cuda-times the CUDA int4 kernel's occupancy (MIN_BLOCKS 4 / 8) and MMA-chain (CHAINS 1 / 2) instances and its stream kernel with
 #            their error against the reference, then the Triton and CUDA kernels' times per layer (scripts/gemv_times.py --kernel triton cuda): int4 on
 #            the 27B's layers and head at each BATCH, pipelining and grid target, the ring kernel at 4 and 8
@@ -104,7 +105,7 @@ case "$stage" in
          wait
          grep -hE 'passed|failed|FAILED|ERROR|divergence|agreed|identical|tau|^[0-9.]+s (call|setup)' "$out"/gpu_tests_*.log ;;
   cuda-tests) timeout ${CUDA_TESTS_TIMEOUT:-480} python -m pytest -v -s -p no:warnings --durations=6 \
-               tests/gpu/test_cuda_kernels_gpu.py ${CUDA_TESTS_ARGS:-} 2>&1 \
+               tests/gpu/test_cuda_kernels_gpu.py ${CUDA_TESTS_ARGS:-} ${CUDA_TESTS_K:+-k "$CUDA_TESTS_K"} 2>&1 \
                | tee "$out/cuda_tests.log" | tail -8 ;;
   cuda-times) python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel cuda --cuda-min-blocks 4 8 --cuda-stream --cuda-async 3 6 --cuda-loads-only \
                --cuda-chains 1 2 --rows 1 4 --check 2>&1 | tee "$out/cuda_times_occupancy.md"
