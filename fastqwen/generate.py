@@ -148,7 +148,8 @@ class Engine:
         self.compiled = compile
         if compile and compile_options is None and self.device.type == "cuda":
             compile_options = dict(CUDA_COMPILE_OPTIONS)
-        if compile and self.forward.kernels["launch"] in ("pdl", "pdl-early"):  # inductor's kernels too (launch "auto" resolves to it only from Hopper on)
+        # inductor's kernels too (launch "auto" resolves to PDL only from Hopper on)
+        if compile and self.forward.kernels["launch"] in ("pdl", "pdl-early"):
             compile_options = {**(compile_options or {}), "triton.enable_pdl": True}
         self.compile_options = compile_options
         self.compile_cache = compile_cache

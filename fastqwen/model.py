@@ -86,7 +86,8 @@ def check_kernels(kernels: dict | None, cfg, device, fp8_experts: bool = False) 
     kernels, the conv's and the GDN walk's letting the next kernel launch at their start, not once their wait
     has returned ("pdl-early", a candidate: a weight-streaming GEMV after a norm, an activation or the walk then
     loads its first weights during that kernel's whole run, not its last microseconds; inductor_pdl.py; the
-    weight-streaming kernels keep their triggers); "auto": "pdl" on a GPU
+    weight-streaming kernels then let the next launch only at their end, as int4's do anyway); "auto": "pdl"
+    on a GPU
     of compute capability 9.0 or later, else "serial" (on the H200 the 27B fp8-weight step took 7841 µs with
     PDL against 8251 serial, 2026-12-02; the int4 step 6341, 7002 and 6509 against 7175, 6890 and 6927 since
     its one-row kernel lets the next launch only after its last store, 2026-12-04; each alone in its process). "splitk": the weight-streaming kernel's split-K partial
@@ -201,8 +202,8 @@ def _cuda_kernels_build(device: torch.device) -> bool:
 
 def _launch_mode(launch: str, device: torch.device) -> str:
     """"auto" → "pdl" on CUDA devices of compute capability ≥ 9.0 (griddepcontrol is Hopper's), else "serial";
-    "pdl" or "pdl-early" on an older GPU is an error (our kernels' wait instruction does not exist there). Off CUDA the ops
-    run their references, so any choice runs."""
+    "pdl" or "pdl-early" on an older GPU is an error (our kernels' wait instruction does not exist there). Off
+    CUDA the ops run their references, so any choice runs."""
     if device.type != "cuda" or launch == "serial":
         return "serial" if launch == "auto" else launch
     capability = torch.cuda.get_device_capability(device)
@@ -239,7 +240,7 @@ class Forward:
                            gemv={"torch": False, "gemv": True, "auto": "auto"}[self.kernels["linears"]],
                            pdl=self.pdl, fixup=self.kernels["splitk"] == "fixup",
                            fused_act=self.kernels["mlp_act"] == "fused",
-                           cuda=cuda_schemes(self.kernels))
+                           cuda=cuda_schemes(self.kernels), late=self.early)
         if cache.lengths.device.type == "cuda":  # the kernels' arrival counts (split-K fixup, fused GDN norm, expert
             tile_counts(cache.lengths.device, 0)  # MLP, fused route), allocated before any capture
         for layer in self.layers:

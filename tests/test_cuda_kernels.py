@@ -399,7 +399,8 @@ def _sass_ops(kernel: str) -> list[str]:
 def _loops(kernel: str) -> list[tuple[int, int]]:
     """(first, last) opcode indices (as _sass_ops counts them) of each loop of one kernel's SASS listing: a
     branch back to an earlier address, and its target."""
-    lines = [line for line in kernel.splitlines() if "*/" in line and ";" in line and line.split(";")[0].split("*/")[-1].split()]
+    lines = [line for line in kernel.splitlines()
+             if "*/" in line and ";" in line and line.split(";")[0].split("*/")[-1].split()]
     at = {int(line.split("/*")[1].split("*/")[0], 16): i for i, line in enumerate(lines)}
     loops = []
     for i, line in enumerate(lines):
@@ -442,7 +443,8 @@ def test_kernels_build_for_sm90_without_spills(name, instances, tmp_path):
     threads a multiprocessor, 3 of the ring's 160; int4's instances for 8 blocks ≤ 64), no spills, static shared
     memory under the 48 KB limit. The one exception: the stream kernel holding groups in shared memory at one
     column block (72 registers for 7 blocks an SM) spills a few words of its per-piece bookkeeping (≤ 32 bytes
-    of stack), never inside its loops over groups (test_stream_kernel_issues_each_pieces_first_loads_before_the_wait)."""
+    of stack), never inside its loops over groups
+    (test_stream_kernel_issues_each_pieces_first_loads_before_the_wait)."""
     report, _ = _build_sm90(name, tmp_path)
     used = [line.split("Used ")[1] for line in report.splitlines() if "Used " in line]
     assert len(used) == instances, report
@@ -613,10 +615,10 @@ def test_optimize_routes_quantized_linears_to_the_chosen_kernels(monkeypatch):
 
     seen = []
     forward, partials = QuantLinear.forward, QuantLinear.partials
-    monkeypatch.setattr(QuantLinear, "forward", lambda self, x, pdl=False, fixup=False, cuda=():
-                        seen.append(cuda) or forward(self, x, pdl, fixup, cuda))
-    monkeypatch.setattr(QuantLinear, "partials", lambda self, x, pdl=False, fixup=False, in_dims=1, cuda=():
-                        seen.append(cuda) or partials(self, x, pdl, fixup, in_dims, cuda))
+    monkeypatch.setattr(QuantLinear, "forward", lambda self, x, pdl=False, fixup=False, cuda=(), late=False:
+                        seen.append(cuda) or forward(self, x, pdl, fixup, cuda, late))
+    monkeypatch.setattr(QuantLinear, "partials", lambda self, x, pdl=False, fixup=False, in_dims=1, cuda=(),
+                        late=False: seen.append(cuda) or partials(self, x, pdl, fixup, in_dims, cuda, late))
     for scheme, kernels, want in (("int4", {"int4": "cuda"}, ("int4",)), ("int4", {}, ()),
                                   ("int4", {"int4": "cuda-ring"}, ("int4-ring",)),
                                   ("int4", {"int4": "cuda-stream"}, ("int4-stream",)),

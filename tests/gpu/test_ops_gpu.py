@@ -517,3 +517,18 @@ def test_gdn_walk_that_triggers_at_its_start_gives_the_same_bits(shape):
     (out0, state0, seen0), (out1, state1, seen1) = runs
     assert torch.equal(out1, out0) and torch.equal(state1, state0)
     assert torch.equal(seen0, out0) and torch.equal(seen1, out1)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_weight_streaming_kernel_that_triggers_at_its_end_gives_the_same_partials(rows):
+    """wq_linear's late (launch "pdl-early": the next kernel launches only once this one's sums are stored, in
+    the one-row and the few-row kernel alike) moves no arithmetic: the same partials bit for bit as the early
+    trigger, at the 27B's gate | up shape."""
+    from fastqwen.ops.gemv import BF16, wq_linear
+
+    torch.manual_seed(0)
+    w = torch.randn(34816, 5120, device="cuda", dtype=torch.bfloat16) * 0.02
+    x = torch.randn(rows, 5120, device="cuda", dtype=torch.bfloat16)
+    want = wq_linear(x, BF16, w, None, None, False, w.shape[0], True, False, False)
+    poison_allocator(tuple(want.shape), dtype=torch.float32)
+    assert torch.equal(wq_linear(x, BF16, w, None, None, False, w.shape[0], True, False, True), want)

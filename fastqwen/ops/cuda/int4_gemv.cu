@@ -330,10 +330,11 @@ constexpr int STREAM_HELD = 6;  // the stream kernel's groups a warp copies into
 // HELD groups of its first piece into shared memory of its own (cp.async, ~1 KB a group): with 7 blocks an SM,
 // 8 groups a warp and ~30 MB over 132 SMs in flight before the previous kernel is done, against 2 and ~7 MB;
 // decoded first after the wait, while the first register batch, the groups after them, is in flight (the same
-// groups in the same order with the same arithmetic: the same partials). early: every block lets the next kernel in the stream
-// launch as it starts (griddepcontrol.launch_dependents; the grid is one wave, so the
-// dependent's blocks take no slot any of these blocks wait for, only the slots they leave), so that kernel and,
-// through its own early trigger, the weight stream after it start during this kernel's last pieces.
+// groups in the same order with the same arithmetic: the same partials). early: every block lets the next kernel
+// in the stream launch as it starts (griddepcontrol.launch_dependents; the grid is one wave, so the dependent's
+// blocks take no slot any of these blocks wait for, only the slots they leave). Both off by default: a 9B int4
+// step was 1.23x slower with them, and a follower that triggers only after its own wait (all of a step's do)
+// bounds what any GEMV can hold before its wait (docs/DESIGN-NOTES.md, 2026-12-05).
 template <bool BF16, int NB, int HELD>
 __global__ void __launch_bounds__(WARPS * 32, NB == 1 ? 7 : 4)
     int4_gemv_stream(const uint16_t* x, const uint4* __restrict__ w, const __half* scale, const uint8_t* zero,
