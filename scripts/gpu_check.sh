@@ -122,7 +122,7 @@ case "$stage" in
            --rows 1 4 --check 2>&1 | grep "^|" | tee "$out/async_times.md" ;;
   early) timeout 150 python -m pytest -q -p no:warnings tests/gpu/test_ops_gpu.py tests/gpu/test_cuda_kernels_gpu.py \
            -k "early or triggers_at_its_start or triggers_at_its_end or conv_decode" 2>&1 | tee "$out/early_tests.log" | tail -3
-         python scripts/bench.py --models ${EARLY_MODEL:-qwen3.5-27b} \
+         timeout ${EARLY_BENCH_TIMEOUT:-420} python scripts/bench.py --models ${EARLY_MODEL:-qwen3.5-27b} \
            --systems ${EARLY_SYSTEMS:-fastqwen-int4 fastqwen-int4+early-launch} --isolate --quant-lm-head \
            --n-long 288 --repeats 2 --no-autotune --out-dir "$out" 2>&1 | grep -E "a step:|^\|" | tail -6 ;;
   cuda-times-fp8) python scripts/gemv_times.py --format fp8-weight --shapes 27b 27b-head 35b-a3b --kernel triton cuda \
