@@ -46,10 +46,6 @@ def main():
     p.add_argument("--cuda-async", nargs="+", type=int, default=[], choices=[3, 6],
                    help="also the CUDA int4 async kernel at these ASYNC_STAGES (each warp's groups through its own "
                    "shared-memory slots by cp.async)")
-    p.add_argument("--cuda-l2", nargs="+", type=int, default=[int4_cuda.L2_PREFETCH], choices=[0, 1, 2],
-                   help="the int4 register kernel (and its probe) at these L2_PREFETCH modes (0 none, 1 each block's "
-                        "codes by one bulk L2 prefetch as it starts, 2 the first wave's and each block those of the "
-                        "block a wave later)")
     p.add_argument("--cuda-loads-only", action="store_true",
                    help="also time the int4 register kernel's BATCH 2 instance and each async config as their "
                    "loads-only probes (every weight loaded as the kernel loads it, nothing decoded, at the kernel's "
@@ -89,19 +85,18 @@ def main():
         copies = [stored] + [tuple(None if t is None else t.clone() for t in stored)
                              for _ in range(bench.cold_copies(nbytes, "cuda") - 1)]
         int4 = cuda_module is int4_cuda
-        l2s = args.cuda_l2 if int4 else [0]
-        registers = [(b, bool(p), n, 0, 0, 1, False, mb, ch, False, 0, l2) for b in args.cuda_batch
+        registers = [(b, bool(p), n, 0, 0, 1, False, mb, ch, False, 0) for b in args.cuda_batch
                      for p in args.cuda_pipelined for n in args.cuda_blocks for mb in args.cuda_min_blocks
-                     for ch in args.cuda_chains for l2 in l2s
+                     for ch in args.cuda_chains
                      if (not p or (b == 2 and int4)) and ((mb, ch) == (4, 1) or (int4 and b == 2 and not p))]
-        rings = [(0, False, n, r, per_sm, strips, probe, 4, 1, False, 0, 0) for r in args.cuda_ring if r
+        rings = [(0, False, n, r, per_sm, strips, probe, 4, 1, False, 0) for r in args.cuda_ring if r
                  for n in args.cuda_blocks
                  for per_sm in args.cuda_ring_per_sm for strips in args.cuda_ring_strips
                  for probe in (False, True)[:1 + args.cuda_ring_loads_only]]
-        streams = [(2, False, int4_cuda.TARGET_BLOCKS, 0, 0, 1, False, 4, 1, True, 0, 0)] * (args.cuda_stream and int4)
-        asyncs = [(2, False, n, 0, 0, 1, probe, 4, 1, False, st, 0) for st in args.cuda_async if int4
+        streams = [(2, False, int4_cuda.TARGET_BLOCKS, 0, 0, 1, False, 4, 1, True, 0)] * (args.cuda_stream and int4)
+        asyncs = [(2, False, n, 0, 0, 1, probe, 4, 1, False, st) for st in args.cuda_async if int4
                   for n in args.cuda_blocks for probe in (False, True)[:1 + args.cuda_loads_only]]
-        probes = [(2, False, n, 0, 0, 1, True, 4, 1, False, 0, l2) for n in args.cuda_blocks for l2 in l2s] * (
+        probes = [(2, False, n, 0, 0, 1, True, 4, 1, False, 0) for n in args.cuda_blocks] * (
             args.cuda_loads_only and int4)
         cuda = registers * (0 in args.cuda_ring) + probes + rings + streams + asyncs if "cuda" in args.kernel else []
         for M, kernel in ((M, k) for M in args.rows for k in ["triton"] * ("triton" in args.kernel) + cuda):
@@ -117,14 +112,13 @@ def main():
                     print(f"| {args.tag} | {layer} | {N}x{K} | M={M} | cuda: shape not taken | — | — | — |")
                     continue
                 (batch, pipelined, cuda_module.TARGET_BLOCKS, ring, per_sm, strips, probe, min_blocks, chains,
-                 stream, stages, l2) = kernel
+                 stream, stages) = kernel
                 splits = f"splits {cuda_module.plan(N, K)[0]}"
                 cuda_module.RING_STAGES, cuda_module.RING_BLOCKS_PER_SM, cuda_module.BATCH = ring or 8, per_sm, batch
                 cuda_module.RING_STRIPS = strips
                 if cuda_module is int4_cuda:
                     int4_cuda.PIPELINED, int4_cuda.MIN_BLOCKS, int4_cuda.CHAINS = pipelined, min_blocks, chains
                     int4_cuda.ASYNC_STAGES = stages or int4_cuda.ASYNC_STAGES
-                    int4_cuda.L2_PREFETCH = l2
                     probed = "ring" if ring else "async" if stages else "register"
                     run = ((lambda x, q, s, z: int4_cuda.loads_only(x, q, s, z, N, probed)) if probe else  # noqa: E731
                            (lambda x, q, s, z: int4_cuda.int4_gemv(x, q, s, z, N, ring=bool(ring), stream=stream,
@@ -139,8 +133,7 @@ def main():
                           f"cuda ring {ring} stages ≤{per_sm}/SM {strips} strips {splits}"
                           f"{' LOADS ONLY' * probe}" if ring else
                           f"cuda batch {batch}{' pipelined' * pipelined}"
-                          f"{f' min {min_blocks} blocks' * (min_blocks != 4)}{' 2 chains' * (chains == 2)}"
-                          f"{f' L2 prefetch {l2}' * (l2 != 0)} {splits}"
+                          f"{f' min {min_blocks} blocks' * (min_blocks != 4)}{' 2 chains' * (chains == 2)} {splits}"
                           f"{' LOADS ONLY' * probe}")
             if args.check and not (kernel != "triton" and kernel[6]):  # (not a loads-only probe)
                 got = run(x, *stored).sum(0)

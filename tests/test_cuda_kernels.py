@@ -468,9 +468,8 @@ def test_kernels_build_for_sm90_without_spills(name, instances, tmp_path):
 def test_register_kernels_issue_their_first_loads_before_the_wait(name, kernel, instances, tmp_path):
     """In the SASS of each register-kernel instance (bf16 / fp16 x, each BATCH, pipelined, one or two blocks of
     8 x rows; int4's for 8 blocks a multiprocessor and with two MMA chains too), the first BATCH steps' 16-byte
-    weight loads that skip L1 (int4's, and its two bulk L2 prefetches but at BATCH 8), then the PDL wait, then x
-    and the later batches; 8 MMAs an int4 group of 128 columns, 4 an fp8 chunk of 64, for each block of 8 x
-    rows."""
+    weight loads that skip L1, then the PDL wait, then x and the later batches; 8 MMAs an int4 group of 128
+    columns, 4 an fp8 chunk of 64, for each block of 8 x rows."""
     functions = _sass_functions(_build_sm90(name, tmp_path)[1], kernel)
     assert len(functions) == instances
     for k in functions:
@@ -480,9 +479,6 @@ def test_register_kernels_issue_their_first_loads_before_the_wait(name, kernel, 
         probe = name == "int4_gemv" and args[6] == 1  # (the loads-only probe: no x, no MMA)
         ops = _sass_ops(k)
         wait = ops.index("ACQBULK")  # griddepcontrol.wait
-        if name == "int4_gemv":  # (L2_PREFETCH's two bulk prefetches, taken at run time, before the wait; BATCH 8:
-            prefetches = [i for i, o in enumerate(ops) if o == "UBLKPF.L2"]  # none)
-            assert len(prefetches) == (0 if batch == 8 else 2) and max(prefetches, default=0) < wait, prefetches
         weights = [i for i, o in enumerate(ops) if o == "LDG.E.NA.128"]
         xs = [i for i, o in enumerate(ops) if o == "LDG.E.128"]
         copies = 3 if pipe else 2  # (the first batch's loads, then the loop's)
@@ -659,11 +655,10 @@ def test_built_libraries_refuse_arguments_out_of_range_before_touching_the_gpu(t
         int4, fp8 = int4_cuda.library("90"), fp8_cuda.library("90")  # (the typed entry points)
         assert sorted(p.name.split("-")[0] for p in (tmp_path / "cuda").glob("*.so")) == ["fp8_gemv", "int4_gemv"]
         call4 = lambda M=1, N=64, K=512, splits=2, per=2, batch=4, pipe=0, stages=0, strips=4, per_sm=8, min_blocks=4, \
-            chains=1, stream=0, held=0, early=0, copies=0, loads_only=0, l2=0: int4(0, 0, 0, 0, 0, M, N, K, splits,
-                                                                                    per, batch, pipe, min_blocks,
-                                                                                    chains, stages, strips, per_sm,
-                                                                                    loads_only, stream, held, early,
-                                                                                    copies, l2, 1, 0, 0, None)
+            chains=1, stream=0, held=0, early=0, copies=0, loads_only=0: int4(0, 0, 0, 0, 0, M, N, K, splits, per,
+                                                                              batch, pipe, min_blocks, chains, stages,
+                                                                              strips, per_sm, loads_only, stream, held,
+                                                                              early, copies, 1, 0, 0, None)
         slots = int4_cuda.stream_slots(64, 512, 7)  # (16 units on 7 blocks: 3 pieces a strip at most)
         assert slots == 3
         for bad in ({"N": 40}, {"K": 500}, {"M": 0}, {"M": 17}, {"splits": 3}, {"per": 1}, {"batch": 3},
@@ -679,8 +674,7 @@ def test_built_libraries_refuse_arguments_out_of_range_before_touching_the_gpu(t
                     {"loads_only": 1, "copies": 3, "M": 9}, {"loads_only": 1, "batch": 2, "min_blocks": 8},
                     {"stream": 7, "splits": slots, "loads_only": 1}, {"stream": 7, "splits": slots, "copies": 3},
                     {"held": 6}, {"early": 1}, {"stream": 7, "splits": slots, "held": 4},
-                    {"stream": 7, "splits": slots, "early": 2}, {"l2": 3}, {"l2": -1}, {"l2": 1, "stages": 4},
-                    {"l2": 2, "copies": 3}, {"l2": 1, "stream": 7, "splits": slots}, {"l2": 1, "batch": 3}):
+                    {"stream": 7, "splits": slots, "early": 2}):
             assert call4(**bad) == 1, bad
         call8 = lambda M=1, N=64, K=512, splits=2, per=4, batch=4, stages=0, strips=4, per_sm=8: fp8(  # noqa: E731
             0, 0, 0, 0, M, N, K, splits, per, batch, stages, strips, per_sm, 0, 1, 0, 0, None)
@@ -692,7 +686,7 @@ def test_built_libraries_refuse_arguments_out_of_range_before_touching_the_gpu(t
             for ok in (call4(), call4(batch=2, min_blocks=8, chains=2), call4(stream=7, splits=slots, batch=3),
                        call4(stream=7, splits=slots, held=6, early=1),
                        call4(copies=3, batch=3), call4(copies=6, M=16), call4(loads_only=1, batch=2),
-                       call4(loads_only=1, copies=6, M=8), call4(l2=1), call4(l2=2, M=16, batch=2),
+                       call4(loads_only=1, copies=6, M=8),
                        call4(stream=16, splits=4, M=16), call4(stages=4, batch=3),
                        call4(stages=8, M=16, batch=8, pipe=1, strips=2), call8(),
                        call8(stages=4, batch=3, strips=1), call8(stages=8, M=12, strips=2)):

@@ -51,9 +51,6 @@ STREAM_EARLY = False  # the stream kernel lets the next kernel launch at its sta
 # (both on: a 9B int4 step 3152 µs against the register kernel's 2560, one H100, 2026-12-05; which of the two
 # or the stream kernel itself costs it is not yet known: docs/DESIGN-NOTES.md)
 ASYNC_STAGES = 3  # the async kernel's one-group slots a warp (3 or 6): STAGES - 1 groups in flight during a decode
-L2_PREFETCH = 0  # the register kernel's bulk L2 prefetch of its codes: 0 none, 1 each block its own as it starts,
-# 2 the first wave's own and each block the codes of the block one wave later (a candidate of 2026-12-05; not
-# in the BATCH 8 instance)
 MAX_SPLITS = 8  # inductor unrolls the caller's sum of ≤ 8 partials into the consumer (gemv.wq_linear)
 MAX_ROWS = 16  # rows of x a launch takes: one or two blocks of mma.m16n8k16's 8 B columns (a DFlash verify)
 CHOICE = "kernels['int4']='cuda'"
@@ -61,7 +58,7 @@ CHOICE = "kernels['int4']='cuda'"
 
 def library(arch: str):
     """The kernel's entry point for compute capability `arch` (cuda_build.entry: built on first use)."""
-    return cuda_build.entry("int4_gemv", arch, CHOICE, pointers=5, ints=21)
+    return cuda_build.entry("int4_gemv", arch, CHOICE, pointers=5, ints=20)
 
 
 def variant(rows: int) -> tuple[int, bool, int, int]:
@@ -181,14 +178,13 @@ def _launch(x, w, scale, zero, out_features, pdl, one_split, ring, loads_only, s
         x.shape[-1], splits, per, batch, pipelined, min_blocks, chains, RING_STAGES if ring else 0,
         ring_strips(x.shape[0]), RING_BLOCKS_PER_SM, loads_only, blocks, STREAM_HELD if blocks else 0,
         int(STREAM_EARLY and blocks > 0), ASYNC_STAGES if copies else 0,
-        0 if ring or blocks or copies else L2_PREFETCH, x.dtype == torch.bfloat16, pdl, x.device.index,
+        x.dtype == torch.bfloat16, pdl, x.device.index,
         torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         kernel = (f"ring, RING_STAGES {RING_STAGES}, RING_STRIPS {RING_STRIPS}" if ring else
                   f"stream, {blocks} blocks, {splits} slots, STREAM_HELD {STREAM_HELD}" if blocks else
                   f"async, ASYNC_STAGES {ASYNC_STAGES}" if copies else
-                  f"BATCH {batch}, PIPELINED {pipelined}, MIN_BLOCKS {min_blocks}, CHAINS {chains}, "
-                  f"L2_PREFETCH {L2_PREFETCH}")
+                  f"BATCH {batch}, PIPELINED {pipelined}, MIN_BLOCKS {min_blocks}, CHAINS {chains}")
         raise RuntimeError(f"int4_gemv launch failed: CUDA error {err} ({kernel})")
     return out
 

@@ -225,33 +225,6 @@ def test_async_kernel_gives_the_register_kernels_partials_bit_for_bit(stages, N,
         assert torch.equal(got, want), (stages, N, K, M, one_split, rel_err(got, want))
 
 
-@pytest.mark.parametrize("l2", [1, 2])
-@pytest.mark.parametrize("N,K", [(34816, 5120), (5120, 17408), (12352, 2048), (248320, 5120)])
-def test_register_kernel_prefetching_its_codes_into_l2_gives_the_same_partials(l2, N, K, monkeypatch):
-    """L2_PREFETCH only asks L2 for bytes the blocks read anyway (their own, or a wave later's, the last wave's
-    past the grid skipped): the register kernel's bits, at one and many splits, bf16 and fp16 x, 1 to 16 rows, in
-    a CUDA graph too."""
-    kernel, ops = KERNELS["int4"], weight("int4", N, K)
-    for dtype, M, one_split in ((torch.bfloat16, 1, False), (torch.float16, 5, False), (torch.bfloat16, 11, True),
-                                (torch.bfloat16, 16, False)):
-        x = torch.randn(M, K, device="cuda", dtype=dtype)
-        monkeypatch.setattr(int4_cuda, "L2_PREFETCH", 0)
-        want = kernel.call(x, ops, N, True, one_split)
-        monkeypatch.setattr(int4_cuda, "L2_PREFETCH", l2)
-        poison_allocator(tuple(want.shape), dtype=torch.float32)
-        got = kernel.call(x, ops, N, True, one_split)
-        assert torch.equal(got, want), (l2, N, K, M, one_split, rel_err(got, want))
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        kernel.call(x, ops, N, True, False)  # (warm: the occupancy query outside the capture)
-        with torch.cuda.graph(graph, stream=stream):
-            got = kernel.call(x, ops, N, True, False)
-    x.copy_(torch.randn_like(x))
-    graph.replay()
-    monkeypatch.setattr(int4_cuda, "L2_PREFETCH", 0)
-    assert torch.equal(got, kernel.call(x, ops, N, True, False)), (l2, N, K)
-
-
 @pytest.mark.parametrize("N,K", [(34816, 5120), (5120, 17408), (12352, 2048), (5120, 6144), (248320, 5120)])
 def test_stream_kernel_holding_groups_gives_the_same_partials_bit_for_bit(N, K, monkeypatch):
     """The stream kernel with STREAM_HELD groups a warp copied into shared memory before the wait (and its early

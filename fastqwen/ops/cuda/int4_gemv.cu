@@ -226,33 +226,14 @@ struct Batch {
 // else each batch is loaded, then decoded. MINB: blocks a multiprocessor must hold (ptxas caps the registers
 // to fit them); CHAINS: group_mma's; PROBE: loads only (the load path's own rate; out all zeros). (x without
 // __restrict__: plain loads, made after the PDL wait, not the read-only path.)
-// The codes of block (strip, split)'s groups, one contiguous run of KB, asked of L2 by one bulk prefetch (no
-// register, no completion to wait for: the block's own loads then find them there or on their way).
-__device__ __forceinline__ void prefetch_codes(const uint4* w, int strip, int split, int G, int groups_per_split) {
-  const int g0 = split * groups_per_split, g1 = min(G, g0 + groups_per_split);
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(w + ((size_t)strip * G + g0) * 64),
-               "r"((g1 - g0) * 1024)
-               : "memory");
-}
-
-// L2 (the entry point's l2_prefetch): 0 none; 1 each block's codes asked of L2 by one bulk prefetch as it starts
-// (before the PDL wait), so all its bytes are in flight at once; 2 those of the blocks of the first wave (the
-// first `wave` in launch order) so, and each block's start asks for the codes of the block one wave after it.
 template <bool BF16, int BATCH, bool PIPE, int NB, int MINB, int CHAINS, bool PROBE>
 __global__ void __launch_bounds__(WARPS * 32, MINB) int4_gemv_rows(const uint16_t* x,
                                                                 const uint4* __restrict__ w,
                                                                 const __half* scale,  // (coherent loads:
                                                                 const uint8_t* zero,  //  before the wait)
                                                                 float* __restrict__ out, int M, int N, int K,
-                                                                int groups_per_split, uint32_t magic, int l2,
-                                                                int wave) {
+                                                                int groups_per_split, uint32_t magic) {
   const int G = K / 128, strip = blockIdx.x, split = blockIdx.y;
-  if (BATCH < 8 && l2 && threadIdx.x == 0) {  // (BATCH 8 at its 128 registers: none, it would spill)
-    const int b = split * gridDim.x + strip, ahead = b + wave;
-    if (l2 == 1 || b < wave) prefetch_codes(w, strip, split, G, groups_per_split);
-    if (l2 == 2 && ahead < gridDim.x * gridDim.y)
-      prefetch_codes(w, ahead % gridDim.x, ahead / gridDim.x, G, groups_per_split);
-  }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row_a = strip * 16 + lane / 4;
   const int g_begin = split * groups_per_split + warp, g_end = min(G, (split + 1) * groups_per_split);
@@ -607,27 +588,14 @@ __global__ void __launch_bounds__(RING_THREADS) int4_gemv_ring(const uint16_t* x
 
 }  // namespace
 
-// l2: int4_gemv_rows's; with 2 the wave is the blocks resident at once (occupancy x multiprocessors).
 template <bool BF16, int BATCH, bool PIPE, int NB, int MINB = 4, int CHAINS = 1, bool PROBE = false>
-cudaError_t launch(const cudaLaunchConfig_t& config, int l2, int device, const void* x, const void* w,
-                   const void* scale, const void* zero, float* out, int M, int N, int K, int groups_per_split) {
-  const auto kernel = int4_gemv_rows<BF16, BATCH, PIPE, NB, MINB, CHAINS, PROBE>;
-  static int fits = 0;  // (the instance's blocks a multiprocessor)
-  int wave = 0;
-  if (l2 == 2) {
-    if (!fits)
-      if (cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fits, kernel, WARPS * 32,
-                                                                        config.dynamicSmemBytes);
-          e != cudaSuccess)
-        return e;
-    if (cudaError_t e = cudaDeviceGetAttribute(&wave, cudaDevAttrMultiProcessorCount, device); e != cudaSuccess)
-      return e;
-    wave *= fits;
-  }
+cudaError_t launch(const cudaLaunchConfig_t& config, const void* x, const void* w, const void* scale,
+                   const void* zero, float* out, int M, int N, int K, int groups_per_split) {
   // (MAGIC passed as an argument: a register in the kernel, see pair_minus_zero)
-  return cudaLaunchKernelEx(&config, kernel, static_cast<const uint16_t*>(x), static_cast<const uint4*>(w),
+  return cudaLaunchKernelEx(&config, int4_gemv_rows<BF16, BATCH, PIPE, NB, MINB, CHAINS, PROBE>,
+                            static_cast<const uint16_t*>(x), static_cast<const uint4*>(w),
                             static_cast<const __half*>(scale), static_cast<const uint8_t*>(zero), out, M, N, K,
-                            groups_per_split, Pairs<BF16>::MAGIC, l2, wave);
+                            groups_per_split, Pairs<BF16>::MAGIC);
 }
 
 // The instance for M rows, (batch, pipe), (min_blocks, chains) and the loads-only probe as one key: one column
@@ -647,25 +615,23 @@ static int variant_key(int M, int batch, int pipe, int min_blocks, int chains, i
 }
 
 template <bool BF16>
-cudaError_t launch_variant(int key, const cudaLaunchConfig_t& config, int l2, int device, const void* x,
-                           const void* w, const void* scale, const void* zero, float* out, int M, int N, int K,
+cudaError_t launch_variant(int key, const cudaLaunchConfig_t& config, const void* x, const void* w,
+                           const void* scale, const void* zero, float* out, int M, int N, int K,
                            int groups_per_split) {
-#define FASTQWEN_ROWS(...) launch<BF16, __VA_ARGS__>(config, l2, device, x, w, scale, zero, out, M, N, K, \
-                                                     groups_per_split)
   switch (key) {
-    case 4: return FASTQWEN_ROWS(2, false, 1);
-    case 5: return FASTQWEN_ROWS(2, true, 1);
-    case 8: return FASTQWEN_ROWS(4, false, 1);
-    case 16: return FASTQWEN_ROWS(8, false, 1);
-    case 104: return FASTQWEN_ROWS(2, false, 2);
-    case 108: return FASTQWEN_ROWS(4, false, 2);
-    case 1004: return FASTQWEN_ROWS(2, false, 1, 8, 1);
-    case 2004: return FASTQWEN_ROWS(2, false, 1, 4, 2);
-    case 3004: return FASTQWEN_ROWS(2, false, 1, 8, 2);
-    case 8004: return FASTQWEN_ROWS(2, false, 1, 4, 1, true);
+    case 4: return launch<BF16, 2, false, 1>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
+    case 5: return launch<BF16, 2, true, 1>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
+    case 8: return launch<BF16, 4, false, 1>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
+    case 16: return launch<BF16, 8, false, 1>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
+    case 104: return launch<BF16, 2, false, 2>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
+    case 108: return launch<BF16, 4, false, 2>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
+    case 1004: return launch<BF16, 2, false, 1, 8, 1>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
+    case 2004: return launch<BF16, 2, false, 1, 4, 2>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
+    case 3004: return launch<BF16, 2, false, 1, 8, 2>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
+    case 8004:
+      return launch<BF16, 2, false, 1, 4, 1, true>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
     default: return cudaErrorInvalidValue;
   }
-#undef FASTQWEN_ROWS
 }
 
 // Slots the stream kernel needs for an [N, K] weight dealt to `blocks` blocks: the most pieces any strip has.
@@ -769,19 +735,15 @@ cudaError_t launch_ring_variant(int key, const cudaLaunchConfig_t& config, int d
 // STREAM_HELD: the groups a warp copies into shared memory before the PDL wait; stream_early 0 or 1: whether
 // its blocks let the next kernel launch at their start (both stream kernel only). async_stages 3 or
 // 6: the async kernel with that many slots a warp (the register kernel's split plan; its instance arguments
-// unused; with stages 0 only), 0: not. l2_prefetch 0, 1 or 2: the register kernel's bulk L2 prefetch of its
-// codes (int4_gemv_rows's l2; register kernel only). pdl: programmatic dependent launch (the kernel waits before
-// reading x).
+// unused; with stages 0 only), 0: not. pdl: programmatic dependent launch (the kernel waits before reading x).
 extern "C" int fastqwen_int4_gemv(const void* x, const void* w, const void* scale, const void* zero, float* out,
                                   int M, int N, int K, int splits, int groups_per_split, int batch, int pipe,
                                   int min_blocks, int chains, int stages, int strips, int blocks_per_sm,
                                   int loads_only, int stream_blocks, int stream_held, int stream_early,
-                                  int async_stages, int l2_prefetch, int bf16, int pdl, int device,
-                                  void* stream) {
+                                  int async_stages, int bf16, int pdl, int device, void* stream) {
   const int NB = M > 8 ? 2 : 1;
   if ((stream_held != 0 && stream_held != STREAM_HELD) || (stream_early != 0 && stream_early != 1) ||
-      ((stream_held || stream_early) && !stream_blocks) || l2_prefetch < 0 || l2_prefetch > 2 ||
-      (l2_prefetch && (stream_blocks || stages || async_stages)))
+      ((stream_held || stream_early) && !stream_blocks))
     return static_cast<int>(cudaErrorInvalidValue);
   if (stream_blocks) {
     if (N <= 0 || N % 16 || K <= 0 || K % 128 || M < 1 || M > 16 || stream_blocks < 1 ||
@@ -822,9 +784,7 @@ extern "C" int fastqwen_int4_gemv(const void* x, const void* w, const void* scal
              : launch_ring_variant<false>(key, config, device, blocks_per_sm, x, w, scale, zero, out, M, N, K, splits,
                                           groups_per_split, loads_only);
   else
-    e = bf16 ? launch_variant<true>(key, config, l2_prefetch, device, x, w, scale, zero, out, M, N, K,
-                                    groups_per_split)
-             : launch_variant<false>(key, config, l2_prefetch, device, x, w, scale, zero, out, M, N, K,
-                                     groups_per_split);
+    e = bf16 ? launch_variant<true>(key, config, x, w, scale, zero, out, M, N, K, groups_per_split)
+             : launch_variant<false>(key, config, x, w, scale, zero, out, M, N, K, groups_per_split);
   return static_cast<int>(e);
 }
