@@ -44,7 +44,6 @@ CANDIDATE_SYSTEMS = {"fastqwen+split-attention": {"attention": "split"},  # (the
                      "fastqwen+fused-conv": {"conv": "fused"},  # (the default)
                      "fastqwen+separate-conv": {"conv": "separate"},
                      "fastqwen+serial-launch": {"launch": "serial"},
-                     "fastqwen+early-launch": {"launch": "pdl-early"},  # (fastqwen-int4+early-launch: inductor_pdl.py)
                      "fastqwen+cuda-int4": {"int4": "cuda"},  # (as fastqwen-int4+cuda-int4: the CUDA kernel,
                      "fastqwen+triton-int4": {"int4": "triton"},  # int4's "auto" on sm_90 with nvcc; Triton's)
                      "fastqwen+cuda-ring-int4": {"int4": "cuda-ring"},  # (fastqwen-int4+cuda-ring-int4)

@@ -19,7 +19,6 @@ import types
 import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from . import inductor_pdl
 from .cache import HybridCache
 from .model import Forward
 from .sampling import greedy, sample
@@ -149,12 +148,11 @@ class Engine:
         if compile and compile_options is None and self.device.type == "cuda":
             compile_options = dict(CUDA_COMPILE_OPTIONS)
         # inductor's kernels too (launch "auto" resolves to PDL only from Hopper on)
-        if compile and self.forward.kernels["launch"] in ("pdl", "pdl-early"):
+        if compile and self.forward.kernels["launch"] == "pdl":
             compile_options = {**(compile_options or {}), "triton.enable_pdl": True}
         self.compile_options = compile_options
         self.compile_cache = compile_cache
-        self.early_launch = self.forward.kernels["launch"] == "pdl-early"  # (inductor_pdl.py)
-        self.cache_tag = compile_cache_tag() + ("-early-launch" if self.early_launch else "")
+        self.cache_tag = compile_cache_tag()
         if compile and compile_cache is not None and os.path.exists(compile_cache):
             with open(compile_cache, "rb") as f:
                 torch.compiler.load_cache_artifacts(f.read())
@@ -248,8 +246,7 @@ class Engine:
         self._set_params(gen, eos, pad, min_new)
         if streamer is not None:
             streamer.put(input_ids.cpu())
-        with (torch.compiler.config.patch(cache_key_tag=self.cache_tag),  # (compiles happen in here, if any)
-              inductor_pdl.trigger_at_start(self.early_launch)):
+        with torch.compiler.config.patch(cache_key_tag=self.cache_tag):  # (compiles happen in here, if any)
             sequences = self._decode(rows, max_new, gen.do_sample, streamer, stopping_criteria, input_ids, eos, k)
         sequences = torch.cat([input_ids, sequences], dim=1)
         if streamer is not None:

@@ -107,22 +107,21 @@ class Linears:
     `fused_act`: a SiLU-gated MLP on one row whose fused gate | up and down weights both take the kernel runs
     its down projection on the gate | up partials, computing silu(gate)·up as it loads them (swiglu_linear):
     no activation kernel between the two. `cuda`: the quantization schemes whose QuantLinears' few-row products
-    take the CUDA C++ kernels (QuantLinear.partials). `late` (with pdl): the Triton kernel lets the next kernel
-    launch only at its end, whatever the format (wq_linear; launch "pdl-early")."""
+    take the CUDA C++ kernels (QuantLinear.partials)."""
 
     def __init__(self, fused: bool = False, gemv: bool | str = False, pdl: bool = False, fixup: bool = False,
-                 fused_act: bool = False, cuda: tuple = (), late: bool = False):
+                 fused_act: bool = False, cuda: tuple = ()):
         from .quant.linear import QuantLinear  # (here: quant.linear imports model, which imports this module)
 
         self.fused, self.gemv, self.pdl, self.fixup, self.quant_linear = fused, gemv, pdl, fixup, QuantLinear
-        self.fused_act, self.cuda, self.late = fused_act, cuda, late
+        self.fused_act, self.cuda = fused_act, cuda
         self.table = gpu_table() if gemv == "auto" else {}  # read here: not inside a traced step
 
     def __call__(self, module, x: torch.Tensor) -> torch.Tensor:
         if type(module) is torch.nn.Linear and module.bias is None:
             return self.weight(x, module.weight)
         if isinstance(module, self.quant_linear):
-            return module(x, pdl=self.pdl, fixup=self.fixup, cuda=self.cuda, late=self.late)
+            return module(x, pdl=self.pdl, fixup=self.fixup, cuda=self.cuda)
         return module(x)
 
     def weight(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -131,7 +130,7 @@ class Linears:
         rows, (N, K) = x.numel() // x.shape[-1], w.shape
         if not self._streams(x, N, K, rows):
             return torch.nn.functional.linear(x, w)
-        y = wq_linear(x.reshape(rows, -1), BF16, w, None, None, False, N, self.pdl, self.fixup, self.late).sum(0)
+        y = wq_linear(x.reshape(rows, -1), BF16, w, None, None, False, N, self.pdl, self.fixup).sum(0)
         return y.to(x.dtype).view(*x.shape[:-1], N)
 
     def weight_partials(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -141,7 +140,7 @@ class Linears:
         rows, (N, K) = x.numel() // x.shape[-1], w.shape
         if not self._streams(x, N, K, rows):
             return torch.nn.functional.linear(x.reshape(1, rows, -1), w)
-        return wq_linear(x.reshape(rows, -1), BF16, w, None, None, False, N, self.pdl, self.fixup, self.late)
+        return wq_linear(x.reshape(rows, -1), BF16, w, None, None, False, N, self.pdl, self.fixup)
 
     def _streams(self, x: torch.Tensor, N: int, K: int, rows: int) -> bool:
         """Whether the policy runs an [N, K] floating-point weight on `rows` rows of x through the kernel."""
@@ -153,12 +152,11 @@ class Linears:
         partials [S, ..., N] fp32 (their sum, in x's dtype, is the output), or None where the policy does not
         stream it."""
         if isinstance(module, self.quant_linear) and module.bias is None:
-            return module.partials(x, self.pdl, self.fixup, cuda=self.cuda, late=self.late)
+            return module.partials(x, self.pdl, self.fixup, cuda=self.cuda)
         if type(module) is torch.nn.Linear and module.bias is None:
             rows, (N, K) = x.numel() // x.shape[-1], module.weight.shape
             if self._streams(x, N, K, rows):
-                parts = wq_linear(x.reshape(rows, -1), BF16, module.weight, None, None, False, N, self.pdl, self.fixup,
-                                  self.late)
+                parts = wq_linear(x.reshape(rows, -1), BF16, module.weight, None, None, False, N, self.pdl, self.fixup)
                 return parts.view(parts.shape[0], *x.shape[:-1], N)
         return None
 
@@ -189,12 +187,12 @@ class Linears:
         not match the reduction's and they run as two."""
         lead, rows = o.shape[:2], o.shape[:2].numel()
         if isinstance(module, self.quant_linear) and module.bias is None:
-            parts = module.partials(o, self.pdl, self.fixup, in_dims=2, cuda=self.cuda, late=self.late)
+            parts = module.partials(o, self.pdl, self.fixup, in_dims=2, cuda=self.cuda)
             if parts is not None:
                 return parts.sum(0).to(o.dtype)
         elif type(module) is torch.nn.Linear and module.bias is None and self._streams(o, *module.weight.shape, rows):
             parts = wq_linear(o.reshape(rows, *o.shape[2:]), BF16, module.weight, None, None, False,
-                              module.weight.shape[0], self.pdl, self.fixup, self.late)
+                              module.weight.shape[0], self.pdl, self.fixup)
             return parts.sum(0).to(o.dtype).view(*lead, -1)
         return self(module, o.reshape(*lead, -1))
 

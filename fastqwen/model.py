@@ -36,7 +36,7 @@ def text_model(model):
 
 KERNELS = {"attention": ("split", "sdpa"), "experts": ("auto", "gather", "grouped", "grouped-pdl"),
            "projections": ("fused", "separate"), "linears": ("auto", "torch", "gemv"),
-           "gdn": ("block", "unrolled", "fla"), "launch": ("auto", "serial", "pdl", "pdl-early"),
+           "gdn": ("block", "unrolled", "fla"), "launch": ("auto", "serial", "pdl"),
            "splitk": ("sum", "fixup"), "gdn_norm": ("separate", "fused"),
            "expert_act": ("auto", "separate", "fused", "mlp"), "route": ("auto", "argmax", "packed", "fused"),
            "mlp_act": ("separate", "fused"), "conv": ("fused", "separate"),
@@ -82,12 +82,7 @@ def check_kernels(kernels: dict | None, cfg, device, fp8_experts: bool = False) 
     flash-linear-attention's fused recurrent kernel ("fla"); prefill takes fla's kernels either way. "launch": each kernel of a compiled step after the previous one has finished
     ("serial") or, on Hopper and later, with programmatic dependent launch ("pdl": inductor's kernels (its
     triton.enable_pdl) and ours start while their predecessor finishes, the weight-streaming ones pulling their
-    first weight tiles into L2 before they wait for it; ops/gemv.py _dependent_start), or so with inductor's
-    kernels, the conv's and the GDN walk's letting the next kernel launch at their start, not once their wait
-    has returned ("pdl-early", a candidate: a weight-streaming GEMV after a norm, an activation or the walk then
-    loads its first weights during that kernel's whole run, not its last microseconds; inductor_pdl.py; the
-    weight-streaming kernels then let the next launch only at their end, as int4's do anyway); "auto": "pdl"
-    on a GPU
+    first weight tiles into L2 before they wait for it; ops/gemv.py _dependent_start); "auto": "pdl" on a GPU
     of compute capability 9.0 or later, else "serial" (on the H200 the 27B fp8-weight step took 7841 µs with
     PDL against 8251 serial, 2026-12-02; the int4 step 6341, 7002 and 6509 against 7175, 6890 and 6927 since
     its one-row kernel lets the next launch only after its last store, 2026-12-04; each alone in its process). "splitk": the weight-streaming kernel's split-K partial
@@ -202,13 +197,13 @@ def _cuda_kernels_build(device: torch.device) -> bool:
 
 def _launch_mode(launch: str, device: torch.device) -> str:
     """"auto" → "pdl" on CUDA devices of compute capability ≥ 9.0 (griddepcontrol is Hopper's), else "serial";
-    "pdl" or "pdl-early" on an older GPU is an error (our kernels' wait instruction does not exist there). Off
-    CUDA the ops run their references, so any choice runs."""
+    "pdl" on an older GPU is an error (our kernels' wait instruction does not exist there). Off CUDA the ops
+    run their references, so any choice runs."""
     if device.type != "cuda" or launch == "serial":
         return "serial" if launch == "auto" else launch
     capability = torch.cuda.get_device_capability(device)
-    if launch in ("pdl", "pdl-early") and capability < (9, 0):
-        raise ValueError(f"kernels['launch']={launch!r} needs a GPU of compute capability 9.0 or later (Hopper); this "
+    if launch == "pdl" and capability < (9, 0):
+        raise ValueError(f"kernels['launch']='pdl' needs a GPU of compute capability 9.0 or later (Hopper); this "
                          f"one is {capability[0]}.{capability[1]}: use 'serial' or 'auto'")
     return ("pdl" if capability >= (9, 0) else "serial") if launch == "auto" else launch
 
@@ -234,13 +229,12 @@ class Forward:
         self.block = self.kernels["gdn"] == "block"
         self.fused_norm = self.kernels["gdn_norm"] == "fused"
         self.fused_conv = self.kernels["conv"] == "fused"
-        self.pdl = self.kernels["launch"] in ("pdl", "pdl-early")
-        self.early = self.kernels["launch"] == "pdl-early"  # (the conv and the GDN walk trigger at their start)
+        self.pdl = self.kernels["launch"] == "pdl"
         self.lin = Linears(fused=self.kernels["projections"] == "fused",
                            gemv={"torch": False, "gemv": True, "auto": "auto"}[self.kernels["linears"]],
                            pdl=self.pdl, fixup=self.kernels["splitk"] == "fixup",
                            fused_act=self.kernels["mlp_act"] == "fused",
-                           cuda=cuda_schemes(self.kernels), late=self.early)
+                           cuda=cuda_schemes(self.kernels))
         if cache.lengths.device.type == "cuda":  # the kernels' arrival counts (split-K fixup, fused GDN norm, expert
             tile_counts(cache.lengths.device, 0)  # MLP, fused route), allocated before any capture
         for layer in self.layers:
@@ -357,7 +351,7 @@ class Forward:
             ("in_proj_qkv",) if fused_conv else ())
         x, z, b, a = self.lin.project(m, h, _GDN_IN, raw)
         if fused_conv:  # the cached window advanced in place by the op
-            qkv = conv_decode(x, m.conv1d.weight[:, 0], conv, self.pdl, self.early)
+            qkv = conv_decode(x, m.conv1d.weight[:, 0], conv, self.pdl)
         else:
             qkv, window = conv_step(x, m.conv1d.weight[:, 0], conv)
             if mode != "verify":  # (a verify leaves the window to the commit)
@@ -375,7 +369,7 @@ class Forward:
             pdl = self.pdl and self.unrolled
             if self.fused_norm:  # o comes out of the op normalised and gated
                 o = gdn_decode(qkv, *heads, a, b, m.A_log, m.dt_bias, state, self.unrolled, pdl, z, m.norm.weight,
-                               m.norm.variance_epsilon, pdl and self.early)
+                               m.norm.variance_epsilon)
                 return self.lin(m.out_proj, o.reshape(B, T, -1))
             o = gdn_decode(qkv, *heads, a, b, m.A_log, m.dt_bias, state, self.unrolled, pdl)
             return self._gdn_out(m, o, z)

@@ -67,10 +67,6 @@
 #            rate at its own blocks an SM; ~3 min); the step's A/B in a call of its own: python scripts/bench.py --models qwen3.5-27b
 #            --systems fastqwen-int4 fastqwen-int4+cuda-async-int4 --isolate --quant-lm-head --n-long 544 --repeats 3
 #            --no-autotune (bf16's step of the same GPU for the ratio: 13520 µs on an H200, 20015 on an H100)
-#   early    launch "pdl-early" (2026-12-05, a candidate: inductor's kernels, the conv and the GDN walk letting the
-#            next kernel launch at their start): its GPU tests (the same tokens as "pdl" bit for bit, the conv's and
-#            the walk's outputs), then the 27B int4 step A/B, each system alone in its process (~7 min with the
-#            tests; EARLY_MODEL, EARLY_SYSTEMS: e.g. qwen3.5-9b, or fastqwen-fp8-weight fastqwen-fp8-weight+early-launch)
 #   cuda-times-fp8 the same for fp8-weight's register and ring kernels on the 27B's and 35B-A3B's layers.
 #            The step's A/B is `candidates` with CAND_MODEL=qwen3.5-27b CAND_SYSTEMS="fastqwen-int4+cuda-int4 fastqwen-int4+cuda-ring-int4" CAND_ARGS="--isolate --quant-lm-head
 #            --no-autotune" (fp8: fastqwen-fp8-weight+cuda-fp8-weight fastqwen-fp8-weight+cuda-ring-fp8-weight);
@@ -120,11 +116,6 @@ case "$stage" in
            | tee "$out/async_tests.log" | tail -3
          python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel triton cuda --cuda-async 3 6 --cuda-loads-only \
            --rows 1 4 --check 2>&1 | grep "^|" | tee "$out/async_times.md" ;;
-  early) timeout 150 python -m pytest -q -p no:warnings tests/gpu/test_ops_gpu.py tests/gpu/test_cuda_kernels_gpu.py \
-           -k "early or triggers_at_its_start or triggers_at_its_end or conv_decode" 2>&1 | tee "$out/early_tests.log" | tail -3
-         timeout ${EARLY_BENCH_TIMEOUT:-420} python scripts/bench.py --models ${EARLY_MODEL:-qwen3.5-27b} \
-           --systems ${EARLY_SYSTEMS:-fastqwen-int4 fastqwen-int4+early-launch} --isolate --quant-lm-head \
-           --n-long 288 --repeats 2 --no-autotune --out-dir "$out" 2>&1 | grep -E "a step:|^\|" | tail -6 ;;
   cuda-times-fp8) python scripts/gemv_times.py --format fp8-weight --shapes 27b 27b-head 35b-a3b --kernel triton cuda \
                --cuda-batch 2 4 8 --cuda-blocks 1024 2048 4096 2>&1 | tee "$out/cuda_times_fp8.md"
              python scripts/gemv_times.py --format fp8-weight --shapes 27b 27b-head 35b-a3b --kernel cuda \

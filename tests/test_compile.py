@@ -1,7 +1,6 @@
 """The compiled decode step: same tokens as eager, one graph, no recompilation across calls."""
 
 import contextlib
-import json
 import logging
 import os
 
@@ -170,70 +169,3 @@ def test_decode_step_norms_fuse_with_their_consumers():
     assert sum("index_put" in n for n in roped) == 1, names  # k's, written into the cache by the same kernel
     # one decode position is the cache's lengths itself (a view): no kernel writes positions for the attention op
     assert not any("split_kv_partials" in n for n in names), names
-
-
-def test_at_start_puts_the_trigger_and_the_wait_first_and_drops_the_others():
-    """inductor_pdl.at_start on a kernel body's lines: inductor's PDL lines (wherever they were, indented or
-    not) go, the trigger and then the wait open the body, every other line and marker stays in order."""
-    from fastqwen import inductor_pdl
-
-    marker = object()
-    body = ["xoffset = tl.program_id(0) * XBLOCK", f"    {inductor_pdl.WAIT}", "tmp0 = tl.load(in_ptr0 + x0)",
-            marker, f"{inductor_pdl.LAUNCH}", "tl.store(out_ptr0 + x0, tmp0)"]
-    assert inductor_pdl.at_start(body) == [inductor_pdl.LAUNCH, inductor_pdl.WAIT, body[0], body[2], marker, body[5]]
-
-
-_PDL_PLACEMENT = """
-import json, re, sys
-sys.path.insert(0, {scripts!r})
-from torch._inductor.codegen.triton import TritonKernel
-TritonKernel._enable_pdl_codegen = staticmethod(lambda: True)  # (inductor writes PDL lines for sm_90 only)
-import decode_kernels
-from fastqwen import inductor_pdl
-
-def placement(code):  # each kernel: the order of its PDL lines, loads and stores
-    bodies = re.findall(r"@triton.jit\\ndef triton_\\w+\\(.*?\\n(.*?)(?=\\n''', device_str)", code, re.S)
-    kinds = []
-    for body in bodies:
-        lines = [l.strip() for l in body.splitlines()]
-        kinds.append([("launch" if l == inductor_pdl.LAUNCH else "wait" if l == inductor_pdl.WAIT else
-                       "load" if "tl.load(" in l else "store") for l in lines
-                      if l in (inductor_pdl.LAUNCH, inductor_pdl.WAIT) or "tl.load(" in l or "tl.store(" in l])
-    return kinds
-
-default = placement(decode_kernels.decode_step_code("tiny", None, {{"launch": "pdl"}}))
-early = placement(decode_kernels.decode_step_code("tiny", None, {{"launch": "pdl-early"}}))
-print(json.dumps([default, early]))
-"""
-
-
-def test_early_launch_puts_each_inductor_kernels_trigger_and_wait_first():
-    """kernels={"launch": "pdl-early"}: inductor's kernels of a decode step (written here on CPU tensors, as
-    scripts/decode_kernels.py does, with inductor's PDL codegen let on as for sm_90) open with the trigger, then
-    the wait, before any load or store, and have no other PDL line; with "pdl", the control, inductor's own
-    placement triggers after a load."""
-    scripts = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
-    out = run_in_triton_interpreter(_PDL_PLACEMENT.format(scripts=scripts), interpret=False)
-    default, early = json.loads(out.strip().splitlines()[-1])
-    assert len(default) == len(early) >= 10
-    assert any("load" in k[:k.index("launch")] for k in default if "launch" in k), default
-    for kinds in early:
-        assert kinds[:2] == ["launch", "wait"] and kinds.count("launch") == kinds.count("wait") == 1, kinds
-
-
-def test_early_launch_compiles_under_a_tag_of_its_own_with_the_placement_on(monkeypatch):
-    """generate with kernels={"launch": "pdl-early"} runs (and compiles) with inductor_pdl's placement on and
-    under a cache tag of its own, so a step compiled with either placement is never served for the other; the
-    placement is off again afterwards and without the choice."""
-    from fastqwen import inductor_pdl
-    from fastqwen.generate import compile_cache_tag
-
-    for launch, tag in (("pdl-early", compile_cache_tag() + "-early-launch"), ("serial", compile_cache_tag())):
-        model = fastqwen.optimize(fresh("tiny"), max_batch_size=1, max_seq_len=64, compile=False,
-                                  kernels={"launch": launch})
-        engine = model._fastqwen
-        seen, decode = [], engine._decode
-        monkeypatch.setattr(engine, "_decode", lambda *a, d=decode: seen.append(
-            (torch.compiler.config.cache_key_tag, inductor_pdl._early)) or d(*a))
-        model.generate(torch.randint(1, 500, (1, 5)), max_new_tokens=3)
-        assert seen == [(tag, launch == "pdl-early")] and not inductor_pdl._early

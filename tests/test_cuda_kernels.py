@@ -615,10 +615,10 @@ def test_optimize_routes_quantized_linears_to_the_chosen_kernels(monkeypatch):
 
     seen = []
     forward, partials = QuantLinear.forward, QuantLinear.partials
-    monkeypatch.setattr(QuantLinear, "forward", lambda self, x, pdl=False, fixup=False, cuda=(), late=False:
-                        seen.append(cuda) or forward(self, x, pdl, fixup, cuda, late))
-    monkeypatch.setattr(QuantLinear, "partials", lambda self, x, pdl=False, fixup=False, in_dims=1, cuda=(),
-                        late=False: seen.append(cuda) or partials(self, x, pdl, fixup, in_dims, cuda, late))
+    monkeypatch.setattr(QuantLinear, "forward", lambda self, x, pdl=False, fixup=False, cuda=():
+                        seen.append(cuda) or forward(self, x, pdl, fixup, cuda))
+    monkeypatch.setattr(QuantLinear, "partials", lambda self, x, pdl=False, fixup=False, in_dims=1, cuda=():
+                        seen.append(cuda) or partials(self, x, pdl, fixup, in_dims, cuda))
     for scheme, kernels, want in (("int4", {"int4": "cuda"}, ("int4",)), ("int4", {}, ()),
                                   ("int4", {"int4": "cuda-ring"}, ("int4-ring",)),
                                   ("int4", {"int4": "cuda-stream"}, ("int4-stream",)),

@@ -140,37 +140,34 @@ def test_launch_auto_is_pdl_from_hopper_on_and_pdl_before_it_is_refused(monkeypa
 
 
 def test_programmatic_dependent_launch_reaches_inductor_and_the_weight_streaming_linears(monkeypatch):
-    """kernels={"launch": "pdl"} and "pdl-early": the compiled steps get inductor's triton.enable_pdl and give
-    serial launch's tokens; eagerly, every weight-streaming call (QuantLinear's and the bf16 linears') gets
-    pdl=True, fixup=True under kernels={"splitk": "fixup"}, and late=True (its trigger at its end) under
-    "pdl-early". Off CUDA the ops run their references, so this checks the
+    """kernels={"launch": "pdl"}: the compiled steps get inductor's triton.enable_pdl and give serial launch's
+    tokens; eagerly, every weight-streaming call (QuantLinear's and the bf16 linears') gets pdl=True, and
+    fixup=True under kernels={"splitk": "fixup"}. Off CUDA the ops run their references, so this checks the
     plumbing and the ops' schemas; tests/test_gemv.py checks the kernels' wait, prefetches and fixup on sm90."""
     import fastqwen.linears as linears_module
     import fastqwen.quant.linear as quant_linear_module
 
     ids, mask = left_padded([torch.randint(1, 500, (n,)) for n in (17, 5)])
     out = {}
-    for launch in ("serial", "pdl", "pdl-early"):
+    for launch in ("serial", "pdl"):
         m = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=96, compile=True, quant="fp8-weight",
                               kernels={"launch": launch})
-        assert (m._fastqwen.compile_options or {}).get("triton.enable_pdl", False) is (launch != "serial")
+        assert (m._fastqwen.compile_options or {}).get("triton.enable_pdl", False) is (launch == "pdl")
         out[launch] = m.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8)
-    assert torch.equal(out["pdl"], out["serial"]) and torch.equal(out["pdl-early"], out["serial"])
+    assert torch.equal(out["pdl"], out["serial"])
 
-    flags = []  # (pdl, fixup, late) of each weight-streaming call
+    flags = []  # (pdl, fixup) of each weight-streaming call
     real_linear, real_forward = linears_module.wq_linear, quant_linear_module.QuantLinear.forward
-    monkeypatch.setattr(linears_module, "wq_linear", lambda *a: flags.append(a[7:10]) or real_linear(*a))
+    monkeypatch.setattr(linears_module, "wq_linear", lambda *a: flags.append(a[7:9]) or real_linear(*a))
     monkeypatch.setattr(quant_linear_module.QuantLinear, "forward", lambda self, x, pdl=False, fixup=False,
-                        cuda=(), late=False: flags.append((pdl, fixup, late)) or real_forward(self, x, pdl, fixup, cuda,
-                                                                                             late))
+                        cuda=(): flags.append((pdl, fixup)) or real_forward(self, x, pdl, fixup, cuda))
     for quant in (None, "fp8-weight"):  # the bf16 linears through the kernel; the quantized ones
-        for splitk, launch in (("sum", "pdl"), ("fixup", "pdl"), ("sum", "pdl-early")):  # (split-K choice with them)
+        for splitk in ("sum", "fixup"):  # (and the split-K choice with them)
             m = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=96, compile=False, quant=quant,
-                                  kernels={"launch": launch, "linears": "gemv", "splitk": splitk})
+                                  kernels={"launch": "pdl", "linears": "gemv", "splitk": splitk})
             n = len(flags)
             m.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4)
-            want = {(True, splitk == "fixup", launch == "pdl-early")}
-            assert len(flags) > n and set(flags[n:]) == want, (quant, splitk, launch, flags[n:])
+            assert len(flags) > n and set(flags[n:]) == {(True, splitk == "fixup")}, (quant, splitk, flags[n:])
 
 
 def test_auto_experts_take_the_grouped_kernel_on_cuda_where_the_shapes_fit():

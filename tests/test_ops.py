@@ -280,9 +280,9 @@ ptrs = ("q_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr", "A_log_ptr", "dt_bias_ptr",
 sig = {**{p: "*bf16" for p in ptrs}, "A_log_ptr": "*fp32", "dt_bias_ptr": "*fp32", "h0_ptr": "*fp32",
        "ht_ptr": "*fp32", "scale": "fp32", **{f"{t}_{d}": "i32" for t in "qkvab" for d in ("row", "pos")}}
 bv = inspect.signature(gdn._unrolled).parameters["block_v"].default  # the launch's tile, one warp per 8 columns
-def compiled(T, verify, pdl=False, early=False):  # a DFlash verify or a commit's replay, 27B shape
+def compiled(T, verify, pdl=False):  # a DFlash verify or a commit's replay, 27B shape
     consts = dict(T=T, TP=16, H=16, HV=48, K=128, V=128, BV=bv, GATE_IN=verify, WRITE_O=verify,
-                  WRITE_STATE=not verify, PDL=pdl, S_AB=1, EARLY=early)
+                  WRITE_STATE=not verify, PDL=pdl, S_AB=1)
     return compile_sm90(gdn._unrolled_kernel, {**sig, **({} if verify else {"a_ptr": "*fp32", "b_ptr": "*fp32"})},
                         consts, (*ptrs, *(f"{t}_{d}" for t in "qkvab" for d in ("row", "pos"))),
                         num_warps=max(1, bv // 8))
@@ -291,14 +291,11 @@ for T, verify in ((16, True), (16, False)):
     kernel = compiled(T, verify)
     sass = cuobjdump(kernel, "-sass")
     assert stack_bytes(kernel) == 0 and count(sass, "LDS") == 0, (T, verify, "the walk spills or goes through shared memory")
-    # programmatic dependent launch: only the state tile (and the gate parameters) load before the wait; the
-    # trigger after the wait, or before it (EARLY: launch "pdl-early")
-    for early in (False, True):
-        code = compiled(T, verify, pdl=True, early=early).asm["ptx"]
-        wait = code.index("griddepcontrol.wait")
-        before = len(re.findall(r"ld\\.global", code[:wait]))
-        assert 0 < before <= 32 + 2, (verify, before, "inputs read before the wait")  # [128, 8] fp32 tile: 32 a thread
-        assert (code.index("griddepcontrol.launch_dependents") < wait) == early, (T, verify, early)
+    # programmatic dependent launch: only the state tile (and the gate parameters) load before the wait
+    code = compiled(T, verify, pdl=True).asm["ptx"]
+    wait = code.index("griddepcontrol.wait")
+    before = len(re.findall(r"ld\\.global", code[:wait]))
+    assert 0 < before <= 32 + 2, (verify, before, "inputs read before the wait")  # [128, 8] fp32 tile: 32 a thread
 # decode with a and b as the projection's 3 split-K partials (fp32), rounded to bf16: the two extra loads each
 plain = compiled(1, True)
 summing = compile_sm90(gdn._unrolled_kernel, {**sig, "a_ptr": "*fp32", "b_ptr": "*fp32", "a_split": "i32",
@@ -410,17 +407,14 @@ from fastqwen.ops import conv
 
 sig = {"x_ptr": "*fp32", "w_ptr": "*bf16", "win_ptr": "*bf16", "out_ptr": "*bf16", "C": "i32", "x_split": "i32",
        "x_row": "i32", "win_row": "i32"}
-for early in (False, True):  # (launch "pdl-early": the trigger before the wait, else after it)
-    kernel = compile_sm90(conv._conv_decode_kernel, sig, dict(S=3, W=4, WP=4, BLOCK=conv.CONV_BLOCK, PDL=True,
-                                                             EARLY=early), ("x_ptr", "w_ptr", "win_ptr", "out_ptr"),
-                          num_warps=2)
-    code = kernel.asm["ptx"]
-    assert stack_bytes(kernel) == 0
-    wait = code.index("griddepcontrol.wait")
-    before = re.findall(r"ld\\.global[^;]*", code[:wait])  # the weights, 4 bf16 taps a channel: one 8-byte load each
-    assert before and all(ld.startswith("ld.global.v2.b32") for ld in before), before
-    assert "cvt.rn.bf16.f32" in code, "x is not rounded to bf16 to nearest even"
-    assert (code.index("griddepcontrol.launch_dependents") < wait) == early and code.count("launch_dependents") == 1
+kernel = compile_sm90(conv._conv_decode_kernel, sig, dict(S=3, W=4, WP=4, BLOCK=conv.CONV_BLOCK, PDL=True),
+                      ("x_ptr", "w_ptr", "win_ptr", "out_ptr"), num_warps=2)
+code = kernel.asm["ptx"]
+assert stack_bytes(kernel) == 0
+wait = code.index("griddepcontrol.wait")
+before = re.findall(r"ld\\.global[^;]*", code[:wait])  # the weights, 4 bf16 taps a channel: one 8-byte load each
+assert before and all(ld.startswith("ld.global.v2.b32") for ld in before), before
+assert "cvt.rn.bf16.f32" in code, "x is not rounded to bf16 to nearest even"
 print("ok")
 """
 

@@ -54,22 +54,20 @@ def _summed_input(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 @torch.library.custom_op("fastqwen::conv_decode", mutates_args=("window",))
-def conv_decode(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor, pdl: bool = False,
-                early: bool = False) -> torch.Tensor:
+def conv_decode(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor, pdl: bool = False) -> torch.Tensor:
     """conv_step at one decode position with the window advanced in place: x [B, 1, C] in window's dtype, or
     the input projection's split-K partials [S, B, 1, C] fp32 (summed and rounded to window's dtype, as the
     projection's output would be; ops/gemv.py wq_linear), weight [C, W], window [B, C, W-1] (the cache's
     layer view). Returns silu(conv) [B, 1, C] in window's dtype. On CUDA one kernel of ours, the taps in fp32
     (where a compiled step had inductor launch three: the new window, its write into the cache, the output);
-    pdl: with programmatic dependent launch (the weights load before the wait); early (with pdl): the next
-    kernel may launch as this one starts, not once its wait has returned (kernels={"launch": "pdl-early"})."""
+    pdl: with programmatic dependent launch (the weights load before the wait)."""
     out, new = conv_step(_summed_input(x, window.dtype), weight, window)
     window.copy_(new)
     return out.contiguous()
 
 
 @conv_decode.register_fake
-def _(x, weight, window, pdl=False, early=False):
+def _(x, weight, window, pdl=False):
     return window.new_empty(window.shape[0], 1, window.shape[1])
 
 
@@ -77,24 +75,19 @@ if triton is not None:
 
     @triton.jit
     def _conv_decode_kernel(x_ptr, w_ptr, win_ptr, out_ptr, C, x_split, x_row, win_row, S: tl.constexpr,
-                            W: tl.constexpr, WP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
-                            EARLY: tl.constexpr = False):
+                            W: tl.constexpr, WP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         """A program: BLOCK channels of one row, as [BLOCK, WP] tiles of taps (WP = W rounded up to a power of
         2; the weight [C, W] contiguous). x = Σ of S partials (fp32, in order) rounded to the window's dtype; out = silu(Σⱼ window[j]·w[j] +
         x·w[W-1]) in fp32, added tap by tap, rounded once; then the window shifts left by one and takes x (each
-        thread rewrites only its own channels, after reading them). PDL: the weights load before the wait;
-        EARLY: the next kernel may launch before it, as this one starts."""
+        thread rewrites only its own channels, after reading them). PDL: the weights load before the wait."""
         c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         row = tl.program_id(1)
         m = c < C
         j = tl.arange(0, WP)[None, :]
         w = tl.load(w_ptr + c[:, None] * W + j, mask=m[:, None] & (j < W)).to(tl.float32)  # [BLOCK, WP]
         if PDL:
-            if EARLY:
-                tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
-            if not EARLY:
-                tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_launch_dependents()
         xs = tl.load(x_ptr + row * x_row + c, mask=m).to(tl.float32)
         for s in tl.static_range(1, S):
             xs += tl.load(x_ptr + s * x_split + row * x_row + c, mask=m).to(tl.float32)
@@ -114,7 +107,7 @@ CONV_BLOCK = 256  # channels a program: 32–40 programs a row at Qwen3.5's 8192
 
 
 @conv_decode.register_kernel("cuda")
-def _conv_decode_cuda(x, weight, window, pdl=False, early=False):
+def _conv_decode_cuda(x, weight, window, pdl=False):
     B, C, W1 = window.shape
     if triton is None or window.stride(2) != 1 or window.stride(1) != W1 or not weight.is_contiguous() or (
             x.stride(-1) != 1):
@@ -125,7 +118,6 @@ def _conv_decode_cuda(x, weight, window, pdl=False, early=False):
     out = window.new_empty(B, 1, C)
     _conv_decode_kernel[(triton.cdiv(C, CONV_BLOCK), B)](
         parts, weight, window, out, C, parts.stride(0), parts.stride(1), window.stride(0),
-        S=parts.shape[0], W=W1 + 1, WP=triton.next_power_of_2(W1 + 1), BLOCK=CONV_BLOCK, PDL=pdl, EARLY=early,
-        num_warps=2,
+        S=parts.shape[0], W=W1 + 1, WP=triton.next_power_of_2(W1 + 1), BLOCK=CONV_BLOCK, PDL=pdl, num_warps=2,
         launch_pdl=pdl)
     return out

@@ -105,7 +105,7 @@ if triton is not None:
                          BV: tl.constexpr, GATE_IN: tl.constexpr, WRITE_O: tl.constexpr, WRITE_STATE: tl.constexpr,
                          PDL: tl.constexpr, z_ptr=None, z_row=0, z_pos=0, nw_ptr=None, eps=0.0, cnt_ptr=None,
                          NORM: tl.constexpr = False, ROUND_W: tl.constexpr = False, a_split=0, b_split=0,
-                         S_AB: tl.constexpr = 1, ROUND_AB: tl.constexpr = False, EARLY: tl.constexpr = False):
+                         S_AB: tl.constexpr = 1, ROUND_AB: tl.constexpr = False):
         """The recurrence over T positions with the time loop unrolled (T is a compile-time constant), so the
         loads of every position, which do not depend on the state, can be issued ahead of the serial state
         updates. Nothing is stored inside the loop (a store there could alias the next position's loads and pin
@@ -121,9 +121,7 @@ if triton is not None:
         normalises the head's whole output in place, as _gated_norm_tail; ROUND_W: w is 16-bit, so w·ô rounds
         to o's dtype before the gate, as gated_rms_norm computes it. S_AB > 1 or ROUND_AB: a and b are a
         projection's split-K partials (S_AB of them, a_split / b_split apart), summed here in fp32 and (ROUND_AB)
-        rounded to q's dtype, as the projection's output would have been: no launch to materialise them. EARLY
-        (with PDL): the next kernel may launch as this one starts, not once its wait has returned
-        (kernels={"launch": "pdl-early"}: the out projection's first weights load during the walk)."""
+        rounded to q's dtype, as the projection's output would have been: no launch to materialise them."""
         i_v, i_bh = tl.program_id(0), tl.program_id(1)
         row, hv = i_bh // HV, i_bh % HV
         h = hv // (HV // H)
@@ -135,11 +133,8 @@ if triton is not None:
             A = -tl.exp(tl.load(A_log_ptr + hv).to(tl.float32))
             dt_bias = tl.load(dt_bias_ptr + hv).to(tl.float32)
         if PDL:
-            if EARLY:
-                tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
-            if not EARLY:
-                tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_launch_dependents()
         ot = tl.arange(0, TP)
         O = tl.zeros((TP, BV), tl.float32)
         for t in tl.static_range(T):
@@ -282,7 +277,7 @@ def _row_pos_strides(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
 
 
 def _unrolled(q, k, v, a, b, state, final_state, gate_in, A_log=None, dt_bias=None, write_o=True, block_v=8,
-              pdl=False, warps=None, norm=None, early=False):
+              pdl=False, warps=None, norm=None):
     """_unrolled_kernel (same contract as _fla_recurrent; q, k, v, a and b read in place where each position's
     heads are contiguous: _row_pos_strides); returns o (or None). norm = (z [B, T, HV·V], weight [V], eps): o
     comes out through the gated RMSNorm (NORM; z read in place at any row and position stride). A [K, 8]
@@ -316,8 +311,7 @@ def _unrolled(q, k, v, a, b, state, final_state, gate_in, A_log=None, dt_bias=No
         dummy if final_state is None else final_state, dummy if out is None else out, dk**-0.5,
         q_row, q_pos, k_row, k_pos, v_row, v_pos, a_row, a_pos, b_row, b_pos, T=seq, TP=triton.next_power_of_2(seq),
         H=heads, HV=vheads, K=dk, V=dv, BV=block_v, GATE_IN=gate_in, WRITE_O=write_o,
-        WRITE_STATE=final_state is not None, PDL=pdl, EARLY=early, num_warps=warps or max(1, block_v // 8),
-        launch_pdl=pdl,
+        WRITE_STATE=final_state is not None, PDL=pdl, num_warps=warps or max(1, block_v // 8), launch_pdl=pdl,
         **fused, **partials)
     return out
 
@@ -375,7 +369,7 @@ def unpack_qkv(qkv: torch.Tensor, heads_k: int, dk: int, heads_v: int):
 def gdn_decode(qkv: torch.Tensor, heads_k: int, dk: int, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
                dt_bias: torch.Tensor, state: torch.Tensor, unrolled: bool = False, pdl: bool = False,
                z: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-               eps: float = 0.0, early: bool = False) -> torch.Tensor:
+               eps: float = 0.0) -> torch.Tensor:
     """gdn_recurrent from the conv's packed output qkv [B, T, 2·Hk·Dk + Hv·Dv] (a, b [B, T, Hv]); returns o
     [B, T, Hv, Dv]. With the split inside the op, a compiled step writes the conv's output as one buffer, where
     handing the op q, k and v had inductor write three (three launches a GDN layer on CUDA). The unrolled
@@ -387,7 +381,7 @@ def gdn_decode(qkv: torch.Tensor, heads_k: int, dk: int, a: torch.Tensor, b: tor
     projection's split-K partials [S, B, T, Hv] fp32 (ops/gemv.py wq_linear; the heads contiguous, views at any
     stride): the op sums them and rounds the sums to qkv's dtype, as the projection's output would be, the
     unrolled kernel as it loads them, so a compiled step launches nothing to materialise a and b (two launches
-    a GDN layer). early (with pdl, the unrolled kernel): the next kernel may launch as this one starts."""
+    a GDN layer)."""
     a, b = _summed(a, qkv), _summed(b, qkv)
     o = gdn_reference(*unpack_qkv(qkv, heads_k, dk, a.shape[-1]), a, b, A_log, dt_bias, state)
     return o if z is None else gated_rms_norm(o, z.reshape(o.shape), norm_weight, eps)
@@ -401,12 +395,12 @@ def _summed(x: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
 
 @gdn_decode.register_kernel("cuda")
 def _gdn_decode_cuda(qkv, heads_k, dk, a, b, A_log, dt_bias, state, unrolled=False, pdl=False, z=None,
-                     norm_weight=None, eps=0.0, early=False):
+                     norm_weight=None, eps=0.0):
     q, k, v = unpack_qkv(qkv, heads_k, dk, a.shape[-1])
     dv, walk = v.shape[-1], unrolled and k.shape[1] <= UNROLLED_MAX_T
     if z is not None and walk and dv & (dv - 1) == 0:
         return _unrolled(q, k, v, a, b, state, state, gate_in=True, A_log=A_log, dt_bias=dt_bias, pdl=pdl,
-                         norm=(z, norm_weight, eps), early=early)
+                         norm=(z, norm_weight, eps))
     if not walk:  # (fla's kernel takes a and b as they are)
         a, b = _summed(a, qkv), _summed(b, qkv)
     o = _gdn_recurrent_cuda(q, k, v, a, b, A_log, dt_bias, state, unrolled, pdl)
@@ -414,8 +408,7 @@ def _gdn_decode_cuda(qkv, heads_k, dk, a, b, A_log, dt_bias, state, unrolled=Fal
 
 
 @gdn_decode.register_fake
-def _(qkv, heads_k, dk, a, b, A_log, dt_bias, state, unrolled=False, pdl=False, z=None, norm_weight=None, eps=0.0,
-      early=False):
+def _(qkv, heads_k, dk, a, b, A_log, dt_bias, state, unrolled=False, pdl=False, z=None, norm_weight=None, eps=0.0):
     return _output_like(unpack_qkv(qkv, heads_k, dk, a.shape[-1])[2])
 
 

@@ -470,9 +470,8 @@ if triton is not None:
                                                                N, K, w_estride, s_estride, SWIGLU, PER_ROW)
         k_end = tl.minimum(K, (split + 1) * k_per_split)
         g_end = k_end // 128  # (HALF2: the end of this split's groups)
-        if PDL and not GROUPED:  # int4 (and PDL 2: any format) lets the next kernel launch once its sums are stored
-            _dependent_start(w_ptr, n, n < N, split * k_per_split, k_end, K, FMT, BITS, BLOCK_K, TILED,
-                             FMT != 2 and PDL != 2)
+        if PDL and not GROUPED:  # int4 lets the next kernel launch only once its sums are stored (at the end)
+            _dependent_start(w_ptr, n, n < N, split * k_per_split, k_end, K, FMT, BITS, BLOCK_K, TILED, FMT != 2)
         if HALF2:
             x_scale = _half2_prologue(x_ptr, xp_ptr, split * k_per_split, k_end, K)
         for t in tl.static_range(TILES):  # TILES tiles of BLOCK_N rows, one after another (HALF2: one prologue)
@@ -603,7 +602,7 @@ if triton is not None:
                 _split_k_fixup(y0_ptr, tl.program_id(1) * N + n, n_ok, cnt_ptr,
                                (tl.program_id(0) * TILES + t) * tl.num_programs(1) + tl.program_id(1),
                                tl.num_programs(1) * N, FIXUP)
-        if PDL and not GROUPED and (FMT == 2 or PDL == 2):
+        if PDL and not GROUPED and FMT == 2:
             tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
@@ -679,8 +678,8 @@ if triton is not None:
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         k_end = tl.minimum(K, (split + 1) * k_per_split)
-        if PDL:  # (PDL 2: the next kernel launches once this one's sums are stored, at the end)
-            _dependent_start(w_ptr, n, n_ok, split * k_per_split, k_end, K, FMT, BITS, BLOCK_K, TILED, PDL != 2)
+        if PDL:
+            _dependent_start(w_ptr, n, n_ok, split * k_per_split, k_end, K, FMT, BITS, BLOCK_K, TILED)
         for k0 in tl.range(split * k_per_split, k_end, BLOCK_K, num_stages=STAGES):
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = k < k_end
@@ -795,8 +794,6 @@ if triton is not None:
         tl.store(y_ptr + offs, acc, mask=ok)
         if FIXUP:
             _split_k_fixup(y0_ptr, offs, ok, cnt_ptr, tl.program_id(0), M * N, FIXUP)
-        if PDL == 2:
-            tl.extra.cuda.gdc_launch_dependents()
 
 
 _TUNED = json.loads((pathlib.Path(__file__).with_name("gemv_configs.json")).read_text())
@@ -925,10 +922,10 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
     row each); `config` overrides gemv_config. Split-K writes per-split partials and sums them (deterministic);
     with `partials` they come back unsummed, [splits, rows, out_features] (split_plan). `fixup` (linear mode):
     the kernel sums them itself, the last program of each output tile in split order (_split_k_fixup), and
-    `partials` gets [1, rows, out_features]. `pdl`: launch with programmatic dependent launch (Hopper+; 2: and
-    let the next kernel launch only at the end, whatever the format; _dependent_start; grouped mode waits
-    before it reads its pairs, so it prefetches nothing: it only overlaps its launch with the previous kernel).
-    `swiglu`, a dtype (BF16 or fp8 formats decoded by conversion; grouped mode, or linear mode at one row): x is a gate | up launch's partials [S, rows, 2K] fp32 and pair p's (the
+    `partials` gets [1, rows, out_features]. `pdl`: launch with programmatic dependent launch (Hopper+;
+    _dependent_start; grouped mode waits before it reads its pairs, so it prefetches nothing: it only overlaps
+    its launch with the previous kernel). `swiglu`, a dtype (BF16 or fp8 formats decoded by conversion; grouped
+    mode, or linear mode at one row): x is a gate | up launch's partials [S, rows, 2K] fp32 and pair p's (the
     row's) x their silu(gate)·up rounded to that dtype, the activations' (_row_kernel SWIGLU; tok unread)."""
     K = x.shape[-1] // 2 if swiglu is not None else x.shape[1]
     if K % STEP:
@@ -1030,7 +1027,7 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
             BLOCK_K=block_k, ACC_K=acc_k, STAGES=stages, BITS=bits, PDL=pdl, FIXUP=fix,
             SWIGLU=x.shape[0] if swiglu is not None else 0, PER_ROW=per_row,
             ACT_DTYPE=_TL_DTYPES.get(swiglu, tl.bfloat16), HALF2=half2, ASM=not triton.knobs.runtime.interpret,
-            TILES=tiles, TILED=tiled, num_warps=warps, launch_pdl=bool(pdl))
+            TILES=tiles, TILED=tiled, num_warps=warps, launch_pdl=pdl)
         if half2 == 2 and not triton.knobs.runtime.interpret:
             mma_layout_check(kernel)
     else:
@@ -1039,7 +1036,7 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
             ACT_FP8=act_fp8, FP8_LIMIT=FP8_MAX, BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=bn,
             BLOCK_K=block_k, STAGES=stages,
             BITS=bits, LOWP=lowp, SWAP=bool(swap), PDL=pdl, FIXUP=fix, ASM=not triton.knobs.runtime.interpret,
-            TILED=tiled, num_warps=warps, launch_pdl=bool(pdl))
+            TILED=tiled, num_warps=warps, launch_pdl=pdl)
     if fix:
         return y[:1] if partials else y[0]
     return y if partials else y[0] if split == 1 else y.sum(0)
@@ -1156,8 +1153,7 @@ def _on_kernel(x: torch.Tensor) -> bool:
 
 @torch.library.custom_op("fastqwen::wq_linear", mutates_args=())
 def wq_linear(x: torch.Tensor, fmt: int, w: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None,
-              act_fp8: bool, out_features: int, pdl: bool = False, fixup: bool = False,
-              late: bool = False) -> torch.Tensor:
+              act_fp8: bool, out_features: int, pdl: bool = False, fixup: bool = False) -> torch.Tensor:
     """x [M, K] · Wᵀ as split-K partial sums [S, M, out_features] fp32, whose sum over dim 0 is the product
     (x may also be [M, …], each row's trailing dims flattened here to its K columns: see Linears.heads):
     the kernel on CUDA (S = linear_splits(…)), the reference elsewhere (S = 1). The caller sums, so that inside a
@@ -1165,19 +1161,16 @@ def wq_linear(x: torch.Tensor, fmt: int, w: torch.Tensor, scale: torch.Tensor | 
     small) instead of a launch of their own after every split-K matmul (~200 launches a 27B fp8 decode step).
     pdl: launch with programmatic dependent launch (kernels={"launch": "pdl"}; Hopper and later). fixup: the
     kernel sums its partials itself (S = 1; kernels={"splitk": "fixup"}), where a consumer that cannot take
-    the add (a custom op's input) would otherwise launch a sum of its own. late (with pdl): every format lets
-    the next kernel launch only once its sums are stored, as int4 always does (kernels={"launch": "pdl-early"},
-    whose followers trigger at their start: launched early, they would take the slots of this kernel's later
-    waves)."""
+    the add (a custom op's input) would otherwise launch a sum of its own."""
     x = x.reshape(x.shape[0], -1)
     if _on_kernel(x):
-        return wq_matmul(x.contiguous(), fmt, w, scale, zero, act_fp8, out_features, partials=True,
-                         pdl=(2 if late else 1) if pdl else 0, fixup=fixup)
+        return wq_matmul(x.contiguous(), fmt, w, scale, zero, act_fp8, out_features, partials=True, pdl=pdl,
+                         fixup=fixup)
     return reference(x, fmt, w, scale, zero, act_fp8, out_features)[None]
 
 
 @wq_linear.register_fake
-def _(x, fmt, w, scale, zero, act_fp8, out_features, pdl=False, fixup=False, late=False):
+def _(x, fmt, w, scale, zero, act_fp8, out_features, pdl=False, fixup=False):
     splits = linear_splits(fmt, out_features, x.shape[1:].numel(), x.shape[0]) if _on_kernel(x) and not fixup else 1
     return x.new_empty(splits, x.shape[0], out_features, dtype=torch.float32)
 

@@ -64,14 +64,13 @@ class QuantLinear(nn.Module):
             tensors["qweight"] = untile_int4(tensors["qweight"])
         return dequantize_weight(self.scheme, tensors, self.group)
 
-    def forward(self, x: torch.Tensor, pdl: bool = False, fixup: bool = False, cuda: tuple = (),
-                late: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pdl: bool = False, fixup: bool = False, cuda: tuple = ()) -> torch.Tensor:
         """x [..., in_features] → [..., out_features]; pdl: the kernel with programmatic dependent launch;
         fixup: it sums its split-K partials itself (ops/gemv.py wq_linear); cuda: the schemes whose few-row
         products take the CUDA C++ kernels ("int4": ops/int4_cuda.py, "fp8-weight": ops/fp8_cuda.py; "-ring"
         added: their ring kernels; "int4-stream", "int4-async": int4's stream and async kernels) rather than the
-        Triton one (ops/gemv.py); late: the Triton kernel lets the next launch only at its end (wq_linear)."""
-        parts = self.partials(x, pdl, fixup, cuda=cuda, late=late)
+        Triton one (ops/gemv.py)."""
+        parts = self.partials(x, pdl, fixup, cuda=cuda)
         if parts is not None:
             y = parts.sum(0).to(x.dtype)
             return y if self.bias is None else y + self.bias
@@ -80,7 +79,7 @@ class QuantLinear(nn.Module):
         return F.linear(x, self.dequantized().to(x.dtype), self.bias)
 
     def partials(self, x: torch.Tensor, pdl: bool = False, fixup: bool = False,
-                 in_dims: int = 1, cuda: tuple = (), late: bool = False) -> torch.Tensor | None:
+                 in_dims: int = 1, cuda: tuple = ()) -> torch.Tensor | None:
         """The weight-streaming kernel's split-K partials [S, ..., out_features] fp32 of x [..., in_features]
         (bias not added; their sum, in x's dtype, is the product), or None where the kernel does not take x
         (off CUDA, too many rows, a shape it cannot stream). in_dims: x's last in_dims dims (their product
@@ -101,7 +100,7 @@ class QuantLinear(nn.Module):
         if parts is not None:
             return parts.view(parts.shape[0], *x.shape[:-in_dims], self.out_features)
         parts = wq_linear(x2, FORMATS[self.scheme], self.qweight, scale, getattr(self, "zero", None),
-                          self.scheme == "fp8", self.out_features, pdl, fixup, late)
+                          self.scheme == "fp8", self.out_features, pdl, fixup)
         return parts.view(parts.shape[0], *x.shape[:-in_dims], self.out_features)
 
     def _cuda_partials(self, x2: torch.Tensor, scale: torch.Tensor, pdl: bool, fixup: bool,

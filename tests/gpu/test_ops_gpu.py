@@ -66,12 +66,12 @@ def test_packed_decode_reads_q_k_v_in_place_and_matches_reference(shape, B, unro
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("B,pdl,early", [(1, False, False), (1, True, False), (3, True, False), (1, True, True)])
-def test_conv_decode_matches_conv_step_and_advances_the_cached_window(shape, B, pdl, early):
+@pytest.mark.parametrize("B,pdl", [(1, False), (1, True), (3, True)])
+def test_conv_decode_matches_conv_step_and_advances_the_cached_window(shape, B, pdl):
     """kernels={"conv": "fused"}: the conv at one decode position from the input projection's split-K partials
     (S = 1 and 3; their sums rounded to bf16 to nearest even as torch rounds) and from a bf16 input: conv_step's
     output in fp32 within one bf16 rounding, and the layer's window in the stacked cache advanced exactly, the
-    other layers' untouched; the output poisoned beforehand; early (launch "pdl-early"): the same."""
+    other layers' untouched; the output poisoned beforehand."""
     from fastqwen.ops.conv import conv_decode
 
     H, HV = SHAPES[shape]
@@ -86,7 +86,7 @@ def test_conv_decode_matches_conv_step_and_advances_the_cached_window(shape, B, 
         want_out, want_window = conv_step(xs.float(), w.float(), stacked[1].float())
         window = stacked.clone()
         poison_allocator((B, 1, C))
-        out = conv_decode(x, w, window[1], pdl, early)
+        out = conv_decode(x, w, window[1], pdl)
         assert out.dtype == torch.bfloat16 and not out.isnan().any()
         assert rel_err(out, want_out) < 1e-2, S
         assert torch.equal(window[1].float(), want_window), S
@@ -484,51 +484,3 @@ def test_heads_gives_the_flat_product_to_the_bit(scheme, rows):
 
     want = lin(module, gated_rms_norm(o, z, w, 1e-6).reshape(1, rows, -1))
     assert rel_err(torch.compile(step)(o, z), want) < 1e-2  # (inductor's fused norm rounds as it fuses)
-
-
-@pytest.mark.parametrize("shape", SHAPES)
-def test_gdn_walk_that_triggers_at_its_start_gives_the_same_bits(shape):
-    """launch "pdl-early": the unrolled decode walk with its gated norm (gdn_norm "fused") letting the next kernel
-    launch at its start, not after its wait, gives the same output and state bit for bit, a kernel after it
-    launched with PDL (a copy of its output that waits first) reading all of it."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def copy_after_wait(src, out, n, BLOCK: tl.constexpr):
-        tl.extra.cuda.gdc_wait()
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(out + i, tl.load(src + i, mask=i < n), mask=i < n)
-
-    H, HV = SHAPES[shape]
-    torch.manual_seed(0)
-    qkv = torch.randn(1, 1, 2 * H * 128 + HV * 128, device="cuda", dtype=torch.bfloat16)
-    a, b, z = (torch.randn(1, 1, n, device="cuda", dtype=torch.bfloat16) for n in (HV, HV, HV * 128))
-    A_log = torch.empty(HV, device="cuda").uniform_(0.01, 16).log()
-    dt_bias, w = torch.rand(HV, device="cuda"), torch.randn(128, device="cuda", dtype=torch.bfloat16)
-    h0 = torch.randn(1, HV, 128, 128, device="cuda") * 0.1
-    runs = []
-    for early in (False, True):
-        state = h0.clone()
-        out = gdn_decode(qkv, H, 128, a, b, A_log, dt_bias, state, True, True, z, w, 1e-6, early)
-        seen = torch.full_like(out, float("nan"))
-        copy_after_wait[(-(-out.numel() // 1024),)](out, seen, out.numel(), BLOCK=1024, launch_pdl=True)
-        runs.append((out, state, seen))
-    (out0, state0, seen0), (out1, state1, seen1) = runs
-    assert torch.equal(out1, out0) and torch.equal(state1, state0)
-    assert torch.equal(seen0, out0) and torch.equal(seen1, out1)
-
-
-@pytest.mark.parametrize("rows", [1, 4])
-def test_weight_streaming_kernel_that_triggers_at_its_end_gives_the_same_partials(rows):
-    """wq_linear's late (launch "pdl-early": the next kernel launches only once this one's sums are stored, in
-    the one-row and the few-row kernel alike) moves no arithmetic: the same partials bit for bit as the early
-    trigger, at the 27B's gate | up shape."""
-    from fastqwen.ops.gemv import BF16, wq_linear
-
-    torch.manual_seed(0)
-    w = torch.randn(34816, 5120, device="cuda", dtype=torch.bfloat16) * 0.02
-    x = torch.randn(rows, 5120, device="cuda", dtype=torch.bfloat16)
-    want = wq_linear(x, BF16, w, None, None, False, w.shape[0], True, False, False)
-    poison_allocator(tuple(want.shape), dtype=torch.float32)
-    assert torch.equal(wq_linear(x, BF16, w, None, None, False, w.shape[0], True, False, True), want)
