@@ -67,6 +67,10 @@
 #            rate at its own blocks an SM; ~3 min); the step's A/B in a call of its own: python scripts/bench.py --models qwen3.5-27b
 #            --systems fastqwen-int4 fastqwen-int4+cuda-async-int4 --isolate --quant-lm-head --n-long 544 --repeats 3
 #            --no-autotune (bf16's step of the same GPU for the ratio: 13520 µs on an H200, 20015 on an H100)
+#   fixup    int4's split-K summed in its CUDA register kernel (kernels={"splitk": "fixup"}, 2026-12-05, a candidate:
+#            each strip's last block adds the splits in split order, so the bare sums inductor launches after the o /
+#            out and down projections go): its GPU tests, then the 27B int4 step A/B, each system alone in its
+#            process (~7 min; FIXUP_MODEL, FIXUP_SYSTEMS: e.g. qwen3.5-9b)
 #   cuda-times-fp8 the same for fp8-weight's register and ring kernels on the 27B's and 35B-A3B's layers.
 #            The step's A/B is `candidates` with CAND_MODEL=qwen3.5-27b CAND_SYSTEMS="fastqwen-int4+cuda-int4 fastqwen-int4+cuda-ring-int4" CAND_ARGS="--isolate --quant-lm-head
 #            --no-autotune" (fp8: fastqwen-fp8-weight+cuda-fp8-weight fastqwen-fp8-weight+cuda-ring-fp8-weight);
@@ -112,6 +116,11 @@ case "$stage" in
                --cuda-blocks 256 1024 4096 --cuda-ring-loads-only 2>&1 | tee -a "$out/cuda_times.md"
              python scripts/gemv_times.py --format int4 --shapes 27b --kernel triton cuda --cuda-ring 0 8 \
                --rows 4 8 16 2>&1 | tee -a "$out/cuda_times.md" ;;
+  fixup) timeout 150 python -m pytest -q -p no:warnings tests/gpu/test_cuda_kernels_gpu.py -k fixup 2>&1 \
+           | tee "$out/fixup_tests.log" | tail -3
+         timeout ${FIXUP_BENCH_TIMEOUT:-420} python scripts/bench.py --models ${FIXUP_MODEL:-qwen3.5-27b} \
+           --systems ${FIXUP_SYSTEMS:-fastqwen-int4 fastqwen-int4+splitk-fixup} --isolate --quant-lm-head \
+           --n-long 288 --repeats 2 --no-autotune --out-dir "$out" 2>&1 | grep -E "a step:|^\|" | tail -6 ;;
   async) timeout 200 python -m pytest -q -p no:warnings tests/gpu/test_cuda_kernels_gpu.py -k async 2>&1 \
            | tee "$out/async_tests.log" | tail -3
          python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel triton cuda --cuda-async 3 6 --cuda-loads-only \
