@@ -103,34 +103,44 @@ class Linears:
     launch configs per shape from gemv_configs.json) instead of F.linear (cuBLAS on a GPU); "auto": only
     where this GPU's sweep measured the kernel faster than cuBLAS at that shape; more rows, quantized and
     other modules run as they are. `pdl`: the weight-streaming kernel (bf16 here, quantized in QuantLinear)
-    launches with programmatic dependent launch; `fixup`: it sums its split-K partials itself (wq_linear).
+    launches with programmatic dependent launch; `fixup`: it sums its split-K partials itself (wq_linear), True
+    in every call, "out" only in the projections back into the residual stream (`out`, `heads`, an MLP's down:
+    their consumer, the residual add and the next RMSNorm, is a reduction inductor launches the sum apart from).
     `fused_act`: a SiLU-gated MLP on one row whose fused gate | up and down weights both take the kernel runs
     its down projection on the gate | up partials, computing silu(gate)·up as it loads them (swiglu_linear):
     no activation kernel between the two. `cuda`: the quantization schemes whose QuantLinears' few-row products
     take the CUDA C++ kernels (QuantLinear.partials)."""
 
-    def __init__(self, fused: bool = False, gemv: bool | str = False, pdl: bool = False, fixup: bool = False,
+    def __init__(self, fused: bool = False, gemv: bool | str = False, pdl: bool = False, fixup: bool | str = False,
                  fused_act: bool = False, cuda: tuple = ()):
         from .quant.linear import QuantLinear  # (here: quant.linear imports model, which imports this module)
 
-        self.fused, self.gemv, self.pdl, self.fixup, self.quant_linear = fused, gemv, pdl, fixup, QuantLinear
+        self.fused, self.gemv, self.pdl, self.quant_linear = fused, gemv, pdl, QuantLinear
+        self.fixup, self.fixup_out = fixup is True, bool(fixup)
         self.fused_act, self.cuda = fused_act, cuda
         self.table = gpu_table() if gemv == "auto" else {}  # read here: not inside a traced step
 
-    def __call__(self, module, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, module, x: torch.Tensor, fixup: bool | None = None) -> torch.Tensor:
+        fixup = self.fixup if fixup is None else fixup
         if type(module) is torch.nn.Linear and module.bias is None:
-            return self.weight(x, module.weight)
+            return self.weight(x, module.weight, fixup)
         if isinstance(module, self.quant_linear):
-            return module(x, pdl=self.pdl, fixup=self.fixup, cuda=self.cuda)
+            return module(x, pdl=self.pdl, fixup=fixup, cuda=self.cuda)
         return module(x)
 
-    def weight(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def out(self, module, x: torch.Tensor) -> torch.Tensor:
+        """The call for a projection back into the residual stream (o_proj, out_proj, down_proj): its split-K
+        summed in the kernel under fixup "out" too."""
+        return self(module, x, self.fixup_out)
+
+    def weight(self, x: torch.Tensor, w: torch.Tensor, fixup: bool | None = None) -> torch.Tensor:
         """x @ wᵀ for a floating-point weight w [N, K] (a bias-free linear's, or a raw one: the MoE router's):
         the weight-streaming kernel where the policy says so, else F.linear."""
         rows, (N, K) = x.numel() // x.shape[-1], w.shape
         if not self._streams(x, N, K, rows):
             return torch.nn.functional.linear(x, w)
-        y = wq_linear(x.reshape(rows, -1), BF16, w, None, None, False, N, self.pdl, self.fixup).sum(0)
+        fixup = self.fixup if fixup is None else fixup
+        y = wq_linear(x.reshape(rows, -1), BF16, w, None, None, False, N, self.pdl, fixup).sum(0)
         return y.to(x.dtype).view(*x.shape[:-1], N)
 
     def weight_partials(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -187,14 +197,14 @@ class Linears:
         not match the reduction's and they run as two."""
         lead, rows = o.shape[:2], o.shape[:2].numel()
         if isinstance(module, self.quant_linear) and module.bias is None:
-            parts = module.partials(o, self.pdl, self.fixup, in_dims=2, cuda=self.cuda)
+            parts = module.partials(o, self.pdl, self.fixup_out, in_dims=2, cuda=self.cuda)
             if parts is not None:
                 return parts.sum(0).to(o.dtype)
         elif type(module) is torch.nn.Linear and module.bias is None and self._streams(o, *module.weight.shape, rows):
             parts = wq_linear(o.reshape(rows, *o.shape[2:]), BF16, module.weight, None, None, False,
-                              module.weight.shape[0], self.pdl, self.fixup)
+                              module.weight.shape[0], self.pdl, self.fixup_out)
             return parts.sum(0).to(o.dtype).view(*lead, -1)
-        return self(module, o.reshape(*lead, -1))
+        return self.out(module, o.reshape(*lead, -1))
 
     def mlp(self, mlp, h):
         """A dense gated MLP (transformers' Qwen3.5 MLP, or a MoE layer's shared expert): down(act(gate)·up)."""
@@ -205,7 +215,7 @@ class Linears:
                 and self._streams(h, *fused.weight.shape, 1) and self._streams(h, *down.weight.shape, 1)):
             parts = wq_linear(h.reshape(1, -1), BF16, fused.weight, None, None, False, fused.weight.shape[0], self.pdl,
                               self.fixup)  # [S, 1, 2I]: gate | up
-            y = swiglu_linear(parts, down.weight, down.weight.shape[0], self.pdl, self.fixup).sum(0)
+            y = swiglu_linear(parts, down.weight, down.weight.shape[0], self.pdl, self.fixup_out).sum(0)
             return y.to(h.dtype).view(*h.shape[:-1], -1)
         gate, up = self.project(mlp, h, MLP_IN)
-        return self(mlp.down_proj, mlp.act_fn(gate) * up)
+        return self.out(mlp.down_proj, mlp.act_fn(gate) * up)
