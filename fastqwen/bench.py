@@ -33,7 +33,6 @@ CANDIDATE_SYSTEMS = {"fastqwen+split-attention": {"attention": "split"},  # (the
                      "fastqwen+fla-gdn": {"gdn": "fla"},
                      "fastqwen+unrolled-gdn": {"gdn": "unrolled"},
                      "fastqwen+splitk-fixup": {"splitk": "fixup"},
-                     "fastqwen+splitk-fixup-out": {"splitk": "fixup-out"},  # (o / out and down only)
                      "fastqwen+fused-gdn-norm": {"gdn_norm": "fused"},
                      "fastqwen+fused-expert-act": {"expert_act": "fused"},  # (the default with grouped: "auto")
                      "fastqwen+separate-expert-act": {"expert_act": "separate"},

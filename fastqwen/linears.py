@@ -8,7 +8,8 @@ weight-streaming kernel (ops/gemv.py) for bf16 linears at decode and verify.
 
 import torch
 
-from .ops.gemv import BF16, STEP, TILE_ROWS, gemv_beats_cublas, gpu_table, swiglu_linear, untile_int4, wq_linear
+from .ops.gemv import (BF16, STEP, TILE_ROWS, add_splits, gemv_beats_cublas, gpu_table, swiglu_linear, untile_int4,
+                       wq_linear)
 
 MLP_IN = ("gate_proj", "up_proj")  # a gated MLP's input projections
 
@@ -103,44 +104,34 @@ class Linears:
     launch configs per shape from gemv_configs.json) instead of F.linear (cuBLAS on a GPU); "auto": only
     where this GPU's sweep measured the kernel faster than cuBLAS at that shape; more rows, quantized and
     other modules run as they are. `pdl`: the weight-streaming kernel (bf16 here, quantized in QuantLinear)
-    launches with programmatic dependent launch; `fixup`: it sums its split-K partials itself (wq_linear), True
-    in every call, "out" only in the projections back into the residual stream (`out`, `heads`, an MLP's down:
-    their consumer, the residual add and the next RMSNorm, is a reduction inductor launches the sum apart from).
+    launches with programmatic dependent launch; `fixup`: it sums its split-K partials itself (wq_linear).
     `fused_act`: a SiLU-gated MLP on one row whose fused gate | up and down weights both take the kernel runs
     its down projection on the gate | up partials, computing silu(gate)·up as it loads them (swiglu_linear):
     no activation kernel between the two. `cuda`: the quantization schemes whose QuantLinears' few-row products
     take the CUDA C++ kernels (QuantLinear.partials)."""
 
-    def __init__(self, fused: bool = False, gemv: bool | str = False, pdl: bool = False, fixup: bool | str = False,
+    def __init__(self, fused: bool = False, gemv: bool | str = False, pdl: bool = False, fixup: bool = False,
                  fused_act: bool = False, cuda: tuple = ()):
         from .quant.linear import QuantLinear  # (here: quant.linear imports model, which imports this module)
 
-        self.fused, self.gemv, self.pdl, self.quant_linear = fused, gemv, pdl, QuantLinear
-        self.fixup, self.fixup_out = fixup is True, bool(fixup)
+        self.fused, self.gemv, self.pdl, self.fixup, self.quant_linear = fused, gemv, pdl, fixup, QuantLinear
         self.fused_act, self.cuda = fused_act, cuda
         self.table = gpu_table() if gemv == "auto" else {}  # read here: not inside a traced step
 
-    def __call__(self, module, x: torch.Tensor, fixup: bool | None = None) -> torch.Tensor:
-        fixup = self.fixup if fixup is None else fixup
+    def __call__(self, module, x: torch.Tensor) -> torch.Tensor:
         if type(module) is torch.nn.Linear and module.bias is None:
-            return self.weight(x, module.weight, fixup)
+            return self.weight(x, module.weight)
         if isinstance(module, self.quant_linear):
-            return module(x, pdl=self.pdl, fixup=fixup, cuda=self.cuda)
+            return module(x, pdl=self.pdl, fixup=self.fixup, cuda=self.cuda)
         return module(x)
 
-    def out(self, module, x: torch.Tensor) -> torch.Tensor:
-        """The call for a projection back into the residual stream (o_proj, out_proj, down_proj): its split-K
-        summed in the kernel under fixup "out" too."""
-        return self(module, x, self.fixup_out)
-
-    def weight(self, x: torch.Tensor, w: torch.Tensor, fixup: bool | None = None) -> torch.Tensor:
+    def weight(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x @ wᵀ for a floating-point weight w [N, K] (a bias-free linear's, or a raw one: the MoE router's):
         the weight-streaming kernel where the policy says so, else F.linear."""
         rows, (N, K) = x.numel() // x.shape[-1], w.shape
         if not self._streams(x, N, K, rows):
             return torch.nn.functional.linear(x, w)
-        fixup = self.fixup if fixup is None else fixup
-        y = wq_linear(x.reshape(rows, -1), BF16, w, None, None, False, N, self.pdl, fixup).sum(0)
+        y = add_splits(wq_linear(x.reshape(rows, -1), BF16, w, None, None, False, N, self.pdl, self.fixup))
         return y.to(x.dtype).view(*x.shape[:-1], N)
 
     def weight_partials(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -182,7 +173,7 @@ class Linears:
         elif parts is None:
             outs = list(self(fused, h).split(sizes, dim=-1))
         else:
-            outs = [p if n in raw else p.sum(0).to(h.dtype) for n, p in zip(names, parts.split(sizes, dim=-1))]
+            outs = [p if n in raw else add_splits(p).to(h.dtype) for n, p in zip(names, parts.split(sizes, dim=-1))]
         for n in names[len(outs):]:
             linear = getattr(module, n)
             p = self.partials(linear, h) if n in raw else None
@@ -197,14 +188,14 @@ class Linears:
         not match the reduction's and they run as two."""
         lead, rows = o.shape[:2], o.shape[:2].numel()
         if isinstance(module, self.quant_linear) and module.bias is None:
-            parts = module.partials(o, self.pdl, self.fixup_out, in_dims=2, cuda=self.cuda)
+            parts = module.partials(o, self.pdl, self.fixup, in_dims=2, cuda=self.cuda)
             if parts is not None:
-                return parts.sum(0).to(o.dtype)
+                return add_splits(parts).to(o.dtype)
         elif type(module) is torch.nn.Linear and module.bias is None and self._streams(o, *module.weight.shape, rows):
             parts = wq_linear(o.reshape(rows, *o.shape[2:]), BF16, module.weight, None, None, False,
-                              module.weight.shape[0], self.pdl, self.fixup_out)
-            return parts.sum(0).to(o.dtype).view(*lead, -1)
-        return self.out(module, o.reshape(*lead, -1))
+                              module.weight.shape[0], self.pdl, self.fixup)
+            return add_splits(parts).to(o.dtype).view(*lead, -1)
+        return self(module, o.reshape(*lead, -1))
 
     def mlp(self, mlp, h):
         """A dense gated MLP (transformers' Qwen3.5 MLP, or a MoE layer's shared expert): down(act(gate)·up)."""
@@ -215,7 +206,7 @@ class Linears:
                 and self._streams(h, *fused.weight.shape, 1) and self._streams(h, *down.weight.shape, 1)):
             parts = wq_linear(h.reshape(1, -1), BF16, fused.weight, None, None, False, fused.weight.shape[0], self.pdl,
                               self.fixup)  # [S, 1, 2I]: gate | up
-            y = swiglu_linear(parts, down.weight, down.weight.shape[0], self.pdl, self.fixup_out).sum(0)
+            y = add_splits(swiglu_linear(parts, down.weight, down.weight.shape[0], self.pdl, self.fixup))
             return y.to(h.dtype).view(*h.shape[:-1], -1)
         gate, up = self.project(mlp, h, MLP_IN)
-        return self.out(mlp.down_proj, mlp.act_fn(gate) * up)
+        return self(mlp.down_proj, mlp.act_fn(gate) * up)

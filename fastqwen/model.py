@@ -37,7 +37,7 @@ def text_model(model):
 KERNELS = {"attention": ("split", "sdpa"), "experts": ("auto", "gather", "grouped", "grouped-pdl"),
            "projections": ("fused", "separate"), "linears": ("auto", "torch", "gemv"),
            "gdn": ("block", "unrolled", "fla"), "launch": ("auto", "serial", "pdl"),
-           "splitk": ("sum", "fixup", "fixup-out"), "gdn_norm": ("separate", "fused"),
+           "splitk": ("sum", "fixup"), "gdn_norm": ("separate", "fused"),
            "expert_act": ("auto", "separate", "fused", "mlp"), "route": ("auto", "argmax", "packed", "fused"),
            "mlp_act": ("separate", "fused"), "conv": ("fused", "separate"),
            "int4": ("auto", "triton", "cuda", "cuda-ring", "cuda-stream", "cuda-async"),
@@ -85,16 +85,14 @@ def check_kernels(kernels: dict | None, cfg, device, fp8_experts: bool = False) 
     first weight tiles into L2 before they wait for it; ops/gemv.py _dependent_start); "auto": "pdl" on a GPU
     of compute capability 9.0 or later, else "serial" (on the H200 the 27B fp8-weight step took 7841 µs with
     PDL against 8251 serial, 2026-12-02; the int4 step 6341, 7002 and 6509 against 7175, 6890 and 6927 since
-    its one-row kernel lets the next launch only after its last store, 2026-12-04; each alone in its process). "splitk": the weight-streaming kernel's split-K partial
-    sums added by their consumer ("sum": inductor folds the add into the next kernel, or launches a sum of its
-    own where the consumer is a custom op) or by the kernel itself ("fixup": the last program of each output
-    tile adds them, in split order; ops/gemv.py _split_k_fixup, and int4's CUDA register kernel the same way,
-    ops/cuda/int4_gemv.cu sum_splits; its other CUDA kernels and fp8-weight's take one split) everywhere, or
-    only in the projections back into the residual stream ("fixup-out": o / out and down, whose sum inductor
-    launches apart from its consumer, a reduction; elsewhere it folds the sum into the next kernel, where an
-    in-kernel sum only lengthens the GEMV's tail; Linears.out). "gdn_norm": the GDN block's gated RMSNorm at
-    decode as a kernel of inductor's after the recurrence ("separate") or inside the unrolled decode kernel, by
-    the last program of each head ("fused": ops/gdn.py _gated_norm_tail; a launch less a GDN layer; with "gdn"
+    its one-row kernel lets the next launch only after its last store, 2026-12-04; each alone in its process).
+    "splitk": the weight-streaming kernel's split-K partial sums added by their consumer ("sum": gemv.add_splits'
+    adds, which inductor folds into the next kernel, or the custom op that consumes them adds them itself) or by
+    the kernel itself ("fixup": the last program of each output tile adds them, in split order; ops/gemv.py
+    _split_k_fixup, and int4's CUDA register kernel the same way, ops/cuda/int4_gemv.cu sum_splits; its other
+    CUDA kernels and fp8-weight's take one split). "gdn_norm": the GDN block's gated RMSNorm at decode as a
+    kernel of inductor's after the recurrence ("separate") or inside the unrolled decode kernel, by the last
+    program of each head ("fused": ops/gdn.py _gated_norm_tail; a launch less a GDN layer; with "gdn"
     "block" or "unrolled"; a candidate: 0.94× the default on 35B-A3B, docs/BENCHMARKS.md). "expert_act": grouped
     experts' silu(gate)·up as a kernel of inductor's between the gate | up and the down launches ("separate")
     or computed by the down launch from the gate | up partials as it loads them ("fused": a launch less a MoE
@@ -236,8 +234,7 @@ class Forward:
         self.pdl = self.kernels["launch"] == "pdl"
         self.lin = Linears(fused=self.kernels["projections"] == "fused",
                            gemv={"torch": False, "gemv": True, "auto": "auto"}[self.kernels["linears"]],
-                           pdl=self.pdl,
-                           fixup={"sum": False, "fixup": True, "fixup-out": "out"}[self.kernels["splitk"]],
+                           pdl=self.pdl, fixup=self.kernels["splitk"] == "fixup",
                            fused_act=self.kernels["mlp_act"] == "fused",
                            cuda=cuda_schemes(self.kernels))
         if cache.lengths.device.type == "cuda":  # the kernels' arrival counts (split-K fixup, fused GDN norm, expert
@@ -375,7 +372,7 @@ class Forward:
             if self.fused_norm:  # o comes out of the op normalised and gated
                 o = gdn_decode(qkv, *heads, a, b, m.A_log, m.dt_bias, state, self.unrolled, pdl, z, m.norm.weight,
                                m.norm.variance_epsilon)
-                return self.lin.out(m.out_proj, o.reshape(B, T, -1))
+                return self.lin(m.out_proj, o.reshape(B, T, -1))
             o = gdn_decode(qkv, *heads, a, b, m.A_log, m.dt_bias, state, self.unrolled, pdl)
             return self._gdn_out(m, o, z)
         q, k, v = unpack_qkv(qkv, *heads, cfg.linear_num_value_heads)
@@ -414,7 +411,7 @@ class Forward:
         else:
             o = attend_cache(q, k_cache, v_cache, positions, m.scaling)
         o = o.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate.reshape(B, T, -1))
-        return self.lin.out(m.o_proj, o)
+        return self.lin(m.o_proj, o)
 
     def _mlp(self, mlp, h, mode):
         if not hasattr(mlp, "experts"):

@@ -15,26 +15,22 @@ not listed. Use it to check that a change removes launches before spending GPU t
 
 import argparse
 import ast
+import contextlib
 import re
 
 import torch
 
 
-def decode_step_code(model: str, layers: int | None, kernels: dict, options: dict | None = None) -> str:
-    """The Python source inductor generates for the decode step of `model` (a preset, bf16, random weights,
-    its first `layers` layers; `options`: inductor options, optimize's compile_options), its Triton kernels
-    included."""
+@contextlib.contextmanager
+def written_kernels():
+    """Inductor's Triton backend writing kernels for CPU tensors, none compiled (no Triton backend compiles for
+    CPU: running a compiled function fails after codegen, which the caller catches): yields the list each
+    compiled graph's Python source, its Triton kernels included, is appended to."""
     import torch._inductor.config as inductor_config
     import torch.utils._triton as triton_utils
     from torch._inductor.graph import GraphLowering
     from torch._inductor.runtime.triton_heuristics import CachingAutotuner
 
-    import fastqwen
-    from fastqwen import presets
-
-    inductor_config.cpu_backend, inductor_config.fx_graph_cache = "triton", False
-    triton_utils.triton_hash_with_backend = lambda: "cpu"  # (it asks the GPU driver)
-    CachingAutotuner.precompile = lambda self, *args, **kw: None  # (no Triton backend compiles for CPU)
     codes = []
     codegen = GraphLowering.codegen
 
@@ -43,13 +39,45 @@ def decode_step_code(model: str, layers: int | None, kernels: dict, options: dic
         codes.append(result[0].value)
         return result
 
+    saved = (inductor_config.cpu_backend, inductor_config.fx_graph_cache, triton_utils.triton_hash_with_backend,
+             CachingAutotuner.precompile)
+    inductor_config.cpu_backend, inductor_config.fx_graph_cache = "triton", False
+    triton_utils.triton_hash_with_backend = lambda: "cpu"  # (it asks the GPU driver)
+    CachingAutotuner.precompile = lambda self, *args, **kw: None  # (no Triton backend compiles for CPU)
     GraphLowering.codegen = keep
-    built = presets.build(model, dtype=torch.bfloat16, layers=layers)
-    engine = fastqwen.optimize(built, max_seq_len=64, compile=True, kernels=kernels, compile_options=options)
     try:
-        engine.generate(torch.randint(1, 500, (1, 9)), max_new_tokens=3, do_sample=False)
-    except Exception:  # (the uncompiled kernels: expected once the step's code exists)
-        pass
+        yield codes
+    finally:
+        (inductor_config.cpu_backend, inductor_config.fx_graph_cache, triton_utils.triton_hash_with_backend,
+         CachingAutotuner.precompile) = saved
+        GraphLowering.codegen = codegen
+
+
+def kernel_names(fn, *args) -> list[str]:
+    """The Triton kernels inductor writes for torch.compile(fn)(*args) (CPU tensors), in launch order."""
+    torch._dynamo.reset()
+    with written_kernels() as codes:
+        try:
+            torch.compile(fn)(*args)
+        except Exception:  # (the uncompiled kernels)
+            pass
+    return [name for code in codes for name in re.findall(r"\n\s+(triton_\w+)\.run\(", code)]
+
+
+def decode_step_code(model: str, layers: int | None, kernels: dict, options: dict | None = None) -> str:
+    """The Python source inductor generates for the decode step of `model` (a preset, bf16, random weights,
+    its first `layers` layers; `options`: inductor options, optimize's compile_options), its Triton kernels
+    included."""
+    import fastqwen
+    from fastqwen import presets
+
+    with written_kernels() as codes:
+        built = presets.build(model, dtype=torch.bfloat16, layers=layers)
+        engine = fastqwen.optimize(built, max_seq_len=64, compile=True, kernels=kernels, compile_options=options)
+        try:
+            engine.generate(torch.randint(1, 500, (1, 9)), max_new_tokens=3, do_sample=False)
+        except Exception:  # (the uncompiled kernels: expected once the step's code exists)
+            pass
     found = [c for c in codes if "split_kv_partials" in c or "gdn_decode" in c]  # the decode step's graph
     if not found:
         raise RuntimeError(f"no decode step among the {len(codes)} graphs compiled")

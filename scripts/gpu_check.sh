@@ -67,12 +67,11 @@
 #            rate at its own blocks an SM; ~3 min); the step's A/B in a call of its own: python scripts/bench.py --models qwen3.5-27b
 #            --systems fastqwen-int4 fastqwen-int4+cuda-async-int4 --isolate --quant-lm-head --n-long 544 --repeats 3
 #            --no-autotune (bf16's step of the same GPU for the ratio: 13520 µs on an H200, 20015 on an H100)
-#   fixup    int4's split-K summed in its CUDA register kernel (kernels={"splitk": "fixup-out"}, 2026-12-05, a
-#            candidate: in the o / out and down projections each strip's last block adds the splits in split order,
-#            so the bare sums inductor launches after them go): its GPU tests, then the 27B int4 step A/B, each
-#            system alone in its process (~7 min; FIXUP_MODEL, FIXUP_SYSTEMS: e.g. qwen3.5-9b, or
-#            "fastqwen-int4 fastqwen-int4+splitk-fixup": the sum in every GEMV, or fastqwen-fp8-weight
-#            fastqwen-fp8-weight+splitk-fixup-out: the Triton kernel's fixup on the fp8 bar)
+#   fixup    int4's split-K summed in its CUDA register kernel (kernels={"splitk": "fixup"}, 2026-12-05, a candidate:
+#            each strip's last block adds the splits in split order): its GPU tests, then the 27B int4 step, the
+#            default (since 2026-12-05 its partials added by gemv.add_splits: no launch of their own; 7181 µs on an
+#            H100 before) against fixup, each system alone in its process (~7 min; FIXUP_MODEL, FIXUP_SYSTEMS: e.g.
+#            qwen3.5-9b, or "fastqwen fastqwen-fp8-weight": the bf16 and fp8-weight steps after the same change)
 #   cuda-times-fp8 the same for fp8-weight's register and ring kernels on the 27B's and 35B-A3B's layers.
 #            The step's A/B is `candidates` with CAND_MODEL=qwen3.5-27b CAND_SYSTEMS="fastqwen-int4+cuda-int4 fastqwen-int4+cuda-ring-int4" CAND_ARGS="--isolate --quant-lm-head
 #            --no-autotune" (fp8: fastqwen-fp8-weight+cuda-fp8-weight fastqwen-fp8-weight+cuda-ring-fp8-weight);
@@ -121,7 +120,7 @@ case "$stage" in
   fixup) timeout 150 python -m pytest -q -p no:warnings tests/gpu/test_cuda_kernels_gpu.py -k fixup 2>&1 \
            | tee "$out/fixup_tests.log" | tail -3
          timeout ${FIXUP_BENCH_TIMEOUT:-420} python scripts/bench.py --models ${FIXUP_MODEL:-qwen3.5-27b} \
-           --systems ${FIXUP_SYSTEMS:-fastqwen-int4 fastqwen-int4+splitk-fixup-out} --isolate --quant-lm-head \
+           --systems ${FIXUP_SYSTEMS:-fastqwen-int4 fastqwen-int4+splitk-fixup} --isolate --quant-lm-head \
            --n-long 288 --repeats 2 --no-autotune --out-dir "$out" 2>&1 | grep -E "a step:|^\|" | tail -6 ;;
   async) timeout 200 python -m pytest -q -p no:warnings tests/gpu/test_cuda_kernels_gpu.py -k async 2>&1 \
            | tee "$out/async_tests.log" | tail -3

@@ -150,6 +150,28 @@ def test_compiled_steps_are_cached_under_a_tag_of_the_ops_and_the_launch_table(m
 
 
 
+def test_split_k_partials_fold_into_their_consumers_kernel_at_any_split_count():
+    """Linears and QuantLinear add a GEMV's split-K partials with gemv.add_splits: compiled, the adds join the
+    consumer's kernel (here a residual add and its RMSNorm: one kernel) at 2, 8 and 16 partials, where
+    parts.sum(0), a reduction inductor unrolls into its consumer only below 8 terms, is a kernel of its own at 8
+    and 16 (the control: the int4 CUDA kernel's 8 splits on the 27B's o / out and down projections launched two
+    such sums a layer). Inductor's Triton codegen on CPU tensors in a subprocess (scripts/decode_kernels.py)."""
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "decode_kernels.py")
+    code = (f"import runpy, torch\nfrom fastqwen.ops.gemv import add_splits\n"
+            f"names = runpy.run_path({script!r})['kernel_names']\n"
+            "def norm(x, parts, w, add):\n"
+            "    y = x + add(parts).to(x.dtype)\n"
+            "    return (y.float() * torch.rsqrt(y.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * w, y\n"
+            "for S in (2, 8, 16):\n"
+            "    for how, add in (('chain', add_splits), ('sum', lambda p: p.sum(0))):\n"
+            "        args = (torch.randn(1, 512).bfloat16(), torch.randn(S, 1, 512), torch.randn(512).bfloat16())\n"
+            "        print(S, how, len(names(lambda x, p, w: norm(x, p, w, add), *args)))\n")
+    lines = run_in_triton_interpreter(code, interpret=False).strip().splitlines()[-6:]
+    kernels = {(int(S), how): int(n) for S, how, n in (line.split() for line in lines)}
+    assert all(kernels[S, "chain"] == 1 for S in (2, 8, 16)), kernels
+    assert kernels[2, "sum"] == 1 and kernels[8, "sum"] == 2 and kernels[16, "sum"] == 2, kernels
+
+
 def test_decode_step_norms_fuse_with_their_consumers():
     """In the decode step each per-head norm is one inductor kernel with what consumes it. The GDN gated
     RMSNorm (a reduction per head, then w·x̂·silu(z)): its output reaches out_proj's op per head

@@ -170,36 +170,6 @@ def test_programmatic_dependent_launch_reaches_inductor_and_the_weight_streaming
             assert len(flags) > n and set(flags[n:]) == {(True, splitk == "fixup")}, (quant, splitk, flags[n:])
 
 
-def test_fixup_out_sums_in_the_kernel_only_the_projections_back_into_the_residual_stream(monkeypatch):
-    """kernels={"splitk": "fixup-out"}: the o / out and down projections' weight-streaming calls get fixup=True
-    (their sum would be a launch of its own before the residual norm), every other call fixup=False (the
-    in-projections, gate | up, lm_head: their consumers fold the sum), quantized or not."""
-    import fastqwen.linears as linears_module
-    import fastqwen.quant.linear as quant_linear_module
-
-    outs = ("o_proj", "out_proj", "down_proj")
-    calls = []  # (module name, fixup) of each QuantLinear call
-    real_forward, real_partials = quant_linear_module.QuantLinear.forward, quant_linear_module.QuantLinear.partials
-    monkeypatch.setattr(quant_linear_module.QuantLinear, "forward", lambda self, x, pdl=False, fixup=False,
-                        cuda=(): calls.append((self.fastqwen_name, fixup)) or real_forward(self, x, pdl, fixup, cuda))
-    monkeypatch.setattr(quant_linear_module.QuantLinear, "partials", lambda self, x, pdl=False, fixup=False,
-                        in_dims=1, cuda=(): calls.append((self.fastqwen_name, fixup)) or real_partials(
-                            self, x, pdl, fixup, in_dims, cuda))
-    bf16 = []  # fixup of each bf16 weight-streaming call
-    real_linear = linears_module.wq_linear
-    monkeypatch.setattr(linears_module, "wq_linear", lambda *a: bf16.append(a[8]) or real_linear(*a))
-    ids = torch.randint(1, 500, (1, 9))
-    for quant in ("fp8-weight", None):
-        m = fastqwen.optimize(fresh("tiny"), max_seq_len=64, compile=False, quant=quant,
-                              kernels={"linears": "gemv", "splitk": "fixup-out", "projections": "separate"})
-        for name, module in m.named_modules():
-            module.fastqwen_name = name.rsplit(".", 1)[-1]
-        m.generate(ids, do_sample=False, max_new_tokens=4)
-    assert {n for n, _ in calls} >= {"o_proj", "out_proj", "down_proj", "in_proj_qkv", "gate_proj"}, set(calls)
-    assert all(f == (n in outs) for n, f in calls), calls
-    assert True in bf16 and False in bf16  # (the bf16 model's: out projections and the others)
-
-
 def test_auto_experts_take_the_grouped_kernel_on_cuda_where_the_shapes_fit():
     """kernels["experts"] "auto" (the default) resolves to "grouped" for a MoE model on CUDA whose hidden and
     expert intermediate sizes are multiples of 128 (the real 35B-A3B), to "gather" off CUDA and where they are

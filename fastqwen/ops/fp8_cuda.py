@@ -19,7 +19,7 @@ from . import cuda_build
 CHUNK = 64  # columns of a step: 16 bytes a lane of each of its two rows
 TILE_ROWS = 16
 TARGET_BLOCKS = 2048  # splits are added until the grid has about this many blocks (~15 a multiprocessor)
-MAX_SPLITS = 8  # inductor unrolls the caller's sum of ≤ 8 partials into the consumer (gemv.wq_linear)
+MAX_SPLITS = 8  # (≤ 8 partials for the caller to add into the consumer's kernel: gemv.add_splits)
 MAX_ROWS = 16  # rows of x a launch takes: one or two blocks of mma.m16n8k16's 8 B columns
 BATCH = 4  # chunks whose weight loads a warp issues before it decodes them (2, 4 or 8; 2 or 4 past 8 rows)
 RING_STAGES = 8  # the ring kernel's stages (4 or 8), each up to 4 chunks of a strip's 16 rows (4 KB)

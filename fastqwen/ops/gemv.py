@@ -1151,14 +1151,26 @@ def _on_kernel(x: torch.Tensor) -> bool:
     return x.is_cuda and triton is not None
 
 
+def add_splits(parts: torch.Tensor) -> torch.Tensor:
+    """The sum over dim 0 of split-K partials [S, ...] as S − 1 adds in split order. In a compiled step inductor
+    folds pointwise adds into the consumer's kernel whatever S is, while `parts.sum(0)` is a reduction it unrolls
+    into the consumer only below its unroll_reductions_threshold (8): at 8 or more partials (the CUDA kernels'
+    plans on the 27B's o / out and down projections, several GEMV configs) a launch of its own before a
+    reduction consumer (the residual RMSNorm), 2 a layer."""
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
+
+
 @torch.library.custom_op("fastqwen::wq_linear", mutates_args=())
 def wq_linear(x: torch.Tensor, fmt: int, w: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None,
               act_fp8: bool, out_features: int, pdl: bool = False, fixup: bool = False) -> torch.Tensor:
     """x [M, K] · Wᵀ as split-K partial sums [S, M, out_features] fp32, whose sum over dim 0 is the product
     (x may also be [M, …], each row's trailing dims flattened here to its K columns: see Linears.heads):
-    the kernel on CUDA (S = linear_splits(…)), the reference elsewhere (S = 1). The caller sums, so that inside a
-    compiled step inductor can fold the S ≤ 8 adds into the consumer's kernel (it unrolls reductions that
-    small) instead of a launch of their own after every split-K matmul (~200 launches a 27B fp8 decode step).
+    the kernel on CUDA (S = linear_splits(…)), the reference elsewhere (S = 1). The caller sums (add_splits), so
+    that inside a compiled step inductor folds the adds into the consumer's kernel instead of a launch of their
+    own after every split-K matmul (~200 launches a 27B fp8 decode step).
     pdl: launch with programmatic dependent launch (kernels={"launch": "pdl"}; Hopper and later). fixup: the
     kernel sums its partials itself (S = 1; kernels={"splitk": "fixup"}), where a consumer that cannot take
     the add (a custom op's input) would otherwise launch a sum of its own."""

@@ -51,7 +51,7 @@ STREAM_EARLY = False  # the stream kernel lets the next kernel launch at its sta
 # (both on: a 9B int4 step 3152 µs against the register kernel's 2560, one H100, 2026-12-05; which of the two
 # or the stream kernel itself costs it is not yet known: docs/DESIGN-NOTES.md)
 ASYNC_STAGES = 3  # the async kernel's one-group slots a warp (3 or 6): STAGES - 1 groups in flight during a decode
-MAX_SPLITS = 8  # inductor unrolls the caller's sum of ≤ 8 partials into the consumer (gemv.wq_linear)
+MAX_SPLITS = 8  # (≤ 8 partials for the caller to add into the consumer's kernel: gemv.add_splits)
 MAX_ROWS = 16  # rows of x a launch takes: one or two blocks of mma.m16n8k16's 8 B columns (a DFlash verify)
 CHOICE = "kernels['int4']='cuda'"
 

@@ -16,7 +16,8 @@ from torch import nn
 
 from ..model import text_model
 from ..ops import fp8_cuda, int4_cuda
-from ..ops.gemv import FORMATS, MAX_ROWS, STEP, group_major, tile_int4, untile_int4, wq_linear
+from ..ops.gemv import (FORMATS, MAX_ROWS, STEP, add_splits, group_major, tile_int4, untile_int4,
+                        wq_linear)
 from .experts import QuantExperts
 from .formats import INT4_ZERO, dequantize_weight, fake_quantize_fp8_activations, int4_scale, quantize_weight
 
@@ -72,7 +73,7 @@ class QuantLinear(nn.Module):
         Triton one (ops/gemv.py)."""
         parts = self.partials(x, pdl, fixup, cuda=cuda)
         if parts is not None:
-            y = parts.sum(0).to(x.dtype)
+            y = add_splits(parts).to(x.dtype)
             return y if self.bias is None else y + self.bias
         if self.scheme == "fp8":
             x = fake_quantize_fp8_activations(x, STEP)

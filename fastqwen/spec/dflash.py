@@ -187,7 +187,7 @@ class DFlashProposer:
                 mask = causal & (keys[None, None, :] > positions[:, :, None] - d.sliding_window) if sliding else full
                 o = F.scaled_dot_product_attention(apply_rope(q, cos, sin), k_cache, v_cache,
                                                    attn_mask=mask[:, None], scale=a.scaling, enable_gqa=True)
-            x = x + self.lin.out(a.o_proj, o.transpose(1, 2).reshape(B, T, -1))
+            x = x + self.lin(a.o_proj, o.transpose(1, 2).reshape(B, T, -1))
             x = x + self.lin.mlp(layer.mlp, plain_rms_norm(x, layer.post_attention_layernorm.weight, self.eps))
         return plain_rms_norm(x, d.norm.weight, self.eps)
 
