@@ -67,11 +67,12 @@
 #            rate at its own blocks an SM; ~3 min); the step's A/B in a call of its own: python scripts/bench.py --models qwen3.5-27b
 #            --systems fastqwen-int4 fastqwen-int4+cuda-async-int4 --isolate --quant-lm-head --n-long 544 --repeats 3
 #            --no-autotune (bf16's step of the same GPU for the ratio: 13520 µs on an H200, 20015 on an H100)
-#   fixup    int4's split-K summed in its CUDA register kernel (kernels={"splitk": "fixup"}, 2026-12-05, a candidate:
-#            each strip's last block adds the splits in split order): its GPU tests, then the 27B int4 step, the
-#            default (since 2026-12-05 its partials added by gemv.add_splits: no launch of their own; 7181 µs on an
-#            H100 before) against fixup, each system alone in its process (~7 min; FIXUP_MODEL, FIXUP_SYSTEMS: e.g.
-#            qwen3.5-9b, or "fastqwen fastqwen-fp8-weight": the bf16 and fp8-weight steps after the same change)
+#   fixup    split-K partials, 2026-12-05: int4's CUDA register kernel summing its splits itself (kernels={"splitk":
+#            "fixup"}: each strip's last block adds them in split order) and gemv.add_splits (the default since then:
+#            S − 1 adds that inductor folds into the consumer, where sum(0) launched a kernel of its own at 8 or
+#            more): the fixup GPU tests, then the 27B int4 step with add_splits and with sum(0)
+#            (gemv.SPLITS_AS_ADDS False), each alone in its process (~6 min; FIXUP_MODEL; FIXUP_SYSTEMS, default
+#            fastqwen-int4, each timed both ways: e.g. fastqwen-int4+splitk-fixup, or "fastqwen fastqwen-fp8-weight")
 #   cuda-times-fp8 the same for fp8-weight's register and ring kernels on the 27B's and 35B-A3B's layers.
 #            The step's A/B is `candidates` with CAND_MODEL=qwen3.5-27b CAND_SYSTEMS="fastqwen-int4+cuda-int4 fastqwen-int4+cuda-ring-int4" CAND_ARGS="--isolate --quant-lm-head
 #            --no-autotune" (fp8: fastqwen-fp8-weight+cuda-fp8-weight fastqwen-fp8-weight+cuda-ring-fp8-weight);
@@ -119,9 +120,14 @@ case "$stage" in
                --rows 4 8 16 2>&1 | tee -a "$out/cuda_times.md" ;;
   fixup) timeout 150 python -m pytest -q -p no:warnings tests/gpu/test_cuda_kernels_gpu.py -k fixup 2>&1 \
            | tee "$out/fixup_tests.log" | tail -3
-         timeout ${FIXUP_BENCH_TIMEOUT:-420} python scripts/bench.py --models ${FIXUP_MODEL:-qwen3.5-27b} \
-           --systems ${FIXUP_SYSTEMS:-fastqwen-int4 fastqwen-int4+splitk-fixup} --isolate --quant-lm-head \
-           --n-long 288 --repeats 2 --no-autotune --out-dir "$out" 2>&1 | grep -E "a step:|^\|" | tail -6 ;;
+         # (each system both ways, a process each: the module switch set before bench.py runs)
+         for system in ${FIXUP_SYSTEMS:-fastqwen-int4}; do for adds in True False; do
+           timeout ${FIXUP_BENCH_TIMEOUT:-200} python -c "import runpy, sys; import fastqwen.ops.gemv as g
+g.SPLITS_AS_ADDS = $adds
+sys.argv = ['bench.py', '--models', '${FIXUP_MODEL:-qwen3.5-27b}', '--systems', '$system', '--quant-lm-head',
+            '--n-long', '288', '--repeats', '2', '--no-autotune', '--out-dir', '$out/$system-adds-$adds']
+runpy.run_path('scripts/bench.py', run_name='__main__')" 2>&1 | grep -E "a step:" | sed "s/^/SPLITS_AS_ADDS=$adds /"
+         done; done ;;
   async) timeout 200 python -m pytest -q -p no:warnings tests/gpu/test_cuda_kernels_gpu.py -k async 2>&1 \
            | tee "$out/async_tests.log" | tail -3
          python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel triton cuda --cuda-async 3 6 --cuda-loads-only \
