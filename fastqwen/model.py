@@ -89,8 +89,8 @@ def check_kernels(kernels: dict | None, cfg, device, fp8_experts: bool = False) 
     "splitk": the weight-streaming kernel's split-K partial sums added by their consumer ("sum": gemv.add_splits'
     adds, which inductor folds into the next kernel, or the custom op that consumes them adds them itself) or by
     the kernel itself ("fixup": the last program of each output tile adds them, in split order; ops/gemv.py
-    _split_k_fixup, and int4's CUDA register kernel the same way, ops/cuda/int4_gemv.cu sum_splits; its other
-    CUDA kernels and fp8-weight's take one split). "gdn_norm": the GDN block's gated RMSNorm at decode as a
+    _split_k_fixup; the CUDA kernels, int4's and fp8-weight's, take one split: int4's summing its own was 0.85×
+    the default on the 27B step, H100, 2026-12-05). "gdn_norm": the GDN block's gated RMSNorm at decode as a
     kernel of inductor's after the recurrence ("separate") or inside the unrolled decode kernel, by the last
     program of each head ("fused": ops/gdn.py _gated_norm_tail; a launch less a GDN layer; with "gdn"
     "block" or "unrolled"; a candidate: 0.94× the default on 35B-A3B, docs/BENCHMARKS.md). "expert_act": grouped

@@ -4,7 +4,8 @@
 #            nvidia-h200-x2 (the way to run it) five at once, the candidates' test included; on one GPU four, two
 #            at a time, without the candidates'; TESTS_GROUPS picks some of them (0 generate, 1 MTP, 2 DFlash + oracle,
 #            3 ops + attention, 4 candidates; on one H200 all four took more than one 10-minute call on 2026-12-05:
-#            TESTS_GROUPS="0 1" then "2 3")
+#            TESTS_GROUPS="0 1" then "2 3"; a GPU under 100 GB runs 0 and 1 one at a time: two 9B processes ran out
+#            of an H100's 80 GB)
 #   candidate-tests  tests/gpu/test_candidates_gpu.py: every kernel candidate at once against the default, 9B
 #   bench    scripts/bench.py for the models in $MODELS (default: all three real shapes)
 #   spec     scripts/bench_spec.py: MTP k=3 tau=3 and DFlash k=15 tau=6.5 in one process on $SPEC_MODEL
@@ -67,12 +68,6 @@
 #            rate at its own blocks an SM; ~3 min); the step's A/B in a call of its own: python scripts/bench.py --models qwen3.5-27b
 #            --systems fastqwen-int4 fastqwen-int4+cuda-async-int4 --isolate --quant-lm-head --n-long 544 --repeats 3
 #            --no-autotune (bf16's step of the same GPU for the ratio: 13520 µs on an H200, 20015 on an H100)
-#   fixup    split-K partials, 2026-12-05: int4's CUDA register kernel summing its splits itself (kernels={"splitk":
-#            "fixup"}: each strip's last block adds them in split order) and gemv.add_splits (the default since then:
-#            S − 1 adds that inductor folds into the consumer, where sum(0) launched a kernel of its own at 8 or
-#            more): the fixup GPU tests, then the 27B int4 step with add_splits and with sum(0)
-#            (gemv.SPLITS_AS_ADDS False), each alone in its process (~6 min; FIXUP_MODEL; FIXUP_SYSTEMS, default
-#            fastqwen-int4, each timed both ways: e.g. fastqwen-int4+splitk-fixup, or "fastqwen fastqwen-fp8-weight")
 #   cuda-times-fp8 the same for fp8-weight's register and ring kernels on the 27B's and 35B-A3B's layers.
 #            The step's A/B is `candidates` with CAND_MODEL=qwen3.5-27b CAND_SYSTEMS="fastqwen-int4+cuda-int4 fastqwen-int4+cuda-ring-int4" CAND_ARGS="--isolate --quant-lm-head
 #            --no-autotune" (fp8: fastqwen-fp8-weight+cuda-fp8-weight fastqwen-fp8-weight+cuda-ring-fp8-weight);
@@ -94,11 +89,13 @@ case "$stage" in
   tests) # pytest processes at once (the 9B ones compile ~2 min each, CPU-bound; each holds up to ~60 GB with its
          # fp32 near-tie copy): on two GPUs all five, the candidates' test too; on one, four, two at a time
          ngpu=$(nvidia-smi -L | wc -l)
+         mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
          group() { local i=$1 gpu=$(($2 < ngpu ? $2 : 0)); shift 2  # log index, GPU (0 on one GPU), pytest args
                    case " ${TESTS_GROUPS:-0 1 2 3 4} " in *" $i "*) ;; *) return 0 ;; esac
                    CUDA_VISIBLE_DEVICES=$gpu python -m pytest -q -s -p no:warnings --durations=6 ${TESTS_ARGS:-} "$@" \
                      >"$out/gpu_tests_$i.log" 2>&1; }
-         group 0 0 tests/gpu/test_generate_gpu.py &
+         one_at_a_time() { if [ "$mib" -lt 100000 ]; then wait; fi; }
+         group 0 0 tests/gpu/test_generate_gpu.py & one_at_a_time
          group 1 1 tests/gpu/test_speculative_gpu.py -k mtp &
          if [ "$ngpu" -lt 2 ]; then wait; fi
          group 2 1 tests/gpu/test_speculative_gpu.py -k "dflash or oracle" &
@@ -118,16 +115,6 @@ case "$stage" in
                --cuda-blocks 256 1024 4096 --cuda-ring-loads-only 2>&1 | tee -a "$out/cuda_times.md"
              python scripts/gemv_times.py --format int4 --shapes 27b --kernel triton cuda --cuda-ring 0 8 \
                --rows 4 8 16 2>&1 | tee -a "$out/cuda_times.md" ;;
-  fixup) timeout 150 python -m pytest -q -p no:warnings tests/gpu/test_cuda_kernels_gpu.py -k fixup 2>&1 \
-           | tee "$out/fixup_tests.log" | tail -3
-         # (each system both ways, a process each: the module switch set before bench.py runs)
-         for system in ${FIXUP_SYSTEMS:-fastqwen-int4}; do for adds in True False; do
-           timeout ${FIXUP_BENCH_TIMEOUT:-200} python -c "import runpy, sys; import fastqwen.ops.gemv as g
-g.SPLITS_AS_ADDS = $adds
-sys.argv = ['bench.py', '--models', '${FIXUP_MODEL:-qwen3.5-27b}', '--systems', '$system', '--quant-lm-head',
-            '--n-long', '288', '--repeats', '2', '--no-autotune', '--out-dir', '$out/$system-adds-$adds']
-runpy.run_path('scripts/bench.py', run_name='__main__')" 2>&1 | grep -E "a step:" | sed "s/^/SPLITS_AS_ADDS=$adds /"
-         done; done ;;
   async) timeout 200 python -m pytest -q -p no:warnings tests/gpu/test_cuda_kernels_gpu.py -k async 2>&1 \
            | tee "$out/async_tests.log" | tail -3
          python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel triton cuda --cuda-async 3 6 --cuda-loads-only \

@@ -139,27 +139,6 @@ def test_reference_partials_sum_to_the_product_split_by_step_ranges(N, K, M):
             assert torch.allclose(parts[i], full(xi.float()), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("N,K,M", [(48, 1024, 1), (48, 1024, 3), (32, 2048, 16), (16, 2048, 2)])
-def test_int4_fixup_gives_one_partial_the_splits_added_in_order(N, K, M):
-    """int4_gemv(fixup=True): [1, M, N], the partials added one after another in split order (as the register
-    kernel's last block of a strip adds them), whatever kernel is asked for (the others take one split)."""
-    torch.manual_seed(M)
-    q, s, z = stored_operands(INT4, torch.randn(N, K))
-    x = torch.randn(M, K, dtype=torch.bfloat16)
-    parts = int4_cuda.int4_gemv(x, q, s, z, N)
-    want = parts[0].clone()
-    for part in parts[1:]:
-        want += part
-    for ring, stream, copies in ((False, False, False), (True, False, False), (False, True, False),
-                                 (False, False, True)):
-        got = int4_cuda.int4_gemv(x, q, s, z, N, False, False, ring, stream, copies, True)
-        assert got.shape == (1, M, N)
-        if not (ring or stream or copies):  # (the register kernel's order)
-            assert torch.equal(got[0], want)
-        assert torch.allclose(got[0], parts.sum(0), rtol=1e-5, atol=1e-4)
-    assert parts.shape[0] > 1  # (every case has splits to add)
-
-
 def test_ops_pass_opcheck_and_take_only_their_layouts():
     q, s, z = stored_operands(INT4, torch.randn(48, 1024))
     w8, s8 = fp8_operands(48, 1024)
@@ -167,9 +146,8 @@ def test_ops_pass_opcheck_and_take_only_their_layouts():
     utils = ("test_faketensor", "test_aot_dispatch_dynamic")  # (test_schema: no e4m3 arithmetic on CPU)
     for one_split in (False, True):
         for ring, stream in ((False, False), (True, False), (False, True)):
-            for fixup in (False, True):
-                torch.library.opcheck(int4_cuda.int4_gemv, (x, q, s, z, 48, False, one_split, ring, stream, False,
-                                                            fixup), test_utils=utils + ("test_schema",))
+            torch.library.opcheck(int4_cuda.int4_gemv, (x, q, s, z, 48, False, one_split, ring, stream),
+                                  test_utils=utils + ("test_schema",))
         for ring in (False, True):
             torch.library.opcheck(fp8_cuda.fp8_gemv, (x, w8, s8, False, one_split, ring), test_utils=utils)
     assert int4_cuda.int4_gemv(x, q, s, z, 48).shape[0] == 2 and fp8_cuda.fp8_gemv(x, w8, s8).shape[0] == 4
@@ -652,20 +630,18 @@ def test_optimize_routes_quantized_linears_to_the_chosen_kernels(monkeypatch):
         n = len(seen)
         m.generate(torch.randint(1, 500, (1, 5)), max_new_tokens=3, do_sample=False)
         assert len(seen) > n and set(seen[n:]) == {want}, (scheme, kernels)
-    calls = []  # (the tag's ring / stream / async choice and fixup reach the op: its CPU reference stands in for the
-    monkeypatch.setattr(int4_cuda, "int4_gemv", lambda *args: calls.append(args[-4:]) or int4_cuda.reference(
-        *args[:5], 1))  # kernel)
+    calls = []  # (the tag's ring / stream / async choice reaches the op: its CPU reference stands in for the kernel)
+    monkeypatch.setattr(int4_cuda, "int4_gemv", lambda *args: calls.append(args[-3:]) or int4_cuda.reference(
+        *args[:5], 1))
     monkeypatch.setattr(fp8_cuda, "fp8_gemv", lambda *args: calls.append(args[-1]) or fp8_cuda.reference(
         *args[:3], 1))
     x = torch.randn(1, 256, dtype=torch.bfloat16)
     for scheme in ("int4", "fp8-weight"):
         layer = quantize_modules(torch.nn.Sequential(torch.nn.Linear(256, 64)), scheme)[0]
         for tag in (scheme, f"{scheme}-ring") + (("int4-stream", "int4-async") if scheme == "int4" else ()):
-            for fixup in (False, True):
-                assert layer._cuda_partials(x, layer.scale, False, fixup, tag).shape == (1, 1, layer.out_features)
-    assert calls == [(False, False, False, False), (False, False, False, True), (True, False, False, False),
-                     (True, False, False, True), (False, True, False, False), (False, True, False, True),
-                     (False, False, True, False), (False, False, True, True), False, False, True, True]
+            assert layer._cuda_partials(x, layer.scale, False, False, tag).shape == (1, 1, layer.out_features)
+    assert calls == [(False, False, False), (True, False, False), (False, True, False), (False, False, True), False,
+                     True]
 
 
 @NVCC
@@ -679,9 +655,10 @@ def test_built_libraries_refuse_arguments_out_of_range_before_touching_the_gpu(t
         int4, fp8 = int4_cuda.library("90"), fp8_cuda.library("90")  # (the typed entry points)
         assert sorted(p.name.split("-")[0] for p in (tmp_path / "cuda").glob("*.so")) == ["fp8_gemv", "int4_gemv"]
         call4 = lambda M=1, N=64, K=512, splits=2, per=2, batch=4, pipe=0, stages=0, strips=4, per_sm=8, min_blocks=4, \
-            chains=1, stream=0, held=0, early=0, copies=0, loads_only=0, total=None, counts=None: int4(
-                0, 0, 0, 0, 0, total, counts, M, N, K, splits, per, batch, pipe, min_blocks, chains, stages, strips,
-                per_sm, loads_only, stream, held, early, copies, 1, 0, 0, None)
+            chains=1, stream=0, held=0, early=0, copies=0, loads_only=0: int4(0, 0, 0, 0, 0, M, N, K, splits, per,
+                                                                              batch, pipe, min_blocks, chains, stages,
+                                                                              strips, per_sm, loads_only, stream, held,
+                                                                              early, copies, 1, 0, 0, None)
         slots = int4_cuda.stream_slots(64, 512, 7)  # (16 units on 7 blocks: 3 pieces a strip at most)
         assert slots == 3
         for bad in ({"N": 40}, {"K": 500}, {"M": 0}, {"M": 17}, {"splits": 3}, {"per": 1}, {"batch": 3},
@@ -697,10 +674,7 @@ def test_built_libraries_refuse_arguments_out_of_range_before_touching_the_gpu(t
                     {"loads_only": 1, "copies": 3, "M": 9}, {"loads_only": 1, "batch": 2, "min_blocks": 8},
                     {"stream": 7, "splits": slots, "loads_only": 1}, {"stream": 7, "splits": slots, "copies": 3},
                     {"held": 6}, {"early": 1}, {"stream": 7, "splits": slots, "held": 4},
-                    {"stream": 7, "splits": slots, "early": 2}, {"total": 256}, {"total": 256, "counts": 512,
-                    "splits": 1, "per": 4}, {"total": 256, "counts": 512, "stages": 4},
-                    {"total": 256, "counts": 512, "copies": 3}, {"total": 256, "counts": 512, "loads_only": 1,
-                    "batch": 2}, {"total": 256, "counts": 512, "stream": 7, "splits": slots}):
+                    {"stream": 7, "splits": slots, "early": 2}):
             assert call4(**bad) == 1, bad
         call8 = lambda M=1, N=64, K=512, splits=2, per=4, batch=4, stages=0, strips=4, per_sm=8: fp8(  # noqa: E731
             0, 0, 0, 0, M, N, K, splits, per, batch, stages, strips, per_sm, 0, 1, 0, 0, None)
@@ -712,7 +686,7 @@ def test_built_libraries_refuse_arguments_out_of_range_before_touching_the_gpu(t
             for ok in (call4(), call4(batch=2, min_blocks=8, chains=2), call4(stream=7, splits=slots, batch=3),
                        call4(stream=7, splits=slots, held=6, early=1),
                        call4(copies=3, batch=3), call4(copies=6, M=16), call4(loads_only=1, batch=2),
-                       call4(loads_only=1, copies=6, M=8), call4(total=256, counts=512, M=16, batch=2),
+                       call4(loads_only=1, copies=6, M=8),
                        call4(stream=16, splits=4, M=16), call4(stages=4, batch=3),
                        call4(stages=8, M=16, batch=8, pipe=1, strips=2), call8(),
                        call8(stages=4, batch=3, strips=1), call8(stages=8, M=12, strips=2)):

@@ -30,7 +30,7 @@ import functools
 import torch
 
 from . import cuda_build
-from .gemv import INT4, STEP, dequantized, tile_counts
+from .gemv import INT4, STEP, dequantized
 
 SOURCE = cuda_build.SOURCES / "int4_gemv.cu"
 TILE_ROWS = 16
@@ -58,7 +58,7 @@ CHOICE = "kernels['int4']='cuda'"
 
 def library(arch: str):
     """The kernel's entry point for compute capability `arch` (cuda_build.entry: built on first use)."""
-    return cuda_build.entry("int4_gemv", arch, CHOICE, pointers=7, ints=20)
+    return cuda_build.entry("int4_gemv", arch, CHOICE, pointers=5, ints=20)
 
 
 def variant(rows: int) -> tuple[int, bool, int, int]:
@@ -156,25 +156,14 @@ def _splits(x: torch.Tensor, out_features: int, one_split: bool, stream: bool) -
     return (*plan(out_features, x.shape[-1], one_split), 0)
 
 
-def in_split_order(parts: torch.Tensor) -> torch.Tensor:
-    """[1, M, N]: the partials [S, M, N] added one after another in split order, as the kernel's fixup adds them."""
-    total = parts[:1].clone()
-    for part in parts[1:]:
-        total += part
-    return total
-
-
-def _launch(x, w, scale, zero, out_features, pdl, one_split, ring, loads_only, stream=False, copies=False,
-            fixup=False) -> torch.Tensor:
+def _launch(x, w, scale, zero, out_features, pdl, one_split, ring, loads_only, stream=False,
+            copies=False) -> torch.Tensor:
     """int4_gemv's body; loads_only: the chosen kernel's probe (`loads_only`; the register kernel's is its BATCH 2
     instance)."""
     copies = copies and not (ring or stream)
-    one_split = one_split or (fixup and (ring or stream or copies))  # (their fixup: one split)
     splits, per, blocks = _splits(x, out_features, one_split, stream and not ring)
-    fixup = fixup and splits > 1
     if not x.is_cuda:
-        parts = reference(x, w, scale, zero, out_features, splits)
-        return in_split_order(parts) if fixup else parts
+        return reference(x, w, scale, zero, out_features, splits)
     if not takes(x, w, scale, zero):
         raise ValueError(f"int4_gemv takes 1 … {MAX_ROWS} bf16/fp16 rows of x, codes tiled [N/16, K/128, 16, 64] "
                          "uint8 and group-major fp16 scale / uint8 zero (QuantLinear's layout)")
@@ -184,11 +173,8 @@ def _launch(x, w, scale, zero, out_features, pdl, one_split, ring, loads_only, s
     x = cuda_build.aligned(x)
     batch, pipelined, min_blocks, chains = (2, False, 4, 1) if loads_only and not ring else variant(x.shape[0])
     out = torch.empty(splits, x.shape[0], out_features, device=x.device, dtype=torch.float32)
-    total = out.new_empty(1, *out.shape[1:]) if fixup else None
-    counts = tile_counts(x.device, out_features // TILE_ROWS) if fixup else None
     err = library(cuda_build.device_arch(x.device, CHOICE))(
-        x.data_ptr(), w.data_ptr(), scale.data_ptr(), zero.data_ptr(), out.data_ptr(),
-        total.data_ptr() if fixup else None, counts.data_ptr() if fixup else None, x.shape[0], out_features,
+        x.data_ptr(), w.data_ptr(), scale.data_ptr(), zero.data_ptr(), out.data_ptr(), x.shape[0], out_features,
         x.shape[-1], splits, per, batch, pipelined, min_blocks, chains, RING_STAGES if ring else 0,
         ring_strips(x.shape[0]), RING_BLOCKS_PER_SM, loads_only, blocks, STREAM_HELD if blocks else 0,
         int(STREAM_EARLY and blocks > 0), ASYNC_STAGES if copies else 0,
@@ -199,30 +185,27 @@ def _launch(x, w, scale, zero, out_features, pdl, one_split, ring, loads_only, s
                   f"stream, {blocks} blocks, {splits} slots, STREAM_HELD {STREAM_HELD}" if blocks else
                   f"async, ASYNC_STAGES {ASYNC_STAGES}" if copies else
                   f"BATCH {batch}, PIPELINED {pipelined}, MIN_BLOCKS {min_blocks}, CHAINS {chains}")
-        raise RuntimeError(f"int4_gemv launch failed: CUDA error {err} ({kernel}{', fixup' * fixup})")
-    return total if fixup else out
+        raise RuntimeError(f"int4_gemv launch failed: CUDA error {err} ({kernel})")
+    return out
 
 
 @torch.library.custom_op("fastqwen::int4_gemv", mutates_args=())
 def int4_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out_features: int,
               pdl: bool = False, one_split: bool = False, ring: bool = False, stream: bool = False,
-              copies: bool = False, fixup: bool = False) -> torch.Tensor:
+              copies: bool = False) -> torch.Tensor:
     """x [M ≤ 16, K] (bf16 / fp16) · Wᵀ for an int4 weight in QuantLinear's layout (`takes`) as split-K partial
     sums fp32 [splits, M, out_features] (plan(out_features, K, one_split)); their sum over dim 0 is the product. pdl:
     launch with programmatic dependent launch; ring: the ring kernel (else the register kernel; the same
     partials); stream: the stream kernel (its [slots, M, out_features] pieces: stream_plan; off CUDA and with
     one_split as without); copies: the async kernel (each warp's weights through its own shared-memory slots by
-    cp.async; the register kernel's partials, bit for bit); fixup: one partial [1, M, out_features], the
-    register kernel's splits summed in the kernel by each strip's last block in split order (in_split_order of its
-    partials, bit for bit), the other kernels' by one split. The CUDA kernel on CUDA tensors, `reference`
+    cp.async; the register kernel's partials, bit for bit). The CUDA kernel on CUDA tensors, `reference`
     elsewhere."""
-    return _launch(x, w, scale, zero, out_features, pdl, one_split, ring, False, stream, copies, fixup)
+    return _launch(x, w, scale, zero, out_features, pdl, one_split, ring, False, stream, copies)
 
 
 @int4_gemv.register_fake
-def _(x, w, scale, zero, out_features, pdl=False, one_split=False, ring=False, stream=False, copies=False,
-      fixup=False):
-    splits = 1 if fixup else _splits(x, out_features, one_split, stream and not ring)[0]
+def _(x, w, scale, zero, out_features, pdl=False, one_split=False, ring=False, stream=False, copies=False):
+    splits = _splits(x, out_features, one_split, stream and not ring)[0]
     return x.new_empty(splits, x.shape[0], out_features, dtype=torch.float32)
 
 

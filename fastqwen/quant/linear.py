@@ -107,13 +107,12 @@ class QuantLinear(nn.Module):
     def _cuda_partials(self, x2: torch.Tensor, scale: torch.Tensor, pdl: bool, fixup: bool,
                        tag: str) -> torch.Tensor | None:
         """The scheme's CUDA kernel's partials [S, rows, out_features] of x2 [rows, in_features], or None where
-        it does not take them (fixup: one partial, as the Triton kernel's fixup gives: int4's register kernel sums
-        its splits itself, the other kernels take one split; tag: the
+        it does not take them (fixup: one split, as the Triton kernel's fixup gives one partial; tag: the
         scheme's entry in `cuda`, "-ring" for the ring kernel, "-stream" and "-async" for int4's stream and async
         kernels)."""
         if self.scheme == "int4" and int4_cuda.takes(x2, self.qweight, scale, self.zero):
-            return int4_cuda.int4_gemv(x2, self.qweight, scale, self.zero, self.out_features, pdl, False,
-                                       tag.endswith("-ring"), tag.endswith("-stream"), tag.endswith("-async"), fixup)
+            return int4_cuda.int4_gemv(x2, self.qweight, scale, self.zero, self.out_features, pdl, fixup,
+                                       tag.endswith("-ring"), tag.endswith("-stream"), tag.endswith("-async"))
         if self.scheme == "fp8-weight" and fp8_cuda.takes(x2, self.qweight, scale):
             return fp8_cuda.fp8_gemv(x2, self.qweight, scale, pdl, fixup, tag.endswith("-ring"))
         return None

@@ -225,59 +225,6 @@ def test_async_kernel_gives_the_register_kernels_partials_bit_for_bit(stages, N,
         assert torch.equal(got, want), (stages, N, K, M, one_split, rel_err(got, want))
 
 
-@pytest.mark.parametrize("N,K", [(34816, 5120), (5120, 17408), (5120, 6144), (16480, 5120), (12352, 2048)])
-def test_int4_fixup_sums_the_splits_in_the_kernel_bit_for_bit(N, K):
-    """fixup=True: the register kernel's strips' last blocks add the splits' partials in split order, so the one
-    partial is in_split_order of its partials bit for bit, bf16 and fp16 x, 1 to 16 rows, with PDL; launches back
-    to back share the arrival counts (each last block resets its own), in a CUDA graph replayed on new x too."""
-    kernel, ops = KERNELS["int4"], weight("int4", N, K)
-    assert int4_cuda.plan(N, K)[0] > 1
-    for dtype, M in ((torch.bfloat16, 1), (torch.float16, 5), (torch.bfloat16, 11), (torch.bfloat16, 16)):
-        x = torch.randn(M, K, device="cuda", dtype=dtype)
-        want = int4_cuda.in_split_order(kernel.call(x, ops, N, True))
-        poison_allocator((1, M, N), dtype=torch.float32)
-        got = [int4_cuda.int4_gemv(x, *ops, N, True, fixup=True) for _ in range(3)]  # (back to back, PDL)
-        for g in got:
-            assert g.shape == (1, M, N) and torch.equal(g, want), (N, K, M, rel_err(g, want))
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        int4_cuda.int4_gemv(x, *ops, N, True, fixup=True)
-        with torch.cuda.graph(graph, stream=stream):
-            a = int4_cuda.int4_gemv(x, *ops, N, True, fixup=True)
-            b = int4_cuda.int4_gemv(x * 2, *ops, N, True, fixup=True)
-    for _ in range(2):
-        x.copy_(torch.randn_like(x))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(a, int4_cuda.in_split_order(kernel.call(x, ops, N)))
-        assert torch.equal(b, int4_cuda.in_split_order(kernel.call(x * 2, ops, N)))
-    from fastqwen.ops.gemv import tile_counts
-    assert not tile_counts(x.device, N // 16)[:N // 16].any()  # (every count back to 0)
-
-
-@torch.no_grad()
-def test_int4_fixup_decodes_the_tokens_of_the_partials_summed_by_inductor():
-    """kernels={"splitk": "fixup"} with int4's CUDA kernel: a 4-layer 27B-shaped model (three GDN layers, then
-    attention) with int4 weights, lm_head too, in CUDA graphs, decodes the default's 12 greedy tokens (the same
-    products, their splits added in the kernel instead of by inductor: rounding apart, which moves no pick of
-    this seeded model)."""
-    import fastqwen
-    from fastqwen import presets
-
-    torch.manual_seed(0)
-    model = presets.build("qwen3.5-27b", dtype=torch.bfloat16, device="cuda", layers=4)
-    assert "full_attention" in model.config.layer_types and "linear_attention" in model.config.layer_types
-    ids = torch.randint(model.config.vocab_size, (1, 16), device="cuda")
-    out = {}
-    for splitk in ("sum", "fixup"):
-        fastqwen.optimize(model, max_seq_len=64, quant="int4", quant_lm_head=True, compile_options=COMPILE,
-                          kernels={"int4": "cuda", "splitk": splitk})
-        out[splitk] = model.generate(ids, max_new_tokens=12, do_sample=False)
-        model.__dict__.pop("_fastqwen"), model.__dict__.pop("generate")
-        torch._dynamo.reset()
-    assert torch.equal(out["fixup"], out["sum"]), out
-
-
 @pytest.mark.parametrize("N,K", [(34816, 5120), (5120, 17408), (12352, 2048), (5120, 6144), (248320, 5120)])
 def test_stream_kernel_holding_groups_gives_the_same_partials_bit_for_bit(N, K, monkeypatch):
     """The stream kernel with STREAM_HELD groups a warp copied into shared memory before the wait (and its early

@@ -222,43 +222,17 @@ struct Batch {
   }
 };
 
-// Split-K summed in the kernel (the entry point's fixup): once its partial is stored, a block counts itself in on
-// its strip (counts[strip]); the last of the strip's `splits` blocks to arrive adds their partials in split order
-// (deterministic: the same bits whichever block is last) into total [M, N] and sets the count back to 0 for the
-// next launch (which, on the same stream, counts only after its PDL wait). Partials are read from L2 (__ldcg):
-// other multiprocessors wrote them.
-__device__ __forceinline__ void sum_splits(const float* out, float* total, int* counts, int M, int N, int strip,
-                                           int splits) {
-  __shared__ int last;
-  __threadfence();  // this thread's stores of the partial visible GPU-wide before the block counts itself in
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(counts + strip, 1) == splits - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  for (int t = threadIdx.x; t < 16 * M; t += WARPS * 32) {
-    const size_t at = (size_t)(t / 16) * N + strip * 16 + t % 16;
-    float sum = __ldcg(out + at);
-    for (int s = 1; s < splits; ++s) sum += __ldcg(out + (size_t)s * M * N + at);
-    total[at] = sum;
-  }
-  if (threadIdx.x == 0) counts[strip] = 0;
-}
-
 // PIPE: two batches in flight, the next one's loads issued before the current one's decode (ping-pong);
 // else each batch is loaded, then decoded. MINB: blocks a multiprocessor must hold (ptxas caps the registers
 // to fit them); CHAINS: group_mma's; PROBE: loads only (the load path's own rate; out all zeros). (x without
-// __restrict__: plain loads, made after the PDL wait, not the read-only path.) total, counts: with more than one
-// split, the splits' sum into total by the strip's last block (sum_splits); total null: partials only.
+// __restrict__: plain loads, made after the PDL wait, not the read-only path.)
 template <bool BF16, int BATCH, bool PIPE, int NB, int MINB, int CHAINS, bool PROBE>
 __global__ void __launch_bounds__(WARPS * 32, MINB) int4_gemv_rows(const uint16_t* x,
                                                                 const uint4* __restrict__ w,
                                                                 const __half* scale,  // (coherent loads:
                                                                 const uint8_t* zero,  //  before the wait)
-                                                                float* __restrict__ out,
-                                                                float* __restrict__ total, int* counts, int M,
-                                                                int N, int K, int groups_per_split,
-                                                                uint32_t magic) {
+                                                                float* __restrict__ out, int M, int N, int K,
+                                                                int groups_per_split, uint32_t magic) {
   const int G = K / 128, strip = blockIdx.x, split = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row_a = strip * 16 + lane / 4;
@@ -289,7 +263,6 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) int4_gemv_rows(const uint16_
   }
   if constexpr (PROBE) probe_sums(sums, M);
   strip_gemv::write_partials<NB>(sums, 1.f, 1.f, out, M, N, strip, split);  // (the groups' scales: applied)
-  if (total) sum_splits(out, total, counts, M, N, strip, gridDim.y);
 }
 
 // 16 bytes from global `src` to shared `dst` (both 16-byte aligned) by cp.async, around L1 (.cg): its bytes land
@@ -617,13 +590,12 @@ __global__ void __launch_bounds__(RING_THREADS) int4_gemv_ring(const uint16_t* x
 
 template <bool BF16, int BATCH, bool PIPE, int NB, int MINB = 4, int CHAINS = 1, bool PROBE = false>
 cudaError_t launch(const cudaLaunchConfig_t& config, const void* x, const void* w, const void* scale,
-                   const void* zero, float* out, float* total, int* counts, int M, int N, int K,
-                   int groups_per_split) {
+                   const void* zero, float* out, int M, int N, int K, int groups_per_split) {
   // (MAGIC passed as an argument: a register in the kernel, see pair_minus_zero)
   return cudaLaunchKernelEx(&config, int4_gemv_rows<BF16, BATCH, PIPE, NB, MINB, CHAINS, PROBE>,
                             static_cast<const uint16_t*>(x), static_cast<const uint4*>(w),
-                            static_cast<const __half*>(scale), static_cast<const uint8_t*>(zero), out, total,
-                            counts, M, N, K, groups_per_split, Pairs<BF16>::MAGIC);
+                            static_cast<const __half*>(scale), static_cast<const uint8_t*>(zero), out, M, N, K,
+                            groups_per_split, Pairs<BF16>::MAGIC);
 }
 
 // The instance for M rows, (batch, pipe), (min_blocks, chains) and the loads-only probe as one key: one column
@@ -644,24 +616,22 @@ static int variant_key(int M, int batch, int pipe, int min_blocks, int chains, i
 
 template <bool BF16>
 cudaError_t launch_variant(int key, const cudaLaunchConfig_t& config, const void* x, const void* w,
-                           const void* scale, const void* zero, float* out, float* total, int* counts, int M, int N,
-                           int K, int groups_per_split) {
-#define FASTQWEN_ROWS(...) \
-  launch<BF16, __VA_ARGS__>(config, x, w, scale, zero, out, total, counts, M, N, K, groups_per_split)
+                           const void* scale, const void* zero, float* out, int M, int N, int K,
+                           int groups_per_split) {
   switch (key) {
-    case 4: return FASTQWEN_ROWS(2, false, 1);
-    case 5: return FASTQWEN_ROWS(2, true, 1);
-    case 8: return FASTQWEN_ROWS(4, false, 1);
-    case 16: return FASTQWEN_ROWS(8, false, 1);
-    case 104: return FASTQWEN_ROWS(2, false, 2);
-    case 108: return FASTQWEN_ROWS(4, false, 2);
-    case 1004: return FASTQWEN_ROWS(2, false, 1, 8, 1);
-    case 2004: return FASTQWEN_ROWS(2, false, 1, 4, 2);
-    case 3004: return FASTQWEN_ROWS(2, false, 1, 8, 2);
-    case 8004: return FASTQWEN_ROWS(2, false, 1, 4, 1, true);
+    case 4: return launch<BF16, 2, false, 1>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
+    case 5: return launch<BF16, 2, true, 1>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
+    case 8: return launch<BF16, 4, false, 1>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
+    case 16: return launch<BF16, 8, false, 1>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
+    case 104: return launch<BF16, 2, false, 2>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
+    case 108: return launch<BF16, 4, false, 2>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
+    case 1004: return launch<BF16, 2, false, 1, 8, 1>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
+    case 2004: return launch<BF16, 2, false, 1, 4, 2>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
+    case 3004: return launch<BF16, 2, false, 1, 8, 2>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
+    case 8004:
+      return launch<BF16, 2, false, 1, 4, 1, true>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
     default: return cudaErrorInvalidValue;
   }
-#undef FASTQWEN_ROWS
 }
 
 // Slots the stream kernel needs for an [N, K] weight dealt to `blocks` blocks: the most pieces any strip has.
@@ -765,19 +735,15 @@ cudaError_t launch_ring_variant(int key, const cudaLaunchConfig_t& config, int d
 // STREAM_HELD: the groups a warp copies into shared memory before the PDL wait; stream_early 0 or 1: whether
 // its blocks let the next kernel launch at their start (both stream kernel only). async_stages 3 or
 // 6: the async kernel with that many slots a warp (the register kernel's split plan; its instance arguments
-// unused; with stages 0 only), 0: not. total (non-null): the register kernel with more than one split also sums
-// its splits into total [M, N] in the kernel, counting arrivals in counts[N/16] (zero before the launch, zero
-// again after it); null: partials only. pdl: programmatic dependent launch (the kernel waits before reading x).
+// unused; with stages 0 only), 0: not. pdl: programmatic dependent launch (the kernel waits before reading x).
 extern "C" int fastqwen_int4_gemv(const void* x, const void* w, const void* scale, const void* zero, float* out,
-                                  float* total, int* counts, int M, int N, int K, int splits, int groups_per_split,
-                                  int batch, int pipe,
+                                  int M, int N, int K, int splits, int groups_per_split, int batch, int pipe,
                                   int min_blocks, int chains, int stages, int strips, int blocks_per_sm,
                                   int loads_only, int stream_blocks, int stream_held, int stream_early,
                                   int async_stages, int bf16, int pdl, int device, void* stream) {
   const int NB = M > 8 ? 2 : 1;
   if ((stream_held != 0 && stream_held != STREAM_HELD) || (stream_early != 0 && stream_early != 1) ||
-      ((stream_held || stream_early) && !stream_blocks) ||
-      (total && (!counts || splits < 2 || stream_blocks || stages || async_stages || loads_only)))
+      ((stream_held || stream_early) && !stream_blocks))
     return static_cast<int>(cudaErrorInvalidValue);
   if (stream_blocks) {
     if (N <= 0 || N % 16 || K <= 0 || K % 128 || M < 1 || M > 16 || stream_blocks < 1 ||
@@ -818,8 +784,7 @@ extern "C" int fastqwen_int4_gemv(const void* x, const void* w, const void* scal
              : launch_ring_variant<false>(key, config, device, blocks_per_sm, x, w, scale, zero, out, M, N, K, splits,
                                           groups_per_split, loads_only);
   else
-    e = bf16 ? launch_variant<true>(key, config, x, w, scale, zero, out, total, counts, M, N, K, groups_per_split)
-             : launch_variant<false>(key, config, x, w, scale, zero, out, total, counts, M, N, K,
-                                     groups_per_split);
+    e = bf16 ? launch_variant<true>(key, config, x, w, scale, zero, out, M, N, K, groups_per_split)
+             : launch_variant<false>(key, config, x, w, scale, zero, out, M, N, K, groups_per_split);
   return static_cast<int>(e);
 }
