@@ -49,6 +49,9 @@ SHAPES = {
     # the z-lab 27B DFlash draft (Qwen3 layers, fused projections as the engine runs them; 16 positions a round)
     "27b-draft": [("q+k+v", 6144, 5120), ("o", 5120, 4096), ("gate+up", 34816, 5120), ("down", 5120, 17408),
                   ("fc", 5120, 25600)],
+    # gate | up's K with fewer rows, small enough for a 50 MB L2 in int4 (21 and 31 MB): timed --warm, a kernel's
+    # rate with HBM out of the way, i.e. its own ceiling (decode, issue, L2 latency) on any GPU
+    "l2": [("l2-resident", 8192, 5120), ("l2-resident", 12288, 5120)],
 }
 
 

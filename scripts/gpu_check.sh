@@ -4,8 +4,8 @@
 #            nvidia-h200-x2 (the way to run it) five at once, the candidates' test included; on one GPU four, two
 #            at a time, without the candidates'; TESTS_GROUPS picks some of them (0 generate, 1 MTP, 2 DFlash + oracle,
 #            3 ops + attention, 4 candidates; on one H200 all four took more than one 10-minute call on 2026-12-05:
-#            TESTS_GROUPS="0 1" then "2 3"; a GPU under 100 GB runs 0 and 1 one at a time: two 9B processes ran out
-#            of an H100's 80 GB)
+#            TESTS_GROUPS="0 1" then "2 3"; a GPU under 100 GB runs 0 and 1 one at a time, as two 9B processes ran out
+#            of an H100's 80 GB: there "0", "1" and "2 3" are a call each, ~290, ~220 and ~240 s on 2026-12-05)
 #   candidate-tests  tests/gpu/test_candidates_gpu.py: every kernel candidate at once against the default, 9B
 #   bench    scripts/bench.py for the models in $MODELS (default: all three real shapes)
 #   spec     scripts/bench_spec.py: MTP k=3 tau=3 and DFlash k=15 tau=6.5 in one process on $SPEC_MODEL
@@ -68,6 +68,12 @@
 #            rate at its own blocks an SM; ~3 min); the step's A/B in a call of its own: python scripts/bench.py --models qwen3.5-27b
 #            --systems fastqwen-int4 fastqwen-int4+cuda-async-int4 --isolate --quant-lm-head --n-long 544 --repeats 3
 #            --no-autotune (bf16's step of the same GPU for the ratio: 13520 µs on an H200, 20015 on an H100)
+#   ceiling  int4's Triton and CUDA kernels, the register kernel's loads-only probe, CHAINS 1 / 2 and MIN_BLOCKS
+#            4 / 8, each cold and --warm, on the "l2" shapes (21 and 31 MB: L2-resident warm) and the 27B's, 1 and
+#            4 rows (~4 min): warm on the l2 shapes is a kernel's rate with HBM out of the way, so an H100 answers
+#            the H200's question: if the register kernel's warm rate is near its cold H200 rate (~3.0 TB/s on gate
+#            | up) its own decode and issue bound it (cut instructions: the FOLD of DESIGN-NOTES); if well above,
+#            bytes in flight against HBM's latency do (the async kernel's kind of change)
 #   cuda-times-fp8 the same for fp8-weight's register and ring kernels on the 27B's and 35B-A3B's layers.
 #            The step's A/B is `candidates` with CAND_MODEL=qwen3.5-27b CAND_SYSTEMS="fastqwen-int4+cuda-int4 fastqwen-int4+cuda-ring-int4" CAND_ARGS="--isolate --quant-lm-head
 #            --no-autotune" (fp8: fastqwen-fp8-weight+cuda-fp8-weight fastqwen-fp8-weight+cuda-ring-fp8-weight);
@@ -115,6 +121,8 @@ case "$stage" in
                --cuda-blocks 256 1024 4096 --cuda-ring-loads-only 2>&1 | tee -a "$out/cuda_times.md"
              python scripts/gemv_times.py --format int4 --shapes 27b --kernel triton cuda --cuda-ring 0 8 \
                --rows 4 8 16 2>&1 | tee -a "$out/cuda_times.md" ;;
+  ceiling) python scripts/gemv_times.py --format int4 --shapes l2 27b --kernel triton cuda --warm --cuda-loads-only \
+             --cuda-chains 1 2 --cuda-min-blocks 4 8 --rows 1 4 2>&1 | grep "^|" | tee "$out/ceiling.md" ;;
   async) timeout 200 python -m pytest -q -p no:warnings tests/gpu/test_cuda_kernels_gpu.py -k async 2>&1 \
            | tee "$out/async_tests.log" | tail -3
          python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel triton cuda --cuda-async 3 6 --cuda-loads-only \
