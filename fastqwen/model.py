@@ -40,15 +40,15 @@ KERNELS = {"attention": ("split", "sdpa"), "experts": ("auto", "gather", "groupe
            "splitk": ("sum", "fixup"), "gdn_norm": ("separate", "fused"),
            "expert_act": ("auto", "separate", "fused", "mlp"), "route": ("auto", "argmax", "packed", "fused"),
            "mlp_act": ("separate", "fused"), "conv": ("fused", "separate"),
-           "int4": ("auto", "triton", "cuda", "cuda-ring", "cuda-stream", "cuda-async"),
-           "fp8_weight": ("triton", "cuda", "cuda-ring")}  # first: the default
+           "int4": ("auto", "triton", "cuda", "cuda-stream", "cuda-async"),
+           "fp8_weight": ("triton", "cuda")}  # first: the default
 CUDA_KERNELS = {"int4": "int4", "fp8_weight": "fp8-weight"}  # kernels option -> the scheme its "cuda" choices take
 
 
 def cuda_schemes(kernels: dict) -> tuple:
     """The quantization schemes whose few-row products take a CUDA C++ kernel under these (checked) kernel
-    choices, as QuantLinear's `cuda` tags: the scheme ("int4", "fp8-weight"), "-ring" added for the ring kernel,
-    "-stream" for int4's stream kernel, "-async" for its async kernel."""
+    choices, as QuantLinear's `cuda` tags: the scheme ("int4", "fp8-weight"), "-stream" added for int4's stream
+    kernel, "-async" for its async kernel."""
     return tuple(scheme + kernels[op].removeprefix("cuda") for op, scheme in CUDA_KERNELS.items()
                  if kernels[op].startswith("cuda"))
 
@@ -121,18 +121,21 @@ def check_kernels(kernels: dict | None, cfg, device, fp8_experts: bool = False) 
     write into the cache, the output: three launches) or as one kernel of ours that also advances the cached
     window in place and sums the input projection's split-K partials as it loads them ("fused":
     ops/conv.py conv_decode; the default since 2026-12-02: a 9B step 4486–4487 µs of device time against 4529,
-    a 35B-A3B step 2721 against 2739, each in a process of its own). "int4": an int4 QuantLinear's products on
-    up to 16 rows (decode, MTP's and DFlash's verify, small batches) by the Triton weight-streaming kernel
-    ("triton", ops/gemv.py) or by a CUDA C++ tensor-core kernel (ops/int4_cuda.py: built with nvcc on first use,
-    compute capability 9.0 or later): "cuda" its warps loading their weights into registers, "cuda-ring" (a
-    candidate) a persistent grid fed through a shared-memory ring by bulk copies, "cuda-stream" (a candidate)
-    the register kernel's warps on a grid of about as many blocks as fit at once, each the same share of the
-    weight's groups (no last wave, no per-block ramp: for short launches), "cuda-async" (a candidate) the register
-    kernel's warps each streaming its groups through shared-memory slots of its own by cp.async, a few groups in
-    flight while it decodes (more bytes in flight at the registers of one group); more rows take the Triton
-    kernel either way. "auto" (the default) is "cuda" on a GPU of compute capability 9.0 or later where nvcc is
-    found and the kernel builds, else "triton" (a failed build warns): a 27B int4 step took 7088 µs against Triton's 18766 on one H100, and 6375 µs against Triton's 6396 (the day before) on one H200, where its per-layer times are level with Triton's at one row and 2.4–3× faster at 2–16 rows (2026-12-05). "fp8_weight": the same for an fp8-weight QuantLinear ("cuda", "cuda-ring": ops/fp8_cuda.py, e4m3
-    pairs into the tensor cores; candidates, not yet timed)."""
+    a 35B-A3B step 2721 against 2739, each in a process of its own). "int4": an int4 QuantLinear's products on up to
+    16 rows (decode, MTP's and DFlash's verify, small batches) by the Triton weight-streaming kernel ("triton",
+    ops/gemv.py) or by a CUDA C++ tensor-core kernel (ops/int4_cuda.py: built with nvcc on first use, compute
+    capability 9.0 or later): "cuda" its warps loading their weights into registers (a ring kernel fed by bulk
+    copies was 1.4-1.5x slower on an H200 and removed, 2026-12-05), "cuda-stream" (a candidate) the register
+    kernel's warps on a grid of about as many blocks as fit at once, each the same share of the weight's groups (no
+    last wave, no per-block ramp: for short launches), "cuda-async" (a candidate) the register kernel's warps each
+    streaming its groups through shared-memory slots of its own by cp.async, a few groups in flight while it decodes
+    (more bytes in flight at the registers of one group); more rows take the Triton kernel either way. "auto" (the
+    default) is "cuda" on a GPU of compute capability 9.0 or later where nvcc is found and the kernel builds, else
+    "triton" (a failed build warns): a 27B int4 step took 7088 µs against Triton's 18766 on one H100, and 6375 µs
+    against Triton's 6396 (the day before) on one H200, where its per-layer times are level with Triton's at one row
+    and 2.4–3× faster at 2–16 rows (2026-12-05). "fp8_weight": the same for an fp8-weight QuantLinear ("cuda":
+    ops/fp8_cuda.py, e4m3 pairs into the tensor cores; a candidate: level with Triton's on an H100, 12-18% slower at
+    one row on an H200)."""
     kernels = dict(kernels or {})
     unknown = set(kernels) - set(KERNELS)
     if unknown:

@@ -64,10 +64,8 @@ def candidates(linear: torch.nn.Linear) -> dict:
         layer = QuantLinear.from_linear(linear, scheme)
         nbytes = sum(b.numel() * b.element_size() for b in layer.buffers())
         out[f"fastqwen {scheme}"] = (layer, nbytes)
-        if scheme != "fp8":  # the CUDA C++ kernels (kernels={"int4" | "fp8_weight": "cuda" | "cuda-ring"}; > 16
-            for tag in (scheme, f"{scheme}-ring"):  # rows: Triton's)
-                name = f"fastqwen {scheme} cuda{tag.removeprefix(scheme)}"
-                out[name] = (lambda x, layer=layer, t=tag: layer(x, cuda=(t,)), nbytes)
+        if scheme != "fp8":  # the CUDA C++ kernel (kernels={"int4" | "fp8_weight": "cuda"}; > 16 rows: Triton's)
+            out[f"fastqwen {scheme} cuda"] = (lambda x, layer=layer: layer(x, cuda=(layer.scheme,)), nbytes)
 
     def build(name, make):
         try:

@@ -2,7 +2,7 @@
 
     python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --tag new
     python scripts/gemv_times.py --format int4 --kernel triton cuda   # the Triton and CUDA kernels, layer by layer
-    python scripts/gemv_times.py --format int4 --kernel cuda --cuda-ring 0 4 8 --cuda-ring-per-sm 2 8  # the ring
+    python scripts/gemv_times.py --format int4 --kernel cuda --cuda-async 3 6 --cuda-loads-only  # candidates, probes
 
 For A/B of a kernel or stored-format change on one GPU: run it in two checkouts (old and new) in turn, in one
 device call, and compare the rows. Each time is the minimum of --repeats CUDA-graph timings cycling through cold
@@ -57,16 +57,6 @@ def main():
                    "partials against x · dequantized Wᵀ in fp32)")
     p.add_argument("--cuda-blocks", nargs="+", type=int, default=[int4_cuda.TARGET_BLOCKS],
                    help="the CUDA kernel's TARGET_BLOCKS (the grid size its split plan aims at), each timed")
-    p.add_argument("--cuda-ring", nargs="+", type=int, default=[0], choices=[0, 4, 8],
-                   help="0 the register kernel (--cuda-batch, --cuda-pipelined), 4 or 8 the ring kernel with "
-                   "that many stages, each timed")
-    p.add_argument("--cuda-ring-per-sm", nargs="+", type=int, default=[int4_cuda.RING_BLOCKS_PER_SM],
-                   help="the ring kernel's RING_BLOCKS_PER_SM (at most this many blocks a multiprocessor), each timed")
-    p.add_argument("--cuda-ring-strips", nargs="+", type=int, default=[int4_cuda.RING_STRIPS], choices=[1, 4],
-                   help="the ring kernel's RING_STRIPS (neighbouring strips a warp takes a step of in turn), each timed")
-    p.add_argument("--cuda-ring-loads-only", action="store_true",
-                   help="also time each ring config as its loads-only probe (consumers decode nothing: the load "
-                   "path's own rate; its output is zeros)")
     p.add_argument("--warm", action="store_true",
                    help="also time each config on one copy of the weight, read again and again (L2-resident where "
                    "it fits: what a GEMV would gain from a weight staged in L2 during the kernels before it)")
@@ -85,20 +75,16 @@ def main():
         copies = [stored] + [tuple(None if t is None else t.clone() for t in stored)
                              for _ in range(bench.cold_copies(nbytes, "cuda") - 1)]
         int4 = cuda_module is int4_cuda
-        registers = [(b, bool(p), n, 0, 0, 1, False, mb, ch, False, 0) for b in args.cuda_batch
+        # (BATCH, pipelined, TARGET_BLOCKS, loads-only probe, MIN_BLOCKS, CHAINS, stream, async stages)
+        registers = [(b, bool(p), n, False, mb, ch, False, 0) for b in args.cuda_batch
                      for p in args.cuda_pipelined for n in args.cuda_blocks for mb in args.cuda_min_blocks
                      for ch in args.cuda_chains
                      if (not p or (b == 2 and int4)) and ((mb, ch) == (4, 1) or (int4 and b == 2 and not p))]
-        rings = [(0, False, n, r, per_sm, strips, probe, 4, 1, False, 0) for r in args.cuda_ring if r
-                 for n in args.cuda_blocks
-                 for per_sm in args.cuda_ring_per_sm for strips in args.cuda_ring_strips
-                 for probe in (False, True)[:1 + args.cuda_ring_loads_only]]
-        streams = [(2, False, int4_cuda.TARGET_BLOCKS, 0, 0, 1, False, 4, 1, True, 0)] * (args.cuda_stream and int4)
-        asyncs = [(2, False, n, 0, 0, 1, probe, 4, 1, False, st) for st in args.cuda_async if int4
+        streams = [(2, False, int4_cuda.TARGET_BLOCKS, False, 4, 1, True, 0)] * (args.cuda_stream and int4)
+        asyncs = [(2, False, n, probe, 4, 1, False, st) for st in args.cuda_async if int4
                   for n in args.cuda_blocks for probe in (False, True)[:1 + args.cuda_loads_only]]
-        probes = [(2, False, n, 0, 0, 1, True, 4, 1, False, 0) for n in args.cuda_blocks] * (
-            args.cuda_loads_only and int4)
-        cuda = registers * (0 in args.cuda_ring) + probes + rings + streams + asyncs if "cuda" in args.kernel else []
+        probes = [(2, False, n, True, 4, 1, False, 0) for n in args.cuda_blocks] * (args.cuda_loads_only and int4)
+        cuda = registers + probes + streams + asyncs if "cuda" in args.kernel else []
         for M, kernel in ((M, k) for M in args.rows for k in ["triton"] * ("triton" in args.kernel) + cuda):
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             if kernel == "triton":
@@ -106,36 +92,30 @@ def main():
                     x, fmt, q, s, z, False, N, x.shape[0], partials=True)
                 config = gemv.full_config(gemv.gemv_config(fmt, N, K, M))
             else:
-                if kernel[6] and not kernel[3] and M > 8:  # (the register and async probes: up to 8 rows)
+                if kernel[3] and M > 8:  # (the register and async probes: up to 8 rows)
                     continue
                 if N % 16 or K % (128 if cuda_module is int4_cuda else 64):  # (the kernels' tiles)
                     print(f"| {args.tag} | {layer} | {N}x{K} | M={M} | cuda: shape not taken | — | — | — |")
                     continue
-                (batch, pipelined, cuda_module.TARGET_BLOCKS, ring, per_sm, strips, probe, min_blocks, chains,
-                 stream, stages) = kernel
+                batch, pipelined, cuda_module.TARGET_BLOCKS, probe, min_blocks, chains, stream, stages = kernel
                 splits = f"splits {cuda_module.plan(N, K)[0]}"
-                cuda_module.RING_STAGES, cuda_module.RING_BLOCKS_PER_SM, cuda_module.BATCH = ring or 8, per_sm, batch
-                cuda_module.RING_STRIPS = strips
+                cuda_module.BATCH = batch
                 if cuda_module is int4_cuda:
                     int4_cuda.PIPELINED, int4_cuda.MIN_BLOCKS, int4_cuda.CHAINS = pipelined, min_blocks, chains
                     int4_cuda.ASYNC_STAGES = stages or int4_cuda.ASYNC_STAGES
-                    probed = "ring" if ring else "async" if stages else "register"
+                    probed = "async" if stages else "register"
                     run = ((lambda x, q, s, z: int4_cuda.loads_only(x, q, s, z, N, probed)) if probe else  # noqa: E731
-                           (lambda x, q, s, z: int4_cuda.int4_gemv(x, q, s, z, N, ring=bool(ring), stream=stream,
-                                                                   copies=bool(stages))))
+                           (lambda x, q, s, z: int4_cuda.int4_gemv(x, q, s, z, N, stream=stream, copies=bool(stages))))
                     if stream:
                         splits = "{} blocks {} slots".format(*int4_cuda.stream_plan(x, N, K))
                 else:
-                    run = ((lambda x, q, s, z: fp8_cuda.ring_loads_only(x, q, s)) if probe else  # noqa: E731
-                           (lambda x, q, s, z: fp8_cuda.fp8_gemv(x, q, s, ring=bool(ring))))
+                    run = lambda x, q, s, z: fp8_cuda.fp8_gemv(x, q, s)  # noqa: E731
                 config = (f"cuda stream {splits}" if stream else
                           f"cuda async {stages} stages {splits}{' LOADS ONLY' * probe}" if stages else
-                          f"cuda ring {ring} stages ≤{per_sm}/SM {strips} strips {splits}"
-                          f"{' LOADS ONLY' * probe}" if ring else
                           f"cuda batch {batch}{' pipelined' * pipelined}"
                           f"{f' min {min_blocks} blocks' * (min_blocks != 4)}{' 2 chains' * (chains == 2)} {splits}"
                           f"{' LOADS ONLY' * probe}")
-            if args.check and not (kernel != "triton" and kernel[6]):  # (not a loads-only probe)
+            if args.check and not (kernel != "triton" and kernel[3]):  # (not a loads-only probe)
                 got = run(x, *stored).sum(0)
                 want = x.float() @ gemv.dequantized(fmt, *stored).float().t()
                 config = f"{config} (error {((got - want).norm() / want.norm()).item():.1e})"  # (Triton: a tuple)

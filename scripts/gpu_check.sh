@@ -53,15 +53,13 @@
 #            SWEEP_LOWP="3 4" adds int4's mma.sync configs. SWEEP_ROW_ORDER=1: int4 codes in row order, not tiled. SWEEP_EXPERTS="1 8 16": then the grouped kernel's configs for
 #            the 35B-A3B routed experts at those token counts (9 pairs a token), in the same formats.
 #   cuda-tests tests/gpu/test_cuda_kernels_gpu.py: the CUDA int4 and fp8-weight kernels (kernels={"int4" |
-#            "fp8_weight": "cuda" | "cuda-ring"}, built with nvcc here) against their references and the Triton kernels' step;
+#            "fp8_weight": "cuda"}, built with nvcc here) against their references and the Triton kernels' step;
 #            cut at CUDA_TESTS_TIMEOUT seconds (480), so a kernel that hangs still leaves its log (-v: the test it hung in);
 #            CUDA_TESTS_ARGS adds pytest arguments (split on spaces), CUDA_TESTS_K a -k expression (one argument, e.g.
 #            CUDA_TESTS_K="stream or occupancy": the int4 candidates of 2026-12-05)
 #   cuda-times the CUDA int4 kernel's occupancy (MIN_BLOCKS 4 / 8) and MMA-chain (CHAINS 1 / 2) instances and its stream kernel with
 #            their error against the reference, then the Triton and CUDA kernels' times per layer (scripts/gemv_times.py --kernel triton cuda): int4 on
-#            the 27B's layers and head at each BATCH, pipelining and grid target, the ring kernel at 4 and 8
-#            stages, 2, 4, 8 blocks a multiprocessor and 1 or 4 strips a segment (each beside its loads-only
-#            probe: the load path's own rate), then both at 4, 8, 16 rows
+#            the 27B's layers and head at each BATCH, pipelining and grid target, then both at 4, 8, 16 rows
 #   async    the int4 async kernel (kernels={"int4": "cuda-async"}, 2026-12-05): its GPU tests (bit for bit against the
 #            register kernel), then its per-layer times at 3 and 6 slots beside the register kernel and Triton's, 1
 #            and 4 rows, each CUDA kernel beside its loads-only probe (int4_cuda.loads_only: its load path's own
@@ -74,11 +72,9 @@
 #            the H200's question: if the register kernel's warm rate is near its cold H200 rate (~3.0 TB/s on gate
 #            | up) its own decode and issue bound it (cut instructions: the FOLD of DESIGN-NOTES); if well above,
 #            bytes in flight against HBM's latency do (the async kernel's kind of change)
-#   cuda-times-fp8 the same for fp8-weight's register and ring kernels on the 27B's and 35B-A3B's layers.
-#            The step's A/B is `candidates` with CAND_MODEL=qwen3.5-27b CAND_SYSTEMS="fastqwen-int4+cuda-int4 fastqwen-int4+cuda-ring-int4" CAND_ARGS="--isolate --quant-lm-head
-#            --no-autotune" (fp8: fastqwen-fp8-weight+cuda-fp8-weight fastqwen-fp8-weight+cuda-ring-fp8-weight);
-#            add "--options triton.enable_pdl=True" to CAND_ARGS for the ring with inductor's kernels under PDL
-#            (their early trigger lets a ring's producer stream during them)
+#   cuda-times-fp8 the same for fp8-weight's register kernel on the 27B's and 35B-A3B's layers.
+#            The step's A/B is `candidates` with CAND_MODEL=qwen3.5-27b CAND_SYSTEMS="fastqwen-int4+triton-int4"
+#            CAND_ARGS="--isolate --quant-lm-head --no-autotune" (fp8: fastqwen-fp8-weight+cuda-fp8-weight)
 #   suite    the pytest-benchmark suite (tests/benchmarks, 9B plain and MTP) saved as a baseline under
 #            tests/benchmarks/baselines (copied to $OUT: commit it); later runs compare against it
 #   quant    tests/gpu/test_quant_gpu.py, then scripts/bench_quant.py (per-GEMM table, M = 1..16; QUANT_ARGS, e.g.
@@ -116,10 +112,7 @@ case "$stage" in
                --cuda-chains 1 2 --rows 1 4 --check 2>&1 | tee "$out/cuda_times_occupancy.md"
              python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel triton cuda \
                --cuda-batch 2 4 8 --cuda-pipelined 0 1 --cuda-blocks 1024 2048 4096 2>&1 | tee "$out/cuda_times.md"
-             python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel cuda --cuda-ring 4 8 \
-               --cuda-ring-per-sm 2 4 8 --cuda-ring-strips 1 4 \
-               --cuda-blocks 256 1024 4096 --cuda-ring-loads-only 2>&1 | tee -a "$out/cuda_times.md"
-             python scripts/gemv_times.py --format int4 --shapes 27b --kernel triton cuda --cuda-ring 0 8 \
+             python scripts/gemv_times.py --format int4 --shapes 27b --kernel triton cuda \
                --rows 4 8 16 2>&1 | tee -a "$out/cuda_times.md" ;;
   ceiling) python scripts/gemv_times.py --format int4 --shapes l2 27b --kernel triton cuda --warm --cuda-loads-only \
              --cuda-chains 1 2 --cuda-min-blocks 4 8 --rows 1 4 2>&1 | grep "^|" | tee "$out/ceiling.md" ;;
@@ -128,10 +121,7 @@ case "$stage" in
          python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel triton cuda --cuda-async 3 6 --cuda-loads-only \
            --rows 1 4 --check 2>&1 | grep "^|" | tee "$out/async_times.md" ;;
   cuda-times-fp8) python scripts/gemv_times.py --format fp8-weight --shapes 27b 27b-head 35b-a3b --kernel triton cuda \
-               --cuda-batch 2 4 8 --cuda-blocks 1024 2048 4096 2>&1 | tee "$out/cuda_times_fp8.md"
-             python scripts/gemv_times.py --format fp8-weight --shapes 27b 27b-head 35b-a3b --kernel cuda \
-               --cuda-ring 4 8 --cuda-ring-per-sm 2 4 8 --cuda-ring-strips 1 4 \
-               --cuda-blocks 256 1024 4096 --cuda-ring-loads-only 2>&1 | tee -a "$out/cuda_times_fp8.md" ;;
+               --cuda-batch 2 4 8 --cuda-blocks 1024 2048 4096 2>&1 | tee "$out/cuda_times_fp8.md" ;;
   candidate-tests) python -m pytest -q -s -p no:warnings tests/gpu/test_candidates_gpu.py 2>&1 | tail -6 ;;
   bench) python scripts/bench.py --models ${MODELS:-qwen3.5-9b qwen3.5-27b qwen3.5-35b-a3b} ${BENCH_ARGS:-} \
            --out-dir "$out" 2>&1 | grep -v "^\[transformers\]" | tail -20 ;;

@@ -92,9 +92,9 @@ def test_fake_implementation_gives_the_stream_kernels_slots_on_a_cuda_device(mon
         z = torch.empty(K // STEP, N, dtype=torch.uint8, device="cuda").t()
         for M, slots in ((1, 4), (16, 3)):
             x = torch.empty(M, K, dtype=torch.bfloat16, device="cuda")
-            assert int4_cuda.int4_gemv(x, w, s, z, N, True, False, False, True).shape == (slots, M, N)
-            assert int4_cuda.int4_gemv(x, w, s, z, N, True, False, False, False).shape == (8, M, N)
-            assert int4_cuda.int4_gemv(x, w, s, z, N, True, True, False, True).shape == (1, M, N)
+            assert int4_cuda.int4_gemv(x, w, s, z, N, True, False, True).shape == (slots, M, N)
+            assert int4_cuda.int4_gemv(x, w, s, z, N, True, False, False).shape == (8, M, N)
+            assert int4_cuda.int4_gemv(x, w, s, z, N, True, True, True).shape == (1, M, N)
 
 
 def test_stream_reference_pieces_sum_to_the_product():
@@ -145,18 +145,16 @@ def test_ops_pass_opcheck_and_take_only_their_layouts():
     x = torch.randn(1, 1024, dtype=torch.bfloat16)
     utils = ("test_faketensor", "test_aot_dispatch_dynamic")  # (test_schema: no e4m3 arithmetic on CPU)
     for one_split in (False, True):
-        for ring, stream in ((False, False), (True, False), (False, True)):
-            torch.library.opcheck(int4_cuda.int4_gemv, (x, q, s, z, 48, False, one_split, ring, stream),
+        for stream, copies in ((False, False), (True, False), (False, True)):
+            torch.library.opcheck(int4_cuda.int4_gemv, (x, q, s, z, 48, False, one_split, stream, copies),
                                   test_utils=utils + ("test_schema",))
-        for ring in (False, True):
-            torch.library.opcheck(fp8_cuda.fp8_gemv, (x, w8, s8, False, one_split, ring), test_utils=utils)
+        torch.library.opcheck(fp8_cuda.fp8_gemv, (x, w8, s8, False, one_split), test_utils=utils)
     assert int4_cuda.int4_gemv(x, q, s, z, 48).shape[0] == 2 and fp8_cuda.fp8_gemv(x, w8, s8).shape[0] == 4
     assert int4_cuda.int4_gemv(x, q, s, z, 48, False, True).shape[0] == 1 == fp8_cuda.fp8_gemv(x, w8, s8, False,
                                                                                              True).shape[0]
     for rows in (x, x.half(), x.expand(16, -1)):
         assert int4_cuda.takes(rows, q, s, z) and fp8_cuda.takes(rows, w8, s8)
-    for probe in [lambda k=k: int4_cuda.loads_only(x, q, s, z, 48, k) for k in int4_cuda.PROBES] + [
-            lambda: fp8_cuda.ring_loads_only(x, w8, s8)]:
+    for probe in [lambda k=k: int4_cuda.loads_only(x, q, s, z, 48, k) for k in int4_cuda.PROBES]:
         with pytest.raises(ValueError, match="takes CUDA tensors"):  # (a timing probe: its output is zeros)
             probe()
     with pytest.raises(ValueError, match="probes one of"):
@@ -176,12 +174,10 @@ def test_kernel_choices_are_checked_and_a_missing_compiler_names_the_fix(monkeyp
     cfg = presets.config("tiny")
     chosen = check_kernels({"int4": "cuda", "fp8_weight": "cuda"}, cfg, "cpu")
     assert (chosen["int4"], chosen["fp8_weight"]) == ("cuda", "cuda")
-    chosen = check_kernels({"int4": "cuda-ring", "fp8_weight": "cuda-ring"}, cfg, "cpu")
-    assert (chosen["int4"], chosen["fp8_weight"]) == ("cuda-ring", "cuda-ring")
     assert check_kernels({"int4": "cuda-stream"}, cfg, "cpu")["int4"] == "cuda-stream"
     assert (check_kernels(None, cfg, "cpu")["int4"], check_kernels(None, cfg, "cpu")["fp8_weight"]) == (
         "triton", "triton")  # (int4's "auto": the CUDA kernel only on a Hopper GPU with nvcc)
-    for op, bad in (("int4", "cutlass"), ("fp8_weight", "cutlass"), ("fp8_weight", "ring")):
+    for op, bad in (("int4", "cutlass"), ("int4", "cuda-ring"), ("fp8_weight", "cuda-ring"), ("fp8_weight", "ring")):
         with pytest.raises(ValueError, match="triton, cuda"):
             check_kernels({op: bad}, cfg, "cpu")
     monkeypatch.setattr(cuda_build, "nvcc", lambda: None)
@@ -437,10 +433,10 @@ def _template_args(mangled: str, kernel: str) -> list[int]:
 
 
 @NVCC
-@pytest.mark.parametrize("name,instances", [("int4_gemv", 56), ("fp8_gemv", 26)])
+@pytest.mark.parametrize("name,instances", [("int4_gemv", 40), ("fp8_gemv", 10)])
 def test_kernels_build_for_sm90_without_spills(name, instances, tmp_path):
-    """nvcc -Xptxas -v for sm_90: every instance (register and ring kernels) ≤ 128 registers (4 blocks of 128
-    threads a multiprocessor, 3 of the ring's 160; int4's instances for 8 blocks ≤ 64), no spills, static shared
+    """nvcc -Xptxas -v for sm_90: every instance ≤ 128 registers (4 blocks of 128 threads a multiprocessor;
+    int4's instances for 8 blocks ≤ 64), no spills, static shared
     memory under the 48 KB limit. The one exception: the stream kernel holding groups in shared memory at one
     column block (72 registers for 7 blocks an SM) spills a few words of its per-piece bookkeeping (≤ 32 bytes
     of stack), never inside its loops over groups
@@ -565,46 +561,6 @@ def test_async_kernel_copies_its_first_groups_before_the_wait_and_waits_on_each(
     assert len(used) == 2 and max(used) <= 64, used
 
 
-@NVCC
-@pytest.mark.parametrize("name,kernel,copies,xs_a_block,mmas_a_block", [("int4_gemv", "int4_gemv_ring", 3, 4, 8),
-                                                                       ("fp8_gemv", "fp8_gemv_ring", 1, 2, 4)])
-def test_ring_kernels_split_producer_from_consumers(name, kernel, copies, xs_a_block, mmas_a_block, tmp_path):
-    """In the SASS of each ring instance (bf16 / fp16 x, 4 or 8 stages, one or two blocks of 8 x rows, 1 to 4
-    strips a segment): after the barriers' initialisation and the block barrier, the producer warp branches off
-    to its bulk copies (int4: the tiles, a group's scales, its zeros: three UBLKCP sites a strip of the unrolled
-    segment; fp8: a row's chunks) with no PDL wait and no global load; the consumers wait (PDL) before any load
-    of x, load x once a segment's step (16 bytes a lane for each 8 columns) before they poll the stage's
-    barrier, read each strip's stage from shared memory (two 16-byte loads a lane), arrive on the slot's empty
-    barrier, then issue the step's MMAs (int4 8 a group, fp8 4 a chunk, for each block of 8 x rows and each
-    strip); both sides trap rather than spin forever."""
-    functions = _sass_functions(_build_sm90(name, tmp_path)[1], kernel)
-    assert len(functions) == 16
-    for k in functions:
-        nb, strips = (int(a.removeprefix("Li")) for a in k.split(kernel)[1].split("EE")[0].split("E")[-2:])
-        lines = [line for line in k.splitlines() if "*/" in line and ";" in line]
-        ops = _sass_ops(k)
-        split = ops.index("BAR.SYNC.DEFER_BLOCKING")  # (after the mbarrier inits: SYNCS.EXCH.64)
-        assert ops[:split].count("SYNCS.EXCH.64") in (8, 16) and split < ops.index("ACQBULK")
-        target = next(int(line.split("BRA ")[1].split()[0].rstrip(";"), 16) for line in lines[split:]
-                      if " BRA " in line and "@" in line)  # the producer's branch
-        at = [int(line.split("/*")[1].split("*/")[0], 16) for line in lines]
-        producer = ops[at.index(target):]
-        consumer = ops[split:at.index(target)]
-        assert producer.count("UBLKCP.S.G") == copies * strips and "ACQBULK" not in producer, producer
-        assert not any(o.startswith("LDG") for o in producer)
-        assert "SYNCS.PHASECHK.TRANS64.TRYWAIT" in producer and "BPT.TRAP" in producer
-        wait = consumer.index("ACQBULK")
-        xs = [i for i, o in enumerate(consumer) if o == "LDG.E.128"]
-        poll = consumer.index("SYNCS.PHASECHK.TRANS64.TRYWAIT")
-        assert len(xs) == xs_a_block * nb and wait < xs[0] and xs[-1] < poll, (wait, xs, poll)
-        tiles = [i for i, o in enumerate(consumer) if o == "LDS.128"]
-        arrive = consumer.index("SYNCS.ARRIVE.TRANS64.A1T0")
-        mmas = [i for i, o in enumerate(consumer) if o.startswith("HMMA.16816.F32")]
-        assert len(tiles) == 2 * strips and poll < tiles[0] and tiles[1] < arrive < mmas[0], (poll, tiles, arrive)
-        assert len(mmas) == mmas_a_block * nb * strips
-        assert "BPT.TRAP" in consumer
-
-
 def test_optimize_routes_quantized_linears_to_the_chosen_kernels(monkeypatch):
     """kernels={"int4": …, "fp8_weight": …} reach every QuantLinear call of the engine's steps as the schemes
     that take the CUDA kernels (eager, CPU: the choice is passed down; QuantLinear.partials takes a CUDA kernel
@@ -620,28 +576,25 @@ def test_optimize_routes_quantized_linears_to_the_chosen_kernels(monkeypatch):
     monkeypatch.setattr(QuantLinear, "partials", lambda self, x, pdl=False, fixup=False, in_dims=1, cuda=():
                         seen.append(cuda) or partials(self, x, pdl, fixup, in_dims, cuda))
     for scheme, kernels, want in (("int4", {"int4": "cuda"}, ("int4",)), ("int4", {}, ()),
-                                  ("int4", {"int4": "cuda-ring"}, ("int4-ring",)),
                                   ("int4", {"int4": "cuda-stream"}, ("int4-stream",)),
                                   ("int4", {"int4": "cuda-async"}, ("int4-async",)),
                                   ("fp8-weight", {"fp8_weight": "cuda"}, ("fp8-weight",)),
-                                  ("fp8-weight", {"int4": "cuda", "fp8_weight": "cuda"}, ("int4", "fp8-weight")),
-                                  ("fp8-weight", {"fp8_weight": "cuda-ring"}, ("fp8-weight-ring",))):
+                                  ("fp8-weight", {"int4": "cuda", "fp8_weight": "cuda"}, ("int4", "fp8-weight"))):
         m = fastqwen.optimize(fresh("tiny"), max_seq_len=64, compile=False, quant=scheme, kernels=kernels)
         n = len(seen)
         m.generate(torch.randint(1, 500, (1, 5)), max_new_tokens=3, do_sample=False)
         assert len(seen) > n and set(seen[n:]) == {want}, (scheme, kernels)
-    calls = []  # (the tag's ring / stream / async choice reaches the op: its CPU reference stands in for the kernel)
-    monkeypatch.setattr(int4_cuda, "int4_gemv", lambda *args: calls.append(args[-3:]) or int4_cuda.reference(
+    calls = []  # (the tag's stream / async choice reaches the op: its CPU reference stands in for the kernel)
+    monkeypatch.setattr(int4_cuda, "int4_gemv", lambda *args: calls.append(args[-2:]) or int4_cuda.reference(
         *args[:5], 1))
-    monkeypatch.setattr(fp8_cuda, "fp8_gemv", lambda *args: calls.append(args[-1]) or fp8_cuda.reference(
+    monkeypatch.setattr(fp8_cuda, "fp8_gemv", lambda *args: calls.append("fp8") or fp8_cuda.reference(
         *args[:3], 1))
     x = torch.randn(1, 256, dtype=torch.bfloat16)
     for scheme in ("int4", "fp8-weight"):
         layer = quantize_modules(torch.nn.Sequential(torch.nn.Linear(256, 64)), scheme)[0]
-        for tag in (scheme, f"{scheme}-ring") + (("int4-stream", "int4-async") if scheme == "int4" else ()):
+        for tag in (scheme,) + (("int4-stream", "int4-async") if scheme == "int4" else ()):
             assert layer._cuda_partials(x, layer.scale, False, False, tag).shape == (1, 1, layer.out_features)
-    assert calls == [(False, False, False), (True, False, False), (False, True, False), (False, False, True), False,
-                     True]
+    assert calls == [(False, False), (True, False), (False, True), "fp8"]
 
 
 @NVCC
@@ -654,42 +607,36 @@ def test_built_libraries_refuse_arguments_out_of_range_before_touching_the_gpu(t
     try:
         int4, fp8 = int4_cuda.library("90"), fp8_cuda.library("90")  # (the typed entry points)
         assert sorted(p.name.split("-")[0] for p in (tmp_path / "cuda").glob("*.so")) == ["fp8_gemv", "int4_gemv"]
-        call4 = lambda M=1, N=64, K=512, splits=2, per=2, batch=4, pipe=0, stages=0, strips=4, per_sm=8, min_blocks=4, \
-            chains=1, stream=0, held=0, early=0, copies=0, loads_only=0: int4(0, 0, 0, 0, 0, M, N, K, splits, per,
-                                                                              batch, pipe, min_blocks, chains, stages,
-                                                                              strips, per_sm, loads_only, stream, held,
-                                                                              early, copies, 1, 0, 0, None)
+        call4 = lambda M=1, N=64, K=512, splits=2, per=2, batch=4, pipe=0, min_blocks=4, chains=1, stream=0, \
+            held=0, early=0, copies=0, loads_only=0: int4(0, 0, 0, 0, 0, M, N, K, splits, per, batch, pipe,
+                                                          min_blocks, chains, loads_only, stream, held, early,
+                                                          copies, 1, 0, 0, None)
         slots = int4_cuda.stream_slots(64, 512, 7)  # (16 units on 7 blocks: 3 pieces a strip at most)
         assert slots == 3
         for bad in ({"N": 40}, {"K": 500}, {"M": 0}, {"M": 17}, {"splits": 3}, {"per": 1}, {"batch": 3},
-                    {"batch": 4, "pipe": 1}, {"M": 9, "batch": 8}, {"M": 9, "batch": 2, "pipe": 1},
-                    {"stages": 3}, {"stages": 16}, {"stages": 4, "per_sm": 0}, {"stages": 8, "M": 17},
-                    {"stages": 8, "splits": 3}, {"stages": 4, "strips": 2}, {"stages": 4, "M": 9, "strips": 4},
-                    {"stages": 8, "strips": 0}, {"min_blocks": 6}, {"chains": 3}, {"batch": 4, "min_blocks": 8},
+                    {"batch": 4, "pipe": 1}, {"M": 9, "batch": 8}, {"M": 9, "batch": 2, "pipe": 1}, {"min_blocks": 6},
+                    {"chains": 3}, {"batch": 4, "min_blocks": 8},
                     {"batch": 2, "pipe": 1, "chains": 2}, {"M": 9, "batch": 2, "min_blocks": 8},
                     {"stream": 7, "splits": slots - 1}, {"stream": 7, "splits": slots + 1}, {"stream": 17, "splits": 1},
                     {"stream": -1}, {"stream": 7, "splits": slots, "N": 40}, {"stream": 7, "splits": slots, "M": 17},
-                    {"copies": 2}, {"copies": 4}, {"copies": 3, "stages": 4}, {"copies": 3, "M": 17},
+                    {"copies": 2}, {"copies": 4}, {"copies": 3, "M": 17},
                     {"copies": 6, "splits": 3}, {"loads_only": 1, "batch": 4}, {"loads_only": 1, "M": 9, "batch": 2},
                     {"loads_only": 1, "copies": 3, "M": 9}, {"loads_only": 1, "batch": 2, "min_blocks": 8},
                     {"stream": 7, "splits": slots, "loads_only": 1}, {"stream": 7, "splits": slots, "copies": 3},
                     {"held": 6}, {"early": 1}, {"stream": 7, "splits": slots, "held": 4},
                     {"stream": 7, "splits": slots, "early": 2}):
             assert call4(**bad) == 1, bad
-        call8 = lambda M=1, N=64, K=512, splits=2, per=4, batch=4, stages=0, strips=4, per_sm=8: fp8(  # noqa: E731
-            0, 0, 0, 0, M, N, K, splits, per, batch, stages, strips, per_sm, 0, 1, 0, 0, None)
+        call8 = lambda M=1, N=64, K=512, splits=2, per=4, batch=4: fp8(  # noqa: E731
+            0, 0, 0, 0, M, N, K, splits, per, batch, 1, 0, 0, None)
         for bad in ({"N": 40}, {"K": 500}, {"M": 0}, {"M": 17}, {"splits": 3}, {"per": 3}, {"batch": 3},
-                    {"M": 9, "batch": 8}, {"stages": 2}, {"stages": 4, "per_sm": 0}, {"stages": 8, "K": 500},
-                    {"stages": 4, "strips": 3}, {"stages": 8, "M": 12, "strips": 4}):
+                    {"M": 9, "batch": 8}):
             assert call8(**bad) == 1, bad
         if not torch.cuda.is_available():
             for ok in (call4(), call4(batch=2, min_blocks=8, chains=2), call4(stream=7, splits=slots, batch=3),
                        call4(stream=7, splits=slots, held=6, early=1),
                        call4(copies=3, batch=3), call4(copies=6, M=16), call4(loads_only=1, batch=2),
                        call4(loads_only=1, copies=6, M=8),
-                       call4(stream=16, splits=4, M=16), call4(stages=4, batch=3),
-                       call4(stages=8, M=16, batch=8, pipe=1, strips=2), call8(),
-                       call8(stages=4, batch=3, strips=1), call8(stages=8, M=12, strips=2)):
-                assert ok not in (0, 1)  # (no GPU: the runtime's error, e.g. 35; the ring ignores batch and pipe)
+                       call4(stream=16, splits=4, M=16), call8(), call8(M=12, batch=2)):
+                assert ok not in (0, 1)  # (no GPU: the runtime's error, e.g. 35)
     finally:
         cuda_build.build.cache_clear()

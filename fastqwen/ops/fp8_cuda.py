@@ -1,15 +1,14 @@
-"""fp8-weight streaming for up to 16 rows of x in CUDA C++ (cuda/fp8_gemv.cu): the tensor-core GEMV of the
-"fp8-weight" scheme (e4m3 codes, one fp32 scale a row) at decode, verify and small batches.
+"""fp8-weight streaming for up to 16 rows of x in CUDA C++ (cuda/fp8_gemv.cu): the tensor-core GEMV of the "fp8-weight"
+scheme (e4m3 codes, one fp32 scale a row) at decode, verify and small batches.
 
-Why beside the Triton kernel (ops/gemv.py): it reads the 27B's fp8 weights at ~83% of the H200's read ceiling,
-and the fp8-weight ≥ 150 tok/s bar needs them at the ceiling with the rest of the step hidden (docs/DESIGN-
-NOTES.md). This kernel is int4_cuda's frame for e4m3: each lane's 16-byte loads of rows l/4 and l/4 + 8 are the
-mma.m16n8k16 A operand (e4m3 pairs to f16 by one cvt, to bf16 through fp32 for bf16 x: exact), the weight and
-scale loads of the first batch issued before the PDL wait; or, with `ring=True`, int4_cuda's ring frame (a
-persistent grid, a producer warp's bulk copies of the strip's rows into a shared-memory ring, no PDL wait before
-them). optimize's kernels={"fp8_weight": "cuda" | "cuda-ring"} routes QuantLinear's fp8-weight products of up to
-MAX_ROWS rows here; `fp8_gemv` is the registered op, `reference` its
-plain torch twin (also what runs off CUDA); the library is built by ops/cuda_build.py.
+Why beside the Triton kernel (ops/gemv.py): it reads the 27B's fp8 weights at ~83% of the H200's read ceiling, and
+the fp8-weight ≥ 150 tok/s bar needs them at the ceiling with the rest of the step hidden (docs/DESIGN-NOTES.md).
+This kernel is int4_cuda's frame for e4m3: each lane's 16-byte loads of rows l/4 and l/4 + 8 are the mma.m16n8k16 A
+operand (e4m3 pairs to f16 by one cvt, to bf16 through fp32 for bf16 x: exact), the weight and scale loads of the
+first batch issued before the PDL wait (a ring kernel fed by a producer warp's bulk copies was 1.35-1.9x slower on
+an H200 and removed, 2026-12-05). optimize's kernels={"fp8_weight": "cuda"} routes QuantLinear's fp8-weight products
+of up to MAX_ROWS rows here; `fp8_gemv` is the registered op, `reference` its plain torch twin (also what runs off
+CUDA); the library is built by ops/cuda_build.py.
 """
 
 import torch
@@ -22,15 +21,12 @@ TARGET_BLOCKS = 2048  # splits are added until the grid has about this many bloc
 MAX_SPLITS = 8  # (≤ 8 partials for the caller to add into the consumer's kernel: gemv.add_splits)
 MAX_ROWS = 16  # rows of x a launch takes: one or two blocks of mma.m16n8k16's 8 B columns
 BATCH = 4  # chunks whose weight loads a warp issues before it decodes them (2, 4 or 8; 2 or 4 past 8 rows)
-RING_STAGES = 8  # the ring kernel's stages (4 or 8), each up to 4 chunks of a strip's 16 rows (4 KB)
-RING_BLOCKS_PER_SM = 8  # at most this many ring blocks a multiprocessor (fewer where they do not fit)
-RING_STRIPS = 4  # neighbouring strips a ring warp takes its chunk of in turn, x loaded once (1 or 4)
 CHOICE = "kernels['fp8_weight']='cuda'"
 
 
 def library(arch: str):
     """The kernel's entry point for compute capability `arch` (cuda_build.entry: built on first use)."""
-    return cuda_build.entry("fp8_gemv", arch, CHOICE, pointers=4, ints=13)
+    return cuda_build.entry("fp8_gemv", arch, CHOICE, pointers=4, ints=9)
 
 
 def plan(N: int, K: int, one_split: bool = False) -> tuple[int, int]:
@@ -56,8 +52,8 @@ def reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, splits: int
     return torch.stack([xf[:, k:k + per] @ W[:, k:k + per].t() for k in range(0, W.shape[1], per)])
 
 
-def _launch(x, w, scale, pdl, one_split, ring, loads_only) -> torch.Tensor:
-    """fp8_gemv's body; loads_only: the ring kernel's probe (ring_loads_only)."""
+def _launch(x, w, scale, pdl, one_split) -> torch.Tensor:
+    """fp8_gemv's body."""
     N, K = w.shape
     splits, per = plan(N, K, one_split)
     if not x.is_cuda:
@@ -65,42 +61,28 @@ def _launch(x, w, scale, pdl, one_split, ring, loads_only) -> torch.Tensor:
     if not takes(x, w, scale):
         raise ValueError(f"fp8_gemv takes 1 … {MAX_ROWS} bf16/fp16 rows of x, e4m3 codes [N, K] (N % 16, K % 64 "
                          "zero) and an fp32 scale [N] (QuantLinear's fp8-weight layout)")
-    if ring and w.data_ptr() % 16:
-        raise ValueError("fp8_gemv's ring kernel copies the codes in 16-byte pieces: they must start 16-byte "
-                         "aligned (a view at an odd offset: pass a copy)")
     x = cuda_build.aligned(x)
     batch = BATCH if x.shape[0] <= 8 else min(BATCH, 4)
     out = torch.empty(splits, x.shape[0], N, device=x.device, dtype=torch.float32)
     err = library(cuda_build.device_arch(x.device, CHOICE))(
         x.data_ptr(), w.data_ptr(), scale.data_ptr(), out.data_ptr(), x.shape[0], N, K, splits, per, batch,
-        RING_STAGES if ring else 0, RING_STRIPS if x.shape[0] <= 8 else min(RING_STRIPS, 2), RING_BLOCKS_PER_SM,
-        loads_only, x.dtype == torch.bfloat16, pdl, x.device.index,
+        x.dtype == torch.bfloat16, pdl, x.device.index,
         torch.cuda.current_stream(x.device).cuda_stream)
     if err:
-        kernel = f"ring, RING_STAGES {RING_STAGES}, RING_STRIPS {RING_STRIPS}" if ring else f"BATCH {batch}"
-        raise RuntimeError(f"fp8_gemv launch failed: CUDA error {err} ({kernel})")
+        raise RuntimeError(f"fp8_gemv launch failed: CUDA error {err} (BATCH {batch})")
     return out
 
 
 @torch.library.custom_op("fastqwen::fp8_gemv", mutates_args=())
 def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, pdl: bool = False,
-             one_split: bool = False, ring: bool = False) -> torch.Tensor:
+             one_split: bool = False) -> torch.Tensor:
     """x [M ≤ 16, K] (bf16 / fp16) · (scale · w)ᵀ for e4m3 codes w [N, K] as split-K partial sums fp32
     [splits, M, N] (plan(N, K, one_split)); their sum over dim 0 is the product. pdl: launch with programmatic
-    dependent launch; ring: the ring kernel (else the register kernel; the same partials). The CUDA kernel on
-    CUDA tensors, `reference` elsewhere."""
-    return _launch(x, w, scale, pdl, one_split, ring, False)
+    dependent launch. The CUDA kernel on CUDA tensors, `reference` elsewhere."""
+    return _launch(x, w, scale, pdl, one_split)
 
 
 @fp8_gemv.register_fake
-def _(x, w, scale, pdl=False, one_split=False, ring=False):
+def _(x, w, scale, pdl=False, one_split=False):
     return x.new_empty(plan(*w.shape, one_split)[0], x.shape[0], w.shape[0], dtype=torch.float32)
 
-
-def ring_loads_only(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """A probe, for timing only (scripts/gemv_times.py --cuda-ring-loads-only): the ring kernel at the module's
-    settings with its consumers taking every stage and converting nothing, so its time is the load path's own.
-    Returns zeros [splits, M, N]. CUDA tensors only."""
-    if not x.is_cuda:
-        raise ValueError("ring_loads_only times the CUDA ring kernel: it takes CUDA tensors")
-    return _launch(x, w, scale, False, False, True, True)

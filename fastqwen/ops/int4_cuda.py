@@ -3,12 +3,11 @@
 Why a CUDA kernel beside the Triton one (ops/gemv.py): at one row the Triton kernel reads the 27B's int4 weights
 at ~58% of the H200's read ceiling, and with its arithmetic removed its loads alone reach only ~72-76% of the
 copy bandwidth (docs/DESIGN-NOTES.md, 2026-12-03/04): its occupancy (18-25%) and the loads it can keep in
-flight bound it, which no launch config, layout or TMA ring changed. Two ways to feed the tensor cores here:
-the register kernel (each lane issues its 16-byte weight loads for BATCH groups, and the scales, before it
-decodes any of them and before the PDL wait) and the ring kernel (`ring=True`: a persistent grid whose producer
-warp streams each block's run of tiles, scales and zeros into a shared-memory ring of RING_STAGES stages by bulk
-copies, with no PDL wait, while 4 consumer warps decode; the warp-specialised load path Triton 3.6 cannot
-express on Hopper). Two candidates on the register kernel's warps: the stream kernel (`stream=True`: one resident
+flight bound it, which no launch config, layout or TMA ring changed. The register kernel feeds the tensor cores
+here (each lane issues its 16-byte weight loads for BATCH groups, and the scales, before it decodes any of them
+and before the PDL wait); a ring kernel (a persistent grid whose producer warp streamed the tiles into a
+shared-memory ring by bulk copies) was 1.4-1.5x slower on an H200 and removed (2026-12-05). Two candidates on the
+register kernel's warps: the stream kernel (`stream=True`: one resident
 wave, every block the same share; STREAM_HELD groups a warp copied into shared memory before the PDL wait and,
 STREAM_EARLY, the next kernel let launch at its start: the weight stream run through the gaps between a step's
 kernels) and the async kernel (`copies=True`: each warp's groups through ASYNC_STAGES
@@ -42,9 +41,6 @@ PIPELINED = False  # the next batch's loads in flight while a batch decodes (an 
 MIN_BLOCKS = 4  # blocks a multiprocessor must hold (4: 71 registers, 7 fit; 8: ptxas keeps it to 63, 8 fit)
 CHAINS = 1  # a group's 8 MMAs as one dependent chain (1) or lo and hi apart (2: two chains of 4)
 # (MIN_BLOCKS 8 and CHAINS 2: instances of BATCH 2 unpipelined at up to 8 rows only)
-RING_STAGES = 8  # the ring kernel's stages (4 or 8), each up to 4 groups of a strip (~4.2 KB)
-RING_BLOCKS_PER_SM = 8  # at most this many ring blocks a multiprocessor (fewer where they do not fit)
-RING_STRIPS = 4  # neighbouring strips a ring warp takes its group of in turn, x's operands made once (1 or 4)
 STREAM_BLOCKS_PER_SM = (7, 4)  # the stream kernel's grid a multiprocessor, one / two column blocks (as fit)
 STREAM_HELD = 0  # the stream kernel's groups a warp copies into shared memory before the PDL wait (0 or 6)
 STREAM_EARLY = False  # the stream kernel lets the next kernel launch at its start (its grid is one wave)
@@ -58,7 +54,7 @@ CHOICE = "kernels['int4']='cuda'"
 
 def library(arch: str):
     """The kernel's entry point for compute capability `arch` (cuda_build.entry: built on first use)."""
-    return cuda_build.entry("int4_gemv", arch, CHOICE, pointers=5, ints=20)
+    return cuda_build.entry("int4_gemv", arch, CHOICE, pointers=5, ints=17)
 
 
 def variant(rows: int) -> tuple[int, bool, int, int]:
@@ -69,12 +65,6 @@ def variant(rows: int) -> tuple[int, bool, int, int]:
         return min(BATCH, 4), False, 4, 1
     tuned = BATCH == 2 and not PIPELINED
     return BATCH, PIPELINED, MIN_BLOCKS if tuned else 4, CHAINS if tuned else 1
-
-
-def ring_strips(rows: int) -> int:
-    """Strips a segment of the ring kernel for `rows` rows of x: RING_STRIPS, at most 2 past 8 rows (its
-    instances: 1 or 4 strips with one column block of 8 x rows, 1 or 2 with two)."""
-    return RING_STRIPS if rows <= 8 else min(RING_STRIPS, 2)
 
 
 def plan(N: int, K: int, one_split: bool = False) -> tuple[int, int]:
@@ -156,33 +146,31 @@ def _splits(x: torch.Tensor, out_features: int, one_split: bool, stream: bool) -
     return (*plan(out_features, x.shape[-1], one_split), 0)
 
 
-def _launch(x, w, scale, zero, out_features, pdl, one_split, ring, loads_only, stream=False,
+def _launch(x, w, scale, zero, out_features, pdl, one_split, loads_only, stream=False,
             copies=False) -> torch.Tensor:
     """int4_gemv's body; loads_only: the chosen kernel's probe (`loads_only`; the register kernel's is its BATCH 2
     instance)."""
-    copies = copies and not (ring or stream)
-    splits, per, blocks = _splits(x, out_features, one_split, stream and not ring)
+    copies = copies and not stream
+    splits, per, blocks = _splits(x, out_features, one_split, stream)
     if not x.is_cuda:
         return reference(x, w, scale, zero, out_features, splits)
     if not takes(x, w, scale, zero):
         raise ValueError(f"int4_gemv takes 1 … {MAX_ROWS} bf16/fp16 rows of x, codes tiled [N/16, K/128, 16, 64] "
                          "uint8 and group-major fp16 scale / uint8 zero (QuantLinear's layout)")
-    if (ring or copies) and any(t.data_ptr() % 16 for t in (w, scale, zero)):
-        raise ValueError(f"int4_gemv's {'ring' if ring else 'async'} kernel copies the codes, scales and zeros in "
-                         "16-byte pieces: they must start 16-byte aligned (a view at an odd offset: pass a copy)")
+    if copies and any(t.data_ptr() % 16 for t in (w, scale, zero)):
+        raise ValueError("int4_gemv's async kernel copies the codes, scales and zeros in 16-byte pieces: they must "
+                         "start 16-byte aligned (a view at an odd offset: pass a copy)")
     x = cuda_build.aligned(x)
-    batch, pipelined, min_blocks, chains = (2, False, 4, 1) if loads_only and not ring else variant(x.shape[0])
+    batch, pipelined, min_blocks, chains = (2, False, 4, 1) if loads_only else variant(x.shape[0])
     out = torch.empty(splits, x.shape[0], out_features, device=x.device, dtype=torch.float32)
     err = library(cuda_build.device_arch(x.device, CHOICE))(
         x.data_ptr(), w.data_ptr(), scale.data_ptr(), zero.data_ptr(), out.data_ptr(), x.shape[0], out_features,
-        x.shape[-1], splits, per, batch, pipelined, min_blocks, chains, RING_STAGES if ring else 0,
-        ring_strips(x.shape[0]), RING_BLOCKS_PER_SM, loads_only, blocks, STREAM_HELD if blocks else 0,
-        int(STREAM_EARLY and blocks > 0), ASYNC_STAGES if copies else 0,
+        x.shape[-1], splits, per, batch, pipelined, min_blocks, chains, loads_only, blocks,
+        STREAM_HELD if blocks else 0, int(STREAM_EARLY and blocks > 0), ASYNC_STAGES if copies else 0,
         x.dtype == torch.bfloat16, pdl, x.device.index,
         torch.cuda.current_stream(x.device).cuda_stream)
     if err:
-        kernel = (f"ring, RING_STAGES {RING_STAGES}, RING_STRIPS {RING_STRIPS}" if ring else
-                  f"stream, {blocks} blocks, {splits} slots, STREAM_HELD {STREAM_HELD}" if blocks else
+        kernel = (f"stream, {blocks} blocks, {splits} slots, STREAM_HELD {STREAM_HELD}" if blocks else
                   f"async, ASYNC_STAGES {ASYNC_STAGES}" if copies else
                   f"BATCH {batch}, PIPELINED {pipelined}, MIN_BLOCKS {min_blocks}, CHAINS {chains}")
         raise RuntimeError(f"int4_gemv launch failed: CUDA error {err} ({kernel})")
@@ -191,36 +179,34 @@ def _launch(x, w, scale, zero, out_features, pdl, one_split, ring, loads_only, s
 
 @torch.library.custom_op("fastqwen::int4_gemv", mutates_args=())
 def int4_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out_features: int,
-              pdl: bool = False, one_split: bool = False, ring: bool = False, stream: bool = False,
+              pdl: bool = False, one_split: bool = False, stream: bool = False,
               copies: bool = False) -> torch.Tensor:
-    """x [M ≤ 16, K] (bf16 / fp16) · Wᵀ for an int4 weight in QuantLinear's layout (`takes`) as split-K partial
-    sums fp32 [splits, M, out_features] (plan(out_features, K, one_split)); their sum over dim 0 is the product. pdl:
-    launch with programmatic dependent launch; ring: the ring kernel (else the register kernel; the same
-    partials); stream: the stream kernel (its [slots, M, out_features] pieces: stream_plan; off CUDA and with
-    one_split as without); copies: the async kernel (each warp's weights through its own shared-memory slots by
-    cp.async; the register kernel's partials, bit for bit). The CUDA kernel on CUDA tensors, `reference`
-    elsewhere."""
-    return _launch(x, w, scale, zero, out_features, pdl, one_split, ring, False, stream, copies)
+    """x [M ≤ 16, K] (bf16 / fp16) · Wᵀ for an int4 weight in QuantLinear's layout (`takes`) as split-K partial sums
+    fp32 [splits, M, out_features] (plan(out_features, K, one_split)); their sum over dim 0 is the product. pdl:
+    launch with programmatic dependent launch; stream: the stream kernel (its [slots, M, out_features] pieces:
+    stream_plan; off CUDA and with one_split as without); copies: the async kernel (each warp's weights through its
+    own shared-memory slots by cp.async; the register kernel's partials, bit for bit). The CUDA kernel on CUDA
+    tensors, `reference` elsewhere."""
+    return _launch(x, w, scale, zero, out_features, pdl, one_split, False, stream, copies)
 
 
 @int4_gemv.register_fake
-def _(x, w, scale, zero, out_features, pdl=False, one_split=False, ring=False, stream=False, copies=False):
-    splits = _splits(x, out_features, one_split, stream and not ring)[0]
+def _(x, w, scale, zero, out_features, pdl=False, one_split=False, stream=False, copies=False):
+    splits = _splits(x, out_features, one_split, stream)[0]
     return x.new_empty(splits, x.shape[0], out_features, dtype=torch.float32)
 
 
-PROBES = ("register", "async", "ring")  # the kernels with a loads-only probe
+PROBES = ("register", "async")  # the kernels with a loads-only probe
 
 
 def loads_only(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out_features: int,
                kernel: str = "register") -> torch.Tensor:
-    """A probe, for timing only (scripts/gemv_times.py --cuda-loads-only, --cuda-ring-loads-only): the kernel
-    loading every weight, scale and zero as it does and decoding nothing, so its time is its load path's own —
-    "register": the register kernel's BATCH 2 instance, "async": the async kernel at ASYNC_STAGES (both up to 8
-    rows, and at as many blocks a multiprocessor as the kernel they probe), "ring": the ring kernel at the
-    module's settings. Returns zeros [splits, M, out_features]. CUDA tensors only."""
+    """A probe, for timing only (scripts/gemv_times.py --cuda-loads-only): the kernel loading every weight, scale
+    and zero as it does and decoding nothing, so its time is its load path's own — "register": the register kernel's
+    BATCH 2 instance, "async": the async kernel at ASYNC_STAGES (both up to 8 rows, and at as many blocks a
+    multiprocessor as the kernel they probe). Returns zeros [splits, M, out_features]. CUDA tensors only."""
     if kernel not in PROBES:
         raise ValueError(f"loads_only probes one of {PROBES}, not {kernel!r}")
     if not x.is_cuda:
         raise ValueError("loads_only times the CUDA kernels: it takes CUDA tensors")
-    return _launch(x, w, scale, zero, out_features, False, False, kernel == "ring", True, copies=kernel == "async")
+    return _launch(x, w, scale, zero, out_features, False, False, True, copies=kernel == "async")

@@ -1,9 +1,9 @@
 """The CUDA C++ few-row kernels (ops/int4_cuda.py, ops/fp8_cuda.py; built with nvcc on first use) on the GPU:
 their split-K partials against the plain torch references at the 27B's and 35B-A3B's layer shapes, bf16 and fp16
 x, one row and 2 … 16, with and without programmatic dependent launch, every output written, every instance;
-replayed in a CUDA graph; the ring kernels bit for bit against the register kernels; int4's stream kernel against
-its own torch twin (int4_cuda.stream_reference: its pieces, not plan's splits); and a compiled decode step under
-kernels={"int4" | "fp8_weight": "cuda" | "cuda-ring"}, {"int4": "cuda-stream" | "cuda-async"} against the Triton
+replayed in a CUDA graph; int4's stream kernel against its own torch twin (int4_cuda.stream_reference: its
+pieces, not plan's splits); and a compiled decode step under kernels={"int4" | "fp8_weight": "cuda"},
+{"int4": "cuda-stream" | "cuda-async"} against the Triton
 kernel's; the async kernel bit for bit against the register kernel at every slot count."""
 
 import functools
@@ -50,7 +50,7 @@ class Int4Stream(Int4):
 
     @staticmethod
     def call(x, ops, N, pdl=False, one_split=False):
-        return int4_cuda.int4_gemv(x, *ops, N, pdl, one_split, False, True)
+        return int4_cuda.int4_gemv(x, *ops, N, pdl, one_split, True)
 
     @classmethod
     def expected(cls, x, ops, N, one_split=False):
@@ -64,15 +64,7 @@ class Int4Async(Int4):
 
     @staticmethod
     def call(x, ops, N, pdl=False, one_split=False):
-        return int4_cuda.int4_gemv(x, *ops, N, pdl, one_split, False, False, True)
-
-
-class Int4Ring(Int4):
-    choice = "cuda-ring"
-
-    @staticmethod
-    def call(x, ops, N, pdl=False, one_split=False):
-        return int4_cuda.int4_gemv(x, *ops, N, pdl, one_split, True)
+        return int4_cuda.int4_gemv(x, *ops, N, pdl, one_split, False, True)
 
 
 class Fp8(Kernel):
@@ -91,16 +83,7 @@ class Fp8(Kernel):
         return fp8_cuda.reference(x, *ops, splits)
 
 
-class Fp8Ring(Fp8):
-    choice = "cuda-ring"
-
-    @staticmethod
-    def call(x, ops, N, pdl=False, one_split=False):
-        return fp8_cuda.fp8_gemv(x, *ops, pdl, one_split, True)
-
-
-KERNELS = {"int4": Int4, "int4-ring": Int4Ring, "int4-stream": Int4Stream, "int4-async": Int4Async,
-           "fp8-weight": Fp8, "fp8-weight-ring": Fp8Ring}
+KERNELS = {"int4": Int4, "int4-stream": Int4Stream, "int4-async": Int4Async, "fp8-weight": Fp8}
 
 
 def weight(scheme: str, N: int, K: int) -> tuple:
@@ -182,30 +165,6 @@ def test_int4_occupancy_and_chain_instances_match_the_reference(min_blocks, chai
             x = torch.randn(M, K, device="cuda", dtype=dtype)
             got = kernel.call(x, ops, N, True)
             assert rel_err(got, kernel.reference(x, ops, N, got.shape[0])) < 1e-5, (min_blocks, chains, M)
-
-
-@pytest.mark.parametrize("scheme", ["int4", "fp8-weight"])
-@pytest.mark.parametrize("stages,per_sm,strips", [(4, 8, 4), (8, 8, 1), (8, 1, 4), (4, 2, 1)])
-@pytest.mark.parametrize("N,K", [(34816, 5120), (5120, 17408), (12352, 2048), (5120, 6144)])
-def test_ring_kernel_gives_the_register_kernels_partials_bit_for_bit(scheme, stages, per_sm, strips, N, K,
-                                                                     monkeypatch):
-    """The ring kernel deals each warp the same steps (int4 groups, fp8 chunks) of each strip in the same order as
-    the register kernel and sums them alike, so its partials are the same bits: every stage count, one block a
-    multiprocessor (long runs of items, the ring wrapping many times) to as many as fit, segments of 1, 2 (past
-    8 rows) and 4 strips (runs cut at a split's end), splits whose last stage has fewer than 4 steps (int4
-    12352x2048: 6 groups a split; 5120x6144: 7), one split, bf16 and fp16 x, 1 to 16 rows."""
-    kernel, ring = KERNELS[scheme], KERNELS[scheme + "-ring"]
-    monkeypatch.setattr(kernel.module, "RING_STAGES", stages)
-    monkeypatch.setattr(kernel.module, "RING_BLOCKS_PER_SM", per_sm)
-    monkeypatch.setattr(kernel.module, "RING_STRIPS", strips)
-    ops = weight(scheme, N, K)
-    for dtype, M, one_split in ((torch.bfloat16, 1, False), (torch.float16, 5, False), (torch.bfloat16, 11, True),
-                                (torch.bfloat16, 16, False)):
-        x = torch.randn(M, K, device="cuda", dtype=dtype)
-        want = kernel.call(x, ops, N, True, one_split)
-        poison_allocator(tuple(want.shape), dtype=torch.float32)
-        got = ring.call(x, ops, N, True, one_split)
-        assert torch.equal(got, want), (scheme, stages, per_sm, strips, N, K, M, one_split, rel_err(got, want))
 
 
 @pytest.mark.parametrize("stages", [3, 6])
@@ -291,22 +250,22 @@ def _late_writer():
     return late_copy
 
 
-@pytest.mark.parametrize("scheme,probe", [("int4", k) for k in int4_cuda.PROBES] + [("fp8-weight", "ring")])
-def test_loads_only_probes_run_and_write_zeros(scheme, probe):
-    """gemv_times.py's probes of the kernels' load paths (int4's register, async and ring kernels, fp8's ring): the
-    same grid, every output written (zeros)."""
-    kernel, (N, K) = KERNELS[scheme], (5120, 17408)
-    ops = weight(scheme, N, K)
+@pytest.mark.parametrize("probe", int4_cuda.PROBES)
+def test_loads_only_probes_run_and_write_zeros(probe):
+    """gemv_times.py's probes of the int4 kernels' load paths (the register and async kernels'): the same grid,
+    every output written (zeros)."""
+    N, K = 5120, 17408
+    ops = weight("int4", N, K)
     x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
-    poison_allocator((kernel.module.plan(N, K)[0], 1, N), dtype=torch.float32)
-    got = int4_cuda.loads_only(x, *ops, N, probe) if scheme == "int4" else fp8_cuda.ring_loads_only(x, *ops)
-    assert got.shape == (kernel.module.plan(N, K)[0], 1, N) and not got.any() and not got.isnan().any()
+    poison_allocator((int4_cuda.plan(N, K)[0], 1, N), dtype=torch.float32)
+    got = int4_cuda.loads_only(x, *ops, N, probe)
+    assert got.shape == (int4_cuda.plan(N, K)[0], 1, N) and not got.any() and not got.isnan().any()
 
 
 @pytest.mark.parametrize("scheme", KERNELS)
 def test_x_written_late_by_a_kernel_that_triggers_early_is_waited_for(scheme):
     """The previous kernel triggers the dependent launch first and writes x ~100 µs later: the GEMV, launched
-    with PDL, starts streaming its weights meanwhile (the ring's producer does not wait at all) and must still
+    with PDL, starts streaming its weights meanwhile and must still
     read the new x, not the NaNs x held."""
     kernel, (N, K) = KERNELS[scheme], (5120, 17408)
     ops = weight(scheme, N, K)

@@ -17,16 +17,12 @@
 // permute; zero past M). Sums are fp32 over the whole split; the row scale multiplies them at the end.
 // Weights and scales are loaded before the PDL wait (they do not depend on the previous kernel); x after it.
 //
-// Two ways to feed the warps (the entry point's `stages`), as in int4_gemv.cu: the register kernel
-// (fp8_gemv_rows, stages 0: a (N/16, splits) grid, each warp loading BATCH chunks ahead into registers) and the
-// ring kernel (fp8_gemv_ring, stages 4 or 8: a persistent grid, each block a contiguous run of (strip, split)
-// items, its 4 warps fed through a shared-memory ring by a fifth warp's bulk copies; a stage is up to 4
-// consecutive chunks of a strip's 16 rows, one 256-byte copy a row, one chunk a consumer warp; a warp takes its
-// chunk of `strips` neighbouring strips in turn, loading x for it once).
+// The warps load their chunks straight into registers, BATCH chunks ahead (fp8_gemv_rows). A ring kernel fed by a
+// producer warp's bulk copies (a persistent grid) was 1.35-1.9x slower on an H200 and removed (2026-12-05;
+// docs/DESIGN-NOTES.md).
 
 #include <cuda_fp16.h>
 
-#include "ring.cuh"
 #include "strip_gemv.cuh"
 
 namespace {
@@ -138,103 +134,6 @@ __global__ void __launch_bounds__(WARPS * 32, 4) fp8_gemv_rows(const uint16_t* x
   strip_gemv::write_partials<NB>(sums, scale_a, scale_b, out, M, N, strip, split);
 }
 
-// One stage of the ring: a strip's 16 rows at up to WARPS consecutive chunks (chunk t of the stage consumer warp
-// t's), 256 bytes a row: even rows first, then odd ones 64 bytes further, so that the 8 lanes of a quarter warp
-// (rows 2q and 2q + 1, 64 bytes each) read all 32 banks once.
-struct alignas(128) Slot {
-  uint8_t bytes[16 * WARPS * CHUNK + 64];
-
-  __device__ __forceinline__ static int row(int r) {
-    return (r / 2) * WARPS * CHUNK + (r % 2) * (8 * WARPS * CHUNK + 64);
-  }
-};
-constexpr int RING_THREADS = (WARPS + 1) * 32;  // consumers, then the producer
-
-// STRIPS: neighbouring strips of one split a consumer warp takes a chunk of in turn (ring::for_each_stage), its
-// x loads for the chunk made once for all of them. loads_only (a probe of the load path's own rate): the
-// consumers take each stage into registers and let it go, but convert and multiply nothing (out: zeros).
-template <bool BF16, int STAGES, int NB, int STRIPS>
-__global__ void __launch_bounds__(RING_THREADS, 1) fp8_gemv_ring(const uint16_t* x, const uint8_t* __restrict__ w,
-                                                              const float* scale, float* __restrict__ out, int M,
-                                                              int N, int K, int splits, int chunks_per_split,
-                                                              int loads_only, int per_block) {
-  __shared__ Slot slots[STAGES];
-  __shared__ uint64_t full[STAGES], empty[STAGES];
-  const int C = K / CHUNK, strips = N / 16, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  int first, last;
-  ring::block_items(blockIdx.x, per_block, strips * splits, first, last);
-  if (threadIdx.x == 0) ring::init_stages(full, empty, WARPS);
-  __syncthreads();
-
-  if (warp == WARPS) {  // the producer: no PDL wait (weights only); lane r copies row r of each stage
-    const uint64_t policy = ring::evict_first();
-    int t = 0;  // the stage
-    ring::for_each_stage<WARPS, STRIPS>(first, last, strips, chunks_per_split, C,
-                                        [&](int strip, int, int c0, int n, int, int, bool) {
-      const int slot = t % STAGES;
-      ring::producer_acquire(empty, t);
-      if (lane == 0) ring::arrive_expect(&full[slot], 16 * n * CHUNK);
-      __syncwarp();
-      if (lane < 16)
-        ring::copy(slots[slot].bytes + Slot::row(lane), w + (size_t)(strip * 16 + lane) * K + (size_t)c0 * CHUNK,
-                   n * CHUNK, &full[slot], policy);
-      ++t;
-    });
-    return;
-  }
-
-  const int row = lane / 4;  // the lane's strip rows: row and row + 8, at 16 (l%4) .. + 15 of its chunk
-  bool has_x[NB];
-  const uint4* xcols[NB];  // x row 8 nb + l/4 at the lane's 16 columns of chunk c: + c * 8 uint4s
-  strip_gemv::x_columns<NB, 2>(x, M, K, lane, has_x, xcols);
-  asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the previous kernel's output (PDL)
-  int t = 0;
-  float sums[STRIPS][NB][4] = {};  // the segment's strips', over their chunks
-  uint4 xs[NB][2];                 // x at the warp's chunk of the segment's strips
-  ring::for_each_stage<WARPS, STRIPS>(first, last, strips, chunks_per_split, C, [&](int strip, int split, int c0,
-                                                                                    int n, int r, int rows,
-                                                                                    bool ends) {
-    const int slot = t % STAGES, c = c0 + warp;
-    const bool mine = warp < n;
-    if (r == 0) {  // (x first: it does not wait for the stage)
-#pragma unroll
-      for (int nb = 0; nb < NB; ++nb) {
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
-          xs[nb][i] = mine && has_x[nb] ? xcols[nb][(size_t)c * 8 + i] : make_uint4(0, 0, 0, 0);
-      }
-    }
-    ring::consumer_wait(full, t);
-    uint4 a = make_uint4(0, 0, 0, 0), b = a;
-    if (mine) {
-      const int col = warp * CHUNK + (lane % 4) * 16;
-      a = *reinterpret_cast<const uint4*>(slots[slot].bytes + Slot::row(row) + col);
-      b = *reinterpret_cast<const uint4*>(slots[slot].bytes + Slot::row(row + 8) + col);
-    }
-    ring::consumer_release(empty, t);
-    ++t;
-    if (loads_only)  // (the stage's registers kept alive, not used: the loads stay)
-      asm volatile("" ::"r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b.x), "r"(b.y), "r"(b.z), "r"(b.w));
-    else if (mine)
-      chunk_dot<BF16, NB>(sums[r], a, b, xs);
-    if (ends) {
-      float scale_a[STRIPS], scale_b[STRIPS];
-#pragma unroll
-      for (int q = 0; q < STRIPS; ++q) {
-        const int n_a = (strip - r + min(q, rows - 1)) * 16 + row;  // (past the segment: any row; not written)
-        scale_a[q] = scale[n_a];
-        scale_b[q] = scale[n_a + 8];
-      }
-      strip_gemv::write_strips<NB, STRIPS, true>(sums, scale_a, scale_b, out, M, N, strip - r, rows, split);
-#pragma unroll
-      for (int q = 0; q < STRIPS; ++q) {
-#pragma unroll
-        for (int nb = 0; nb < NB; ++nb) sums[q][nb][0] = sums[q][nb][1] = sums[q][nb][2] = sums[q][nb][3] = 0.f;
-      }
-    }
-  });
-}
-
 template <bool BF16, int BATCH, int NB>
 cudaError_t launch(const cudaLaunchConfig_t& config, const void* x, const void* w, const void* scale, float* out,
                    int M, int N, int K, int chunks_per_split) {
@@ -265,61 +164,22 @@ cudaError_t launch_variant(int key, const cudaLaunchConfig_t& config, const void
   }
 }
 
-// The ring kernel's persistent launch over the (strip, split) items (ring::launch_persistent).
-template <bool BF16, int STAGES, int NB, int STRIPS>
-cudaError_t launch_ring(cudaLaunchConfig_t config, int device, int blocks_per_sm, const void* x, const void* w,
-                        const void* scale, float* out, int M, int N, int K, int splits, int chunks_per_split,
-                        int loads_only) {
-  static int fits = 0;  // blocks a multiprocessor holds (the instance's, whatever the GPU: it is sm_90 code)
-  return ring::launch_persistent(config, fp8_gemv_ring<BF16, STAGES, NB, STRIPS>, RING_THREADS, fits, device,
-                                 blocks_per_sm, N / 16 * splits, static_cast<const uint16_t*>(x),
-                                 static_cast<const uint8_t*>(w), static_cast<const float*>(scale), out, M, N, K,
-                                 splits, chunks_per_split, loads_only);
-}
-
-template <bool BF16>
-cudaError_t launch_ring_variant(int key, const cudaLaunchConfig_t& config, int device, int blocks_per_sm,
-                                const void* x, const void* w, const void* scale, float* out, int M, int N, int K,
-                                int splits, int chunks_per_split, int loads_only) {
-#define FASTQWEN_RING(S, NB, R)                                                                                     \
-  case S * 100 + NB * 10 + R:                                                                                       \
-    return launch_ring<BF16, S, NB, R>(config, device, blocks_per_sm, x, w, scale, out, M, N, K, splits,            \
-                                       chunks_per_split, loads_only);
-  switch (key) {
-    FASTQWEN_RING(4, 1, 1) FASTQWEN_RING(4, 1, 4) FASTQWEN_RING(4, 2, 1) FASTQWEN_RING(4, 2, 2)
-    FASTQWEN_RING(8, 1, 1) FASTQWEN_RING(8, 1, 4) FASTQWEN_RING(8, 2, 1) FASTQWEN_RING(8, 2, 2)
-    default: return cudaErrorInvalidValue;
-  }
-#undef FASTQWEN_RING
-}
-
 }  // namespace
 
 // Launches the kernel on `stream` of GPU `device`; returns the cudaError_t, cudaErrorInvalidValue (1) before
 // touching the GPU where the arguments are out of the kernel's range: N % 16, K % 64, a split plan that leaves a
-// split empty or a chunk out, M outside 1 .. 16; with stages 0 (the register kernel) a batch with no instance
-// for M (2, 4 or 8; only 2 or 4 past 8 rows); else (the ring kernel; batch unused) stages other than 4 or 8,
-// strips a segment other than 1 or 4 (1 or 2 past 8 rows), or blocks_per_sm < 1. loads_only: the ring's probe
-// (fp8_gemv_ring; out all zeros). pdl: programmatic dependent launch (the kernel waits before reading x).
+// split empty or a chunk out, M outside 1 .. 16, a batch with no instance for M (2, 4 or 8; only 2 or 4 past 8
+// rows). pdl: programmatic dependent launch (the kernel waits before reading x).
 extern "C" int fastqwen_fp8_gemv(const void* x, const void* w, const void* scale, float* out, int M, int N, int K,
-                                 int splits, int chunks_per_split, int batch, int stages, int strips,
-                                 int blocks_per_sm, int loads_only, int bf16, int pdl, int device, void* stream) {
-  const int NB = M > 8 ? 2 : 1;
-  const int key = stages ? ring::instance_key(stages, NB, strips) : variant_key(M, batch);
-  if (!strip_gemv::shape_ok(M, N, K, CHUNK, splits, chunks_per_split) || key < 0 || (stages && blocks_per_sm < 1))
+                                 int splits, int chunks_per_split, int batch, int bf16, int pdl, int device,
+                                 void* stream) {
+  const int key = variant_key(M, batch);
+  if (!strip_gemv::shape_ok(M, N, K, CHUNK, splits, chunks_per_split) || key < 0)
     return static_cast<int>(cudaErrorInvalidValue);
   cudaLaunchConfig_t config;
   cudaLaunchAttribute attribute;
   if (cudaError_t e = strip_gemv::launch_config(config, attribute, N, splits, pdl, device, stream); e != cudaSuccess)
     return static_cast<int>(e);
-  cudaError_t e;
-  if (stages)
-    e = bf16 ? launch_ring_variant<true>(key, config, device, blocks_per_sm, x, w, scale, out, M, N, K, splits,
-                                         chunks_per_split, loads_only)
-             : launch_ring_variant<false>(key, config, device, blocks_per_sm, x, w, scale, out, M, N, K, splits,
-                                          chunks_per_split, loads_only);
-  else
-    e = bf16 ? launch_variant<true>(key, config, x, w, scale, out, M, N, K, chunks_per_split)
-             : launch_variant<false>(key, config, x, w, scale, out, M, N, K, chunks_per_split);
-  return static_cast<int>(e);
+  return static_cast<int>(bf16 ? launch_variant<true>(key, config, x, w, scale, out, M, N, K, chunks_per_split)
+                               : launch_variant<false>(key, config, x, w, scale, out, M, N, K, chunks_per_split));
 }

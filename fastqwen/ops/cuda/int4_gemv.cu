@@ -22,8 +22,8 @@
 // of 8 B columns (NB = 2: two more MMAs a word).
 // Weights and scales are loaded before the PDL wait (they do not depend on the previous kernel); x after it.
 //
-// Three ways to feed the warps (the entry point's `stages` and `stream_blocks`):
-//   registers (int4_gemv_rows, stages 0): a (N/16, splits) grid, each warp loading its own tiles, BATCH groups
+// Three ways to feed the warps (the entry point's `stream_blocks` and `async_stages`):
+//   registers (int4_gemv_rows): a (N/16, splits) grid, each warp loading its own tiles, BATCH groups
 //     ahead, straight into registers;
 //   stream (int4_gemv_stream, stream_blocks > 0): the same warps and loads, but a grid of about as many blocks
 //     as fit at once dealing the strips' groups as one strip-major sequence, block b the units [b U / B,
@@ -37,16 +37,11 @@
 //     warp streams its groups through a ring of its own in shared memory, one group a slot, by cp.async (16-byte
 //     copies, L2 to shared memory: no register held while they fly), async_stages - 1 groups ahead of its decode,
 //     so a warp keeps that many KB in flight all the time, decode included, at ~the registers of BATCH 1;
-//   ring (int4_gemv_ring, stages 4 or 8): a persistent grid (every block resident at once), each block a
-//     contiguous run of (strip, split) items, its 4 warps fed through a shared-memory ring of `stages` stages
-//     by a fifth, the producer, with bulk copies (cp.async.bulk: a stage is up to 4 consecutive groups of a
-//     strip, one a warp: their tiles, one contiguous run of KB, and their 16 rows' scales and zeros), so the
-//     bytes in flight do not wait on any warp's registers or decode, and the stream runs across items; a warp
-//     takes its group of `strips` neighbouring strips in turn, loading and permuting x for it once.
+// A fourth, a ring kernel (a persistent grid whose producer warp fed a shared-memory ring by bulk copies), was
+// 1.4-1.5x slower than the register kernel on an H200 and removed (2026-12-05; docs/DESIGN-NOTES.md).
 
 #include <cuda_fp16.h>
 
-#include "ring.cuh"
 #include "strip_gemv.cuh"
 
 namespace {
@@ -95,8 +90,7 @@ __device__ __forceinline__ uint32_t pair_minus_zero(uint32_t u, int j, uint32_t 
 
 // x's B operands for one group: xb[nb][i] = the two registers of each of word i's two MMAs (lo: columns
 // 8i + (0, 4) and (1, 5); hi: (2, 6) and (3, 7), as the decode pairs them), from xs[nb][i] = x row 8 nb + l/4 at
-// the lane's columns 8i .. 8i + 7 (zero past M). They depend on the group, not the strip: a warp that multiplies
-// several strips' tiles of one group makes them once.
+// the lane's columns 8i .. 8i + 7 (zero past M).
 template <int NB>
 __device__ __forceinline__ void x_operands(const uint4 (&xs)[NB][4], uint32_t (&xb)[NB][4][4]) {
 #pragma unroll
@@ -269,7 +263,8 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) int4_gemv_rows(const uint16_
 // without a register; commit() closes the thread's group of copies, wait<N>() returns once at most N of its
 // latest groups are still in flight.
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(ring::smem(dst)), "l"(src) : "memory");
+  const auto shared = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared), "l"(src) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
@@ -387,9 +382,7 @@ __global__ void __launch_bounds__(WARPS * 32, NB == 1 ? 7 : 4)
       a.template dot<NB, 1>(xcols, has_x, g0, end, magic, sums);
     }
     const int slot = blockIdx.x - stream_block(static_cast<long long>(strip) * G, U, B);
-    const float unit[1] = {1.f};  // (the groups' scales are applied)
-    strip_gemv::write_strips<NB, 1, true>(reinterpret_cast<const float(&)[1][NB][4]>(sums), unit, unit, out, M, N,
-                                          strip, 1, slot);
+    strip_gemv::write_partials<NB, true>(sums, 1.f, 1.f, out, M, N, strip, slot);  // (the groups' scales: applied)
     if (end == G) {  // the strip's last piece: its later slots are zeros
       for (int t = threadIdx.x; t < (slots - 1 - slot) * M * 16; t += WARPS * 32)
         out[((size_t)(slot + 1 + t / (M * 16)) * M + t / 16 % M) * N + strip * 16 + t % 16] = 0.f;
@@ -468,122 +461,6 @@ __global__ void __launch_bounds__(WARPS * 32, NB == 2 ? 4 : STAGES <= 3 ? 8 : 5)
   cp_async_wait<0>();  // (no copy in flight past the block's end)
   if constexpr (PROBE) probe_sums(sums, M);
   strip_gemv::write_partials<NB>(sums, 1.f, 1.f, out, M, N, strip, split);  // (the groups' scales: applied)
-}
-
-// One stage of the ring: up to WARPS consecutive groups of one strip, group t of the stage consumer warp t's.
-struct alignas(128) Slot {
-  uint4 tiles[WARPS][64];   // the groups' tiles (one contiguous copy)
-  __half scale[WARPS][16];  // the strip's 16 rows' scales of each group (a 32-byte copy a group)
-  uint8_t zero[WARPS][16];  // and zeros (16 bytes)
-};
-constexpr uint32_t GROUP_BYTES = 64 * sizeof(uint4) + 16 * sizeof(__half) + 16;  // a group's bytes in a stage
-constexpr int RING_THREADS = (WARPS + 1) * 32;                                 // consumers, then the producer
-
-// STRIPS: neighbouring strips of one split a consumer warp takes a group of in turn (ring::for_each_stage), its
-// x operands for the group made once for all of them. loads_only (a probe of the load path's own rate): the
-// consumers take each stage into registers and let it go, but decode and multiply nothing (out: zeros).
-template <bool BF16, int STAGES, int NB, int STRIPS>
-__global__ void __launch_bounds__(RING_THREADS) int4_gemv_ring(const uint16_t* x, const uint4* __restrict__ w,
-                                                               const __half* scale, const uint8_t* zero,
-                                                               float* __restrict__ out, int M, int N, int K,
-                                                               uint32_t magic, int splits, int groups_per_split,
-                                                               int loads_only, int per_block) {
-  __shared__ Slot slots[STAGES];
-  __shared__ uint64_t full[STAGES], empty[STAGES];
-  const int G = K / 128, strips = N / 16, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  int first, last;
-  ring::block_items(blockIdx.x, per_block, strips * splits, first, last);
-  if (threadIdx.x == 0) ring::init_stages(full, empty, WARPS);
-  __syncthreads();
-
-  if (warp == WARPS) {  // the producer: no PDL wait (weights only), no register of a consumer
-    const uint64_t policy = ring::evict_first();
-    int t = 0;  // the stage
-    ring::for_each_stage<WARPS, STRIPS>(first, last, strips, groups_per_split, G,
-                                        [&](int strip, int, int g0, int n, int, int, bool) {
-      const int slot = t % STAGES;
-      ring::producer_acquire(empty, t);
-      if (lane == 0) ring::arrive_expect(&full[slot], n * GROUP_BYTES);
-      __syncwarp();
-      if (lane == 0) {
-        ring::copy(slots[slot].tiles, w + ((size_t)strip * G + g0) * 64, n * 64 * sizeof(uint4), &full[slot],
-                   policy);
-      } else if (lane <= n) {  // lanes 1 .. n: group g0 + lane - 1's scales; lanes 9 .. 8 + n: its zeros
-        ring::copy(slots[slot].scale[lane - 1], scale + (size_t)(g0 + lane - 1) * N + strip * 16,
-                   16 * sizeof(__half), &full[slot], policy);
-      } else if (lane > 8 && lane <= 8 + n) {
-        ring::copy(slots[slot].zero[lane - 9], zero + (size_t)(g0 + lane - 9) * N + strip * 16, 16, &full[slot],
-                   policy);
-      }
-      ++t;
-    });
-    return;
-  }
-
-  const int row = lane / 4;  // the lane's strip rows: row and row + 8
-  bool has_x[NB];
-  const uint4* xcols[NB];  // x row 8 nb + l/4 at the lane's 32 columns of group g: + g * 16
-  strip_gemv::x_columns<NB, 4>(x, M, K, lane, has_x, xcols);
-  asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the previous kernel's output (PDL)
-  int t = 0;
-  float sums[STRIPS][NB][4] = {};  // the segment's strips', over their groups
-  uint32_t xb[NB][4][4];           // x's operands for the warp's group of the segment's strips
-  ring::for_each_stage<WARPS, STRIPS>(first, last, strips, groups_per_split, G, [&](int strip, int split, int g0,
-                                                                                     int n, int r, int rows,
-                                                                                     bool ends) {
-    const int slot = t % STAGES, g = g0 + warp;
-    const bool mine = warp < n;
-    if (r == 0) {  // (x first: it does not wait for the stage)
-      uint4 xs[NB][4];
-#pragma unroll
-      for (int nb = 0; nb < NB; ++nb) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-          xs[nb][i] = mine && has_x[nb] ? xcols[nb][(size_t)g * 16 + i] : make_uint4(0, 0, 0, 0);
-      }
-      x_operands<NB>(xs, xb);
-    }
-    ring::consumer_wait(full, t);
-    uint4 a = make_uint4(0, 0, 0, 0), b = a;
-    float sa = 0.f, sb = 0.f;
-    uint32_t za = 0, zb = 0;
-    if (mine) {
-      const Slot& s = slots[slot];
-      a = s.tiles[warp][lane];
-      b = s.tiles[warp][lane + 32];
-      sa = __half2float(s.scale[warp][row]);
-      sb = __half2float(s.scale[warp][row + 8]);
-      za = (Pairs<BF16>::NEG_MAGIC | s.zero[warp][row]) * 0x00010001u;
-      zb = (Pairs<BF16>::NEG_MAGIC | s.zero[warp][row + 8]) * 0x00010001u;
-    }
-    ring::consumer_release(empty, t);
-    ++t;
-    if (loads_only) {  // (the stage's registers kept alive, not used: the loads stay)
-      asm volatile("" ::"r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b.x), "r"(b.y), "r"(b.z), "r"(b.w), "f"(sa),
-                   "f"(sb), "r"(za), "r"(zb));
-    } else if (mine) {
-      float c[NB][4] = {};
-      group_mma<BF16, NB>(c, a, b, xb, za, zb, magic);
-#pragma unroll
-      for (int nb = 0; nb < NB; ++nb) {
-        sums[r][nb][0] = fmaf(sa, c[nb][0], sums[r][nb][0]);
-        sums[r][nb][1] = fmaf(sa, c[nb][1], sums[r][nb][1]);
-        sums[r][nb][2] = fmaf(sb, c[nb][2], sums[r][nb][2]);
-        sums[r][nb][3] = fmaf(sb, c[nb][3], sums[r][nb][3]);
-      }
-    }
-    if (ends) {
-      float unit[STRIPS];  // (the groups' scales are applied: none at the end)
-#pragma unroll
-      for (int q = 0; q < STRIPS; ++q) unit[q] = 1.f;
-      strip_gemv::write_strips<NB, STRIPS, true>(sums, unit, unit, out, M, N, strip - r, rows, split);
-#pragma unroll
-      for (int q = 0; q < STRIPS; ++q) {
-#pragma unroll
-        for (int nb = 0; nb < NB; ++nb) sums[q][nb][0] = sums[q][nb][1] = sums[q][nb][2] = sums[q][nb][3] = 0.f;
-      }
-    }
-  });
 }
 
 }  // namespace
@@ -693,55 +570,22 @@ cudaError_t launch_async(const cudaLaunchConfig_t& config, int stages, int probe
   return cudaErrorInvalidValue;
 }
 
-// The ring kernel's persistent launch over the (strip, split) items (ring::launch_persistent).
-template <bool BF16, int STAGES, int NB, int STRIPS>
-cudaError_t launch_ring(cudaLaunchConfig_t config, int device, int blocks_per_sm, const void* x, const void* w,
-                        const void* scale, const void* zero, float* out, int M, int N, int K, int splits,
-                        int groups_per_split, int loads_only) {
-  static int fits = 0;  // blocks a multiprocessor holds (the instance's, whatever the GPU: it is sm_90 code)
-  return ring::launch_persistent(config, int4_gemv_ring<BF16, STAGES, NB, STRIPS>, RING_THREADS, fits, device,
-                                 blocks_per_sm, N / 16 * splits, static_cast<const uint16_t*>(x),
-                                 static_cast<const uint4*>(w), static_cast<const __half*>(scale),
-                                 static_cast<const uint8_t*>(zero), out, M, N, K, Pairs<BF16>::MAGIC, splits,
-                                 groups_per_split, loads_only);
-}
-
-template <bool BF16>
-cudaError_t launch_ring_variant(int key, const cudaLaunchConfig_t& config, int device, int blocks_per_sm,
-                                const void* x, const void* w, const void* scale, const void* zero, float* out, int M,
-                                int N, int K, int splits, int groups_per_split, int loads_only) {
-#define FASTQWEN_RING(S, NB, R)                                                                               \
-  case S * 100 + NB * 10 + R:                                                                                 \
-    return launch_ring<BF16, S, NB, R>(config, device, blocks_per_sm, x, w, scale, zero, out, M, N, K, splits, \
-                                       groups_per_split, loads_only);
-  switch (key) {
-    FASTQWEN_RING(4, 1, 1) FASTQWEN_RING(4, 1, 4) FASTQWEN_RING(4, 2, 1) FASTQWEN_RING(4, 2, 2)
-    FASTQWEN_RING(8, 1, 1) FASTQWEN_RING(8, 1, 4) FASTQWEN_RING(8, 2, 1) FASTQWEN_RING(8, 2, 2)
-    default: return cudaErrorInvalidValue;
-  }
-#undef FASTQWEN_RING
-}
-
 // Launches the kernel on `stream` of GPU `device`; returns the cudaError_t, cudaErrorInvalidValue (1) before
 // touching the GPU where the arguments are out of the kernel's range: N % 16, K % 128, a split plan that leaves a
-// split empty or a group out, M outside 1 .. 16; with stages 0 (the register kernel) a (batch, pipe) with no
-// instance for M (batch 2, 4 or 8, only 2 or 4 past 8 rows; pipe only with batch 2 and M <= 8); else (the ring
-// kernel; batch and pipe unused) stages other than 4 or 8, strips a segment other than 1 or 4 (1 or 2 past 8
-// rows), or blocks_per_sm < 1. min_blocks (4 or 8), chains (1 or 2): the register kernel's (variant_key).
-// loads_only: the kernel's probe of its load path (out all zeros): the ring's, the async kernel's (up to 8 rows),
-// the register kernel's (BATCH 2 unpipelined, 4 blocks, one chain, up to 8 rows). stream_blocks > 0: the stream
-// kernel on that many blocks (at most N/16 · K/128), out [splits, M, N] with splits the slots it needs
+// split empty or a group out, M outside 1 .. 16, a (batch, pipe) with no instance for M (batch 2, 4 or 8, only 2 or
+// 4 past 8 rows; pipe only with batch 2 and M <= 8). min_blocks (4 or 8), chains (1 or 2): the register kernel's
+// (variant_key). loads_only: the kernel's probe of its load path (out all zeros): the async kernel's (up to 8
+// rows), the register kernel's (BATCH 2 unpipelined, 4 blocks, one chain, up to 8 rows). stream_blocks > 0: the
+// stream kernel on that many blocks (at most N/16 · K/128), out [splits, M, N] with splits the slots it needs
 // (stream_slots, exactly; the other split and instance arguments unused; no probe, no async); stream_held 0 or
-// STREAM_HELD: the groups a warp copies into shared memory before the PDL wait; stream_early 0 or 1: whether
-// its blocks let the next kernel launch at their start (both stream kernel only). async_stages 3 or
-// 6: the async kernel with that many slots a warp (the register kernel's split plan; its instance arguments
-// unused; with stages 0 only), 0: not. pdl: programmatic dependent launch (the kernel waits before reading x).
+// STREAM_HELD: the groups a warp copies into shared memory before the PDL wait; stream_early 0 or 1: whether its
+// blocks let the next kernel launch at their start (both stream kernel only). async_stages 3 or 6: the async kernel
+// with that many slots a warp (the register kernel's split plan; its instance arguments unused), 0: not. pdl:
+// programmatic dependent launch (the kernel waits before reading x).
 extern "C" int fastqwen_int4_gemv(const void* x, const void* w, const void* scale, const void* zero, float* out,
                                   int M, int N, int K, int splits, int groups_per_split, int batch, int pipe,
-                                  int min_blocks, int chains, int stages, int strips, int blocks_per_sm,
-                                  int loads_only, int stream_blocks, int stream_held, int stream_early,
-                                  int async_stages, int bf16, int pdl, int device, void* stream) {
-  const int NB = M > 8 ? 2 : 1;
+                                  int min_blocks, int chains, int loads_only, int stream_blocks, int stream_held,
+                                  int stream_early, int async_stages, int bf16, int pdl, int device, void* stream) {
   if ((stream_held != 0 && stream_held != STREAM_HELD) || (stream_early != 0 && stream_early != 1) ||
       ((stream_held || stream_early) && !stream_blocks))
     return static_cast<int>(cudaErrorInvalidValue);
@@ -760,17 +604,16 @@ extern "C" int fastqwen_int4_gemv(const void* x, const void* w, const void* scal
                                  : launch_stream<false>(config, stream_blocks, stream_held, stream_early, x, w, scale,
                                                         zero, out, M, N, K, splits));
   }
-  const int key = stages         ? ring::instance_key(stages, NB, strips)
-                  : async_stages ? (loads_only && M > 8 ? -1 : 0)
-                                 : variant_key(M, batch, pipe, min_blocks, chains, loads_only);
-  if (!strip_gemv::shape_ok(M, N, K, 128, splits, groups_per_split) || key < 0 || (stages && blocks_per_sm < 1) ||
-      (async_stages != 0 && async_stages != 3 && async_stages != 6) || (async_stages && stages))
+  const int key = async_stages ? (loads_only && M > 8 ? -1 : 0)
+                               : variant_key(M, batch, pipe, min_blocks, chains, loads_only);
+  if (!strip_gemv::shape_ok(M, N, K, 128, splits, groups_per_split) || key < 0 ||
+      (async_stages != 0 && async_stages != 3 && async_stages != 6))
     return static_cast<int>(cudaErrorInvalidValue);
   cudaLaunchConfig_t config;
   cudaLaunchAttribute attribute;
   if (cudaError_t e = strip_gemv::launch_config(config, attribute, N, splits, pdl, device, stream); e != cudaSuccess)
     return static_cast<int>(e);
-  if (loads_only && !stages) {  // (a probe: as many blocks an SM as the kernel it probes, see probe_bytes)
+  if (loads_only) {  // (a probe: as many blocks an SM as the kernel it probes, see probe_bytes)
     config.dynamicSmemBytes = probe_bytes(async_stages);
   }
   cudaError_t e;
@@ -778,11 +621,6 @@ extern "C" int fastqwen_int4_gemv(const void* x, const void* w, const void* scal
     e = bf16 ? launch_async<true>(config, async_stages, loads_only, x, w, scale, zero, out, M, N, K, groups_per_split)
              : launch_async<false>(config, async_stages, loads_only, x, w, scale, zero, out, M, N, K,
                                    groups_per_split);
-  else if (stages)
-    e = bf16 ? launch_ring_variant<true>(key, config, device, blocks_per_sm, x, w, scale, zero, out, M, N, K, splits,
-                                         groups_per_split, loads_only)
-             : launch_ring_variant<false>(key, config, device, blocks_per_sm, x, w, scale, zero, out, M, N, K, splits,
-                                          groups_per_split, loads_only);
   else
     e = bf16 ? launch_variant<true>(key, config, x, w, scale, zero, out, M, N, K, groups_per_split)
              : launch_variant<false>(key, config, x, w, scale, zero, out, M, N, K, groups_per_split);

@@ -51,52 +51,31 @@ __device__ __forceinline__ void x_columns(const uint16_t* x, int M, int K, int l
   }
 }
 
-// A barrier of the block's first WARPS warps only (named barrier 1), where other warps (a ring's producer) never
-// join.
-__device__ __forceinline__ void warps_sync() { asm volatile("bar.sync 1, %0;" ::"n"(WARPS * 32) : "memory"); }
-
-// The epilogue of `strips` <= R neighbouring strips strip0, strip0 + 1, ...: lane l's sums[r][nb] (c0, c1: row
-// l/4 of strip strip0 + r against x rows 8 nb + 2 (l%4) and + 1; c2, c3: row l/4 + 8), times the rows' scales
-// (scale_a[r], scale_b[r]), summed over the 4 warps into out[split, m, those strips' rows] (M rows; the stores of
-// a row of out contiguous across the strips). AGAIN: the first WARPS warps of a block that calls it again and
-// again, the others not joining (their own barrier, and another after the sums so the next call's writes wait
-// for these reads); else a block's one call.
-template <int NB, int R, bool AGAIN>
-__device__ __forceinline__ void write_strips(const float (&sums)[R][NB][4], const float (&scale_a)[R],
-                                             const float (&scale_b)[R], float* out, int M, int N, int strip0,
-                                             int strips, int split) {
-  __shared__ float part[WARPS][8 * NB][R * 16];  // [warp][x row][row of the strips]
+// The epilogue of one strip: lane l's sums[nb] (c0, c1: row l/4 of the strip against x rows 8 nb + 2 (l%4) and
+// + 1; c2, c3: row l/4 + 8), times the rows' scales (scale_a, scale_b), summed over the 4 warps into
+// out[split, m, the strip's rows] (M rows). AGAIN: a block that calls it again (a barrier after the sums, so the
+// next call's writes wait for these reads); else a block's one call.
+template <int NB, bool AGAIN = false>
+__device__ __forceinline__ void write_partials(const float (&sums)[NB][4], float scale_a, float scale_b, float* out,
+                                               int M, int N, int strip, int split) {
+  __shared__ float part[WARPS][8 * NB][16];  // [warp][x row][row of the strip]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, row = lane / 4, m = 2 * (lane % 4);
 #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    if (r < strips) {
-#pragma unroll
-      for (int nb = 0; nb < NB; ++nb) {
-        part[warp][8 * nb + m][16 * r + row] = scale_a[r] * sums[r][nb][0];
-        part[warp][8 * nb + m + 1][16 * r + row] = scale_a[r] * sums[r][nb][1];
-        part[warp][8 * nb + m][16 * r + row + 8] = scale_b[r] * sums[r][nb][2];
-        part[warp][8 * nb + m + 1][16 * r + row + 8] = scale_b[r] * sums[r][nb][3];
-      }
-    }
+  for (int nb = 0; nb < NB; ++nb) {
+    part[warp][8 * nb + m][row] = scale_a * sums[nb][0];
+    part[warp][8 * nb + m + 1][row] = scale_a * sums[nb][1];
+    part[warp][8 * nb + m][row + 8] = scale_b * sums[nb][2];
+    part[warp][8 * nb + m + 1][row + 8] = scale_b * sums[nb][3];
   }
-  if constexpr (AGAIN) warps_sync(); else __syncthreads();
-  const int cols = 16 * strips;
-  for (int t = threadIdx.x; t < cols * M; t += WARPS * 32) {
-    const int col = t % cols, xrow = t / cols;
+  __syncthreads();
+  for (int t = threadIdx.x; t < 16 * M; t += WARPS * 32) {
+    const int col = t % 16, xrow = t / 16;
     float s = 0.f;
 #pragma unroll
     for (int v = 0; v < WARPS; ++v) s += part[v][xrow][col];
-    out[((size_t)split * M + xrow) * N + strip0 * 16 + col] = s;
+    out[((size_t)split * M + xrow) * N + strip * 16 + col] = s;
   }
-  if constexpr (AGAIN) warps_sync();
-}
-
-// A block's one epilogue for its one strip (write_strips of one).
-template <int NB>
-__device__ __forceinline__ void write_partials(const float (&sums)[NB][4], float scale_a, float scale_b, float* out,
-                                               int M, int N, int strip, int split) {
-  const float a[1] = {scale_a}, b[1] = {scale_b};
-  write_strips<NB, 1, false>(reinterpret_cast<const float(&)[1][NB][4]>(sums), a, b, out, M, N, strip, 1, split);
+  if constexpr (AGAIN) __syncthreads();
 }
 
 // Whether (M, N, K, splits, steps a split) are in a kernel's range: N % 16, K % step_columns, 1 <= M <= 16, every
