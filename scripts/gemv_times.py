@@ -60,6 +60,10 @@ def main():
     p.add_argument("--warm", action="store_true",
                    help="also time each config on one copy of the weight, read again and again (L2-resident where "
                    "it fits: what a GEMV would gain from a weight staged in L2 during the kernels before it)")
+    p.add_argument("--spread", type=float, default=0, metavar="GB",
+                   help="also time each config cycling through copies of the weight that add up to GB gigabytes "
+                   "(a step's weights span ~14-27 GB on a 27B, the cold copies ~2 L2 sizes): whether touching that "
+                   "much memory (page-table walks, DRAM pages) slows a GEMV, as the step's profile suggests")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gemv_times.py times the CUDA kernel: it needs a GPU")
@@ -72,8 +76,9 @@ def main():
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
         stored = gemv.stored_operands(fmt, w)
         nbytes = sum(t.numel() * t.element_size() for t in stored if t is not None)
+        cold = bench.cold_copies(nbytes, "cuda")
         copies = [stored] + [tuple(None if t is None else t.clone() for t in stored)
-                             for _ in range(bench.cold_copies(nbytes, "cuda") - 1)]
+                             for _ in range(max(cold, -(-int(args.spread * 1e9) // nbytes)) - 1)]
         int4 = cuda_module is int4_cuda
         # (BATCH, pipelined, TARGET_BLOCKS, loads-only probe, MIN_BLOCKS, CHAINS, stream, async stages)
         registers = [(b, bool(p), n, False, mb, ch, False, 0) for b in args.cuda_batch
@@ -119,10 +124,12 @@ def main():
                 got = run(x, *stored).sum(0)
                 want = x.float() @ gemv.dequantized(fmt, *stored).float().t()
                 config = f"{config} (error {((got - want).norm() / want.norm()).item():.1e})"  # (Triton: a tuple)
-            for warm in (False, True)[:1 + args.warm]:
-                variants = [(x, *c) for c in copies[:1 if warm else None]]
+            modes = ([("", cold)] + [(" WARM", 1)] * args.warm  # (the copies cycled through: cold, one, all)
+                     + [(f" SPREAD {len(copies) * nbytes / 1e9:.1f} GB", len(copies))] * (args.spread > 0))
+            for mode, n in modes:
+                variants = [(x, *c) for c in copies[:n]]
                 t = min(bench.graph_seconds(run, variants=variants) for _ in range(args.repeats))
-                print(f"| {args.tag} | {layer} | {N}x{K} | M={M} | {config}{' WARM' * warm} | {t * 1e6:.1f} µs | "
+                print(f"| {args.tag} | {layer} | {N}x{K} | M={M} | {config}{mode} | {t * 1e6:.1f} µs | "
                       f"{nbytes / 1e6:.1f} MB | {nbytes / t / 1e12:.2f} TB/s |", flush=True)
         del copies, stored, w
         torch.cuda.empty_cache()
