@@ -265,8 +265,7 @@ def test_loads_only_probes_run_and_write_zeros(probe):
 @pytest.mark.parametrize("scheme", KERNELS)
 def test_x_written_late_by_a_kernel_that_triggers_early_is_waited_for(scheme):
     """The previous kernel triggers the dependent launch first and writes x ~100 µs later: the GEMV, launched
-    with PDL, starts streaming its weights meanwhile and must still
-    read the new x, not the NaNs x held."""
+    with PDL, starts streaming its weights meanwhile and must still read the new x, not the NaNs x held."""
     kernel, (N, K) = KERNELS[scheme], (5120, 17408)
     ops = weight(scheme, N, K)
     src = torch.randn(2, K, device="cuda", dtype=torch.bfloat16)
