@@ -43,6 +43,9 @@ def main():
     p.add_argument("--cuda-chains", nargs="+", type=int, default=[int4_cuda.CHAINS], choices=[1, 2],
                    help="the CUDA int4 kernel's CHAINS (a group's MMAs as one dependent chain or two; 2 with BATCH 2 "
                    "unpipelined only), each timed")
+    p.add_argument("--cuda-fold", nargs="+", type=int, default=[int(int4_cuda.FOLD)], choices=[0, 1],
+                   help="the CUDA int4 kernel with the zero folded out of its decode (int4_cuda.FOLD: BATCH 2 "
+                   "unpipelined, MIN_BLOCKS 4, CHAINS 1, bf16 x up to 8 rows), each timed")
     p.add_argument("--cuda-async", nargs="+", type=int, default=[], choices=[3, 6],
                    help="also the CUDA int4 async kernel at these ASYNC_STAGES (each warp's groups through its own "
                    "shared-memory slots by cp.async)")
@@ -80,15 +83,17 @@ def main():
         copies = [stored] + [tuple(None if t is None else t.clone() for t in stored)
                              for _ in range(max(cold, -(-int(args.spread * 1e9) // nbytes)) - 1)]
         int4 = cuda_module is int4_cuda
-        # (BATCH, pipelined, TARGET_BLOCKS, loads-only probe, MIN_BLOCKS, CHAINS, stream, async stages)
-        registers = [(b, bool(p), n, False, mb, ch, False, 0) for b in args.cuda_batch
+        # (BATCH, pipelined, TARGET_BLOCKS, loads-only probe, MIN_BLOCKS, CHAINS, stream, async stages, fold)
+        registers = [(b, bool(p), n, False, mb, ch, False, 0, bool(f)) for b in args.cuda_batch
                      for p in args.cuda_pipelined for n in args.cuda_blocks for mb in args.cuda_min_blocks
-                     for ch in args.cuda_chains
-                     if (not p or (b == 2 and int4)) and ((mb, ch) == (4, 1) or (int4 and b == 2 and not p))]
-        streams = [(2, False, int4_cuda.TARGET_BLOCKS, False, 4, 1, True, 0)] * (args.cuda_stream and int4)
-        asyncs = [(2, False, n, probe, 4, 1, False, st) for st in args.cuda_async if int4
+                     for ch in args.cuda_chains for f in args.cuda_fold
+                     if (not p or (b == 2 and int4)) and ((mb, ch) == (4, 1) or (int4 and b == 2 and not p))
+                     and (not f or (int4 and (b, p, mb, ch) == (2, 0, 4, 1)))]
+        streams = [(2, False, int4_cuda.TARGET_BLOCKS, False, 4, 1, True, 0, False)] * (args.cuda_stream and int4)
+        asyncs = [(2, False, n, probe, 4, 1, False, st, False) for st in args.cuda_async if int4
                   for n in args.cuda_blocks for probe in (False, True)[:1 + args.cuda_loads_only]]
-        probes = [(2, False, n, True, 4, 1, False, 0) for n in args.cuda_blocks] * (args.cuda_loads_only and int4)
+        probes = [(2, False, n, True, 4, 1, False, 0, False) for n in args.cuda_blocks] * (
+            args.cuda_loads_only and int4)
         cuda = registers + probes + streams + asyncs if "cuda" in args.kernel else []
         for M, kernel in ((M, k) for M in args.rows for k in ["triton"] * ("triton" in args.kernel) + cuda):
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
@@ -102,11 +107,12 @@ def main():
                 if N % 16 or K % (128 if cuda_module is int4_cuda else 64):  # (the kernels' tiles)
                     print(f"| {args.tag} | {layer} | {N}x{K} | M={M} | cuda: shape not taken | — | — | — |")
                     continue
-                batch, pipelined, cuda_module.TARGET_BLOCKS, probe, min_blocks, chains, stream, stages = kernel
+                batch, pipelined, cuda_module.TARGET_BLOCKS, probe, min_blocks, chains, stream, stages, fold = kernel
                 splits = f"splits {cuda_module.plan(N, K)[0]}"
                 cuda_module.BATCH = batch
                 if cuda_module is int4_cuda:
                     int4_cuda.PIPELINED, int4_cuda.MIN_BLOCKS, int4_cuda.CHAINS = pipelined, min_blocks, chains
+                    int4_cuda.FOLD = fold
                     int4_cuda.ASYNC_STAGES = stages or int4_cuda.ASYNC_STAGES
                     probed = "async" if stages else "register"
                     run = ((lambda x, q, s, z: int4_cuda.loads_only(x, q, s, z, N, probed)) if probe else  # noqa: E731
@@ -118,7 +124,8 @@ def main():
                 config = (f"cuda stream {splits}" if stream else
                           f"cuda async {stages} stages {splits}{' LOADS ONLY' * probe}" if stages else
                           f"cuda batch {batch}{' pipelined' * pipelined}"
-                          f"{f' min {min_blocks} blocks' * (min_blocks != 4)}{' 2 chains' * (chains == 2)} {splits}"
+                          f"{f' min {min_blocks} blocks' * (min_blocks != 4)}{' 2 chains' * (chains == 2)}"
+                          f"{' folded' * (fold and M <= 8)} {splits}"
                           f"{' LOADS ONLY' * probe}")
             if args.check and not (kernel != "triton" and kernel[3]):  # (not a loads-only probe)
                 got = run(x, *stored).sum(0)

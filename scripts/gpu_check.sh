@@ -66,15 +66,16 @@
 #            rate at its own blocks an SM; ~3 min); the step's A/B in a call of its own: python scripts/bench.py --models qwen3.5-27b
 #            --systems fastqwen-int4 fastqwen-int4+cuda-async-int4 --isolate --quant-lm-head --n-long 544 --repeats 3
 #            --no-autotune (bf16's step of the same GPU for the ratio: 13520 µs on an H200, 20015 on an H100)
-#   ceiling  int4's Triton and CUDA kernels, the register kernel's loads-only probe, CHAINS 1 / 2 and MIN_BLOCKS
-#            4 / 8, each cold and --warm, on the "l2" shapes (21 and 31 MB: L2-resident warm) and the 27B's, 1 and
-#            4 rows (~4 min): warm on the l2 shapes is a kernel's rate with HBM out of the way, so an H100 answers
-#            the H200's question: if the register kernel's warm rate is near its cold H200 rate (~3.0 TB/s on gate
-#            | up) its own decode and issue bound it (cut instructions: the FOLD of DESIGN-NOTES); if well above,
-#            bytes in flight against HBM's latency do (the async kernel's kind of change). Then the CUDA kernel on
-#            the 27B's layers cycling through 14 GB of weight copies (--spread) beside the usual ~2 L2 sizes: in a
-#            16-layer profile (H100) the layers' GEMVs took ~11% longer than gemv_times says; if spreading the
-#            copies reproduces that, touching a step's 14 GB (page walks) costs it, not the step's other kernels
+#   ceiling  int4's Triton and CUDA kernels, the register kernel's loads-only probe, CHAINS 1 / 2, MIN_BLOCKS 4 / 8
+#            and the folded kernel (int4_cuda.FOLD: 287 SASS instructions a loop against 333), each cold and --warm,
+#            on the "l2" shapes (21 and 31 MB: L2-resident warm) and the 27B's, 1 and 4 rows (~4 min): warm on the l2
+#            shapes is a kernel's rate with HBM out of the way, so an H100 answers the H200's question: if the
+#            register kernel's warm rate is near its cold H200 rate (~3.0 TB/s on gate | up) its own decode and issue
+#            bound it (cut instructions: the folded kernel beside it); if well above, bytes in flight against HBM's
+#            latency do (the async kernel's kind of change). Then the CUDA kernel on the 27B's layers cycling through
+#            14 GB of weight copies (--spread) beside the usual ~2 L2 sizes: in a 16-layer profile (H100) the layers'
+#            GEMVs took ~11% longer than gemv_times says; if spreading the copies reproduces that, touching a step's
+#            14 GB (page walks) costs it, not the step's other kernels
 #   cuda-times-fp8 the same for fp8-weight's register kernel on the 27B's and 35B-A3B's layers.
 #            The step's A/B is `candidates` with CAND_MODEL=qwen3.5-27b CAND_SYSTEMS="fastqwen-int4+triton-int4"
 #            CAND_ARGS="--isolate --quant-lm-head --no-autotune" (fp8: fastqwen-fp8-weight+cuda-fp8-weight)
@@ -118,7 +119,8 @@ case "$stage" in
              python scripts/gemv_times.py --format int4 --shapes 27b --kernel triton cuda \
                --rows 4 8 16 2>&1 | tee -a "$out/cuda_times.md" ;;
   ceiling) python scripts/gemv_times.py --format int4 --shapes l2 27b --kernel triton cuda --warm --cuda-loads-only \
-             --cuda-chains 1 2 --cuda-min-blocks 4 8 --rows 1 4 2>&1 | grep "^|" | tee "$out/ceiling.md"
+             --cuda-chains 1 2 --cuda-min-blocks 4 8 --cuda-fold 0 1 --rows 1 4 --check 2>&1 | grep "^|" \
+             | tee "$out/ceiling.md"
            python scripts/gemv_times.py --format int4 --shapes 27b --kernel cuda --spread 14 --rows 1 2>&1 \
              | grep "^|" | tee "$out/spread.md" ;;
   async) timeout 200 python -m pytest -q -p no:warnings tests/gpu/test_cuda_kernels_gpu.py -k async 2>&1 \

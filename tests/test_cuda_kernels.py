@@ -433,7 +433,7 @@ def _template_args(mangled: str, kernel: str) -> list[int]:
 
 
 @NVCC
-@pytest.mark.parametrize("name,instances", [("int4_gemv", 40), ("fp8_gemv", 10)])
+@pytest.mark.parametrize("name,instances", [("int4_gemv", 41), ("fp8_gemv", 10)])
 def test_kernels_build_for_sm90_without_spills(name, instances, tmp_path):
     """nvcc -Xptxas -v for sm_90: every instance ≤ 128 registers (4 blocks of 128 threads a multiprocessor;
     int4's instances for 8 blocks ≤ 64), no spills, static shared
@@ -483,6 +483,44 @@ def test_register_kernels_issue_their_first_loads_before_the_wait(name, kernel, 
         mmas = (8 if name == "int4_gemv" else 4) * nb * batch * (2 if pipe else 1)
         assert sum(o.startswith("HMMA.16816.F32") for o in ops) == (0 if probe else mmas)
         assert (len(xs) == 0) == probe
+
+
+@NVCC
+def test_folded_kernel_keeps_the_register_kernels_loads_with_a_shorter_decode(tmp_path):
+    """int4_gemv_fold (int4_cuda.FOLD; bf16 x, one block of 8 x rows): the register kernel's first batch (2
+    groups: four 16-byte weight loads that skip L1) before the PDL wait and x after it; 16 MMAs a group (8 of the
+    codes, 8 of an all-ones A for the sums of x) and no bf16 pair arithmetic in the decode (the zero comes off
+    after the MMAs); its loop over the batches ≤ 90% of the instructions of the register kernel's instance it
+    stands in for (BATCH 2 unpipelined, 4 blocks, one chain, bf16; 287 against 333 when written), in ≤ 72
+    registers with no spill (7 blocks a multiprocessor, as the instance it replaces)."""
+    report, lib = _build_sm90("int4_gemv", tmp_path)
+    (fold,) = _sass_functions(lib, "int4_gemv_fold")
+    (plain,) = [k for k in _sass_functions(lib, "int4_gemv_rows")
+                if _template_args(k.split("\n")[0], "int4_gemv_rows") == [1, 2, 0, 1, 4, 1, 0]]
+    ops = _sass_ops(fold)
+    wait = ops.index("ACQBULK")
+    weights = [i for i, o in enumerate(ops) if o == "LDG.E.NA.128"]
+    xs = [i for i, o in enumerate(ops) if o == "LDG.E.128"]
+    assert len(weights) == 8 and weights[3] < wait < min(xs + weights[4:]), (weights, wait, xs)
+    assert sum(o == "HMMA.16816.F32.BF16" for o in ops) == 32 and "HADD2.BF16_V2" not in ops
+    longest = lambda k: max(hi - lo + 1 for lo, hi in _loops(k))  # noqa: E731 (the loop over the batches)
+    assert longest(fold) <= 0.9 * longest(plain), (longest(fold), longest(plain))
+    line = next(r for e, r in zip([e for e in report.splitlines() if "Compiling entry function" in e],
+                                  [r for r in report.splitlines() if "Used " in r]) if "int4_gemv_fold" in e)
+    assert int(line.split("Used ")[1].split()[0]) <= 72, line
+
+
+def test_the_fold_takes_the_place_of_one_instance_only(monkeypatch):
+    """int4_cuda.variant: FOLD replaces BATCH 2 unpipelined at MIN_BLOCKS 4, CHAINS 1, for bf16 x of up to 8 rows;
+    anything else keeps its instance unfolded."""
+    assert int4_cuda.variant(1) == (2, False, 4, 1, False)
+    monkeypatch.setattr(int4_cuda, "FOLD", True)
+    assert int4_cuda.variant(1) == int4_cuda.variant(8) == (2, False, 4, 1, True)
+    assert not int4_cuda.variant(9)[4] and not int4_cuda.variant(1, bf16=False)[4]
+    for name, value in (("BATCH", 4), ("PIPELINED", True), ("MIN_BLOCKS", 8), ("CHAINS", 2)):
+        with monkeypatch.context() as m:
+            m.setattr(int4_cuda, name, value)
+            assert not int4_cuda.variant(1)[4], name
 
 
 @NVCC
@@ -608,9 +646,10 @@ def test_built_libraries_refuse_arguments_out_of_range_before_touching_the_gpu(t
         int4, fp8 = int4_cuda.library("90"), fp8_cuda.library("90")  # (the typed entry points)
         assert sorted(p.name.split("-")[0] for p in (tmp_path / "cuda").glob("*.so")) == ["fp8_gemv", "int4_gemv"]
         call4 = lambda M=1, N=64, K=512, splits=2, per=2, batch=4, pipe=0, min_blocks=4, chains=1, stream=0, \
-            held=0, early=0, copies=0, loads_only=0: int4(0, 0, 0, 0, 0, M, N, K, splits, per, batch, pipe,
-                                                          min_blocks, chains, loads_only, stream, held, early,
-                                                          copies, 1, 0, 0, None)
+            held=0, early=0, copies=0, loads_only=0, fold=0, bf16=1: int4(0, 0, 0, 0, 0, M, N, K, splits, per, batch,
+                                                                          pipe, min_blocks, chains, fold, loads_only,
+                                                                          stream, held, early, copies, bf16, 0, 0,
+                                                                          None)
         slots = int4_cuda.stream_slots(64, 512, 7)  # (16 units on 7 blocks: 3 pieces a strip at most)
         assert slots == 3
         for bad in ({"N": 40}, {"K": 500}, {"M": 0}, {"M": 17}, {"splits": 3}, {"per": 1}, {"batch": 3},
@@ -623,7 +662,10 @@ def test_built_libraries_refuse_arguments_out_of_range_before_touching_the_gpu(t
                     {"copies": 6, "splits": 3}, {"loads_only": 1, "batch": 4}, {"loads_only": 1, "M": 9, "batch": 2},
                     {"loads_only": 1, "copies": 3, "M": 9}, {"loads_only": 1, "batch": 2, "min_blocks": 8},
                     {"stream": 7, "splits": slots, "loads_only": 1}, {"stream": 7, "splits": slots, "copies": 3},
-                    {"held": 6}, {"early": 1}, {"stream": 7, "splits": slots, "held": 4},
+                    {"held": 6}, {"early": 1}, {"fold": 1, "batch": 4}, {"fold": 1, "batch": 2, "bf16": 0},
+                    {"fold": 1, "batch": 2, "M": 9}, {"fold": 1, "batch": 2, "min_blocks": 8},
+                    {"fold": 1, "batch": 2, "chains": 2}, {"fold": 1, "batch": 2, "loads_only": 1},
+                    {"stream": 7, "splits": slots, "held": 4},
                     {"stream": 7, "splits": slots, "early": 2}):
             assert call4(**bad) == 1, bad
         call8 = lambda M=1, N=64, K=512, splits=2, per=4, batch=4: fp8(  # noqa: E731
@@ -636,7 +678,7 @@ def test_built_libraries_refuse_arguments_out_of_range_before_touching_the_gpu(t
                        call4(stream=7, splits=slots, held=6, early=1),
                        call4(copies=3, batch=3), call4(copies=6, M=16), call4(loads_only=1, batch=2),
                        call4(loads_only=1, copies=6, M=8),
-                       call4(stream=16, splits=4, M=16), call8(), call8(M=12, batch=2)):
+                       call4(stream=16, splits=4, M=16), call4(fold=1, batch=2, M=8), call8(), call8(M=12, batch=2)):
                 assert ok not in (0, 1)  # (no GPU: the runtime's error, e.g. 35)
     finally:
         cuda_build.build.cache_clear()

@@ -41,6 +41,9 @@ PIPELINED = False  # the next batch's loads in flight while a batch decodes (an 
 MIN_BLOCKS = 4  # blocks a multiprocessor must hold (4: 71 registers, 7 fit; 8: ptxas keeps it to 63, 8 fit)
 CHAINS = 1  # a group's 8 MMAs as one dependent chain (1) or lo and hi apart (2: two chains of 4)
 # (MIN_BLOCKS 8 and CHAINS 2: instances of BATCH 2 unpipelined at up to 8 rows only)
+FOLD = False  # the folded kernel (a candidate) in place of BATCH 2 unpipelined, MIN_BLOCKS 4, CHAINS 1 for bf16 x
+# up to 8 rows: the zero out of the decode (sum (128 + q) x - (128 + z) sum x; 287 SASS instructions a 2-group loop
+# against 333, 72 registers), relative error a few 1e-6 against ~1e-7
 STREAM_BLOCKS_PER_SM = (7, 4)  # the stream kernel's grid a multiprocessor, one / two column blocks (as fit)
 STREAM_HELD = 0  # the stream kernel's groups a warp copies into shared memory before the PDL wait (0 or 6)
 STREAM_EARLY = False  # the stream kernel lets the next kernel launch at its start (its grid is one wave)
@@ -54,17 +57,19 @@ CHOICE = "kernels['int4']='cuda'"
 
 def library(arch: str):
     """The kernel's entry point for compute capability `arch` (cuda_build.entry: built on first use)."""
-    return cuda_build.entry("int4_gemv", arch, CHOICE, pointers=5, ints=17)
+    return cuda_build.entry("int4_gemv", arch, CHOICE, pointers=5, ints=18)
 
 
-def variant(rows: int) -> tuple[int, bool, int, int]:
-    """(BATCH, PIPELINED, MIN_BLOCKS, CHAINS) of the kernel instance for `rows` rows of x: the module's, but for 9
-    … 16 rows (two column blocks) BATCH ≤ 4 unpipelined (the instances that do not spill), and MIN_BLOCKS 8 /
-    CHAINS 2 only with BATCH 2 unpipelined at up to 8 rows (else 4 and 1)."""
+def variant(rows: int, bf16: bool = True) -> tuple[int, bool, int, int, bool]:
+    """(BATCH, PIPELINED, MIN_BLOCKS, CHAINS, FOLD) of the kernel instance for `rows` rows of x: the module's, but
+    for 9 … 16 rows (two column blocks) BATCH ≤ 4 unpipelined (the instances that do not spill), MIN_BLOCKS 8 /
+    CHAINS 2 only with BATCH 2 unpipelined at up to 8 rows (else 4 and 1), and FOLD only there too, for bf16 x, at
+    MIN_BLOCKS 4 and CHAINS 1 (the folded kernel's one instance)."""
     if rows > 8:
-        return min(BATCH, 4), False, 4, 1
+        return min(BATCH, 4), False, 4, 1, False
     tuned = BATCH == 2 and not PIPELINED
-    return BATCH, PIPELINED, MIN_BLOCKS if tuned else 4, CHAINS if tuned else 1
+    min_blocks, chains = (MIN_BLOCKS, CHAINS) if tuned else (4, 1)
+    return BATCH, PIPELINED, min_blocks, chains, FOLD and tuned and bf16 and (min_blocks, chains) == (4, 1)
 
 
 def plan(N: int, K: int, one_split: bool = False) -> tuple[int, int]:
@@ -161,18 +166,19 @@ def _launch(x, w, scale, zero, out_features, pdl, one_split, loads_only, stream=
         raise ValueError("int4_gemv's async kernel copies the codes, scales and zeros in 16-byte pieces: they must "
                          "start 16-byte aligned (a view at an odd offset: pass a copy)")
     x = cuda_build.aligned(x)
-    batch, pipelined, min_blocks, chains = (2, False, 4, 1) if loads_only else variant(x.shape[0])
+    bf16 = x.dtype == torch.bfloat16
+    batch, pipelined, min_blocks, chains, fold = (2, False, 4, 1, False) if loads_only else variant(x.shape[0], bf16)
     out = torch.empty(splits, x.shape[0], out_features, device=x.device, dtype=torch.float32)
     err = library(cuda_build.device_arch(x.device, CHOICE))(
         x.data_ptr(), w.data_ptr(), scale.data_ptr(), zero.data_ptr(), out.data_ptr(), x.shape[0], out_features,
-        x.shape[-1], splits, per, batch, pipelined, min_blocks, chains, loads_only, blocks,
+        x.shape[-1], splits, per, batch, pipelined, min_blocks, chains, fold, loads_only, blocks,
         STREAM_HELD if blocks else 0, int(STREAM_EARLY and blocks > 0), ASYNC_STAGES if copies else 0,
-        x.dtype == torch.bfloat16, pdl, x.device.index,
+        bf16, pdl, x.device.index,
         torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         kernel = (f"stream, {blocks} blocks, {splits} slots, STREAM_HELD {STREAM_HELD}" if blocks else
                   f"async, ASYNC_STAGES {ASYNC_STAGES}" if copies else
-                  f"BATCH {batch}, PIPELINED {pipelined}, MIN_BLOCKS {min_blocks}, CHAINS {chains}")
+                  f"BATCH {batch}, PIPELINED {pipelined}, MIN_BLOCKS {min_blocks}, CHAINS {chains}, FOLD {fold}")
         raise RuntimeError(f"int4_gemv launch failed: CUDA error {err} ({kernel})")
     return out
 

@@ -167,6 +167,32 @@ def test_int4_occupancy_and_chain_instances_match_the_reference(min_blocks, chai
             assert rel_err(got, kernel.reference(x, ops, N, got.shape[0])) < 1e-5, (min_blocks, chains, M)
 
 
+@pytest.mark.parametrize("N,K", [(34816, 5120), (5120, 17408), (14336, 5120), (16480, 5120), (5120, 6144),
+                                 (12352, 2048)])
+def test_int4_folded_kernel_matches_the_reference(N, K, monkeypatch):
+    """int4_cuda.FOLD (bf16 x, up to 8 rows; fp16 x and 11 rows keep the plain instance): within a relative 3e-5
+    of the reference, the plain kernel's ~1e-7 widened by its fp32 sums of (128 + q) x, ~128 times the result's
+    size (a few 1e-6 seen when the fold was first built, session 44); with PDL, one split and the plan's, every
+    output written (NaN-poisoned), the same in a CUDA graph replayed on a new x."""
+    monkeypatch.setattr(int4_cuda, "FOLD", True)
+    kernel, ops = KERNELS["int4"], weight("int4", N, K)
+    for dtype, M, one_split in ((torch.bfloat16, 1, False), (torch.bfloat16, 3, True), (torch.bfloat16, 8, False),
+                                (torch.float16, 5, False), (torch.bfloat16, 11, False)):
+        x = torch.randn(M, K, device="cuda", dtype=dtype)
+        want = kernel.expected(x, ops, N, one_split)
+        poison_allocator(tuple(want.shape), dtype=torch.float32)
+        got = kernel.call(x, ops, N, True, one_split)
+        bound = 3e-5 if dtype == torch.bfloat16 and M <= 8 else 1e-5
+        assert got.shape == want.shape and rel_err(got, want) < bound, (N, K, M, one_split, rel_err(got, want))
+    x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = kernel.call(x, ops, N, True)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert rel_err(got, kernel.expected(x, ops, N)) < 3e-5
+
+
 @pytest.mark.parametrize("stages", [3, 6])
 @pytest.mark.parametrize("N,K", [(34816, 5120), (5120, 17408), (12352, 2048), (5120, 6144)])
 def test_async_kernel_gives_the_register_kernels_partials_bit_for_bit(stages, N, K, monkeypatch):

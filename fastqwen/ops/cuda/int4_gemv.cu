@@ -36,8 +36,9 @@
 //   async (int4_gemv_async, async_stages 3 or 6): the register kernel's grid, warps, loads and math, but each
 //     warp streams its groups through a ring of its own in shared memory, one group a slot, by cp.async (16-byte
 //     copies, L2 to shared memory: no register held while they fly), async_stages - 1 groups ahead of its decode,
-//     so a warp keeps that many KB in flight all the time, decode included, at ~the registers of BATCH 1;
-// A fourth, a ring kernel (a persistent grid whose producer warp fed a shared-memory ring by bulk copies), was
+//     so a warp keeps that many KB in flight all the time, decode included, at ~the registers of BATCH 1.
+// And the register kernel with the zero taken out of its decode: int4_gemv_fold (`fold`; a candidate).
+// A fourth way, a ring kernel (a persistent grid whose producer warp fed a shared-memory ring by bulk copies), was
 // 1.4-1.5x slower than the register kernel on an H200 and removed (2026-12-05; docs/DESIGN-NOTES.md).
 
 #include <cuda_fp16.h>
@@ -78,14 +79,18 @@ struct Pairs<false> {
   }
 };
 
-// (q - zero) of word u's nibble pair (j, j + 4) as a 16-bit pair; neg_zero = -(MAGIC + zero) in both halves,
-// magic = MAGIC in a register: (u & 0x000F000F) | magic is then one LOP3 (ptxas splits it in two where both
-// constants are immediates).
-template <bool BF16>
-__device__ __forceinline__ uint32_t pair_minus_zero(uint32_t u, int j, uint32_t neg_zero, uint32_t magic) {
+// (MAGIC + q) of word u's nibble pair (j, j + 4) as a 16-bit pair, exactly; magic = MAGIC in a register:
+// (u & 0x000F000F) | magic is then one LOP3 (ptxas splits it in two where both constants are immediates).
+__device__ __forceinline__ uint32_t pair_plus_magic(uint32_t u, int j, uint32_t magic) {
   uint32_t t;
   asm("lop3.b32 %0, %1, 0x000F000F, %2, 0xea;" : "=r"(t) : "r"(u >> (4 * j)), "r"(magic));
-  return Pairs<BF16>::fma(t, Pairs<BF16>::ONE, neg_zero);
+  return t;
+}
+
+// (q - zero) of word u's nibble pair (j, j + 4) as a 16-bit pair; neg_zero = -(MAGIC + zero) in both halves.
+template <bool BF16>
+__device__ __forceinline__ uint32_t pair_minus_zero(uint32_t u, int j, uint32_t neg_zero, uint32_t magic) {
+  return Pairs<BF16>::fma(pair_plus_magic(u, j, magic), Pairs<BF16>::ONE, neg_zero);
 }
 
 // x's B operands for one group: xb[nb][i] = the two registers of each of word i's two MMAs (lo: columns
@@ -256,6 +261,108 @@ __global__ void __launch_bounds__(WARPS * 32, MINB) int4_gemv_rows(const uint16_
     }
   }
   if constexpr (PROBE) probe_sums(sums, M);
+  strip_gemv::write_partials<NB>(sums, 1.f, 1.f, out, M, N, strip, split);  // (the groups' scales: applied)
+}
+
+// One group of the folded kernel: c[nb] += the group's sums of (MAGIC + q) x (c0, c1: strip row l/4 against x
+// rows 8 nb + 2 (l%4) and + 1; c2, c3: row l/4 + 8), xsum[nb] += its sums of x (an all-ones A: every row alike,
+// c0 and c1 against those x rows): the decode is one LOP3 a pair, the zeros come off after (int4_gemv_fold).
+template <int NB>
+__device__ __forceinline__ void group_fold(float (&c)[NB][4], float (&xsum)[NB][4], uint4 a, uint4 b,
+                                           const uint4 (&xs)[NB][4], uint32_t magic) {
+  uint32_t xb[NB][4][4];
+  x_operands<NB>(xs, xb);
+  const uint32_t wa[4] = {a.x, a.y, a.z, a.w}, wb[4] = {b.x, b.y, b.z, b.w};
+  constexpr uint32_t ONES[4] = {Pairs<true>::ONE, Pairs<true>::ONE, Pairs<true>::ONE, Pairs<true>::ONE};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t lo[4] = {pair_plus_magic(wa[i], 0, magic), pair_plus_magic(wb[i], 0, magic),
+                            pair_plus_magic(wa[i], 1, magic), pair_plus_magic(wb[i], 1, magic)};
+    const uint32_t hi[4] = {pair_plus_magic(wa[i], 2, magic), pair_plus_magic(wb[i], 2, magic),
+                            pair_plus_magic(wa[i], 3, magic), pair_plus_magic(wb[i], 3, magic)};
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) {
+      strip_gemv::mma<true>(c[nb], lo, xb[nb][i][0], xb[nb][i][1]);
+      strip_gemv::mma<true>(c[nb], hi, xb[nb][i][2], xb[nb][i][3]);
+      strip_gemv::mma<true>(xsum[nb], ONES, xb[nb][i][0], xb[nb][i][1]);
+      strip_gemv::mma<true>(xsum[nb], ONES, xb[nb][i][2], xb[nb][i][3]);
+    }
+  }
+}
+
+// The folded kernel (a candidate; bf16 x, up to 8 rows): int4_gemv_rows' BATCH 2 unpipelined instance with the
+// zero folded out of the decode, sum (q - z) x = sum (MAGIC + q) x - (MAGIC + z) sum x (group_fold; fp32 sums ~128x
+// the result's size, so a few 1e-6 of relative error where the plain kernel has ~1e-7), and its position walked as
+// pointers stepped once a batch (each load a pointer plus a constant) instead of indices recomputed at each load.
+// Same grid, split plan and group order as int4_gemv_rows.
+template <int NB>
+__global__ void __launch_bounds__(WARPS * 32, 7) int4_gemv_fold(const uint16_t* x, const uint4* __restrict__ w,
+                                                                const __half* scale, const uint8_t* zero,
+                                                                float* __restrict__ out, int M, int N, int K,
+                                                                int groups_per_split, uint32_t magic) {
+  const int G = K / 128, strip = blockIdx.x, split = blockIdx.y;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g_begin = split * groups_per_split + warp, g_end = min(G, (split + 1) * groups_per_split);
+  // at the warp's current group g: its tile's words of this lane, the scale and zero of (row l/4, g)
+  const uint4* tile = w + ((size_t)strip * G + g_begin) * 64 + lane;
+  const size_t side = (size_t)g_begin * N + strip * 16 + lane / 4, step = (size_t)WARPS * N;
+  const __half* sc = scale + side;
+  const uint8_t* ze = zero + side;
+  bool has_x[NB];
+  const uint4* xcols[NB];
+  strip_gemv::x_columns<NB, 4>(x, M, K, lane, has_x, xcols);
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) xcols[nb] += (size_t)g_begin * 16;
+  uint4 ta[2], tb[2];
+  float sa[2], sb[2];
+  uint32_t za[2], zb[2];
+  const auto load = [&](int g0) {  // (groups g0 and g0 + WARPS, at tile, sc, ze)
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      if (g0 + t * WARPS < g_end) {
+        ta[t] = load_weights(tile + t * WARPS * 64);
+        tb[t] = load_weights(tile + t * WARPS * 64 + 32);
+        sa[t] = __half2float(sc[t * step]);
+        sb[t] = __half2float(sc[t * step + 8]);
+        za[t] = ze[t * step];
+        zb[t] = ze[t * step + 8];
+      }
+    }
+  };
+  load(g_begin);  // (weights: before the wait)
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the previous kernel's output (PDL)
+  float sums[NB][4] = {};
+  for (int g0 = g_begin; g0 < g_end; g0 += 2 * WARPS) {
+    if (g0 != g_begin) load(g0);
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      if (g0 + t * WARPS < g_end) {
+        uint4 xs[NB][4];
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) xs[nb][i] = has_x[nb] ? xcols[nb][t * WARPS * 16 + i] : make_uint4(0, 0, 0, 0);
+        }
+        float c[NB][4] = {}, xsum[NB][4] = {};
+        group_fold<NB>(c, xsum, ta[t], tb[t], xs, magic);
+        // -(MAGIC + z) in fp32: MAGIC = 128 = 0x43000000, z < 16 in the mantissa's top bits
+        const float neg_a = __uint_as_float(0xC3000000u | (za[t] << 16));
+        const float neg_b = __uint_as_float(0xC3000000u | (zb[t] << 16));
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+          sums[nb][0] = fmaf(sa[t], fmaf(neg_a, xsum[nb][0], c[nb][0]), sums[nb][0]);
+          sums[nb][1] = fmaf(sa[t], fmaf(neg_a, xsum[nb][1], c[nb][1]), sums[nb][1]);
+          sums[nb][2] = fmaf(sb[t], fmaf(neg_b, xsum[nb][0], c[nb][2]), sums[nb][2]);
+          sums[nb][3] = fmaf(sb[t], fmaf(neg_b, xsum[nb][1], c[nb][3]), sums[nb][3]);
+        }
+      }
+    }
+    tile += 2 * WARPS * 64;
+    sc += 2 * step;
+    ze += 2 * step;
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) xcols[nb] += 2 * WARPS * 16;
+  }
   strip_gemv::write_partials<NB>(sums, 1.f, 1.f, out, M, N, strip, split);  // (the groups' scales: applied)
 }
 
@@ -475,15 +582,16 @@ cudaError_t launch(const cudaLaunchConfig_t& config, const void* x, const void* 
                             groups_per_split, Pairs<BF16>::MAGIC);
 }
 
-// The instance for M rows, (batch, pipe), (min_blocks, chains) and the loads-only probe as one key: one column
-// block of 8 x rows (M <= 8) or two (M <= 16, BATCH 2 or 4 unpipelined: the others would spill), 4 blocks a
-// multiprocessor at least and one MMA chain, but BATCH 2 unpipelined at one column block also at 8 blocks (63
-// registers, no spill) and / or two chains, or (4 blocks, one chain) as the probe; -1 where there is none.
-static int variant_key(int M, int batch, int pipe, int min_blocks, int chains, int probe) {
+// The instance for M rows, (batch, pipe), (min_blocks, chains), the loads-only probe and the fold as one key: one
+// column block of 8 x rows (M <= 8) or two (M <= 16, BATCH 2 or 4 unpipelined: the others would spill), 4 blocks
+// a multiprocessor at least and one MMA chain, but BATCH 2 unpipelined at one column block also at 8 blocks (63
+// registers, no spill) and / or two chains, or (4 blocks, one chain) as the probe or as the folded kernel (bf16 x
+// only: int4_gemv_fold); -1 where there is none.
+static int variant_key(int M, int batch, int pipe, int min_blocks, int chains, int probe, int fold, int bf16) {
   const int key = (M > 8) * 100 + batch * 2 + (pipe != 0);
-  const int tuned = (min_blocks == 8) * 1000 + (chains == 2) * 2000 + (probe != 0) * 8000;
+  const int tuned = (min_blocks == 8) * 1000 + (chains == 2) * 2000 + (fold != 0) * 4000 + (probe != 0) * 8000;
   if ((min_blocks != 4 && min_blocks != 8) || (chains != 1 && chains != 2) || (tuned && key != 4) ||
-      (probe && tuned != 8000))
+      (probe && tuned != 8000) || (fold && (tuned != 4000 || !bf16)))
     return -1;
   switch (key) {
     case 4: case 5: case 8: case 16: case 104: case 108: return key + tuned;
@@ -507,6 +615,13 @@ cudaError_t launch_variant(int key, const cudaLaunchConfig_t& config, const void
     case 3004: return launch<BF16, 2, false, 1, 8, 2>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
     case 8004:
       return launch<BF16, 2, false, 1, 4, 1, true>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
+    case 4004:  // (the folded kernel: bf16 x only, variant_key)
+      if constexpr (BF16)
+        return cudaLaunchKernelEx(&config, int4_gemv_fold<1>, static_cast<const uint16_t*>(x),
+                                  static_cast<const uint4*>(w), static_cast<const __half*>(scale),
+                                  static_cast<const uint8_t*>(zero), out, M, N, K, groups_per_split,
+                                  Pairs<true>::MAGIC);
+      return cudaErrorInvalidValue;
     default: return cudaErrorInvalidValue;
   }
 }
@@ -574,18 +689,20 @@ cudaError_t launch_async(const cudaLaunchConfig_t& config, int stages, int probe
 // touching the GPU where the arguments are out of the kernel's range: N % 16, K % 128, a split plan that leaves a
 // split empty or a group out, M outside 1 .. 16, a (batch, pipe) with no instance for M (batch 2, 4 or 8, only 2 or
 // 4 past 8 rows; pipe only with batch 2 and M <= 8). min_blocks (4 or 8), chains (1 or 2): the register kernel's
-// (variant_key). loads_only: the kernel's probe of its load path (out all zeros): the async kernel's (up to 8
-// rows), the register kernel's (BATCH 2 unpipelined, 4 blocks, one chain, up to 8 rows). stream_blocks > 0: the
-// stream kernel on that many blocks (at most N/16 · K/128), out [splits, M, N] with splits the slots it needs
-// (stream_slots, exactly; the other split and instance arguments unused; no probe, no async); stream_held 0 or
-// STREAM_HELD: the groups a warp copies into shared memory before the PDL wait; stream_early 0 or 1: whether its
-// blocks let the next kernel launch at their start (both stream kernel only). async_stages 3 or 6: the async kernel
-// with that many slots a warp (the register kernel's split plan; its instance arguments unused), 0: not. pdl:
-// programmatic dependent launch (the kernel waits before reading x).
+// (variant_key). fold (0 or 1): the folded kernel instead (int4_gemv_fold: BATCH 2 unpipelined, 4 blocks, one
+// chain, up to 8 rows of bf16 x). loads_only: the kernel's probe of its load path (out all zeros): the async
+// kernel's (up to 8 rows), the register kernel's (BATCH 2 unpipelined, 4 blocks, one chain, up to 8 rows).
+// stream_blocks > 0: the stream kernel on that many blocks (at most N/16 · K/128), out [splits, M, N] with splits
+// the slots it needs (stream_slots, exactly; the other split and instance arguments unused; no probe, no async);
+// stream_held 0 or STREAM_HELD: the groups a warp copies into shared memory before the PDL wait; stream_early 0 or
+// 1: whether its blocks let the next kernel launch at their start (both stream kernel only). async_stages 3 or 6:
+// the async kernel with that many slots a warp (the register kernel's split plan; its instance arguments unused),
+// 0: not. pdl: programmatic dependent launch (the kernel waits before reading x).
 extern "C" int fastqwen_int4_gemv(const void* x, const void* w, const void* scale, const void* zero, float* out,
                                   int M, int N, int K, int splits, int groups_per_split, int batch, int pipe,
-                                  int min_blocks, int chains, int loads_only, int stream_blocks, int stream_held,
-                                  int stream_early, int async_stages, int bf16, int pdl, int device, void* stream) {
+                                  int min_blocks, int chains, int fold, int loads_only, int stream_blocks,
+                                  int stream_held, int stream_early, int async_stages, int bf16, int pdl, int device,
+                                  void* stream) {
   if ((stream_held != 0 && stream_held != STREAM_HELD) || (stream_early != 0 && stream_early != 1) ||
       ((stream_held || stream_early) && !stream_blocks))
     return static_cast<int>(cudaErrorInvalidValue);
@@ -605,7 +722,7 @@ extern "C" int fastqwen_int4_gemv(const void* x, const void* w, const void* scal
                                                         zero, out, M, N, K, splits));
   }
   const int key = async_stages ? (loads_only && M > 8 ? -1 : 0)
-                               : variant_key(M, batch, pipe, min_blocks, chains, loads_only);
+                               : variant_key(M, batch, pipe, min_blocks, chains, loads_only, fold, bf16);
   if (!strip_gemv::shape_ok(M, N, K, 128, splits, groups_per_split) || key < 0 ||
       (async_stages != 0 && async_stages != 3 && async_stages != 6))
     return static_cast<int>(cudaErrorInvalidValue);
