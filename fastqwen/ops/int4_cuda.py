@@ -1,27 +1,25 @@
 """int4 weight streaming for up to 16 rows of x in CUDA C++ (cuda/int4_gemv.cu): decode's tensor-core GEMV.
 
-Why a CUDA kernel beside the Triton one (ops/gemv.py): at one row the Triton kernel reads the 27B's int4 weights
-at ~58% of the H200's read ceiling, and with its arithmetic removed its loads alone reach only ~72-76% of the
-copy bandwidth (docs/DESIGN-NOTES.md, 2026-12-03/04): its occupancy (18-25%) and the loads it can keep in
-flight bound it, which no launch config, layout or TMA ring changed. The register kernel feeds the tensor cores
-here (each lane issues its 16-byte weight loads for BATCH groups, and the scales, before it decodes any of them
-and before the PDL wait); a ring kernel (a persistent grid whose producer warp streamed the tiles into a
-shared-memory ring by bulk copies) was 1.4-1.5x slower on an H200 and removed (2026-12-05). Two candidates on the
-register kernel's warps: the stream kernel (`stream=True`: one resident
-wave, every block the same share; STREAM_HELD groups a warp copied into shared memory before the PDL wait and,
-STREAM_EARLY, the next kernel let launch at its start: the weight stream run through the gaps between a step's
-kernels) and the async kernel (`copies=True`: each warp's groups through ASYNC_STAGES
-slots of its own in shared memory by cp.async, ASYNC_STAGES - 1 groups in flight during each decode, at the
-registers of one group).
+Why a CUDA kernel beside the Triton one (ops/gemv.py): at one row the Triton kernel reads the 27B's int4 weights at
+~58% of the H200's read ceiling, and with its arithmetic removed its loads alone reach only ~72-76% of the copy
+bandwidth (docs/DESIGN-NOTES.md, 2026-12-03/04): its occupancy (18-25%) and the loads it can keep in flight bound
+it, which no launch config, layout or TMA ring changed. The register kernel feeds the tensor cores here (each lane
+issues its 16-byte weight loads for BATCH groups, and the scales, before it decodes any of them and before the PDL
+wait); a ring kernel (a persistent grid whose producer warp streamed the tiles into a shared-memory ring by bulk
+copies) was 1.4-1.5x slower on an H200 and removed (2026-12-05). Two candidates on the register kernel's warps: the
+stream kernel (`stream=True`: one resident wave, every block the same share; STREAM_HELD groups a warp copied into
+shared memory before the PDL wait and, STREAM_EARLY, the next kernel let launch at its start: the weight stream run
+through the gaps between a step's kernels) and the async kernel (`copies=True`: each warp's groups through
+ASYNC_STAGES slots of its own in shared memory by cp.async, ASYNC_STAGES - 1 groups in flight during each decode, at
+the registers of one group). And one on its math: FOLD, the zero taken out of the decode (int4_gemv_fold).
 
 The kernel is built on first use with the CUDA toolkit's nvcc (ops/cuda_build.py: cached by source and GPU
 architecture under $FASTQWEN_CACHE or ~/.cache/fastqwen) and called through ctypes on torch's current stream
 (CUDA-graph capture records it like any launch). optimize's kernels={"int4": "cuda"} (the default "auto" on sm_90+
-where nvcc is found: a 27B int4 step 2.65× faster than Triton's on an H100, level on an H200; its GEMVs there
-2.4-3× faster than Triton's at 2-16 rows) routes QuantLinear's int4 products
-of up to MAX_ROWS rows here (decode, MTP's and DFlash's verify, small batches; the kernel decodes the weight
-once for all of them, as one or two blocks of mma's 8 columns); `int4_gemv` is the registered op, `reference`
-its plain torch twin (also what runs off CUDA).
+where nvcc is found: a 27B int4 step 2.65× faster than Triton's on an H100, level on an H200; its GEMVs there 2.4-3×
+faster than Triton's at 2-16 rows) routes QuantLinear's int4 products of up to MAX_ROWS rows here (decode, MTP's and
+DFlash's verify, small batches; the kernel decodes the weight once for all of them, as one or two blocks of mma's 8
+columns); `int4_gemv` is the registered op, `reference` its plain torch twin (also what runs off CUDA).
 """
 
 import functools
