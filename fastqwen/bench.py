@@ -46,8 +46,6 @@ CANDIDATE_SYSTEMS = {"fastqwen+split-attention": {"attention": "split"},  # (the
                      "fastqwen+serial-launch": {"launch": "serial"},
                      "fastqwen+cuda-int4": {"int4": "cuda"},  # (as fastqwen-int4+cuda-int4: the CUDA kernel,
                      "fastqwen+triton-int4": {"int4": "triton"},  # int4's "auto" on sm_90 with nvcc; Triton's)
-                     "fastqwen+cuda-stream-int4": {"int4": "cuda-stream"},  # (fastqwen-int4+cuda-stream-int4)
-                     "fastqwen+cuda-async-int4": {"int4": "cuda-async"},  # (fastqwen-int4+cuda-async-int4)
                      "fastqwen+cuda-fp8-weight": {"fp8_weight": "cuda"}}  # (fastqwen-fp8-weight+cuda-fp8-weight)
 # fastqwen with inductor options merged over the run's (launch count: combo kernels launch independent
 # small kernels, e.g. a GDN layer's q, k and v, as one; reductions of up to 16 unrolled, so that the MoE

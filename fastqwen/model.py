@@ -40,17 +40,15 @@ KERNELS = {"attention": ("split", "sdpa"), "experts": ("auto", "gather", "groupe
            "splitk": ("sum", "fixup"), "gdn_norm": ("separate", "fused"),
            "expert_act": ("auto", "separate", "fused", "mlp"), "route": ("auto", "argmax", "packed", "fused"),
            "mlp_act": ("separate", "fused"), "conv": ("fused", "separate"),
-           "int4": ("auto", "triton", "cuda", "cuda-stream", "cuda-async"),
+           "int4": ("auto", "triton", "cuda"),
            "fp8_weight": ("triton", "cuda")}  # first: the default
 CUDA_KERNELS = {"int4": "int4", "fp8_weight": "fp8-weight"}  # kernels option -> the scheme its "cuda" choices take
 
 
 def cuda_schemes(kernels: dict) -> tuple:
     """The quantization schemes whose few-row products take a CUDA C++ kernel under these (checked) kernel
-    choices, as QuantLinear's `cuda` tags: the scheme ("int4", "fp8-weight"), "-stream" added for int4's stream
-    kernel, "-async" for its async kernel."""
-    return tuple(scheme + kernels[op].removeprefix("cuda") for op, scheme in CUDA_KERNELS.items()
-                 if kernels[op].startswith("cuda"))
+    choices, as QuantLinear's `cuda` tags ("int4", "fp8-weight")."""
+    return tuple(scheme for op, scheme in CUDA_KERNELS.items() if kernels[op] == "cuda")
 
 
 def check_kernels(kernels: dict | None, cfg, device, fp8_experts: bool = False) -> dict:
@@ -124,12 +122,8 @@ def check_kernels(kernels: dict | None, cfg, device, fp8_experts: bool = False) 
     a 35B-A3B step 2721 against 2739, each in a process of its own). "int4": an int4 QuantLinear's products on up to
     16 rows (decode, MTP's and DFlash's verify, small batches) by the Triton weight-streaming kernel ("triton",
     ops/gemv.py) or by a CUDA C++ tensor-core kernel (ops/int4_cuda.py: built with nvcc on first use, compute
-    capability 9.0 or later): "cuda" its warps loading their weights into registers (a ring kernel fed by bulk
-    copies was 1.4-1.5x slower on an H200 and removed, 2026-12-05), "cuda-stream" (a candidate) the register
-    kernel's warps on a grid of about as many blocks as fit at once, each the same share of the weight's groups (no
-    last wave, no per-block ramp: for short launches), "cuda-async" (a candidate) the register kernel's warps each
-    streaming its groups through shared-memory slots of its own by cp.async, a few groups in flight while it decodes
-    (more bytes in flight at the registers of one group); more rows take the Triton kernel either way. "auto" (the
+    capability 9.0 or later): "cuda" its warps loading their weights into registers (ring, stream and async
+    kernels measured slower and were removed, 2026-12-05); more rows take the Triton kernel either way. "auto" (the
     default) is "cuda" on a GPU of compute capability 9.0 or later where nvcc is found and the kernel builds, else
     "triton" (a failed build warns): a 27B int4 step took 7088 µs against Triton's 18766 on one H100, and 6375 µs
     against Triton's 6396 (the day before) on one H200, where its per-layer times are level with Triton's at one row

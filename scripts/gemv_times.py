@@ -2,7 +2,7 @@
 
     python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --tag new
     python scripts/gemv_times.py --format int4 --kernel triton cuda   # the Triton and CUDA kernels, layer by layer
-    python scripts/gemv_times.py --format int4 --kernel cuda --cuda-async 3 6 --cuda-loads-only  # candidates, probes
+    python scripts/gemv_times.py --format int4 --kernel cuda --cuda-fold 0 1 --cuda-loads-only  # instances, probe
 
 For A/B of a kernel or stored-format change on one GPU: run it in two checkouts (old and new) in turn, in one
 device call, and compare the rows. Each time is the minimum of --repeats CUDA-graph timings cycling through cold
@@ -37,24 +37,13 @@ def main():
                    help="the CUDA kernel's BATCH (groups loaded before any decode), each timed")
     p.add_argument("--cuda-pipelined", nargs="+", type=int, default=[int(int4_cuda.PIPELINED)], choices=[0, 1],
                    help="the CUDA int4 kernel with the next batch's loads in flight while one decodes (BATCH 2 only)")
-    p.add_argument("--cuda-min-blocks", nargs="+", type=int, default=[int4_cuda.MIN_BLOCKS], choices=[4, 8],
-                   help="the CUDA int4 kernel's MIN_BLOCKS (blocks a multiprocessor must hold: registers capped to "
-                   "fit; 8 with BATCH 2 unpipelined only), each timed")
-    p.add_argument("--cuda-chains", nargs="+", type=int, default=[int4_cuda.CHAINS], choices=[1, 2],
-                   help="the CUDA int4 kernel's CHAINS (a group's MMAs as one dependent chain or two; 2 with BATCH 2 "
-                   "unpipelined only), each timed")
     p.add_argument("--cuda-fold", nargs="+", type=int, default=[int(int4_cuda.FOLD)], choices=[0, 1],
                    help="the CUDA int4 kernel with the zero folded out of its decode (int4_cuda.FOLD: BATCH 2 "
-                   "unpipelined, MIN_BLOCKS 4, CHAINS 1, bf16 x up to 8 rows), each timed")
-    p.add_argument("--cuda-async", nargs="+", type=int, default=[], choices=[3, 6],
-                   help="also the CUDA int4 async kernel at these ASYNC_STAGES (each warp's groups through its own "
-                   "shared-memory slots by cp.async)")
+                   "unpipelined, bf16 x up to 8 rows), each timed")
     p.add_argument("--cuda-loads-only", action="store_true",
-                   help="also time the int4 register kernel's BATCH 2 instance and each async config as their "
-                   "loads-only probes (every weight loaded as the kernel loads it, nothing decoded, at the kernel's "
-                   "blocks a multiprocessor: the load path's own rate; up to 8 rows)")
-    p.add_argument("--cuda-stream", action="store_true",
-                   help="also time int4's stream kernel (a resident grid, each block the same share of the groups)")
+                   help="also time the int4 register kernel's BATCH 2 instance as its loads-only probe (every "
+                   "weight loaded as the kernel loads it, nothing decoded, at the kernel's blocks a multiprocessor: "
+                   "the load path's own rate; up to 8 rows)")
     p.add_argument("--check", action="store_true",
                    help="also print each kernel's relative error against the plain torch reference (the sum of its "
                    "partials against x · dequantized Wᵀ in fp32)")
@@ -83,18 +72,13 @@ def main():
         copies = [stored] + [tuple(None if t is None else t.clone() for t in stored)
                              for _ in range(max(cold, -(-int(args.spread * 1e9) // nbytes)) - 1)]
         int4 = cuda_module is int4_cuda
-        # (BATCH, pipelined, TARGET_BLOCKS, loads-only probe, MIN_BLOCKS, CHAINS, stream, async stages, fold)
-        registers = [(b, bool(p), n, False, mb, ch, False, 0, bool(f)) for b in args.cuda_batch
-                     for p in args.cuda_pipelined for n in args.cuda_blocks for mb in args.cuda_min_blocks
-                     for ch in args.cuda_chains for f in args.cuda_fold
-                     if (not p or (b == 2 and int4)) and ((mb, ch) == (4, 1) or (int4 and b == 2 and not p))
-                     and (not f or (int4 and (b, p, mb, ch) == (2, 0, 4, 1)))]
-        streams = [(2, False, int4_cuda.TARGET_BLOCKS, False, 4, 1, True, 0, False)] * (args.cuda_stream and int4)
-        asyncs = [(2, False, n, probe, 4, 1, False, st, False) for st in args.cuda_async if int4
-                  for n in args.cuda_blocks for probe in (False, True)[:1 + args.cuda_loads_only]]
-        probes = [(2, False, n, True, 4, 1, False, 0, False) for n in args.cuda_blocks] * (
-            args.cuda_loads_only and int4)
-        cuda = registers + probes + streams + asyncs if "cuda" in args.kernel else []
+        # (BATCH, pipelined, TARGET_BLOCKS, loads-only probe, fold)
+        registers = list(dict.fromkeys(  # (fold: BATCH 2 unpipelined's alone; the others are never folded)
+            (b, bool(p), n, False, bool(f) and int4 and (b, p) == (2, 0)) for b in args.cuda_batch
+            for p in args.cuda_pipelined for n in args.cuda_blocks for f in args.cuda_fold
+            if not p or (b == 2 and int4)))
+        probes = [(2, False, n, True, False) for n in args.cuda_blocks] * (args.cuda_loads_only and int4)
+        cuda = registers + probes if "cuda" in args.kernel else []
         for M, kernel in ((M, k) for M in args.rows for k in ["triton"] * ("triton" in args.kernel) + cuda):
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             if kernel == "triton":
@@ -102,30 +86,21 @@ def main():
                     x, fmt, q, s, z, False, N, x.shape[0], partials=True)
                 config = gemv.full_config(gemv.gemv_config(fmt, N, K, M))
             else:
-                if kernel[3] and M > 8:  # (the register and async probes: up to 8 rows)
+                if kernel[3] and M > 8:  # (the probe: up to 8 rows)
                     continue
                 if N % 16 or K % (128 if cuda_module is int4_cuda else 64):  # (the kernels' tiles)
                     print(f"| {args.tag} | {layer} | {N}x{K} | M={M} | cuda: shape not taken | — | — | — |")
                     continue
-                batch, pipelined, cuda_module.TARGET_BLOCKS, probe, min_blocks, chains, stream, stages, fold = kernel
+                batch, pipelined, cuda_module.TARGET_BLOCKS, probe, fold = kernel
                 splits = f"splits {cuda_module.plan(N, K)[0]}"
                 cuda_module.BATCH = batch
                 if cuda_module is int4_cuda:
-                    int4_cuda.PIPELINED, int4_cuda.MIN_BLOCKS, int4_cuda.CHAINS = pipelined, min_blocks, chains
-                    int4_cuda.FOLD = fold
-                    int4_cuda.ASYNC_STAGES = stages or int4_cuda.ASYNC_STAGES
-                    probed = "async" if stages else "register"
-                    run = ((lambda x, q, s, z: int4_cuda.loads_only(x, q, s, z, N, probed)) if probe else  # noqa: E731
-                           (lambda x, q, s, z: int4_cuda.int4_gemv(x, q, s, z, N, stream=stream, copies=bool(stages))))
-                    if stream:
-                        splits = "{} blocks {} slots".format(*int4_cuda.stream_plan(x, N, K))
+                    int4_cuda.PIPELINED, int4_cuda.FOLD = pipelined, fold
+                    run = ((lambda x, q, s, z: int4_cuda.loads_only(x, q, s, z, N)) if probe else  # noqa: E731
+                           (lambda x, q, s, z: int4_cuda.int4_gemv(x, q, s, z, N)))
                 else:
                     run = lambda x, q, s, z: fp8_cuda.fp8_gemv(x, q, s)  # noqa: E731
-                config = (f"cuda stream {splits}" if stream else
-                          f"cuda async {stages} stages {splits}{' LOADS ONLY' * probe}" if stages else
-                          f"cuda batch {batch}{' pipelined' * pipelined}"
-                          f"{f' min {min_blocks} blocks' * (min_blocks != 4)}{' 2 chains' * (chains == 2)}"
-                          f"{' folded' * (fold and M <= 8)} {splits}"
+                config = (f"cuda batch {batch}{' pipelined' * pipelined}{' folded' * (fold and M <= 8)} {splits}"
                           f"{' LOADS ONLY' * probe}")
             if args.check and not (kernel != "triton" and kernel[3]):  # (not a loads-only probe)
                 got = run(x, *stored).sum(0)

@@ -56,26 +56,16 @@
 #            "fp8_weight": "cuda"}, built with nvcc here) against their references and the Triton kernels' step;
 #            cut at CUDA_TESTS_TIMEOUT seconds (480), so a kernel that hangs still leaves its log (-v: the test it hung in);
 #            CUDA_TESTS_ARGS adds pytest arguments (split on spaces), CUDA_TESTS_K a -k expression (one argument, e.g.
-#            CUDA_TESTS_K="stream or occupancy": the int4 candidates of 2026-12-05)
-#   cuda-times the CUDA int4 kernel's occupancy (MIN_BLOCKS 4 / 8) and MMA-chain (CHAINS 1 / 2) instances and its stream kernel with
-#            their error against the reference, then the Triton and CUDA kernels' times per layer (scripts/gemv_times.py --kernel triton cuda): int4 on
+#            CUDA_TESTS_K="fold")
+#   cuda-times the CUDA int4 kernel (folded and not) and its loads-only probe with their error against the reference,
+#            then the Triton and CUDA kernels' times per layer (scripts/gemv_times.py --kernel triton cuda): int4 on
 #            the 27B's layers and head at each BATCH, pipelining and grid target, then both at 4, 8, 16 rows
-#   async    the int4 async kernel (kernels={"int4": "cuda-async"}, 2026-12-05): its GPU tests (bit for bit against the
-#            register kernel), then its per-layer times at 3 and 6 slots beside the register kernel and Triton's, 1
-#            and 4 rows, each CUDA kernel beside its loads-only probe (int4_cuda.loads_only: its load path's own
-#            rate at its own blocks an SM; ~3 min); the step's A/B in a call of its own: python scripts/bench.py --models qwen3.5-27b
-#            --systems fastqwen-int4 fastqwen-int4+cuda-async-int4 --isolate --quant-lm-head --n-long 544 --repeats 3
-#            --no-autotune (bf16's step of the same GPU for the ratio: 13520 µs on an H200, 20015 on an H100)
-#   ceiling  int4's Triton and CUDA kernels, the register kernel's loads-only probe, CHAINS 1 / 2, MIN_BLOCKS 4 / 8
-#            and the folded kernel (int4_cuda.FOLD: 287 SASS instructions a loop against 333), each cold and --warm,
-#            on the "l2" shapes (21 and 31 MB: L2-resident warm) and the 27B's, 1 and 4 rows (~4 min): warm on the l2
-#            shapes is a kernel's rate with HBM out of the way, so an H100 answers the H200's question: if the
-#            register kernel's warm rate is near its cold H200 rate (~3.0 TB/s on gate | up) its own decode and issue
-#            bound it (cut instructions: the folded kernel beside it); if well above, bytes in flight against HBM's
-#            latency do (the async kernel's kind of change). Then the CUDA kernel on the 27B's layers cycling through
-#            14 GB of weight copies (--spread) beside the usual ~2 L2 sizes: in a 16-layer profile (H100) the layers'
-#            GEMVs took ~11% longer than gemv_times says; if spreading the copies reproduces that, touching a step's
-#            14 GB (page walks) costs it, not the step's other kernels
+#   ceiling  int4's Triton and CUDA kernels (folded and not) and the loads-only probe, each cold and --warm, on the "l2"
+#            shapes (21 and 31 MB: L2-resident warm) and the 27B's, 1 and 4 rows (~3 min): warm on the l2 shapes is a
+#            kernel's rate with HBM out of the way (on an H100, 2026-12-05: 2.0-2.4 TB/s against the probe's 3.3-3.6:
+#            its own latency bounds it). Then the CUDA kernel on the 27B's layers cycling through 14 GB of weight copies
+#            (--spread) beside the usual ~2 L2 sizes (H100, 2026-12-05: +4% a GDN layer's GEMVs, of the ~11% a step's
+#            profile shows)
 #   cuda-times-fp8 the same for fp8-weight's register kernel on the 27B's and 35B-A3B's layers.
 #            The step's A/B is `candidates` with CAND_MODEL=qwen3.5-27b CAND_SYSTEMS="fastqwen-int4+triton-int4"
 #            CAND_ARGS="--isolate --quant-lm-head --no-autotune" (fp8: fastqwen-fp8-weight+cuda-fp8-weight)
@@ -112,21 +102,16 @@ case "$stage" in
   cuda-tests) timeout ${CUDA_TESTS_TIMEOUT:-480} python -m pytest -v -s -p no:warnings --durations=6 \
                tests/gpu/test_cuda_kernels_gpu.py ${CUDA_TESTS_ARGS:-} ${CUDA_TESTS_K:+-k "$CUDA_TESTS_K"} 2>&1 \
                | tee "$out/cuda_tests.log" | tail -8 ;;
-  cuda-times) python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel cuda --cuda-min-blocks 4 8 --cuda-stream --cuda-async 3 6 --cuda-loads-only \
-               --cuda-chains 1 2 --rows 1 4 --check 2>&1 | tee "$out/cuda_times_occupancy.md"
+  cuda-times) python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel cuda --cuda-fold 0 1 --cuda-loads-only \
+               --rows 1 4 --check 2>&1 | tee "$out/cuda_times_fold.md"
              python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel triton cuda \
                --cuda-batch 2 4 8 --cuda-pipelined 0 1 --cuda-blocks 1024 2048 4096 2>&1 | tee "$out/cuda_times.md"
              python scripts/gemv_times.py --format int4 --shapes 27b --kernel triton cuda \
                --rows 4 8 16 2>&1 | tee -a "$out/cuda_times.md" ;;
   ceiling) python scripts/gemv_times.py --format int4 --shapes l2 27b --kernel triton cuda --warm --cuda-loads-only \
-             --cuda-chains 1 2 --cuda-min-blocks 4 8 --cuda-fold 0 1 --rows 1 4 --check 2>&1 | grep "^|" \
-             | tee "$out/ceiling.md"
+             --cuda-fold 0 1 --rows 1 4 --check 2>&1 | grep "^|" | tee "$out/ceiling.md"
            python scripts/gemv_times.py --format int4 --shapes 27b --kernel cuda --spread 14 --rows 1 2>&1 \
              | grep "^|" | tee "$out/spread.md" ;;
-  async) timeout 200 python -m pytest -q -p no:warnings tests/gpu/test_cuda_kernels_gpu.py -k async 2>&1 \
-           | tee "$out/async_tests.log" | tail -3
-         python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel triton cuda --cuda-async 3 6 --cuda-loads-only \
-           --rows 1 4 --check 2>&1 | grep "^|" | tee "$out/async_times.md" ;;
   cuda-times-fp8) python scripts/gemv_times.py --format fp8-weight --shapes 27b 27b-head 35b-a3b --kernel triton cuda \
                --cuda-batch 2 4 8 --cuda-blocks 1024 2048 4096 2>&1 | tee "$out/cuda_times_fp8.md" ;;
   candidate-tests) python -m pytest -q -s -p no:warnings tests/gpu/test_candidates_gpu.py 2>&1 | tail -6 ;;

@@ -37,85 +37,20 @@ def test_plans_cover_every_step_once_in_nonempty_splits():
     assert fp8_cuda.plan(34816, 5120) == (1, 80) and fp8_cuda.plan(5120, 17408) == (7, 39)
 
 
-@pytest.mark.parametrize("N,K,blocks", [(64, 512, 7), (48, 1024, 5), (16, 8192, 64), (16, 128, 1), (5120, 17408, 924),
-                                        (5120, 6144, 528), (34816, 5120, 924), (48, 2048, 7)])
-def test_stream_plan_deals_every_group_once_in_even_shares(N, K, blocks):
-    """The stream kernel's dealing, enumerated: block b takes units [b U / B, (b + 1) U / B) of the strip-major
-    (strip, group) sequence, shares within one unit of each other; a strip's pieces are consecutive blocks whose
-    slots stream_pieces numbers from 0, and stream_slots is the most pieces of any strip."""
-    G, strips = K // STEP, N // 16
-    U = strips * G
-    owner = torch.empty(U, dtype=torch.int64)
-    shares = []
-    for b in range(blocks):
-        lo, hi = b * U // blocks, (b + 1) * U // blocks
-        owner[lo:hi] = b
-        shares.append(hi - lo)
-    assert max(shares) - min(shares) <= 1 and sum(shares) == U and min(shares) >= 1
-    owner = owner.view(strips, G)
-    want = owner - owner[:, :1]
-    assert torch.equal(int4_cuda.stream_pieces(N, K, blocks).long(), want)
-    assert int4_cuda.stream_slots(N, K, blocks) == max(len(set(row.tolist())) for row in owner)
-    slots, _ = int(want.max()) + 1, int4_cuda.stream_slots.cache_clear()
-    with torch._subclasses.fake_tensor.FakeTensorMode():  # (as the op's fake implementation meets it in a compile)
-        assert int4_cuda.stream_slots(N, K, blocks) == slots
-
-
-def test_stream_grid_fills_a_hopper_gpu_and_keeps_every_strip_within_max_splits():
-    """On 132 multiprocessors the 27B's and 35B-A3B's large linears get 7 blocks each at up to 8 rows (4 past),
-    and every weight, however few its strips, ≤ MAX_SPLITS slots (inductor folds their sum into the consumer):
-    a small one gets fewer blocks instead."""
-    for N, K in ((34816, 5120), (5120, 17408), (14336, 5120), (16480, 5120), (5120, 6144), (248320, 5120),
-                 (12352, 2048), (2048, 4096), (1024, 2048), (16, 8192), (16, 128), (48, 17408)):
-        for rows in (1, 8, 9, 16):
-            blocks = int4_cuda.stream_blocks(N, K, 132, rows)
-            assert 1 <= blocks <= 132 * (7 if rows <= 8 else 4), (N, K, rows)
-            assert int4_cuda.stream_slots(N, K, blocks) <= int4_cuda.MAX_SPLITS, (N, K, rows)
-            if N * K >= 5120 * 5120:
-                assert blocks == 132 * (7 if rows <= 8 else 4), (N, K, rows)
-
-
-def test_fake_implementation_gives_the_stream_kernels_slots_on_a_cuda_device(monkeypatch):
-    """What torch.compile traces on a GPU: under fake tensors on a CUDA device the op's output has the stream
-    kernel's slots ([4, M, N] for the 27B down projection on 132 multiprocessors; 3 past 8 rows, on 4 blocks an
-    SM), plan's splits without `stream` or with one_split."""
-    import types
-
+def test_fake_implementation_gives_plans_splits_on_a_cuda_device():
+    """What torch.compile traces on a GPU: under fake tensors on a CUDA device the op's output has plan's splits
+    ([8, M, N] for the 27B down projection), one with one_split."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(multi_processor_count=132))
-    int4_cuda.stream_slots.cache_clear()  # (computed here, under fake tensors)
     N, K = 5120, 17408
     with FakeTensorMode():
         w = torch.empty(N // 16, K // STEP, 16, STEP // 2, dtype=torch.uint8, device="cuda")
         s = torch.empty(K // STEP, N, dtype=torch.float16, device="cuda").t()
         z = torch.empty(K // STEP, N, dtype=torch.uint8, device="cuda").t()
-        for M, slots in ((1, 4), (16, 3)):
+        for M in (1, 16):
             x = torch.empty(M, K, dtype=torch.bfloat16, device="cuda")
-            assert int4_cuda.int4_gemv(x, w, s, z, N, True, False, True).shape == (slots, M, N)
-            assert int4_cuda.int4_gemv(x, w, s, z, N, True, False, False).shape == (8, M, N)
-            assert int4_cuda.int4_gemv(x, w, s, z, N, True, True, True).shape == (1, M, N)
-
-
-def test_stream_reference_pieces_sum_to_the_product():
-    """stream_reference, the stream kernel's torch twin: slot k of strip s the product over the groups
-    stream_pieces puts there, zeros where the strip has no k-th piece; the slots sum to x · Wᵀ."""
-    torch.manual_seed(3)
-    N, K, blocks = 48, 1024, 5
-    q, s, z = stored_operands(INT4, torch.randn(N, K))
-    x = torch.randn(3, K, dtype=torch.bfloat16)
-    got = int4_cuda.stream_reference(x, q, s, z, N, blocks)
-    W = dequantized(INT4, q, s, z)
-    slot = int4_cuda.stream_pieces(N, K, blocks)
-    assert got.shape == (int4_cuda.stream_slots(N, K, blocks), 3, N)
-    for strip in range(N // 16):
-        rows = slice(16 * strip, 16 * strip + 16)
-        for k in range(got.shape[0]):
-            groups = (slot[strip] == k).nonzero().flatten().tolist()
-            cols = [c for g in groups for c in range(g * STEP, (g + 1) * STEP)]
-            want = x.float()[:, cols] @ W[rows][:, cols].t() if cols else torch.zeros(3, 16)
-            assert torch.allclose(got[k, :, rows], want, rtol=1e-5, atol=1e-4), (strip, k)
-    assert torch.allclose(got.sum(0), x.float() @ W.t(), rtol=1e-5, atol=1e-3)
+            assert int4_cuda.int4_gemv(x, w, s, z, N, True, False).shape == (8, M, N)
+            assert int4_cuda.int4_gemv(x, w, s, z, N, True, True).shape == (1, M, N)
 
 
 @pytest.mark.parametrize("N,K,M", [(64, 512, 1), (48, 1024, 3), (32, 128, 8), (16, 2048, 1), (64, 512, 16)])
@@ -145,20 +80,16 @@ def test_ops_pass_opcheck_and_take_only_their_layouts():
     x = torch.randn(1, 1024, dtype=torch.bfloat16)
     utils = ("test_faketensor", "test_aot_dispatch_dynamic")  # (test_schema: no e4m3 arithmetic on CPU)
     for one_split in (False, True):
-        for stream, copies in ((False, False), (True, False), (False, True)):
-            torch.library.opcheck(int4_cuda.int4_gemv, (x, q, s, z, 48, False, one_split, stream, copies),
-                                  test_utils=utils + ("test_schema",))
+        torch.library.opcheck(int4_cuda.int4_gemv, (x, q, s, z, 48, False, one_split),
+                              test_utils=utils + ("test_schema",))
         torch.library.opcheck(fp8_cuda.fp8_gemv, (x, w8, s8, False, one_split), test_utils=utils)
     assert int4_cuda.int4_gemv(x, q, s, z, 48).shape[0] == 2 and fp8_cuda.fp8_gemv(x, w8, s8).shape[0] == 4
     assert int4_cuda.int4_gemv(x, q, s, z, 48, False, True).shape[0] == 1 == fp8_cuda.fp8_gemv(x, w8, s8, False,
                                                                                              True).shape[0]
     for rows in (x, x.half(), x.expand(16, -1)):
         assert int4_cuda.takes(rows, q, s, z) and fp8_cuda.takes(rows, w8, s8)
-    for probe in [lambda k=k: int4_cuda.loads_only(x, q, s, z, 48, k) for k in int4_cuda.PROBES]:
-        with pytest.raises(ValueError, match="takes CUDA tensors"):  # (a timing probe: its output is zeros)
-            probe()
-    with pytest.raises(ValueError, match="probes one of"):
-        int4_cuda.loads_only(x, q, s, z, 48, "stream")
+    with pytest.raises(ValueError, match="takes CUDA tensors"):  # (a timing probe: its output is zeros)
+        int4_cuda.loads_only(x, q, s, z, 48)
     untiled, _, _ = stored_operands(INT4, torch.randn(48, 1024), tiled=False)
     for args in ((x.expand(17, -1), q, s, z), (x[0], q, s, z), (x.float(), q, s, z), (x, untiled, s, z),
                  (x, q, s.contiguous(), z), (x, q, s, z.contiguous()), (x[:, :512], q, s, z)):
@@ -174,10 +105,10 @@ def test_kernel_choices_are_checked_and_a_missing_compiler_names_the_fix(monkeyp
     cfg = presets.config("tiny")
     chosen = check_kernels({"int4": "cuda", "fp8_weight": "cuda"}, cfg, "cpu")
     assert (chosen["int4"], chosen["fp8_weight"]) == ("cuda", "cuda")
-    assert check_kernels({"int4": "cuda-stream"}, cfg, "cpu")["int4"] == "cuda-stream"
     assert (check_kernels(None, cfg, "cpu")["int4"], check_kernels(None, cfg, "cpu")["fp8_weight"]) == (
         "triton", "triton")  # (int4's "auto": the CUDA kernel only on a Hopper GPU with nvcc)
-    for op, bad in (("int4", "cutlass"), ("int4", "cuda-ring"), ("fp8_weight", "cuda-ring"), ("fp8_weight", "ring")):
+    for op, bad in (("int4", "cutlass"), ("int4", "cuda-ring"), ("int4", "cuda-stream"), ("int4", "cuda-async"),
+                    ("fp8_weight", "cuda-ring"), ("fp8_weight", "ring")):
         with pytest.raises(ValueError, match="triton, cuda"):
             check_kernels({op: bad}, cfg, "cpu")
     monkeypatch.setattr(cuda_build, "nvcc", lambda: None)
@@ -428,51 +359,39 @@ def _sass_functions(lib: str, kernel: str) -> list[str]:
 
 def _template_args(mangled: str, kernel: str) -> list[int]:
     """The integer and bool template arguments of a mangled instance of `kernel`, in order
-    (…int4_gemv_rowsILb1ELi2ELb0ELi1ELi8ELi2EE…: [1, 2, 0, 1, 8, 2])."""
+    (…int4_gemv_rowsILb1ELi2ELb0ELi1ELb0EE…: [1, 2, 0, 1, 0])."""
     return [int(a[2:]) for a in mangled.split(kernel + "I")[1].split("EE")[0].split("E")]
 
 
 @NVCC
-@pytest.mark.parametrize("name,instances", [("int4_gemv", 41), ("fp8_gemv", 10)])
+@pytest.mark.parametrize("name,instances", [("int4_gemv", 15), ("fp8_gemv", 10)])
 def test_kernels_build_for_sm90_without_spills(name, instances, tmp_path):
-    """nvcc -Xptxas -v for sm_90: every instance ≤ 128 registers (4 blocks of 128 threads a multiprocessor;
-    int4's instances for 8 blocks ≤ 64), no spills, static shared
-    memory under the 48 KB limit. The one exception: the stream kernel holding groups in shared memory at one
-    column block (72 registers for 7 blocks an SM) spills a few words of its per-piece bookkeeping (≤ 32 bytes
-    of stack), never inside its loops over groups
-    (test_stream_kernel_issues_each_pieces_first_loads_before_the_wait)."""
+    """nvcc -Xptxas -v for sm_90: every instance ≤ 128 registers (4 blocks of 128 threads a multiprocessor), no
+    spills, static shared memory under the 48 KB limit."""
     report, _ = _build_sm90(name, tmp_path)
     used = [line.split("Used ")[1] for line in report.splitlines() if "Used " in line]
     assert len(used) == instances, report
     assert max(int(u.split()[0]) for u in used) <= 128, report
-    entries = [line for line in report.splitlines() if "Compiling entry function" in line]
-    eight = [int(u.split()[0]) for e, u in zip(entries, used)
-             if "int4_gemv_rows" in e and _template_args(e, "int4_gemv_rows")[4] == 8]  # (MINB 8)
-    assert len(eight) == (4 if name == "int4_gemv" else 0) and max(eight, default=0) <= 64, (eight, report)
     assert max(int(u.split(" bytes smem")[0].split()[-1]) if "smem" in u else 0 for u in used) < 48 << 10, used
     spills = [line.strip() for line in report.splitlines() if "spill" in line]
-    held = ["int4_gemv_stream" in e and _template_args(e, "int4_gemv_stream")[1:] == [1, 6] for e in entries]
-    assert len(spills) == instances and sum(held) == (2 if name == "int4_gemv" else 0)
-    assert all(line == "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"
-               for line, h in zip(spills, held) if not h), spills
-    assert all(int(line.split()[0]) <= 32 for line, h in zip(spills, held) if h), spills
+    assert spills == ["0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads"] * instances, spills
 
 
 @NVCC
-@pytest.mark.parametrize("name,kernel,instances", [("int4_gemv", "int4_gemv_rows", 20),
+@pytest.mark.parametrize("name,kernel,instances", [("int4_gemv", "int4_gemv_rows", 14),
                                                    ("fp8_gemv", "fp8_gemv_rows", 10)])
 def test_register_kernels_issue_their_first_loads_before_the_wait(name, kernel, instances, tmp_path):
     """In the SASS of each register-kernel instance (bf16 / fp16 x, each BATCH, pipelined, one or two blocks of
-    8 x rows; int4's for 8 blocks a multiprocessor and with two MMA chains too), the first BATCH steps' 16-byte
+    8 x rows; int4's loads-only probe too), the first BATCH steps' 16-byte
     weight loads that skip L1, then the PDL wait, then x and the later batches; 8 MMAs an int4 group of 128
     columns, 4 an fp8 chunk of 64, for each block of 8 x rows."""
     functions = _sass_functions(_build_sm90(name, tmp_path)[1], kernel)
     assert len(functions) == instances
     for k in functions:
-        args = _template_args(k.split("\n")[0], kernel)  # int4: dtype, BATCH, PIPE, NB, MINB, CHAINS, PROBE;
+        args = _template_args(k.split("\n")[0], kernel)  # int4: dtype, BATCH, PIPE, NB, PROBE;
         # fp8: dtype, BATCH, NB
         batch, nb, pipe = args[1], args[3 if name == "int4_gemv" else 2], name == "int4_gemv" and args[2] == 1
-        probe = name == "int4_gemv" and args[6] == 1  # (the loads-only probe: no x, no MMA)
+        probe = name == "int4_gemv" and args[4] == 1  # (the loads-only probe: no x, no MMA)
         ops = _sass_ops(k)
         wait = ops.index("ACQBULK")  # griddepcontrol.wait
         weights = [i for i, o in enumerate(ops) if o == "LDG.E.NA.128"]
@@ -487,16 +406,16 @@ def test_register_kernels_issue_their_first_loads_before_the_wait(name, kernel, 
 
 @NVCC
 def test_folded_kernel_keeps_the_register_kernels_loads_with_a_shorter_decode(tmp_path):
-    """int4_gemv_fold (int4_cuda.FOLD; bf16 x, one block of 8 x rows): the register kernel's first batch (2
+    """int4_gemv_fold (int4_cuda.FOLD, the default; bf16 x, one block of 8 x rows): the register kernel's first batch (2
     groups: four 16-byte weight loads that skip L1) before the PDL wait and x after it; 16 MMAs a group (8 of the
     codes, 8 of an all-ones A for the sums of x) and no bf16 pair arithmetic in the decode (the zero comes off
     after the MMAs); its loop over the batches ≤ 90% of the instructions of the register kernel's instance it
-    stands in for (BATCH 2 unpipelined, 4 blocks, one chain, bf16; 287 against 333 when written), in ≤ 72
+    stands in for (BATCH 2 unpipelined, bf16, one block of 8 x rows; 287 against 333 when written), in ≤ 72
     registers with no spill (7 blocks a multiprocessor, as the instance it replaces)."""
     report, lib = _build_sm90("int4_gemv", tmp_path)
     (fold,) = _sass_functions(lib, "int4_gemv_fold")
     (plain,) = [k for k in _sass_functions(lib, "int4_gemv_rows")
-                if _template_args(k.split("\n")[0], "int4_gemv_rows") == [1, 2, 0, 1, 4, 1, 0]]
+                if _template_args(k.split("\n")[0], "int4_gemv_rows") == [1, 2, 0, 1, 0]]
     ops = _sass_ops(fold)
     wait = ops.index("ACQBULK")
     weights = [i for i, o in enumerate(ops) if o == "LDG.E.NA.128"]
@@ -511,92 +430,14 @@ def test_folded_kernel_keeps_the_register_kernels_loads_with_a_shorter_decode(tm
 
 
 def test_the_fold_takes_the_place_of_one_instance_only(monkeypatch):
-    """int4_cuda.variant: FOLD replaces BATCH 2 unpipelined at MIN_BLOCKS 4, CHAINS 1, for bf16 x of up to 8 rows;
-    anything else keeps its instance unfolded."""
-    assert int4_cuda.variant(1) == (2, False, 4, 1, False)
-    monkeypatch.setattr(int4_cuda, "FOLD", True)
-    assert int4_cuda.variant(1) == int4_cuda.variant(8) == (2, False, 4, 1, True)
-    assert not int4_cuda.variant(9)[4] and not int4_cuda.variant(1, bf16=False)[4]
-    for name, value in (("BATCH", 4), ("PIPELINED", True), ("MIN_BLOCKS", 8), ("CHAINS", 2)):
+    """int4_cuda.variant: FOLD (the default) replaces BATCH 2 unpipelined for bf16 x of up to 8 rows; anything
+    else keeps its instance unfolded, and FOLD off keeps it too."""
+    assert int4_cuda.variant(1) == int4_cuda.variant(8) == (2, False, True)
+    assert int4_cuda.variant(9) == (2, False, False) and int4_cuda.variant(1, bf16=False) == (2, False, False)
+    for name, value in (("BATCH", 4), ("PIPELINED", True), ("FOLD", False)):
         with monkeypatch.context() as m:
             m.setattr(int4_cuda, name, value)
-            assert not int4_cuda.variant(1)[4], name
-
-
-@NVCC
-def test_stream_kernel_issues_each_pieces_first_loads_before_the_wait(tmp_path):
-    """In the SASS of each stream instance (bf16 / fp16 x, one or two blocks of 8 x rows, STREAM_HELD 0 or 6): the
-    early trigger (PREEXIT, taken at run time) first; a piece's first batch (2 groups: four 16-byte weight loads
-    that skip L1) before the PDL wait, x after it, the later batches' loads in the loop; with groups held, their
-    cp.async copies (a tile's two 16-byte pieces a lane, a scale or zero piece: 4 copies a group) and one commit
-    before the wait as well, and the held groups' decode after it; 8 MMAs a group for each block of 8 x rows (2
-    groups a batch, one a held group); at most 72 registers with one block of 8 x rows (7 blocks a multiprocessor,
-    as int4_cuda.STREAM_BLOCKS_PER_SM says)."""
-    functions = _sass_functions(_build_sm90("int4_gemv", tmp_path)[1], "int4_gemv_stream")
-    assert len(functions) == 8
-    for k in functions:
-        _, nb, held = _template_args(k.split("\n")[0], "int4_gemv_stream")
-        ops = _sass_ops(k)
-        wait = ops.index("ACQBULK")
-        weights = [i for i, o in enumerate(ops) if o == "LDG.E.NA.128"]
-        xs = [i for i, o in enumerate(ops) if o == "LDG.E.128"]
-        copies = [i for i, o in enumerate(ops) if o.startswith("LDGSTS")]
-        assert ops.index("PREEXIT") < min(weights + copies) and ops.count("PREEXIT") == 1
-        assert len(weights) == 8 and weights[3] < wait < min(xs + weights[4:]), (weights, wait, xs)
-        commits = [i for i, o in enumerate(ops) if o == "LDGDEPBAR"]
-        assert len(copies) == 4 * held and len(commits) == (held > 0) and all(i < wait for i in copies + commits)
-        assert sum(o.startswith("HMMA.16816.F32") for o in ops) == 8 * nb * (2 + (held > 0))
-        if held:
-            assert wait < ops.index("DEPBAR.LE") < min(xs), "the held groups' copies are waited for after the wait"
-        loops = _loops(k)
-        for start, end in loops:  # (the innermost loops over groups: no local memory, whatever spilled)
-            body = ops[start:end + 1]
-            inner = not any(start <= s < e <= end and (s, e) != (start, end) for s, e in loops)
-            if inner and any(o.startswith("HMMA") for o in body):
-                assert not any(o.startswith(("LDL", "STL")) for o in body), (nb, held)
-    report, _ = _build_sm90("int4_gemv", tmp_path)
-    lines = report.splitlines()
-    used = [int(next(u for u in lines[i:] if "Used " in u).split("Used ")[1].split()[0]) for i, line in enumerate(lines)
-            if "Compiling entry function" in line and "int4_gemv_stream" in line
-            and _template_args(line, "int4_gemv_stream")[1] == 1]
-    assert len(used) == 4 and max(used) <= 72, used
-
-
-@NVCC
-def test_async_kernel_copies_its_first_groups_before_the_wait_and_waits_on_each(tmp_path):
-    """In the SASS of each async instance (bf16 / fp16 x, 3 or 6 slots, one or two blocks of 8 x rows): the first
-    STAGES - 1 groups' cp.async copies (the tile's two 16-byte pieces a lane and a scale or zero piece, each group
-    committed) before the PDL wait; in the loop one group's copies and commit, a wait on the copies (at most
-    STAGES - 1 groups still in flight), then x and the group's 8 MMAs for each block of 8 x rows; nothing spills,
-    and at 3 slots with one block of 8 x rows at most 64 registers (8 blocks a multiprocessor). Its loads-only
-    probes (one block of 8 x rows): the first groups' copies before the wait, then copies and slot reads, no x and
-    no MMA."""
-    report, lib = _build_sm90("int4_gemv", tmp_path)
-    functions = _sass_functions(lib, "int4_gemv_async")
-    assert len(functions) == 12
-    for k in functions:
-        _, stages, nb, probe = _template_args(k.split("\n")[0], "int4_gemv_async")
-        ops = _sass_ops(k)
-        if probe:
-            copies = [i for i, o in enumerate(ops) if o.startswith("LDGSTS")]
-            assert nb == 1 and copies[3 * (stages - 1) - 1] < ops.index("ACQBULK") < copies[3 * (stages - 1)]
-            assert "LDG.E.128" not in ops and not any(o.startswith("HMMA") for o in ops) and "LDS.128" in ops
-            continue
-        wait = ops.index("ACQBULK")
-        copies = [i for i, o in enumerate(ops) if o.startswith("LDGSTS")]
-        commits = [i for i, o in enumerate(ops) if o == "LDGDEPBAR"]
-        drains = [i for i, o in enumerate(ops) if o.startswith("DEPBAR")]
-        xs = [i for i, o in enumerate(ops) if o == "LDG.E.128"]
-        assert len(copies) == 3 * stages and len(commits) == stages, (stages, nb, len(copies), len(commits))
-        assert copies[3 * (stages - 1) - 1] < commits[stages - 2] < wait < copies[3 * (stages - 1)], (stages, nb)
-        assert commits[-1] < drains[0] < xs[0] and len(xs) == 4 * nb, (drains, xs)
-        assert sum(o.startswith("HMMA.16816.F32") for o in ops) == 8 * nb
-        assert not any(o.startswith(("STL", "LDL")) for o in ops)
-    lines = report.splitlines()
-    used = [int(next(u for u in lines[i:] if "Used " in u).split("Used ")[1].split()[0]) for i, line in enumerate(lines)
-            if "Compiling entry function" in line and "int4_gemv_async" in line
-            and _template_args(line, "int4_gemv_async")[1:] == [3, 1, 0]]
-    assert len(used) == 2 and max(used) <= 64, used
+            assert not int4_cuda.variant(1)[2], name
 
 
 def test_optimize_routes_quantized_linears_to_the_chosen_kernels(monkeypatch):
@@ -614,25 +455,23 @@ def test_optimize_routes_quantized_linears_to_the_chosen_kernels(monkeypatch):
     monkeypatch.setattr(QuantLinear, "partials", lambda self, x, pdl=False, fixup=False, in_dims=1, cuda=():
                         seen.append(cuda) or partials(self, x, pdl, fixup, in_dims, cuda))
     for scheme, kernels, want in (("int4", {"int4": "cuda"}, ("int4",)), ("int4", {}, ()),
-                                  ("int4", {"int4": "cuda-stream"}, ("int4-stream",)),
-                                  ("int4", {"int4": "cuda-async"}, ("int4-async",)),
                                   ("fp8-weight", {"fp8_weight": "cuda"}, ("fp8-weight",)),
                                   ("fp8-weight", {"int4": "cuda", "fp8_weight": "cuda"}, ("int4", "fp8-weight"))):
         m = fastqwen.optimize(fresh("tiny"), max_seq_len=64, compile=False, quant=scheme, kernels=kernels)
         n = len(seen)
         m.generate(torch.randint(1, 500, (1, 5)), max_new_tokens=3, do_sample=False)
         assert len(seen) > n and set(seen[n:]) == {want}, (scheme, kernels)
-    calls = []  # (the tag's stream / async choice reaches the op: its CPU reference stands in for the kernel)
+    calls = []  # (pdl and the one-split fixup reach the op: its CPU reference stands in for the kernel)
     monkeypatch.setattr(int4_cuda, "int4_gemv", lambda *args: calls.append(args[-2:]) or int4_cuda.reference(
         *args[:5], 1))
-    monkeypatch.setattr(fp8_cuda, "fp8_gemv", lambda *args: calls.append("fp8") or fp8_cuda.reference(
+    monkeypatch.setattr(fp8_cuda, "fp8_gemv", lambda *args: calls.append(args[-2:]) or fp8_cuda.reference(
         *args[:3], 1))
     x = torch.randn(1, 256, dtype=torch.bfloat16)
     for scheme in ("int4", "fp8-weight"):
         layer = quantize_modules(torch.nn.Sequential(torch.nn.Linear(256, 64)), scheme)[0]
-        for tag in (scheme,) + (("int4-stream", "int4-async") if scheme == "int4" else ()):
-            assert layer._cuda_partials(x, layer.scale, False, False, tag).shape == (1, 1, layer.out_features)
-    assert calls == [(False, False), (True, False), (False, True), "fp8"]
+        for pdl, fixup in ((False, False), (True, True)):
+            assert layer._cuda_partials(x, layer.scale, pdl, fixup).shape == (1, 1, layer.out_features)
+    assert calls == [(False, False), (True, True)] * 2
 
 
 @NVCC
@@ -645,28 +484,14 @@ def test_built_libraries_refuse_arguments_out_of_range_before_touching_the_gpu(t
     try:
         int4, fp8 = int4_cuda.library("90"), fp8_cuda.library("90")  # (the typed entry points)
         assert sorted(p.name.split("-")[0] for p in (tmp_path / "cuda").glob("*.so")) == ["fp8_gemv", "int4_gemv"]
-        call4 = lambda M=1, N=64, K=512, splits=2, per=2, batch=4, pipe=0, min_blocks=4, chains=1, stream=0, \
-            held=0, early=0, copies=0, loads_only=0, fold=0, bf16=1: int4(0, 0, 0, 0, 0, M, N, K, splits, per, batch,
-                                                                          pipe, min_blocks, chains, fold, loads_only,
-                                                                          stream, held, early, copies, bf16, 0, 0,
-                                                                          None)
-        slots = int4_cuda.stream_slots(64, 512, 7)  # (16 units on 7 blocks: 3 pieces a strip at most)
-        assert slots == 3
+        call4 = lambda M=1, N=64, K=512, splits=2, per=2, batch=4, pipe=0, fold=0, loads_only=0, bf16=1: int4(  # noqa
+            0, 0, 0, 0, 0, M, N, K, splits, per, batch, pipe, fold, loads_only, bf16, 0, 0, None)
         for bad in ({"N": 40}, {"K": 500}, {"M": 0}, {"M": 17}, {"splits": 3}, {"per": 1}, {"batch": 3},
-                    {"batch": 4, "pipe": 1}, {"M": 9, "batch": 8}, {"M": 9, "batch": 2, "pipe": 1}, {"min_blocks": 6},
-                    {"chains": 3}, {"batch": 4, "min_blocks": 8},
-                    {"batch": 2, "pipe": 1, "chains": 2}, {"M": 9, "batch": 2, "min_blocks": 8},
-                    {"stream": 7, "splits": slots - 1}, {"stream": 7, "splits": slots + 1}, {"stream": 17, "splits": 1},
-                    {"stream": -1}, {"stream": 7, "splits": slots, "N": 40}, {"stream": 7, "splits": slots, "M": 17},
-                    {"copies": 2}, {"copies": 4}, {"copies": 3, "M": 17},
-                    {"copies": 6, "splits": 3}, {"loads_only": 1, "batch": 4}, {"loads_only": 1, "M": 9, "batch": 2},
-                    {"loads_only": 1, "copies": 3, "M": 9}, {"loads_only": 1, "batch": 2, "min_blocks": 8},
-                    {"stream": 7, "splits": slots, "loads_only": 1}, {"stream": 7, "splits": slots, "copies": 3},
-                    {"held": 6}, {"early": 1}, {"fold": 1, "batch": 4}, {"fold": 1, "batch": 2, "bf16": 0},
-                    {"fold": 1, "batch": 2, "M": 9}, {"fold": 1, "batch": 2, "min_blocks": 8},
-                    {"fold": 1, "batch": 2, "chains": 2}, {"fold": 1, "batch": 2, "loads_only": 1},
-                    {"stream": 7, "splits": slots, "held": 4},
-                    {"stream": 7, "splits": slots, "early": 2}):
+                    {"batch": 4, "pipe": 1}, {"M": 9, "batch": 8}, {"M": 9, "batch": 2, "pipe": 1},
+                    {"loads_only": 1, "batch": 4}, {"loads_only": 1, "M": 9, "batch": 2},
+                    {"loads_only": 1, "batch": 2, "pipe": 1}, {"fold": 1, "batch": 4}, {"fold": 1, "batch": 2, "bf16": 0},
+                    {"fold": 1, "batch": 2, "M": 9}, {"fold": 1, "batch": 2, "pipe": 1},
+                    {"fold": 1, "batch": 2, "loads_only": 1}):
             assert call4(**bad) == 1, bad
         call8 = lambda M=1, N=64, K=512, splits=2, per=4, batch=4: fp8(  # noqa: E731
             0, 0, 0, 0, M, N, K, splits, per, batch, 1, 0, 0, None)
@@ -674,11 +499,8 @@ def test_built_libraries_refuse_arguments_out_of_range_before_touching_the_gpu(t
                     {"M": 9, "batch": 8}):
             assert call8(**bad) == 1, bad
         if not torch.cuda.is_available():
-            for ok in (call4(), call4(batch=2, min_blocks=8, chains=2), call4(stream=7, splits=slots, batch=3),
-                       call4(stream=7, splits=slots, held=6, early=1),
-                       call4(copies=3, batch=3), call4(copies=6, M=16), call4(loads_only=1, batch=2),
-                       call4(loads_only=1, copies=6, M=8),
-                       call4(stream=16, splits=4, M=16), call4(fold=1, batch=2, M=8), call8(), call8(M=12, batch=2)):
+            for ok in (call4(), call4(M=16), call4(batch=2, pipe=1), call4(loads_only=1, batch=2, bf16=0),
+                       call4(fold=1, batch=2, M=8), call8(), call8(M=12, batch=2)):
                 assert ok not in (0, 1)  # (no GPU: the runtime's error, e.g. 35)
     finally:
         cuda_build.build.cache_clear()

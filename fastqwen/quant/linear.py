@@ -68,8 +68,8 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor, pdl: bool = False, fixup: bool = False, cuda: tuple = ()) -> torch.Tensor:
         """x [..., in_features] → [..., out_features]; pdl: the kernel with programmatic dependent launch;
         fixup: it sums its split-K partials itself (ops/gemv.py wq_linear); cuda: the schemes whose few-row
-        products take the CUDA C++ kernels ("int4": ops/int4_cuda.py, "fp8-weight": ops/fp8_cuda.py;
-        "int4-stream", "int4-async": int4's stream and async kernels) rather than the Triton one (ops/gemv.py)."""
+        products take the CUDA C++ kernels ("int4": ops/int4_cuda.py, "fp8-weight": ops/fp8_cuda.py) rather than the
+        Triton one (ops/gemv.py)."""
         parts = self.partials(x, pdl, fixup, cuda=cuda)
         if parts is not None:
             y = add_splits(parts).to(x.dtype)
@@ -94,22 +94,18 @@ class QuantLinear(nn.Module):
         if getattr(self, "perm", None) is not None:
             x2 = x2.reshape(rows, -1).index_select(1, self.perm)  # the stored column order
         scale = self.scale_inv if self.scheme == "fp8" else self.scale
-        tag = next((t for t in cuda if t.removesuffix("-stream").removesuffix("-async") == self.scheme), None)
-        parts = self._cuda_partials(x2.reshape(rows, -1), scale, pdl, fixup, tag) if tag else None
+        parts = self._cuda_partials(x2.reshape(rows, -1), scale, pdl, fixup) if self.scheme in cuda else None
         if parts is not None:
             return parts.view(parts.shape[0], *x.shape[:-in_dims], self.out_features)
         parts = wq_linear(x2, FORMATS[self.scheme], self.qweight, scale, getattr(self, "zero", None),
                           self.scheme == "fp8", self.out_features, pdl, fixup)
         return parts.view(parts.shape[0], *x.shape[:-in_dims], self.out_features)
 
-    def _cuda_partials(self, x2: torch.Tensor, scale: torch.Tensor, pdl: bool, fixup: bool,
-                       tag: str) -> torch.Tensor | None:
+    def _cuda_partials(self, x2: torch.Tensor, scale: torch.Tensor, pdl: bool, fixup: bool) -> torch.Tensor | None:
         """The scheme's CUDA kernel's partials [S, rows, out_features] of x2 [rows, in_features], or None where
-        it does not take them (fixup: one split, as the Triton kernel's fixup gives one partial; tag: the
-        scheme's entry in `cuda`, "-stream" and "-async" for int4's stream and async kernels)."""
+        it does not take them (fixup: one split, as the Triton kernel's fixup gives one partial)."""
         if self.scheme == "int4" and int4_cuda.takes(x2, self.qweight, scale, self.zero):
-            return int4_cuda.int4_gemv(x2, self.qweight, scale, self.zero, self.out_features, pdl, fixup,
-                                       tag.endswith("-stream"), tag.endswith("-async"))
+            return int4_cuda.int4_gemv(x2, self.qweight, scale, self.zero, self.out_features, pdl, fixup)
         if self.scheme == "fp8-weight" and fp8_cuda.takes(x2, self.qweight, scale):
             return fp8_cuda.fp8_gemv(x2, self.qweight, scale, pdl, fixup)
         return None

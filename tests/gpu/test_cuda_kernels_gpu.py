@@ -1,10 +1,8 @@
 """The CUDA C++ few-row kernels (ops/int4_cuda.py, ops/fp8_cuda.py; built with nvcc on first use) on the GPU:
 their split-K partials against the plain torch references at the 27B's and 35B-A3B's layer shapes, bf16 and fp16
-x, one row and 2 … 16, with and without programmatic dependent launch, every output written, every instance;
-replayed in a CUDA graph; int4's stream kernel against its own torch twin (int4_cuda.stream_reference: its
-pieces, not plan's splits); and a compiled decode step under kernels={"int4" | "fp8_weight": "cuda"},
-{"int4": "cuda-stream" | "cuda-async"} against the Triton
-kernel's; the async kernel bit for bit against the register kernel at every slot count."""
+x, one row and 2 … 16, with and without programmatic dependent launch, every output written, every instance (int4's
+folded kernel and the plain one it stands in for); replayed in a CUDA graph; and a compiled decode step under
+kernels={"int4" | "fp8_weight": "cuda"} against the Triton kernel's."""
 
 import functools
 
@@ -44,27 +42,11 @@ class Int4(Kernel):
     def reference(x, ops, N, splits):
         return int4_cuda.reference(x, *ops, N, splits)
 
-
-class Int4Stream(Int4):
-    choice = "cuda-stream"
-
     @staticmethod
-    def call(x, ops, N, pdl=False, one_split=False):
-        return int4_cuda.int4_gemv(x, *ops, N, pdl, one_split, True)
-
-    @classmethod
-    def expected(cls, x, ops, N, one_split=False):
-        if one_split:
-            return cls.reference(x, ops, N, 1)
-        return int4_cuda.stream_reference(x, *ops, N, int4_cuda.stream_plan(x, N, x.shape[-1])[0])
-
-
-class Int4Async(Int4):
-    choice = "cuda-async"
-
-    @staticmethod
-    def call(x, ops, N, pdl=False, one_split=False):
-        return int4_cuda.int4_gemv(x, *ops, N, pdl, one_split, False, True)
+    def bound(x):
+        """The relative error allowed: the folded kernel's (bf16 x up to 8 rows, int4_cuda.FOLD) 3e-5, its fp32 sums
+        of (128 + q) x ~128 times the result's size (a few 1e-6 measured, 2026-12-05); else 1e-5."""
+        return 3e-5 if int4_cuda.variant(x.shape[0], x.dtype == torch.bfloat16)[2] else 1e-5
 
 
 class Fp8(Kernel):
@@ -82,14 +64,18 @@ class Fp8(Kernel):
     def reference(x, ops, N, splits):
         return fp8_cuda.reference(x, *ops, splits)
 
+    @staticmethod
+    def bound(x):
+        return 1e-5
 
-KERNELS = {"int4": Int4, "int4-stream": Int4Stream, "int4-async": Int4Async, "fp8-weight": Fp8}
+
+KERNELS = {"int4": Int4, "fp8-weight": Fp8}
 
 
 def weight(scheme: str, N: int, K: int) -> tuple:
     """The stored operands of a random [N, K] weight for `scheme`'s kernel (made once a session and format: the
     lm_head's take seconds)."""
-    return _stored(KERNELS[KERNELS[scheme].stored], N, K)  # (int4's kernels share the weights)
+    return _stored(KERNELS[scheme], N, K)
 
 
 @functools.cache
@@ -115,7 +101,7 @@ def test_partials_match_the_reference_at_real_shapes(scheme, N, K, dtype, pdl, o
     got = kernel.call(x, ops, N, pdl, one_split)
     assert got.shape == want.shape and not got.isnan().any(), "an output left unwritten"
     err = rel_err(got, want)
-    assert err < 1e-5, f"{scheme} {N}x{K} {dtype} pdl={pdl} one_split={one_split}: {err:.2e}"
+    assert err < kernel.bound(x), f"{scheme} {N}x{K} {dtype} pdl={pdl} one_split={one_split}: {err:.2e}"
 
 
 @pytest.mark.parametrize("scheme", KERNELS)
@@ -130,7 +116,7 @@ def test_rows_of_a_verify_block_or_batch_match_the_reference(scheme, M, N, K):
     got = kernel.call(x, ops, N, True)
     assert got.shape == want.shape and not got.isnan().any(), "an output left unwritten"
     for m in range(M):  # (rows 10^6 apart in scale: each against its own)
-        assert rel_err(got[:, m], want[:, m]) < 1e-5, (scheme, M, m, rel_err(got[:, m], want[:, m]))
+        assert rel_err(got[:, m], want[:, m]) < kernel.bound(x), (scheme, M, m, rel_err(got[:, m], want[:, m]))
 
 
 @pytest.mark.parametrize("scheme,batch,pipelined", [("int4", 2, False), ("int4", 2, True), ("int4", 4, False),
@@ -139,11 +125,12 @@ def test_rows_of_a_verify_block_or_batch_match_the_reference(scheme, M, N, K):
 @pytest.mark.parametrize("N,K", [(34816, 5120), (5120, 17408), (2048, 4096)])
 def test_every_instance_matches_the_reference(scheme, batch, pipelined, N, K, monkeypatch):
     """Each BATCH (and int4's PIPELINED) instance, the ones gemv_times.py sweeps, bf16 and fp16 x, 1 and 11
-    rows, with PDL."""
+    rows, with PDL; int4's unfolded (FOLD off: the fold has a test of its own)."""
     kernel = KERNELS[scheme]
     monkeypatch.setattr(kernel.module, "BATCH", batch)
     if scheme == "int4":
         monkeypatch.setattr(int4_cuda, "PIPELINED", pipelined)
+        monkeypatch.setattr(int4_cuda, "FOLD", False)
     ops = weight(scheme, N, K)
     for dtype in (torch.bfloat16, torch.float16):
         for M in (1, 11):
@@ -152,27 +139,12 @@ def test_every_instance_matches_the_reference(scheme, batch, pipelined, N, K, mo
             assert rel_err(got, kernel.reference(x, ops, N, got.shape[0])) < 1e-5, (scheme, batch, pipelined, M)
 
 
-@pytest.mark.parametrize("min_blocks,chains", [(8, 1), (4, 2), (8, 2)])
-@pytest.mark.parametrize("N,K", [(34816, 5120), (5120, 17408), (5120, 6144)])
-def test_int4_occupancy_and_chain_instances_match_the_reference(min_blocks, chains, N, K, monkeypatch):
-    """int4's BATCH 2 instances for 8 blocks a multiprocessor and / or two MMA chains (up to 8 rows; 11 rows
-    take the plain instance), bf16 and fp16 x, with PDL."""
-    monkeypatch.setattr(int4_cuda, "MIN_BLOCKS", min_blocks)
-    monkeypatch.setattr(int4_cuda, "CHAINS", chains)
-    kernel, ops = KERNELS["int4"], weight("int4", N, K)
-    for dtype in (torch.bfloat16, torch.float16):
-        for M in (1, 5, 11):
-            x = torch.randn(M, K, device="cuda", dtype=dtype)
-            got = kernel.call(x, ops, N, True)
-            assert rel_err(got, kernel.reference(x, ops, N, got.shape[0])) < 1e-5, (min_blocks, chains, M)
-
-
 @pytest.mark.parametrize("N,K", [(34816, 5120), (5120, 17408), (14336, 5120), (16480, 5120), (5120, 6144),
                                  (12352, 2048)])
 def test_int4_folded_kernel_matches_the_reference(N, K, monkeypatch):
-    """int4_cuda.FOLD (bf16 x, up to 8 rows; fp16 x and 11 rows keep the plain instance): within a relative 3e-5
-    of the reference, the plain kernel's ~1e-7 widened by its fp32 sums of (128 + q) x, ~128 times the result's
-    size (a few 1e-6 seen when the fold was first built, session 44); with PDL, one split and the plan's, every
+    """int4_cuda.FOLD (the default; bf16 x, up to 8 rows; fp16 x and 11 rows keep the plain instance): within a
+    relative 3e-5 of the reference, the plain kernel's ~1e-7 widened by its fp32 sums of (128 + q) x, ~128 times the
+    result's size (1.4e-6 to 3.9e-6 at the 27B's shapes, 2026-12-05); with PDL, one split and the plan's, every
     output written (NaN-poisoned), the same in a CUDA graph replayed on a new x."""
     monkeypatch.setattr(int4_cuda, "FOLD", True)
     kernel, ops = KERNELS["int4"], weight("int4", N, K)
@@ -191,68 +163,6 @@ def test_int4_folded_kernel_matches_the_reference(N, K, monkeypatch):
     x.copy_(torch.randn_like(x))
     graph.replay()
     assert rel_err(got, kernel.expected(x, ops, N)) < 3e-5
-
-
-@pytest.mark.parametrize("stages", [3, 6])
-@pytest.mark.parametrize("N,K", [(34816, 5120), (5120, 17408), (12352, 2048), (5120, 6144)])
-def test_async_kernel_gives_the_register_kernels_partials_bit_for_bit(stages, N, K, monkeypatch):
-    """The async kernel's warps take the register kernel's groups in the same order and sum them alike: the same
-    bits, at 3 and 6 slots a warp, splits with warps of 1 … many groups (12352x2048: 6 groups a split, so some
-    warps have 1 and copy past nothing), one split, bf16 and fp16 x, 1 to 16 rows."""
-    monkeypatch.setattr(int4_cuda, "ASYNC_STAGES", stages)
-    kernel, ops = KERNELS["int4"], weight("int4", N, K)
-    for dtype, M, one_split in ((torch.bfloat16, 1, False), (torch.float16, 5, False), (torch.bfloat16, 11, True),
-                                (torch.bfloat16, 16, False)):
-        x = torch.randn(M, K, device="cuda", dtype=dtype)
-        want = kernel.call(x, ops, N, True, one_split)
-        poison_allocator(tuple(want.shape), dtype=torch.float32)
-        got = KERNELS["int4-async"].call(x, ops, N, True, one_split)
-        assert torch.equal(got, want), (stages, N, K, M, one_split, rel_err(got, want))
-
-
-@pytest.mark.parametrize("N,K", [(34816, 5120), (5120, 17408), (12352, 2048), (5120, 6144), (248320, 5120)])
-def test_stream_kernel_holding_groups_gives_the_same_partials_bit_for_bit(N, K, monkeypatch):
-    """The stream kernel with STREAM_HELD groups a warp copied into shared memory before the wait (and its early
-    trigger) decodes the same groups in the same order as without: the same bits, where a block's first piece
-    gives a warp more groups than it holds and fewer (12352x2048: 16 groups a strip), bf16 and fp16 x, 1 to 16
-    rows."""
-    kernel, ops = KERNELS["int4-stream"], weight("int4-stream", N, K)
-    for dtype, M in ((torch.bfloat16, 1), (torch.float16, 3), (torch.bfloat16, 9), (torch.bfloat16, 16)):
-        x = torch.randn(M, K, device="cuda", dtype=dtype)
-        monkeypatch.setattr(int4_cuda, "STREAM_HELD", 0)
-        monkeypatch.setattr(int4_cuda, "STREAM_EARLY", False)
-        want = kernel.call(x, ops, N, True)
-        monkeypatch.setattr(int4_cuda, "STREAM_HELD", 6)
-        monkeypatch.setattr(int4_cuda, "STREAM_EARLY", True)
-        poison_allocator(tuple(want.shape), dtype=torch.float32)
-        got = kernel.call(x, ops, N, True)
-        assert torch.equal(got, want), (N, K, M, dtype, rel_err(got, want))
-
-
-def test_a_dependent_launched_at_the_stream_kernels_start_reads_its_whole_output(monkeypatch):
-    """The stream kernel's early trigger (STREAM_EARLY, with groups held) lets the next kernel launch while it
-    runs: a PDL-launched copy of its output (griddepcontrol.wait first, as every kernel of a step does) must still
-    read all of it, every launch of a row of them."""
-    monkeypatch.setattr(int4_cuda, "STREAM_HELD", 6)
-    monkeypatch.setattr(int4_cuda, "STREAM_EARLY", True)
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def copy_after_wait(src, out, n, BLOCK: tl.constexpr):
-        tl.extra.cuda.gdc_wait()
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(out + i, tl.load(src + i, mask=i < n), mask=i < n)
-
-    kernel, (N, K) = KERNELS["int4-stream"], (34816, 5120)
-    ops = weight("int4-stream", N, K)
-    x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
-    want = kernel.call(x, ops, N, True)
-    for _ in range(3):
-        got = torch.full_like(want, float("nan"))
-        partials = kernel.call(x, ops, N, True)
-        copy_after_wait[(-(-want.numel() // 1024),)](partials, got, want.numel(), BLOCK=1024, launch_pdl=True)
-        assert torch.equal(got, want)
 
 
 def _late_writer():
@@ -276,15 +186,14 @@ def _late_writer():
     return late_copy
 
 
-@pytest.mark.parametrize("probe", int4_cuda.PROBES)
-def test_loads_only_probes_run_and_write_zeros(probe):
-    """gemv_times.py's probes of the int4 kernels' load paths (the register and async kernels'): the same grid,
-    every output written (zeros)."""
+def test_loads_only_probe_runs_and_writes_zeros():
+    """gemv_times.py's probe of the int4 register kernel's load path: the same grid, every output written
+    (zeros)."""
     N, K = 5120, 17408
     ops = weight("int4", N, K)
     x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
     poison_allocator((int4_cuda.plan(N, K)[0], 1, N), dtype=torch.float32)
-    got = int4_cuda.loads_only(x, *ops, N, probe)
+    got = int4_cuda.loads_only(x, *ops, N)
     assert got.shape == (int4_cuda.plan(N, K)[0], 1, N) and not got.any() and not got.isnan().any()
 
 
@@ -302,7 +211,7 @@ def test_x_written_late_by_a_kernel_that_triggers_early_is_waited_for(scheme):
         x.fill_(float("nan"))
         late_copy[(-(-src.numel() // block),)](src, x, src.numel(), 20000, BLOCK=block, launch_pdl=True)
         got = kernel.call(x, ops, N, True)
-        assert not got.isnan().any() and rel_err(got, want) < 1e-5, scheme
+        assert not got.isnan().any() and rel_err(got, want) < kernel.bound(x), scheme
 
 
 @pytest.mark.parametrize("scheme", KERNELS)
@@ -313,7 +222,7 @@ def test_x_at_an_unaligned_offset_is_taken(scheme):
     x = torch.randn(K + 2, device="cuda", dtype=torch.bfloat16)[2:].view(1, K)
     assert x.data_ptr() % 16
     got = kernel.call(x, ops, N)
-    assert rel_err(got, kernel.expected(x, ops, N)) < 1e-5
+    assert rel_err(got, kernel.expected(x, ops, N)) < kernel.bound(x)
 
 
 @pytest.mark.parametrize("scheme", KERNELS)
@@ -328,7 +237,7 @@ def test_a_graph_replays_the_kernel_on_new_inputs(scheme):
     for _ in range(2):
         x.copy_(torch.randn_like(x))
         graph.replay()
-        assert rel_err(y, kernel.reference(x, ops, N, 1)[0]) < 1e-5
+        assert rel_err(y, kernel.reference(x, ops, N, 1)[0]) < kernel.bound(x)
 
 
 @pytest.mark.parametrize("scheme", KERNELS)

@@ -53,9 +53,8 @@ __device__ __forceinline__ void x_columns(const uint16_t* x, int M, int K, int l
 
 // The epilogue of one strip: lane l's sums[nb] (c0, c1: row l/4 of the strip against x rows 8 nb + 2 (l%4) and
 // + 1; c2, c3: row l/4 + 8), times the rows' scales (scale_a, scale_b), summed over the 4 warps into
-// out[split, m, the strip's rows] (M rows). AGAIN: a block that calls it again (a barrier after the sums, so the
-// next call's writes wait for these reads); else a block's one call.
-template <int NB, bool AGAIN = false>
+// out[split, m, the strip's rows] (M rows); once a block (its shared sums are not read again).
+template <int NB>
 __device__ __forceinline__ void write_partials(const float (&sums)[NB][4], float scale_a, float scale_b, float* out,
                                                int M, int N, int strip, int split) {
   __shared__ float part[WARPS][8 * NB][16];  // [warp][x row][row of the strip]
@@ -75,7 +74,6 @@ __device__ __forceinline__ void write_partials(const float (&sums)[NB][4], float
     for (int v = 0; v < WARPS; ++v) s += part[v][xrow][col];
     out[((size_t)split * M + xrow) * N + strip * 16 + col] = s;
   }
-  if constexpr (AGAIN) __syncthreads();
 }
 
 // Whether (M, N, K, splits, steps a split) are in a kernel's range: N % 16, K % step_columns, 1 <= M <= 16, every
