@@ -54,8 +54,11 @@ CANDIDATE_SYSTEMS = {"fastqwen+split-attention": {"attention": "split"},  # (the
 # programmatic dependent launch, as our GEMVs are, so the ~600 small fused kernels of a 35B step overlap their
 # launch with the kernel before; fuse-small-shared: inductor fuses kernels sharing any bytes (it needs 10 by
 # default), e.g. an attention layer's v cache write into its q or k norm kernel: a launch less a layer in
-# scripts/decode_kernels.py)
+# scripts/decode_kernels.py; multi-kernel: inductor compiles each reduction both looped and persistent (the whole row
+# in registers, one pass) and keeps the faster at the first call: the one-row residual add + RMSNorm over 5120 with
+# 8 split-K partials is a looped one-program kernel by default, ~4.9 µs each, 29 of 16 layers' 198 launches)
 OPTION_SYSTEMS = {"fastqwen+combo-kernels": {"combo_kernels": True},
+                  "fastqwen+multi-kernel": {"triton.multi_kernel": 1},
                   "fastqwen+unroll-reductions-16": {"unroll_reductions_threshold": 16},
                   "fastqwen+inductor-pdl": {"triton.enable_pdl": True},
                   "fastqwen+fuse-small-shared": {"score_fusion_memory_threshold": 1}}
