@@ -152,7 +152,12 @@ class Engine:
             compile_options = {**(compile_options or {}), "triton.enable_pdl": True}
         self.compile_options = compile_options
         self.compile_cache = compile_cache
+        self.reductions = self.forward.kernels["reductions"]
         self.cache_tag = compile_cache_tag()
+        if self.reductions != "inductor":
+            from . import reductions
+
+            self.cache_tag += reductions.tag(self.reductions)
         if compile and compile_cache is not None and os.path.exists(compile_cache):
             with open(compile_cache, "rb") as f:
                 torch.compiler.load_cache_artifacts(f.read())
@@ -165,6 +170,10 @@ class Engine:
         compile=False."""
         if self.compiled:
             fn = torch.compile(_own_code(fn), fullgraph=True, options=self.compile_options)
+            if self.reductions != "inductor":  # (kernels["reductions"]: inductor's heuristic while it compiles)
+                from . import reductions
+
+                fn = reductions.compiled_under(fn, self.reductions)
         return torch.no_grad()(fn)
 
     def enable_speculation(self, proposer, k: int) -> None:

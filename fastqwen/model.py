@@ -41,7 +41,7 @@ KERNELS = {"attention": ("split", "sdpa"), "experts": ("auto", "gather", "groupe
            "expert_act": ("auto", "separate", "fused", "mlp"), "route": ("auto", "argmax", "packed", "fused"),
            "mlp_act": ("separate", "fused"), "conv": ("fused", "separate"),
            "int4": ("auto", "triton", "cuda"),
-           "fp8_weight": ("triton", "cuda")}  # first: the default
+           "fp8_weight": ("triton", "cuda"), "reductions": ("inductor", "persistent")}  # first: the default
 CUDA_KERNELS = {"int4": "int4", "fp8_weight": "fp8-weight"}  # kernels option -> the scheme its "cuda" choices take
 
 
@@ -129,7 +129,11 @@ def check_kernels(kernels: dict | None, cfg, device, fp8_experts: bool = False) 
     against Triton's 6396 (the day before) on one H200, where its per-layer times are level with Triton's at one row
     and 2.4–3× faster at 2–16 rows (2026-12-05). "fp8_weight": the same for an fp8-weight QuantLinear ("cuda":
     ops/fp8_cuda.py, e4m3 pairs into the tensor cores; a candidate: level with Triton's on an H100, 12-18% slower at
-    one row on an H200)."""
+    one row on an H200). "reductions": inductor's own choice of looped or persistent reductions ("inductor") or a
+    row of up to 8192 elements on up to 16 rows always held whole, one pass ("persistent": reductions.py; a
+    candidate: the one-row residual add + RMSNorm with 8 split-K partials is otherwise a looped one-program kernel,
+    4.9 µs on the 27B; inductor's multi_kernel, which picks per reduction, made the int4 step 1.030× faster on an
+    H100, 2026-12-05)."""
     kernels = dict(kernels or {})
     unknown = set(kernels) - set(KERNELS)
     if unknown:

@@ -191,3 +191,55 @@ def test_decode_step_norms_fuse_with_their_consumers():
     assert sum("index_put" in n for n in roped) == 1, names  # k's, written into the cache by the same kernel
     # one decode position is the cache's lengths itself (a view): no kernel writes positions for the attention op
     assert not any("split_kv_partials" in n for n in names), names
+
+
+def test_persistent_reductions_hold_a_few_rows_of_up_to_8192_in_one_pass():
+    """kernels["reductions"]="persistent" (fastqwen/reductions.py): a reduction over 1024 < n ≤ 8192 elements on
+    ≤ 16 rows (the residual add + RMSNorm with a GEMV's 8 split-K partials added in, at 5120 and 8192) compiles to
+    a persistent kernel (triton_per_: one pass) where inductor alone writes a looped one (triton_red_); wider rows
+    and more rows keep inductor's choice. Through optimize, a decode step's residual norms at hidden size 2048 are
+    persistent under "persistent" and looped by default, its other kernels alike. Inductor's Triton codegen on CPU
+    tensors in a subprocess (scripts/decode_kernels.py)."""
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "decode_kernels.py")
+    code = (f"import re, runpy, torch, fastqwen\nfrom torch._inductor.virtualized import V\n"
+            "from fastqwen import presets, reductions\nfrom fastqwen.ops.gemv import add_splits\n"
+            f"ns = runpy.run_path({script!r})\n"
+            "def norm(x, parts, w):\n"
+            "    y = x + add_splits(parts).to(x.dtype)\n"
+            "    return (y.float() * torch.rsqrt(y.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * w, y\n"
+            "for rows, width in ((1, 5120), (16, 8192), (1, 16384), (64, 5120)):\n"
+            "    x, w = torch.randn(rows, width).bfloat16(), torch.randn(width).bfloat16()\n"
+            "    args = (x, torch.randn(8, rows, width), w)\n"
+            "    default = ns['kernel_names'](norm, *args)\n"
+            "    with V.set_choices_handler(reductions.PersistentRows()):\n"
+            "        persistent = ns['kernel_names'](norm, *args)\n"
+            "    kinds = (','.join(n.split('_fused')[0] for n in k) for k in (default, persistent))\n"
+            "    print('norm', rows, width, *kinds)\n"
+            "for choice in ('inductor', 'persistent'):\n"
+            "    torch._dynamo.reset()\n"
+            "    with ns['written_kernels']() as codes:\n"
+            "        m = fastqwen.optimize(presets.build('tiny', hidden_size=2048), max_seq_len=64, compile=True,\n"
+            "                              kernels={'linears': 'gemv', 'reductions': choice})\n"
+            "        try:\n"
+            "            m.generate(torch.randint(1, 500, (1, 9)), max_new_tokens=3, do_sample=False)\n"
+            "        except Exception:\n"
+            "            pass\n"
+            "    step = [c for c in codes if 'gdn_decode' in c][0]\n"
+            "    names = re.findall(r'\\n\\s+(triton_\\w+)\\.run\\(', step)\n"
+            "    print('step', choice, m._fastqwen.cache_tag.endswith(reductions.tag(choice)), ' '.join(names))\n")
+    lines = run_in_triton_interpreter(code, interpret=False).strip().splitlines()
+    kinds = {(int(r), int(w)): (d, p) for _, r, w, d, p in (line.split() for line in lines if line.startswith("norm "))}
+    assert kinds[1, 5120] == kinds[16, 8192] == ("triton_red", "triton_per"), kinds
+    assert kinds[64, 5120] == ("triton_red", "triton_red"), kinds  # (more rows: inductor's own choice)
+    # wider: inductor splits the row into chunks summed by a second kernel; the chunks' kernel may be persistent
+    default, persistent = (k.split(",") for k in kinds[1, 16384])
+    assert len(default) == len(persistent) > 1 and "triton_red" in default, kinds
+    steps = {choice: (tagged, names.split()) for _, choice, tagged, names in
+             (line.split(" ", 3) for line in lines if line.startswith("step "))}
+    assert steps["inductor"][0] == steps["persistent"][0] == "True", steps
+    kernels = {c: [n.split("_fused")[0] for n in names] for c, (_, names) in steps.items()}
+    norms = {c: [k for k, n in zip(kernels[c], steps[c][1]) if "rsqrt" in n and "cos" not in n and "silu" not in n]
+             for c in steps}
+    assert norms["inductor"] and set(norms["inductor"]) == {"triton_red"}, steps
+    assert len(norms["persistent"]) == len(norms["inductor"]) and set(norms["persistent"]) == {"triton_per"}, steps
+    assert len(kernels["persistent"]) == len(kernels["inductor"]), steps

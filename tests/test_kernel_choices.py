@@ -31,7 +31,8 @@ def test_grouped_experts_match_the_gathered_ones():
 
 ALL = {"attention": "sdpa", "experts": "grouped", "projections": "separate", "linears": "gemv", "gdn": "fla",
        "launch": "pdl", "splitk": "fixup", "gdn_norm": "fused", "expert_act": "fused",
-       "route": "packed", "conv": "separate", "int4": "cuda", "fp8_weight": "cuda"}  # (mlp_act "fused" needs fused projections: its own
+       "route": "packed", "conv": "separate", "int4": "cuda", "fp8_weight": "cuda",
+       "reductions": "persistent"}  # (mlp_act "fused" needs fused projections: its own
 # cases; the "cuda" kernels run their references off the GPU: tests/test_cuda_kernels.py, tests/gpu/test_cuda_kernels_gpu.py)
 
 
@@ -59,7 +60,8 @@ def test_alternative_kernels_give_the_default_tokens(name, kernels, compile):
     assert other._fastqwen.forward.kernels == {"attention": "split", "experts": "gather", "projections": "fused",
                                                "linears": "auto", "gdn": "block", "launch": "serial", "splitk": "sum", "gdn_norm": "separate",
                                                "expert_act": "separate", "route": "argmax", "mlp_act": "separate",
-                                               "conv": "fused", "int4": "triton", "fp8_weight": "triton", **grouped_auto,
+                                               "conv": "fused", "int4": "triton", "fp8_weight": "triton",
+                                               "reductions": "inductor", **grouped_auto,
                                                **kernels}
     ids, mask = left_padded([torch.randint(1, 500, (n,)) for n in (17, 5)])
     assert torch.equal(other.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16),

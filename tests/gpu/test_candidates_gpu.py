@@ -6,7 +6,8 @@ import pytest
 import torch
 from conftest import COMPILE, assert_near_ties, first_divergence
 
-CANDIDATES = {"attention": "sdpa", "linears": "gemv", "gdn": "fla", "launch": "serial", "splitk": "fixup"}  # the defaults' alternatives
+CANDIDATES = {"attention": "sdpa", "linears": "gemv", "gdn": "fla", "launch": "serial", "splitk": "fixup",
+              "reductions": "persistent"}  # the defaults' alternatives
 
 
 @pytest.mark.candidates
