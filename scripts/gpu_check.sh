@@ -32,7 +32,7 @@
 #            fastqwen+split-attention, fastqwen+sdpa-attention,
 #            fastqwen+gemv-linears, fastqwen+fla-gdn, fastqwen+separate-projections, fastqwen+combo-kernels:
 #            inductor's combo kernels, fastqwen+serial-launch: no programmatic dependent launch, fastqwen+torch-linears:
-#            cuBLAS for every bf16 linear) and
+#            cuBLAS for every bf16 linear, fastqwen-int4+persistent-reductions: the decode row's norms in one pass) and
 #            $CAND_ARGS (e.g.
 #            CAND_MODEL=qwen3.5-27b CAND_SYSTEMS=fastqwen+split-attention CAND_ARGS="--prompt-len 32768", or
 #            CAND_ARGS="--max-seq-len 131072": a long cache under a 512-token context, or
