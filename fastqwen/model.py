@@ -16,7 +16,8 @@ import warnings
 import torch
 
 from .cache import HybridCache
-from .ops.attention import apply_rope, attend_cache, attend_causal, attend_prefix, rope_cos_sin, write_kv
+from .ops.attention import attend_cache, attend_causal, attend_prefix, rope_cos_sin
+from .ops.attention_prep import attention_prep, prepare, summed
 from .ops.decode_attention import attend_cache_split_op
 from .linears import MLP_IN, Linears, fuse_linears
 from .moe import routed_moe, stack_shared_expert
@@ -41,7 +42,8 @@ KERNELS = {"attention": ("split", "sdpa"), "experts": ("auto", "gather", "groupe
            "expert_act": ("auto", "separate", "fused", "mlp"), "route": ("auto", "argmax", "packed", "fused"),
            "mlp_act": ("separate", "fused"), "conv": ("fused", "separate"),
            "int4": ("auto", "triton", "cuda"),
-           "fp8_weight": ("triton", "cuda"), "reductions": ("inductor", "persistent")}  # first: the default
+           "fp8_weight": ("triton", "cuda"), "reductions": ("inductor", "persistent"),
+           "attn_prep": ("separate", "fused")}  # first: the default
 CUDA_KERNELS = {"int4": "int4", "fp8_weight": "fp8-weight"}  # kernels option -> the scheme its "cuda" choices take
 
 
@@ -133,7 +135,10 @@ def check_kernels(kernels: dict | None, cfg, device, fp8_experts: bool = False) 
     row of up to 8192 elements on up to 16 rows always held whole, one pass ("persistent": reductions.py; a
     candidate: the one-row residual add + RMSNorm with 8 split-K partials is otherwise a looped one-program kernel,
     4.9 µs on the 27B; inductor's multi_kernel, which picks per reduction, made the int4 step 1.030× faster on an
-    H100, 2026-12-05)."""
+    H100, 2026-12-05). "attn_prep": a full-attention layer's q/k RMSNorms, partial rope and KV-cache write at
+    decode and verify as inductor's kernels ("separate": five on a GPU, 6.5 µs a layer in a 27B int4 profile on an
+    H100) or as one kernel of ours reading the q | gate, k and v projections' split-K partials
+    ("fused": ops/attention_prep.py; a candidate)."""
     kernels = dict(kernels or {})
     unknown = set(kernels) - set(KERNELS)
     if unknown:
@@ -232,6 +237,7 @@ class Forward:
         self.block = self.kernels["gdn"] == "block"
         self.fused_norm = self.kernels["gdn_norm"] == "fused"
         self.fused_conv = self.kernels["conv"] == "fused"
+        self.fused_prep = self.kernels["attn_prep"] == "fused"
         self.pdl = self.kernels["launch"] == "pdl"
         self.lin = Linears(fused=self.kernels["projections"] == "fused",
                            gemv={"torch": False, "gemv": True, "auto": "auto"}[self.kernels["linears"]],
@@ -396,13 +402,14 @@ class Forward:
         prefill the T positions follow the `past` ones the rows hold."""
         B, T, _ = h.shape
         D = m.head_dim
-        q, k, v = self.lin.project(m, h, ATTN_IN)
-        q, gate = q.reshape(B, T, -1, 2 * D).chunk(2, dim=-1)
-        q = rms_norm(q, m.q_norm.weight, m.q_norm.eps).transpose(1, 2)
-        k = rms_norm(k.reshape(B, T, -1, D), m.k_norm.weight, m.k_norm.eps).transpose(1, 2)
-        v = v.reshape(B, T, -1, D).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        write_kv(k_cache, v_cache, k, v, positions)
+        fused = self.fused_prep and mode != "prefill"  # (q | gate, k, v as split-K partials where they stream)
+        q, k, v = self.lin.project(m, h, ATTN_IN, ATTN_IN if fused else ())
+        gate = summed(q, h.dtype).reshape(B, T, -1, 2 * D)[..., D:]
+        norms = (m.q_norm.weight, m.k_norm.weight, m.q_norm.eps, m.k_norm.eps, cos, sin, positions, k_cache, v_cache)
+        if fused:
+            q = attention_prep(q, k, v, *norms, self.pdl)
+        else:
+            q, k, v = prepare(q, k, v, *norms)
         if mode == "prefill" and past == 0:
             o = attend_causal(q, k, v, m.scaling)
         elif mode == "prefill":

@@ -32,7 +32,7 @@ def test_grouped_experts_match_the_gathered_ones():
 ALL = {"attention": "sdpa", "experts": "grouped", "projections": "separate", "linears": "gemv", "gdn": "fla",
        "launch": "pdl", "splitk": "fixup", "gdn_norm": "fused", "expert_act": "fused",
        "route": "packed", "conv": "separate", "int4": "cuda", "fp8_weight": "cuda",
-       "reductions": "persistent"}  # (mlp_act "fused" needs fused projections: its own
+       "reductions": "persistent", "attn_prep": "fused"}  # (mlp_act "fused" needs fused projections: its own
 # cases; the "cuda" kernels run their references off the GPU: tests/test_cuda_kernels.py, tests/gpu/test_cuda_kernels_gpu.py)
 
 
@@ -43,6 +43,8 @@ ALL = {"attention": "sdpa", "experts": "grouped", "projections": "separate", "li
                                                   ("tiny", {"linears": "torch"}, False),
                                                   ("tiny", {"gdn_norm": "fused"}, True),
                                                   ("tiny", {"conv": "separate"}, True),
+                                                  ("tiny", {"attn_prep": "fused"}, True),
+                                                  ("tiny", {"attn_prep": "fused", "linears": "gemv"}, True),
                                                   ("tiny", {"conv": "fused", "linears": "gemv", "gdn": "fla"}, True),
                                                   ("tiny", {"linears": "gemv", "mlp_act": "fused"}, True),
                                                   ("tiny-moe", {"linears": "gemv", "mlp_act": "fused"}, False),
@@ -61,7 +63,7 @@ def test_alternative_kernels_give_the_default_tokens(name, kernels, compile):
                                                "linears": "auto", "gdn": "block", "launch": "serial", "splitk": "sum", "gdn_norm": "separate",
                                                "expert_act": "separate", "route": "argmax", "mlp_act": "separate",
                                                "conv": "fused", "int4": "triton", "fp8_weight": "triton",
-                                               "reductions": "inductor", **grouped_auto,
+                                               "reductions": "inductor", "attn_prep": "separate", **grouped_auto,
                                                **kernels}
     ids, mask = left_padded([torch.randint(1, 500, (n,)) for n in (17, 5)])
     assert torch.equal(other.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16),

@@ -434,3 +434,109 @@ def test_conv_decode_kernel_compiles_for_sm90_and_waits_before_reading_activatio
     from conftest import run_in_triton_interpreter
 
     assert run_in_triton_interpreter(_CONV_DECODE_SM90, interpret=False).strip().endswith("ok")
+
+
+def _prep_inputs(B, T, Hq, Hkv, D, R, S, dtype, seed=0):
+    """attention_prep's inputs: q | gate, k, v as S split-K partials [S, B, T, n] fp32 (views past 8 leading
+    columns: strided like a fused projection's slices), or outputs [B, T, n] in dtype for S = 0; cos, sin of
+    positions 2 … and 7 … (distinct a row); norm weights."""
+    from fastqwen.ops.attention import rope_cos_sin
+
+    g = torch.Generator().manual_seed(seed)
+    # sums exact in bf16 (multiples of 1/16 below 8): Triton's interpreter rounds fp32 to bf16 toward zero
+    parts = [(torch.randint(-40, 40, (max(S, 1), B, T, n + 8), generator=g) / 16)[..., 8:]
+             for n in (Hq * 2 * D, Hkv * D, Hkv * D)]
+    ins = [x[0].to(dtype) for x in parts] if S == 0 else parts
+    positions = torch.arange(T)[None] + torch.tensor([2, 7][:B])[:, None]
+    inv_freq = 1.0 / (1e4 ** (torch.arange(0, R, 2).float() / R))
+    cos, sin = rope_cos_sin(positions, inv_freq, 1.0, dtype)
+    weights = [(torch.randn(D, generator=g) * 0.1).to(dtype) for _ in range(2)]
+    return ins, weights, cos, sin, positions
+
+
+def test_attention_prep_is_the_separate_path_and_its_fake_agrees():
+    """kernels={"attn_prep": "fused"}: the op (its CPU path) returns prepare's q, writes k and v where
+    prepare does and nowhere else (caches poisoned with NaN), from outputs or split-K partials; opcheck checks
+    its fake and its mutations of the cache views."""
+    from fastqwen.ops.attention_prep import attention_prep, prepare
+
+    B, T, Hq, Hkv, D, R, seq = 2, 3, 4, 2, 16, 8, 12
+    for dtype in (torch.float32, torch.bfloat16):
+        for S in (0, 1, 3):
+            ins, (qw, kw), cos, sin, positions = _prep_inputs(B, T, Hq, Hkv, D, R, S, dtype)
+            caches = torch.full((2, 3, B, Hkv, seq, D), float("nan"), dtype=dtype)  # (k, v) x 3 layers
+            want_caches = caches.clone()
+            q, k, v = prepare(*ins, qw, kw, 1e-6, 1e-6, cos, sin, positions, *want_caches[:, 1])
+            got = attention_prep(*ins, qw, kw, 1e-6, 1e-6, cos, sin, positions, *caches[:, 1])
+            assert got.shape == (B, Hq, T, D) and got.is_contiguous() and torch.equal(got, q), (dtype, S)
+            assert torch.equal(caches.isnan(), want_caches.isnan()) and caches.isnan().sum() == caches.numel() - 2 * (
+                B * Hkv * T * D)
+            assert torch.equal(caches.nan_to_num(), want_caches.nan_to_num())
+            assert torch.equal(want_caches[0, 1, 1, :, 7:10], k[1]), (dtype, S)  # row 1 at positions 7 … 9
+            torch.library.opcheck(attention_prep, (*ins, qw, kw, 1e-6, 1e-6, cos, sin, positions,
+                                                   *caches.clone()[:, 1]))
+
+
+_ATTENTION_PREP = """
+import torch
+from test_ops import _prep_inputs
+from fastqwen.ops.attention_prep import _attention_prep_cuda, prepare
+B, T, Hq, Hkv, D, R, seq = 2, 3, 4, 2, 48, 16, 12  # (D not a power of 2: the masked tail)
+for dtype in (torch.float32, torch.bfloat16):
+    for S in (0, 1, 3):
+        ins, (qw, kw), cos, sin, positions = _prep_inputs(B, T, Hq, Hkv, D, R, S, dtype)
+        caches = torch.full((2, B, Hkv, seq, D), float("nan"), dtype=dtype)
+        want_caches = caches.clone()
+        want = prepare(*ins, qw, kw, 1e-6, 1e-6, cos, sin, positions, *want_caches)[0]
+        got = _attention_prep_cuda(*ins, qw, kw, 1e-6, 1e-6, cos, sin, positions, *caches, pdl=False)
+        # bf16: within the interpreter's rounding toward zero (eager's roundings: a bf16 ulp or two)
+        tol = 1e-6 if dtype == torch.float32 else 2e-2
+        for a, b in ((got, want), (caches.nan_to_num(), want_caches.nan_to_num())):
+            assert ((a.float() - b.float()).abs() <= tol * b.float().abs() + tol).all(), (dtype, S)
+        assert torch.equal(caches.isnan(), want_caches.isnan()), (dtype, S)  # written where prepare writes
+        assert torch.equal(caches[1].nan_to_num(), want_caches[1].nan_to_num()), (dtype, S)  # v: exact
+        assert got.shape == want.shape and got.is_contiguous()
+print("ok")
+"""
+
+
+_ATTENTION_PREP_SM90 = """
+import re
+from sm90 import compile_sm90, stack_bytes
+from fastqwen.ops import attention_prep as ap
+
+ints = ("q_split", "q_row", "q_pos", "k_split", "k_row", "k_pos", "v_split", "v_row", "v_pos", "cs_row", "cs_pos",
+        "p_row", "p_pos", "c_row", "c_head", "c_seq", "SEQ")
+sig = {"q_ptr": "*fp32", "k_ptr": "*fp32", "v_ptr": "*fp32", "qw_ptr": "*bf16", "kw_ptr": "*bf16", "cos_ptr": "*bf16",
+       "sin_ptr": "*bf16", "pos_ptr": "*i64", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "out_ptr": "*bf16",
+       "q_eps": "fp32", "k_eps": "fp32", **{n: "i32" for n in ints}}
+for T in (1, 16):  # the 27B's heads: 24 q, 4 kv, 256 dims, 64 rotated; 5 partials
+    kernel = compile_sm90(ap._prep_kernel, sig, dict(T=T, HQ=24, HKV=4, D=256, BD=256, R=64, SQ=5, SK=5, SV=5,
+                                                     PDL=True),
+                          ("q_ptr", "k_ptr", "v_ptr", "qw_ptr", "kw_ptr", "kc_ptr", "vc_ptr", "out_ptr"), num_warps=2)
+    code = kernel.asm["ptx"]
+    assert stack_bytes(kernel) == 0
+    assert code.count("griddepcontrol.wait") == 1
+    before = re.findall(r"ld\\.global[^;]*", code[:code.index("griddepcontrol.wait")])
+    assert len(before) == 2, before  # the norm weight at d and at its rotate-half partner, nothing else
+    assert "cvt.rn.bf16.f32" in code and "sqrt.rn.f32" in code and "div.rn.f32" in code
+print("ok")
+"""
+
+
+def test_attention_prep_kernel_matches_prepare_in_the_triton_interpreter():
+    """The fused attention prep's kernel against prepare: fp32 within rounding, bf16 within the interpreter's
+    rounding; k and v written at each row's positions only (NaN elsewhere), v exactly; from outputs, one partial
+    or three; a head size not a power of 2."""
+    from conftest import run_in_triton_interpreter
+
+    assert run_in_triton_interpreter(_ATTENTION_PREP).strip().endswith("ok")
+
+
+def test_attention_prep_kernel_compiles_for_sm90_and_waits_before_reading_activations():
+    """Compiled for Hopper at the 27B's heads with programmatic dependent launch, decode and a 16-position
+    verify: no spill; only the norm weights load before griddepcontrol.wait; IEEE sqrt and division (torch's
+    fp32 rsqrt on the CPU) and bf16 rounding to nearest even."""
+    from conftest import run_in_triton_interpreter
+
+    assert run_in_triton_interpreter(_ATTENTION_PREP_SM90, interpret=False).strip().endswith("ok")
