@@ -18,7 +18,7 @@ import torch
 from .cache import HybridCache
 from .ops.attention import attend_cache, attend_causal, attend_prefix, rope_cos_sin
 from .ops.attention_prep import attention_prep, prepare, summed
-from .ops.decode_attention import attend_cache_split_op
+from .ops.decode_attention import attend_cache_split_op, merge_gated_op, split_kv_partials_op
 from .linears import MLP_IN, Linears, fuse_linears
 from .moe import routed_moe, stack_shared_expert
 from .ops.conv import commit_window, conv_decode, conv_step
@@ -43,7 +43,7 @@ KERNELS = {"attention": ("split", "sdpa"), "experts": ("auto", "gather", "groupe
            "mlp_act": ("separate", "fused"), "conv": ("fused", "separate"),
            "int4": ("auto", "triton", "cuda"),
            "fp8_weight": ("triton", "cuda"), "reductions": ("inductor", "persistent"),
-           "attn_prep": ("separate", "fused")}  # first: the default
+           "attn_glue": ("separate", "fused")}  # first: the default
 CUDA_KERNELS = {"int4": "int4", "fp8_weight": "fp8-weight"}  # kernels option -> the scheme its "cuda" choices take
 
 
@@ -135,10 +135,12 @@ def check_kernels(kernels: dict | None, cfg, device, fp8_experts: bool = False) 
     row of up to 8192 elements on up to 16 rows always held whole, one pass ("persistent": reductions.py; a
     candidate: the one-row residual add + RMSNorm with 8 split-K partials is otherwise a looped one-program kernel,
     4.9 µs on the 27B; inductor's multi_kernel, which picks per reduction, made the int4 step 1.030× faster on an
-    H100, 2026-12-05). "attn_prep": a full-attention layer's q/k RMSNorms, partial rope and KV-cache write at
-    decode and verify as inductor's kernels ("separate": five on a GPU, 6.5 µs a layer in a 27B int4 profile on an
-    H100) or as one kernel of ours reading the q | gate, k and v projections' split-K partials
-    ("fused": ops/attention_prep.py; a candidate)."""
+    H100, 2026-12-05). "attn_glue": a full-attention layer's work around the attention kernel at decode and
+    verify, i.e. the q/k RMSNorms, partial rope and KV-cache write before it and the splits' merge and sigmoid output
+    gate after it, as inductor's kernels ("separate": seven on a GPU, 10.8 µs a layer in a 27B int4 profile on an
+    H100) or as two kernels of ours reading the q | gate, k and v projection's split-K partials ("fused":
+    ops/attention_prep.py, and decode_attention.py's merge_gated_op, which reads only splits holding keys, with
+    "attention" "split"; a candidate)."""
     kernels = dict(kernels or {})
     unknown = set(kernels) - set(KERNELS)
     if unknown:
@@ -237,7 +239,7 @@ class Forward:
         self.block = self.kernels["gdn"] == "block"
         self.fused_norm = self.kernels["gdn_norm"] == "fused"
         self.fused_conv = self.kernels["conv"] == "fused"
-        self.fused_prep = self.kernels["attn_prep"] == "fused"
+        self.fused_glue = self.kernels["attn_glue"] == "fused"
         self.pdl = self.kernels["launch"] == "pdl"
         self.lin = Linears(fused=self.kernels["projections"] == "fused",
                            gemv={"torch": False, "gemv": True, "auto": "auto"}[self.kernels["linears"]],
@@ -402,14 +404,17 @@ class Forward:
         prefill the T positions follow the `past` ones the rows hold."""
         B, T, _ = h.shape
         D = m.head_dim
-        fused = self.fused_prep and mode != "prefill"  # (q | gate, k, v as split-K partials where they stream)
-        q, k, v = self.lin.project(m, h, ATTN_IN, ATTN_IN if fused else ())
-        gate = summed(q, h.dtype).reshape(B, T, -1, 2 * D)[..., D:]
+        fused = self.fused_glue and mode != "prefill"  # (q | gate, k, v as split-K partials where they stream)
+        qg, k, v = self.lin.project(m, h, ATTN_IN, ATTN_IN if fused else ())
         norms = (m.q_norm.weight, m.k_norm.weight, m.q_norm.eps, m.k_norm.eps, cos, sin, positions, k_cache, v_cache)
         if fused:
-            q = attention_prep(q, k, v, *norms, self.pdl)
+            q = attention_prep(qg, k, v, *norms, self.pdl)
+            if self.split_attention:  # the splits' merge and the output gate: one kernel of ours too
+                o = merge_gated_op(*split_kv_partials_op(q, k_cache, v_cache, positions, m.scaling, True), q, qg,
+                                   self.pdl)
+                return self.lin(m.o_proj, o)
         else:
-            q, k, v = prepare(q, k, v, *norms)
+            q, k, v = prepare(qg, k, v, *norms)
         if mode == "prefill" and past == 0:
             o = attend_causal(q, k, v, m.scaling)
         elif mode == "prefill":
@@ -418,6 +423,7 @@ class Forward:
             o = attend_cache_split_op(q, k_cache, v_cache, positions, m.scaling)
         else:
             o = attend_cache(q, k_cache, v_cache, positions, m.scaling)
+        gate = summed(qg, h.dtype).reshape(B, T, -1, 2 * D)[..., D:]
         o = o.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate.reshape(B, T, -1))
         return self.lin(m.o_proj, o)
 

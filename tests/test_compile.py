@@ -245,17 +245,18 @@ def test_persistent_reductions_hold_a_few_rows_of_up_to_8192_in_one_pass():
     assert len(kernels["persistent"]) == len(kernels["inductor"]), steps
 
 
-def test_fused_attention_prep_takes_the_attention_layers_norms_rope_and_cache_writes_from_inductor():
-    """kernels["attn_prep"]="fused": an attention layer's q/k norms, rope and k / v cache writes are our op's
-    one kernel, so the decode step's inductor kernels lose every one of them (no kernel rotates, none writes the
-    cache) and gain one a step (cos and sin, which the op reads as tensors: computed once for every layer).
-    Inductor's Triton codegen on CPU tensors in a subprocess (scripts/decode_kernels.py), the tiny model."""
+def test_fused_attention_glue_takes_the_attention_layers_kernels_from_inductor():
+    """kernels["attn_glue"]="fused": an attention layer's q/k norms, rope and k / v cache writes are one op of
+    ours, its splits' merge and output gate another, so the decode step's inductor kernels lose all of them (none
+    rotates, writes the cache, takes a softmax or a sigmoid) and gain one a step (cos and sin, which the prep reads
+    as tensors: computed once for every layer). Inductor's Triton codegen on CPU tensors in a subprocess
+    (scripts/decode_kernels.py), the tiny model."""
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "decode_kernels.py")
     code = (f"import runpy\nns = runpy.run_path({script!r})\n"
-            "for prep in ('separate', 'fused'):\n"
-            "    code = ns['decode_step_code']('tiny', None, {'linears': 'gemv', 'attn_prep': prep})\n"
+            "for glue in ('separate', 'fused'):\n"
+            "    code = ns['decode_step_code']('tiny', None, {'linears': 'gemv', 'attn_glue': glue})\n"
             "    counts = ns['launches'](code)\n"
-            "    print(prep, sum(counts.values()), ','.join(n for n, c in counts.items() for _ in range(c)))\n")
+            "    print(glue, sum(counts.values()), ','.join(n for n, c in counts.items() for _ in range(c)))\n")
     lines = run_in_triton_interpreter(code, interpret=False).strip().splitlines()[-2:]
     (_, n_default, default), (_, n_fused, fused) = (line.split() for line in lines)
     default, fused = default.split(","), fused.split(",")
@@ -264,6 +265,8 @@ def test_fused_attention_prep_takes_the_attention_layers_norms_rope_and_cache_wr
     layers = presets.config("tiny").layer_types.count("full_attention")
     roped = [n for n in default if "rsqrt" in n and "cos" in n]
     assert layers and len(roped) == 2 * layers and sum("index_put" in n for n in default) == 2 * layers, default
-    assert not any("index_put" in n or "rsqrt" in n and "cos" in n for n in fused), fused
+    assert sum("softmax" in n for n in default) == 2 * layers and sum("sigmoid" in n for n in default) == layers
+    assert not any(w in n for n in fused for w in ("index_put", "softmax", "sigmoid")), fused
+    assert not any("rsqrt" in n and "cos" in n for n in fused), fused
     assert sum("cos" in n and "sin" in n for n in fused) == 1, fused  # (cos, sin once a step)
-    assert int(n_fused) == len(fused) == int(n_default) - 3 * layers + 1, (n_default, n_fused)
+    assert int(n_fused) == len(fused) == int(n_default) - 5 * layers + 1, (n_default, n_fused)

@@ -32,7 +32,7 @@ def test_grouped_experts_match_the_gathered_ones():
 ALL = {"attention": "sdpa", "experts": "grouped", "projections": "separate", "linears": "gemv", "gdn": "fla",
        "launch": "pdl", "splitk": "fixup", "gdn_norm": "fused", "expert_act": "fused",
        "route": "packed", "conv": "separate", "int4": "cuda", "fp8_weight": "cuda",
-       "reductions": "persistent", "attn_prep": "fused"}  # (mlp_act "fused" needs fused projections: its own
+       "reductions": "persistent", "attn_glue": "fused"}  # (mlp_act "fused" needs fused projections: its own
 # cases; the "cuda" kernels run their references off the GPU: tests/test_cuda_kernels.py, tests/gpu/test_cuda_kernels_gpu.py)
 
 
@@ -43,8 +43,8 @@ ALL = {"attention": "sdpa", "experts": "grouped", "projections": "separate", "li
                                                   ("tiny", {"linears": "torch"}, False),
                                                   ("tiny", {"gdn_norm": "fused"}, True),
                                                   ("tiny", {"conv": "separate"}, True),
-                                                  ("tiny", {"attn_prep": "fused"}, True),
-                                                  ("tiny", {"attn_prep": "fused", "linears": "gemv"}, True),
+                                                  ("tiny", {"attn_glue": "fused"}, True),
+                                                  ("tiny", {"attn_glue": "fused", "linears": "gemv"}, True),
                                                   ("tiny", {"conv": "fused", "linears": "gemv", "gdn": "fla"}, True),
                                                   ("tiny", {"linears": "gemv", "mlp_act": "fused"}, True),
                                                   ("tiny-moe", {"linears": "gemv", "mlp_act": "fused"}, False),
@@ -63,7 +63,7 @@ def test_alternative_kernels_give_the_default_tokens(name, kernels, compile):
                                                "linears": "auto", "gdn": "block", "launch": "serial", "splitk": "sum", "gdn_norm": "separate",
                                                "expert_act": "separate", "route": "argmax", "mlp_act": "separate",
                                                "conv": "fused", "int4": "triton", "fp8_weight": "triton",
-                                               "reductions": "inductor", "attn_prep": "separate", **grouped_auto,
+                                               "reductions": "inductor", "attn_glue": "separate", **grouped_auto,
                                                **kernels}
     ids, mask = left_padded([torch.randint(1, 500, (n,)) for n in (17, 5)])
     assert torch.equal(other.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16),
@@ -92,6 +92,30 @@ def test_attention_choice_applies_to_decode_and_verify_at_every_cache_length(mon
         assert torch.equal(m.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8), out[S, attention])
         assert set(calls) == ({4} if attention == "split" else set())  # verify blocks of k + 1 = 4 queries
     assert torch.equal(out[20000, "split"], out[64, "split"]) and torch.equal(out[64, "sdpa"], out[64, "split"])
+
+
+def test_fused_attention_glue_serves_decode_and_verify(monkeypatch):
+    """kernels["attn_glue"]="fused": decode steps (one query a row) and verify blocks (k + 1 queries) both go
+    through the prep op and the gated merge (their CPU paths: prepare and merge_gated over the split-KV op's one
+    split), prefill through neither, from the projections' split-K partials (linears "gemv"); tokens, plain and
+    speculative, are the default's."""
+    import fastqwen.model as model_module
+    from fastqwen.bench import OracleProposer
+
+    calls, real = [], model_module.merge_gated_op
+    monkeypatch.setattr(model_module, "merge_gated_op", lambda o, lse, q, g, *a: calls.append((q.shape[2], g.dim()))
+                        or real(o, lse, q, g, *a))
+    ids, mask = left_padded([torch.randint(1, 500, (n,)) for n in (17, 5)])
+    default = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=64, compile=False)
+    want = default.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8)
+    m = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=64, compile=False,
+                          kernels={"attn_glue": "fused", "linears": "gemv"})
+    assert torch.equal(m.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8), want)
+    assert calls and set(calls) == {(1, 4)}  # decode: one query a row, the gate as [S, B, T, n] partials
+    m._fastqwen.enable_speculation(OracleProposer(want[:, ids.shape[1]:], 0.0, m.config.vocab_size), 3)
+    calls.clear()
+    assert torch.equal(m.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8), want)
+    assert set(calls) == {(4, 4)}  # verify blocks of k + 1 = 4 queries
 
 
 def test_expert_act_auto_takes_the_separate_activation_for_fp8_weight_experts():

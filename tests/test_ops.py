@@ -455,7 +455,7 @@ def _prep_inputs(B, T, Hq, Hkv, D, R, S, dtype, seed=0):
 
 
 def test_attention_prep_is_the_separate_path_and_its_fake_agrees():
-    """kernels={"attn_prep": "fused"}: the op (its CPU path) returns prepare's q, writes k and v where
+    """kernels={"attn_glue": "fused"}: the op (its CPU path) returns prepare's q, writes k and v where
     prepare does and nowhere else (caches poisoned with NaN), from outputs or split-K partials; opcheck checks
     its fake and its mutations of the cache views."""
     from fastqwen.ops.attention_prep import attention_prep, prepare

@@ -8,7 +8,7 @@ written into the caches [B, Hkv, S_max, D] at positions [B, T]. In a compiled de
 as five kernels on a GPU (q's and k's sums of squares, q's and k's norm + rope, k's and v's cache writes:
 1.1-1.6 µs each, 6.5 µs an attention layer in a 16-layer 27B int4 profile on an H100, 2026-12-05).
 
-`attention_prep` (kernels={"attn_prep": "fused"}) is the same as one kernel of ours: a program a (row,
+`attention_prep` (kernels={"attn_glue": "fused"}) is the same as one kernel of ours: a program a (row,
 position, head) of the Hq + 2·Hkv heads, eager's roundings (the sum to the activations' dtype, the norm's
 output, each product of the rope and their sum: bf16 arithmetic as PyTorch's eager ops round it), with
 programmatic dependent launch (the norm weights load before the wait).

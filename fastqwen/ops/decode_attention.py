@@ -10,8 +10,10 @@ make G·T rows of the dot; a program takes a block of at most 32 of them (a veri
 SPLITS equal chunks (the chunk size is computed in the kernel from the positions, so one CUDA graph serves
 every length) and runs an online softmax over its chunk in BLOCK_S steps, masking keys after each query's
 position. The row blocks of one KV head read the same keys (from L2 when they fit). Each split writes its
-partial output and log-sum-exp; `merge_splits`, plain torch traced into the compiled step, merges them. The
-dots take the cache's dtype with fp32 accumulation, as flash attention does (runs in Triton's CPU interpreter,
+partial output and log-sum-exp; `merge_splits`, plain torch traced into the compiled step, merges them
+(with kernels={"attn_glue": "fused"}: `merge_gated_op`, one kernel of ours that also applies the layer's output
+gate and reads only the splits holding keys: the splits past every row's keys then store their lse only).
+The dots take the cache's dtype with fp32 accumulation, as flash attention does (runs in Triton's CPU interpreter,
 tests/test_decode_attention.py). The default at every cache length (kernels={"attention": "split"});
 scripts/bench_attention.py and `fastqwen+sdpa-attention` runs measure it against attend_cache.
 """
@@ -35,7 +37,8 @@ if triton is not None:
     def _split_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, lse_ptr, scale, sp_b, sp_t,
                          sq_b, sq_h, sq_t, sk_b, sk_h, sk_s, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s,
                          T: tl.constexpr, G: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
-                         BLOCKS: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+                         BLOCKS: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                         SKIP_EMPTY: tl.constexpr = False):
         b, hk, sp = tl.program_id(0), tl.program_id(1) // BLOCKS, tl.program_id(2)
         r = (tl.program_id(1) % BLOCKS) * ROWS + tl.arange(0, ROWS)  # this program's rows of the G·T
         r_ok = r < G * T
@@ -70,7 +73,10 @@ if triton is not None:
             m_i = m_new
         out = acc / tl.maximum(l_i, 1e-30)[:, None]
         lse = tl.where(l_i > 0, m_i + tl.log(tl.maximum(l_i, 1e-30)), float("-inf"))
-        tl.store(o_ptr + b * so_b + hk * so_h + sp * so_s + r[:, None] * so_r + d[None, :], out, mask=r_ok[:, None])
+        o_ok = r_ok
+        if SKIP_EMPTY:  # a split without keys stores its lse only
+            o_ok = o_ok & (start < end)
+        tl.store(o_ptr + b * so_b + hk * so_h + sp * so_s + r[:, None] * so_r + d[None, :], out, mask=o_ok[:, None])
         tl.store(lse_ptr + b * sl_b + hk * sl_h + sp * sl_s + r, lse, mask=r_ok)
 
 
@@ -89,11 +95,13 @@ def _partials_shape(q, k_cache) -> tuple[int, int, int]:
     return splits_for(B, Hkv * blocks), blocks, rows
 
 
-def split_kv_partials(q, k_cache, v_cache, positions, scale: float, splits: int | None = None):
+def split_kv_partials(q, k_cache, v_cache, positions, scale: float, splits: int | None = None,
+                      skip_empty: bool = False):
     """The kernel's per-split results for q [B, Hq, T, D] at positions [B, T] (any integer dtype and strides)
     over caches [B, Hkv, S, D]: outputs o [B, Hkv, SPLITS, R, D] and log-sum-exps lse [B, Hkv, SPLITS, R],
     fp32, with rows r = g·T + t for the G = Hq / Hkv query heads of a KV head (R ≥ G·T: rows past it are
-    unwritten); splits past a row's keys have lse = -inf."""
+    unwritten); splits past a row's keys have lse = -inf (and, with skip_empty, splits past all the rows' keys
+    an unwritten o: for a merge that reads only splits of finite lse, merge_gated's kernel)."""
     B, Hq, T, D = q.shape
     Hkv = k_cache.shape[1]
     default_splits, blocks, rows = _partials_shape(q, k_cache)
@@ -105,7 +113,7 @@ def split_kv_partials(q, k_cache, v_cache, positions, scale: float, splits: int 
         q, k, v, positions, o, lse, scale, positions.stride(0), positions.stride(1),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         o.stride(0), o.stride(1), o.stride(2), o.stride(3), lse.stride(0), lse.stride(1), lse.stride(2),
-        T=T, G=Hq // Hkv, D=D, ROWS=rows, BLOCKS=blocks, SPLITS=splits, BLOCK_S=BLOCK_S,
+        T=T, G=Hq // Hkv, D=D, ROWS=rows, BLOCKS=blocks, SPLITS=splits, BLOCK_S=BLOCK_S, SKIP_EMPTY=skip_empty,
         num_warps=8 if D * rows > 4096 else 4)
     return o, lse
 
@@ -129,11 +137,11 @@ def attend_cache_split(q, k_cache, v_cache, positions, scale: float, splits: int
 
 @torch.library.custom_op("fastqwen::split_kv_partials", mutates_args=())
 def split_kv_partials_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                         scale: float, skip_empty: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """split_kv_partials on CUDA. Elsewhere attend_cache (the reference) as one split with lse 0, which
     merge_splits returns unchanged."""
     if q.is_cuda and triton is not None:
-        return split_kv_partials(q, k_cache, v_cache, positions, scale)
+        return split_kv_partials(q, k_cache, v_cache, positions, scale, skip_empty=skip_empty)
     B, Hq, T, D = q.shape
     Hkv = k_cache.shape[1]
     o = attend_cache(q, k_cache, v_cache, positions, scale).float().reshape(B, Hkv, 1, Hq // Hkv * T, D)
@@ -141,7 +149,7 @@ def split_kv_partials_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 
 @split_kv_partials_op.register_fake
-def _(q, k_cache, v_cache, positions, scale):
+def _(q, k_cache, v_cache, positions, scale, skip_empty=False):
     B, Hq, T, D = q.shape
     Hkv = k_cache.shape[1]
     if q.device.type == "cuda" and triton is not None:
@@ -158,3 +166,93 @@ def attend_cache_split_op(q, k_cache, v_cache, positions, scale: float) -> torch
     merged by traced torch ops that inductor fuses into the output's consumer (merged inside the op, they were
     four eager launches a layer, and the positions' int32 copy a fifth)."""
     return merge_splits(*split_kv_partials_op(q, k_cache, v_cache, positions, scale), q)
+
+
+def merge_gated(o, lse, q, gate_in) -> torch.Tensor:
+    """The attention layer's output before o_proj, [B, T, Hq·D] in q's dtype: merge_splits' result times
+    sigmoid(gate), gate the q | gate projection's second half of each head (gate_in [B, T, Hq·2D], or its
+    split-K partials [S, B, T, Hq·2D] fp32, summed and rounded as the projection's output would be)."""
+    from .attention_prep import summed
+
+    B, Hq, T, D = q.shape
+    gate = summed(gate_in, q.dtype).reshape(B, T, Hq, 2 * D)[..., D:]
+    return merge_splits(o, lse, q).transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate.reshape(B, T, -1))
+
+
+@torch.library.custom_op("fastqwen::merge_gated", mutates_args=())
+def merge_gated_op(o: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, gate_in: torch.Tensor,
+                   pdl: bool = False) -> torch.Tensor:
+    """merge_gated as a registered op; on CUDA one kernel of ours (kernels={"attn_glue": "fused"}), which reads
+    only the splits of finite lse (split_kv_partials' skip_empty). pdl: launched with programmatic dependent
+    launch."""
+    return merge_gated(o, lse, q, gate_in).contiguous()
+
+
+@merge_gated_op.register_fake
+def _(o, lse, q, gate_in, pdl=False):
+    B, Hq, T, D = q.shape
+    return q.new_empty(B, T, Hq * D)
+
+
+MERGE_CHUNK = 8  # splits a step of the merge kernel's loop
+
+
+if triton is not None:
+
+    @triton.jit
+    def _merge_kernel(o_ptr, lse_ptr, g_ptr, out_ptr, so_b, so_h, so_s, so_r, sl_b, sl_h, sl_s, g_split, g_row,
+                      g_pos, T: tl.constexpr, G: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                      BD: tl.constexpr, SPLITS: tl.constexpr, BS: tl.constexpr, SG: tl.constexpr,
+                      CHUNK: tl.constexpr, PDL: tl.constexpr):
+        """Program (b·HKV + hk, r), r = g·T + t of the KV head's G·T rows: the softmax of the row's SPLITS lse
+        weighs its splits' outputs (fp32; the splits of lse -inf weigh 0 and are not read), rounded to out's
+        dtype, times sigmoid(gate) (the gate's SG partials summed in fp32 and rounded, its sigmoid rounded: eager's
+        bf16 ops), rounded; out [B, T, HKV·G, D] contiguous."""
+        bh, r = tl.program_id(0), tl.program_id(1)
+        b, hk = bh // HKV, bh % HKV
+        g, t = r // T, r % T
+        hq = hk * G + g
+        d = tl.arange(0, BD)
+        d_ok = d < D
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        DTYPE: tl.constexpr = out_ptr.dtype.element_ty
+        lse_row = lse_ptr + b * sl_b + hk * sl_h + r
+        s = tl.arange(0, BS)
+        lse = tl.load(lse_row + s * sl_s, mask=s < SPLITS, other=float("-inf"))
+        m = tl.max(lse, 0)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        total = tl.sum(tl.exp(lse - m), 0)
+        acc = tl.zeros([BD], tl.float32)
+        o_row = o_ptr + b * so_b + hk * so_h + r * so_r
+        for s0 in tl.static_range(0, SPLITS, CHUNK):
+            sc = s0 + tl.arange(0, CHUNK)
+            lc = tl.load(lse_row + sc * sl_s, mask=sc < SPLITS, other=float("-inf"))
+            live = lc > float("-inf")
+            oc = tl.load(o_row + sc[:, None] * so_s + d[None, :], mask=live[:, None] & d_ok[None, :], other=0.0)
+            acc += tl.sum(oc * (tl.exp(lc - m) / total)[:, None], 0)
+        gate = g_ptr + b * g_row + t * g_pos + hq * 2 * D + D + d
+        gv = tl.load(gate, mask=d_ok, other=0.0).to(tl.float32)
+        for p in tl.static_range(1, SG):
+            gv += tl.load(gate + p * g_split, mask=d_ok, other=0.0).to(tl.float32)
+        gv = gv.to(DTYPE).to(tl.float32)
+        sg = (1.0 / (1.0 + tl.exp(-gv))).to(DTYPE).to(tl.float32)
+        y = (acc.to(DTYPE).to(tl.float32) * sg).to(DTYPE)
+        tl.store(out_ptr + ((b * T + t) * HKV * G + hq) * D + d, y, mask=d_ok)
+
+
+@merge_gated_op.register_kernel("cuda")
+def _merge_gated_cuda(o, lse, q, gate_in, pdl=False):
+    B, Hq, T, D = q.shape
+    Hkv, splits = o.shape[1], o.shape[2]
+    if triton is None or o.stride(-1) != 1 or gate_in.stride(-1) != 1:
+        return merge_gated(o, lse, q, gate_in).contiguous()
+    parts = gate_in if gate_in.dim() == 4 else gate_in[None]
+    out = q.new_empty(B, T, Hq * D)
+    _merge_kernel[(B * Hkv, Hq // Hkv * T)](
+        o, lse, parts, out, o.stride(0), o.stride(1), o.stride(2), o.stride(3), lse.stride(0), lse.stride(1),
+        lse.stride(2), parts.stride(0), parts.stride(1), parts.stride(2), T=T, G=Hq // Hkv, HKV=Hkv, D=D,
+        BD=triton.next_power_of_2(D), SPLITS=splits, BS=triton.next_power_of_2(splits), SG=parts.shape[0],
+        CHUNK=MERGE_CHUNK, PDL=pdl, num_warps=4, launch_pdl=pdl)
+    return out

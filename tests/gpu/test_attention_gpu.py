@@ -30,7 +30,7 @@ def test_split_kv_matches_fp32_reference_and_skips_unused_keys(B, T, S):
 @pytest.mark.parametrize("model,B,T,S", [("27b", 1, 1, 5), ("27b", 1, 16, 5), ("27b", 3, 4, 1), ("35b", 1, 1, 8),
                                          ("35b", 2, 1, 0)])
 def test_attention_prep_kernel_matches_prepare(model, B, T, S):
-    """kernels={"attn_prep": "fused"}: the fused kernel against prepare (eager torch on the GPU) at the 27B's heads
+    """kernels={"attn_glue": "fused"}: the fused kernel against prepare (eager torch on the GPU) at the 27B's heads
     (24 q, 4 kv of 256, 64 rotated) and the 35B-A3B's (16 q, 2 kv), S split-K partials (0: bf16 outputs), decode,
     verify and batch rows at distinct positions, with PDL: q, k within a bf16 ulp of the reference (eager's
     roundings; the sums of squares may round apart) and nearly all equal; v exactly; the caches untouched elsewhere
@@ -56,3 +56,35 @@ def test_attention_prep_kernel_matches_prepare(model, B, T, S):
     for a, b in ((got, want), (caches[0].nan_to_num(), want_caches[0].nan_to_num())):
         assert ((a.float() - b.float()).abs() <= 2 ** -7 * b.float().abs() + 1e-6).all()
         assert (a == b).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("Hq,Hkv,B,T,S,n", [(24, 4, 1, 1, 5, 512), (24, 4, 1, 16, 5, 512), (24, 4, 3, 1, 5, 3000),
+                                            (16, 2, 1, 1, 8, 512), (16, 2, 2, 4, 0, 100)])
+def test_merge_gated_kernel_matches_merge_gated(Hq, Hkv, B, T, S, n):
+    """kernels={"attn_glue": "fused"}: the split-KV kernel with skip_empty (splits past every row's keys leave o
+    unwritten: poisoned with NaN here) and the merge kernel with PDL against merge_gated over the full partials
+    (eager torch on the GPU) at the 27B's and the 35B-A3B's heads, S gate partials (0: a bf16 output), decode,
+    verify and batch rows: within a bf16 ulp (eager's roundings; the weighted sum's order differs) and nearly all
+    equal; and within 1e-2 of the fp32 attention times the gate."""
+    from fastqwen.ops.decode_attention import merge_gated, merge_gated_op, split_kv_partials
+
+    torch.manual_seed(0)
+    D, seq = 256, 4096
+    q = torch.randn(B, Hq, T, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(B, Hkv, seq, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    pos = (n - T + torch.arange(T, device="cuda"))[None].expand(B, -1) - torch.arange(B, device="cuda")[:, None]
+    parts = torch.randn(max(S, 1), B, T, Hq * 2 * D + 8, device="cuda")[..., 8:]
+    gate = parts[0].bfloat16() if S == 0 else parts
+    o, lse = split_kv_partials(q, k, v, pos, D ** -0.5)
+    want = merge_gated(o, lse, q, gate)
+    o.fill_(float("nan"))
+    del o, lse  # (the caching allocator hands the NaN-filled block to o_skip: its unwritten splits stay NaN)
+    o_skip, lse_skip = split_kv_partials(q, k, v, pos, D ** -0.5, skip_empty=True)
+    got = merge_gated_op(o_skip, lse_skip, q, gate, pdl=True)
+    torch.cuda.synchronize()
+    assert not got.isnan().any() and got.shape == (B, T, Hq * D)
+    assert ((got.float() - want.float()).abs() <= 2 ** -7 * want.float().abs() + 1e-6).all()
+    assert (got == want).float().mean() > 0.99
+    g = (parts.sum(0) if S else parts[0].bfloat16().float()).reshape(B, T, Hq, 2 * D)[..., D:].reshape(B, T, -1)
+    ref = attend_cache(q.float(), k.float(), v.float(), pos, D ** -0.5).transpose(1, 2).reshape(B, T, -1)
+    assert rel_err(got, ref * torch.sigmoid(g)) < 1e-2
