@@ -23,6 +23,7 @@ from .linears import MLP_IN, Linears, fuse_linears
 from .moe import routed_moe, stack_shared_expert
 from .ops.conv import commit_window, conv_decode, conv_step
 from .ops.gemv import tile_counts
+from .ops.gated_norm import gated_norm
 from .ops.gdn import gates, gdn_chunk, gdn_decode, gdn_recurrent, gdn_replay, gdn_verify, unpack_qkv
 from .ops.norm import gated_rms_norm, rms_norm
 
@@ -38,7 +39,7 @@ def text_model(model):
 KERNELS = {"attention": ("split", "sdpa"), "experts": ("auto", "gather", "grouped", "grouped-pdl"),
            "projections": ("fused", "separate"), "linears": ("auto", "torch", "gemv"),
            "gdn": ("block", "unrolled", "fla"), "launch": ("auto", "serial", "pdl"),
-           "splitk": ("sum", "fixup"), "gdn_norm": ("separate", "fused"),
+           "splitk": ("sum", "fixup"), "gdn_norm": ("separate", "fused", "kernel"),
            "expert_act": ("auto", "separate", "fused", "mlp"), "route": ("auto", "argmax", "packed", "fused"),
            "mlp_act": ("separate", "fused"), "conv": ("fused", "separate"),
            "int4": ("auto", "triton", "cuda"),
@@ -93,7 +94,9 @@ def check_kernels(kernels: dict | None, cfg, device, fp8_experts: bool = False) 
     the default on the 27B step, H100, 2026-12-05). "gdn_norm": the GDN block's gated RMSNorm at decode as a
     kernel of inductor's after the recurrence ("separate") or inside the unrolled decode kernel, by the last
     program of each head ("fused": ops/gdn.py _gated_norm_tail; a launch less a GDN layer; with "gdn"
-    "block" or "unrolled"; a candidate: 0.94× the default on 35B-A3B, docs/BENCHMARKS.md). "expert_act": grouped
+    "block" or "unrolled"; a candidate: 0.94× the default on 35B-A3B, docs/BENCHMARKS.md), or as one kernel of
+    ours after it at decode and verify, summing z's split-K partials itself ("kernel": ops/gated_norm.py, where
+    inductor launches two on the GPU; a candidate). "expert_act": grouped
     experts' silu(gate)·up as a kernel of inductor's between the gate | up and the down launches ("separate")
     or computed by the down launch from the gate | up partials as it loads them ("fused": a launch less a MoE
     layer; bf16 and fp8 experts, while int4 ones keep the separate kernel; needs "experts" grouped or
@@ -238,6 +241,7 @@ class Forward:
         self.unrolled = self.kernels["gdn"] in ("block", "unrolled")  # (a Triton compile per T: not for prefill)
         self.block = self.kernels["gdn"] == "block"
         self.fused_norm = self.kernels["gdn_norm"] == "fused"
+        self.norm_kernel = self.kernels["gdn_norm"] == "kernel"
         self.fused_conv = self.kernels["conv"] == "fused"
         self.fused_glue = self.kernels["attn_glue"] == "fused"
         self.pdl = self.kernels["launch"] == "pdl"
@@ -358,8 +362,9 @@ class Forward:
         # an unrolled decode sums a's and b's split-K partials as it loads them (no launch to materialise them),
         # the fused conv x's
         fused_conv = mode == "decode" and T == 1 and self.fused_conv
+        norm_kernel = self.norm_kernel and mode != "prefill"  # (the gated norm's op sums z's partials itself)
         raw = (("in_proj_b", "in_proj_a") if mode == "decode" and self.unrolled else ()) + (
-            ("in_proj_qkv",) if fused_conv else ())
+            ("in_proj_qkv",) if fused_conv else ()) + (("in_proj_z",) if norm_kernel else ())
         x, z, b, a = self.lin.project(m, h, _GDN_IN, raw)
         if fused_conv:  # the cached window advanced in place by the op
             qkv = conv_decode(x, m.conv1d.weight[:, 0], conv, self.pdl)
@@ -375,7 +380,7 @@ class Forward:
                 if T < self.cache.block:  # (fewer drafts this call) zeros after T: the commit masks them
                     value = torch.cat([value, value.new_zeros(B, self.cache.block - T, *value.shape[2:])], 1)
                 self.cache.write(f"replay_{name}", i, value)
-            return self._gdn_out(m, o, z)
+            return self._gdn_out(m, o, z, norm_kernel)
         if mode == "decode" and (B == 1 or self.unrolled):  # (fla's kernel would need copies of the views)
             pdl = self.pdl and self.unrolled
             if self.fused_norm:  # o comes out of the op normalised and gated
@@ -383,7 +388,7 @@ class Forward:
                                m.norm.variance_epsilon)
                 return self.lin(m.out_proj, o.reshape(B, T, -1))
             o = gdn_decode(qkv, *heads, a, b, m.A_log, m.dt_bias, state, self.unrolled, pdl)
-            return self._gdn_out(m, o, z)
+            return self._gdn_out(m, o, z, norm_kernel)
         q, k, v = unpack_qkv(qkv, *heads, cfg.linear_num_value_heads)
         # contiguous here, so inductor writes them from kernels it has anyway (q, k, v from the conv's): fla's
         # kernels need them so, and the ops' own .contiguous() would be eager copies once T > 1 (or B > 1)
@@ -392,11 +397,15 @@ class Forward:
             o = gdn_chunk(q, k, v, a, b, m.A_log, m.dt_bias, state)
         else:  # a short prefill chunk, or batched decode with fla's kernel
             o = gdn_recurrent(q, k, v, a, b, m.A_log, m.dt_bias, state)
-        return self._gdn_out(m, o, z)
+        return self._gdn_out(m, o, z, norm_kernel)
 
-    def _gdn_out(self, m, o, z):
-        """The GDN block's gated RMSNorm (per head, gate z) and out_proj of the recurrence's o [B, T, Hv, Dv]."""
-        o = gated_rms_norm(o, z.reshape(o.shape), m.norm.weight, m.norm.variance_epsilon)
+    def _gdn_out(self, m, o, z, norm_kernel: bool = False):
+        """The GDN block's gated RMSNorm (per head, gate z) and out_proj of the recurrence's o [B, T, Hv, Dv];
+        norm_kernel: the norm as our op (kernels["gdn_norm"] "kernel"; z may be split-K partials)."""
+        if norm_kernel:
+            o = gated_norm(o, z, m.norm.weight, m.norm.variance_epsilon, self.pdl)
+        else:
+            o = gated_rms_norm(o, z.reshape(o.shape), m.norm.weight, m.norm.variance_epsilon)
         return self.lin.heads(m.out_proj, o)  # (per head into the op: the norm is one kernel, Linears.heads)
 
     def _attention(self, m, h, cos, sin, positions, k_cache, v_cache, mode, past: int = 0):

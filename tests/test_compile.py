@@ -270,3 +270,23 @@ def test_fused_attention_glue_takes_the_attention_layers_kernels_from_inductor()
     assert not any("rsqrt" in n and "cos" in n for n in fused), fused
     assert sum("cos" in n and "sin" in n for n in fused) == 1, fused  # (cos, sin once a step)
     assert int(n_fused) == len(fused) == int(n_default) - 5 * layers + 1, (n_default, n_fused)
+
+
+def test_gated_norm_kernel_takes_the_gdn_gated_norm_from_inductor():
+    """kernels["gdn_norm"]="kernel": the GDN block's gated RMSNorm is our op, which sums z's split-K partials
+    itself, so the decode step's inductor kernels lose the one a GDN layer that normed and gated (a reduction
+    with silu), and nothing else. Inductor's Triton codegen on CPU tensors in a subprocess, the tiny model."""
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "decode_kernels.py")
+    code = (f"import runpy\nns = runpy.run_path({script!r})\n"
+            "for norm in ('separate', 'kernel'):\n"
+            "    counts = ns['launches'](ns['decode_step_code']('tiny', None, {'linears': 'gemv', 'gdn_norm': norm}))\n"
+            "    print(norm, ','.join(n for n, c in counts.items() for _ in range(c)))\n")
+    lines = run_in_triton_interpreter(code, interpret=False).strip().splitlines()[-2:]
+    (_, default), (_, ours) = (line.split() for line in lines)
+    default, ours = default.split(","), ours.split(",")
+    from fastqwen import presets
+
+    layers = presets.config("tiny").layer_types.count("linear_attention")
+    gated = [n for n in default if "rsqrt" in n and "silu" in n]
+    assert layers and len(gated) == layers, default
+    assert not any("rsqrt" in n and "silu" in n for n in ours) and len(ours) == len(default) - layers, ours

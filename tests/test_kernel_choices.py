@@ -44,6 +44,8 @@ ALL = {"attention": "sdpa", "experts": "grouped", "projections": "separate", "li
                                                   ("tiny", {"gdn_norm": "fused"}, True),
                                                   ("tiny", {"conv": "separate"}, True),
                                                   ("tiny", {"attn_glue": "fused"}, True),
+                                                  ("tiny", {"gdn_norm": "kernel"}, True),
+                                                  ("tiny", {"gdn_norm": "kernel", "linears": "gemv"}, True),
                                                   ("tiny", {"attn_glue": "fused", "linears": "gemv"}, True),
                                                   ("tiny", {"conv": "fused", "linears": "gemv", "gdn": "fla"}, True),
                                                   ("tiny", {"linears": "gemv", "mlp_act": "fused"}, True),

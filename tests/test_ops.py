@@ -540,3 +540,70 @@ def test_attention_prep_kernel_compiles_for_sm90_and_waits_before_reading_activa
     from conftest import run_in_triton_interpreter
 
     assert run_in_triton_interpreter(_ATTENTION_PREP_SM90, interpret=False).strip().endswith("ok")
+
+
+def test_gated_norm_op_is_gated_rms_norm_and_its_fake_agrees():
+    """kernels={"gdn_norm": "kernel"}: the op (its CPU path) is gated_rms_norm with z an output or its split-K
+    partials (summed in fp32, rounded to o's dtype), contiguous; opcheck checks its fake."""
+    from fastqwen.ops.gated_norm import gated_norm
+
+    B, T, HV, V = 2, 3, 4, 16
+    for dtype in (torch.float32, torch.bfloat16):
+        o = torch.randn(B, T, HV, V).to(dtype)
+        parts = torch.randn(3, B, T, HV * V + 8)[..., 8:]
+        for z in (parts[0].to(dtype), parts[:1], parts):
+            zs = z.float().sum(0).to(dtype) if z.dim() == 4 else z
+            w = torch.randn(V).to(dtype)
+            got = gated_norm(o, z, w, 1e-6)
+            assert got.is_contiguous() and torch.equal(got, gated_rms_norm(o, zs.reshape(o.shape), w, 1e-6))
+            torch.library.opcheck(gated_norm, (o, z, w, 1e-6))
+
+
+_GATED_NORM = """
+import torch
+from fastqwen.ops.gated_norm import _gated_norm_cuda
+from fastqwen.ops.norm import gated_rms_norm
+torch.manual_seed(0)
+B, T, HV, V = 2, 3, 4, 48  # (V not a power of 2: the masked tail)
+# z exact in bf16 (multiples of 1/16 below 8): Triton's interpreter rounds fp32 to bf16 toward zero
+parts = (torch.randint(-40, 40, (3, B, T, HV * V + 8)) / 16)[..., 8:]
+for dtype in (torch.float32, torch.bfloat16):
+    o = torch.randn(B, T, HV, V).to(dtype)
+    for w in (torch.randn(V).to(dtype), torch.randn(V)):  # a 16-bit weight rounds w·ô, an fp32 one does not
+        for z in (parts[0].to(dtype), parts[:1], parts):
+            zs = z.float().sum(0).to(dtype) if z.dim() == 4 else z
+            want = gated_rms_norm(o, zs.reshape(o.shape), w, 1e-6)
+            got = _gated_norm_cuda(o, z, w, 1e-6, pdl=False)
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            assert got.shape == want.shape and got.dtype == dtype and got.is_contiguous()
+            assert ((got.float() - want.float()).abs() <= tol * want.float().abs() + tol).all(), (dtype, z.dim())
+print("ok")
+"""
+
+_GATED_NORM_SM90 = """
+import re
+from sm90 import compile_sm90, stack_bytes
+from fastqwen.ops import gated_norm as gn
+
+sig = {"o_ptr": "*bf16", "z_ptr": "*fp32", "w_ptr": "*bf16", "out_ptr": "*bf16", "eps": "fp32", "z_split": "i32",
+       "z_row": "i32", "z_pos": "i32"}
+for T in (1, 16):  # the 27B's 48 value heads of 128; 4 partials (its GDN input projection's plan)
+    kernel = compile_sm90(gn._gated_norm_kernel, sig, dict(T=T, HV=48, V=128, BV=128, SZ=4, ROUND_W=True, PDL=True),
+                          ("o_ptr", "z_ptr", "w_ptr", "out_ptr"), num_warps=1)
+    code = kernel.asm["ptx"]
+    assert stack_bytes(kernel) == 0 and code.count("griddepcontrol.wait") == 1
+    before = re.findall(r"ld\\.global[^;]*", code[:code.index("griddepcontrol.wait")])
+    assert len(before) == 1, before  # the norm weight only
+    assert "cvt.rn.bf16.f32" in code and "sqrt.rn.f32" in code
+print("ok")
+"""
+
+
+def test_gated_norm_kernel_matches_gated_rms_norm_in_the_triton_interpreter_and_builds_for_sm90():
+    """The gated norm's kernel: fp32 within rounding, bf16 within the interpreter's rounding, 16-bit and fp32
+    weights, z an output, one partial or three, a head size not a power of 2; for Hopper at the 27B's heads with
+    PDL: no spill, only the weight loads before griddepcontrol.wait, IEEE sqrt, bf16 to nearest even."""
+    from conftest import run_in_triton_interpreter
+
+    assert run_in_triton_interpreter(_GATED_NORM).strip().endswith("ok")
+    assert run_in_triton_interpreter(_GATED_NORM_SM90, interpret=False).strip().endswith("ok")
