@@ -89,6 +89,19 @@ def test_mtp_speculative_greedy_is_token_identical(checkpoint):
     assert sampled.shape == (3, ids.shape[1] + 12)
 
 
+def test_mtp_speculation_through_the_launch_candidates_is_token_identical(checkpoint):
+    """The MTP draft and the verify under the attention glue and gated-norm ops (kernels "attn_glue" "fused",
+    "gdn_norm" "kernel", on the projections' split-K partials: linears "gemv") give the plain default's tokens."""
+    plain = fastqwen.optimize(load(checkpoint), max_batch_size=2, max_seq_len=128, compile=False)
+    spec = fastqwen.optimize(load(checkpoint), max_batch_size=2, max_seq_len=128, compile=False, speculate="mtp",
+                             num_speculative_tokens=3,
+                             kernels={"attn_glue": "fused", "gdn_norm": "kernel", "linears": "gemv"})
+    ids, mask = left_padded([torch.randint(1, 500, (n,)) for n in (21, 6)])
+    expected = plain.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20)
+    assert torch.equal(spec.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20), expected)
+    assert spec._fastqwen.spec.rounds[:2].min() > 0, "the speculative loop ran"
+
+
 def test_quantized_draft_lm_head_keeps_the_output_exact(checkpoint):
     """draft_lm_head: MTP drafts through an fp8 copy of lm_head (its argmax), the output stays the target's."""
     from fastqwen.quant import QuantLinear
