@@ -5,8 +5,11 @@
 
 Needs Triton beside torch (on a CPU-only machine: a `pip install --target` directory on PYTHONPATH, as
 tests/conftest.py uses). Inductor's Triton backend is asked to compile the step for CPU tensors: the same
-graph passes, scheduler and fusion decisions as on a GPU, so the kernels and their launches per step are the
-GPU's (launch configs and autotuning aside). Triton has no CPU backend to compile them, so the kernels are not
+graph passes and mostly the same scheduler and fusion decisions as on a GPU (its realize thresholds are set to
+the GPU's here), but not all: inductor reorders loops to fuse only for GPU nodes, and our quantized CUDA
+kernels run their dequantizing references off the GPU. So read it as a lower bound on the GPU's launches: in a
+27B int4 step on an H100 (2026-12-05 profile) each per-head norm (attention q/k, GDN gated) ran as a reduction
+kernel and a pointwise one, where this lists one (launch configs and autotuning aside too). Triton has no CPU backend to compile them, so the kernels are not
 compiled and running the step fails after codegen; the script catches that. Prints the decode step's launches
 per step, then each inductor kernel with its launches; --names prints only the sorted kernel names (a Python
 list, for tests). Our own ops (weight streaming, GDN, conv, attention) run as the graph's extern calls and are
@@ -40,8 +43,12 @@ def written_kernels():
         return result
 
     saved = (inductor_config.cpu_backend, inductor_config.fx_graph_cache, triton_utils.triton_hash_with_backend,
-             CachingAutotuner.precompile)
+             CachingAutotuner.precompile, inductor_config.realize_opcount_threshold,
+             inductor_config.realize_acc_reads_threshold)
     inductor_config.cpu_backend, inductor_config.fx_graph_cache = "triton", False
+    # (unset, CPU tensors take the CPU's thresholds, 50 and 12: store-or-recompute decisions unlike a GPU's)
+    inductor_config.realize_opcount_threshold = inductor_config._realize_opcount_threshold_default
+    inductor_config.realize_acc_reads_threshold = inductor_config._realize_acc_reads_threshold_default
     triton_utils.triton_hash_with_backend = lambda: "cpu"  # (it asks the GPU driver)
     CachingAutotuner.precompile = lambda self, *args, **kw: None  # (no Triton backend compiles for CPU)
     GraphLowering.codegen = keep
@@ -49,7 +56,8 @@ def written_kernels():
         yield codes
     finally:
         (inductor_config.cpu_backend, inductor_config.fx_graph_cache, triton_utils.triton_hash_with_backend,
-         CachingAutotuner.precompile) = saved
+         CachingAutotuner.precompile, inductor_config.realize_opcount_threshold,
+         inductor_config.realize_acc_reads_threshold) = saved
         GraphLowering.codegen = codegen
 
 

@@ -190,7 +190,8 @@ def test_decode_step_norms_fuse_with_their_consumers():
     assert len(roped) == 2 and all(n.startswith(("triton_per_", "triton_red_")) for n in roped), names
     assert sum("index_put" in n for n in roped) == 1, names  # k's, written into the cache by the same kernel
     # one decode position is the cache's lengths itself (a view): no kernel writes positions for the attention op
-    assert not any("split_kv_partials" in n for n in names), names
+    # (q's norm + rope kernel carries the op's name, as on the GPU: its output is the op's q)
+    assert not any("split_kv_partials" in n and "rsqrt" not in n for n in names), names
 
 
 def test_persistent_reductions_hold_a_few_rows_of_up_to_8192_in_one_pass():
