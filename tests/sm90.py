@@ -12,15 +12,17 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 
-def compile_sm90(fn, signature: dict, constexprs: dict, aligned, num_warps: int = 4, num_stages: int = 3):
+def compile_sm90(fn, signature: dict, constexprs: dict, aligned, num_warps: int = 4, num_stages: int = 3,
+                 **options):
     """The compiled kernel; `aligned`: the arguments a launch specializes as multiples of 16 (16-byte aligned
-    pointers, sizes and strides divisible by 16), which decides vector widths and async copies."""
+    pointers, sizes and strides divisible by 16), which decides vector widths and async copies; `options`: more
+    compile options, as a launch passes them (e.g. enable_fp_fusion=False)."""
     names = list(signature) + list(constexprs)
     sig = {**signature, **{k: "constexpr" for k in constexprs}}
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
-                                                                          "num_stages": num_stages})
+                                                                          "num_stages": num_stages, **options})
 
 
 def cuobjdump(kernel, *flags: str) -> str:

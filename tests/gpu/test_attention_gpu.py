@@ -33,8 +33,8 @@ def test_attention_prep_kernel_matches_prepare(model, B, T, S):
     """kernels={"attn_glue": "fused"}: the fused kernel against prepare (eager torch on the GPU) at the 27B's heads
     (24 q, 4 kv of 256, 64 rotated) and the 35B-A3B's (16 q, 2 kv), S split-K partials (0: bf16 outputs), decode,
     verify and batch rows at distinct positions, with PDL: q, k within a bf16 ulp of the reference (eager's
-    roundings; the sums of squares may round apart) and nearly all equal; v exactly; the caches untouched elsewhere
-    (NaN-poisoned)."""
+    roundings, FP fusion off; the sums of squares may round apart) and over 99% equal; v exactly; the caches untouched
+    elsewhere (NaN-poisoned)."""
     from fastqwen.ops.attention import rope_cos_sin
     from fastqwen.ops.attention_prep import attention_prep, prepare
 
@@ -54,7 +54,10 @@ def test_attention_prep_kernel_matches_prepare(model, B, T, S):
     assert torch.equal(caches.isnan(), want_caches.isnan())
     assert torch.equal(caches[1].nan_to_num(), want_caches[1].nan_to_num())
     for a, b in ((got, want), (caches[0].nan_to_num(), want_caches[0].nan_to_num())):
-        assert ((a.float() - b.float()).abs() <= 2 ** -7 * b.float().abs() + 1e-6).all()
+        # a bf16 ulp of the value, or of the head's largest where the rope's two products cancel (the sums of
+        # squares round apart from torch's now and then)
+        a, b = a.float(), b.float()
+        assert ((a - b).abs() <= 2 ** -7 * b.abs() + 2 ** -8 * b.abs().amax(-1, keepdim=True)).all()
         assert (a == b).float().mean() > 0.99
 
 

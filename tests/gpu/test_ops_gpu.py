@@ -150,7 +150,7 @@ def test_packed_decode_with_the_gated_norm_matches_reference(shape, B, unrolled)
 def test_gated_norm_kernel_matches_the_reference(HV, B, T, S):
     """kernels={"gdn_norm": "kernel"}: the gated norm's kernel (PDL) against gated_rms_norm in eager bf16 at the 27B's
     (48) and the 35B-A3B's (32) value heads of 128, decode, verify and batch rows, z as S split-K partials (0: a bf16
-    output): within a bf16 ulp and nearly all equal; and within 1e-2 of gated_rms_norm in fp32."""
+    output): within two bf16 ulps and over 99% equal; and within 1e-2 of gated_rms_norm in fp32."""
     from fastqwen.ops.gated_norm import gated_norm
 
     o = torch.randn(B, T, HV, 128, device="cuda", dtype=torch.bfloat16)
@@ -162,7 +162,8 @@ def test_gated_norm_kernel_matches_the_reference(HV, B, T, S):
     poison_allocator(o.shape)
     got = gated_norm(o, z, w, 1e-6, pdl=True)
     assert not got.isnan().any() and got.shape == o.shape
-    assert ((got.float() - want.float()).abs() <= 2 ** -7 * want.float().abs() + 1e-6).all()
+    # two bf16 ulps: ô and the output each round (ô's sum of squares adds in another order than torch's)
+    assert ((got.float() - want.float()).abs() <= 2 ** -6 * want.float().abs() + 1e-6).all()
     assert (got == want).float().mean() > 0.99
     assert rel_err(got, gated_rms_norm(o.float(), zs.float(), w.float(), 1e-6)) < 1e-2
 
