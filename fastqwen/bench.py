@@ -47,9 +47,12 @@ CANDIDATE_SYSTEMS = {"fastqwen+split-attention": {"attention": "split"},  # (the
                      "fastqwen+cuda-int4": {"int4": "cuda"},  # (as fastqwen-int4+cuda-int4: the CUDA kernel,
                      "fastqwen+triton-int4": {"int4": "triton"},  # int4's "auto" on sm_90 with nvcc; Triton's)
                      "fastqwen+cuda-fp8-weight": {"fp8_weight": "cuda"},  # (fastqwen-fp8-weight+cuda-fp8-weight)
-                     "fastqwen+persistent-reductions": {"reductions": "persistent"},
-                     "fastqwen+fused-attn-glue": {"attn_glue": "fused"},
-                     "fastqwen+gated-norm-kernel": {"gdn_norm": "kernel"}}
+                     "fastqwen+persistent-reductions": {"reductions": "persistent"},  # (the default)
+                     "fastqwen+inductor-reductions": {"reductions": "inductor"},
+                     "fastqwen+fused-attn-glue": {"attn_glue": "fused"},  # (the default)
+                     "fastqwen+separate-attn-glue": {"attn_glue": "separate"},
+                     "fastqwen+gated-norm-kernel": {"gdn_norm": "kernel"},  # (the default)
+                     "fastqwen+separate-gdn-norm": {"gdn_norm": "separate"}}
 # fastqwen with inductor options merged over the run's (launch count: combo kernels launch independent
 # small kernels, e.g. a GDN layer's q, k and v, as one; reductions of up to 16 unrolled, so that the MoE
 # combine's sum over a token's 9 expert outputs folds into the residual add and norm after it instead of a

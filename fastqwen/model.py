@@ -39,12 +39,12 @@ def text_model(model):
 KERNELS = {"attention": ("split", "sdpa"), "experts": ("auto", "gather", "grouped", "grouped-pdl"),
            "projections": ("fused", "separate"), "linears": ("auto", "torch", "gemv"),
            "gdn": ("block", "unrolled", "fla"), "launch": ("auto", "serial", "pdl"),
-           "splitk": ("sum", "fixup"), "gdn_norm": ("separate", "fused", "kernel"),
+           "splitk": ("sum", "fixup"), "gdn_norm": ("kernel", "separate", "fused"),
            "expert_act": ("auto", "separate", "fused", "mlp"), "route": ("auto", "argmax", "packed", "fused"),
            "mlp_act": ("separate", "fused"), "conv": ("fused", "separate"),
            "int4": ("auto", "triton", "cuda"),
-           "fp8_weight": ("triton", "cuda"), "reductions": ("inductor", "persistent"),
-           "attn_glue": ("separate", "fused")}  # first: the default
+           "fp8_weight": ("triton", "cuda"), "reductions": ("persistent", "inductor"),
+           "attn_glue": ("fused", "separate")}  # first: the default
 CUDA_KERNELS = {"int4": "int4", "fp8_weight": "fp8-weight"}  # kernels option -> the scheme its "cuda" choices take
 
 
@@ -96,7 +96,8 @@ def check_kernels(kernels: dict | None, cfg, device, fp8_experts: bool = False) 
     program of each head ("fused": ops/gdn.py _gated_norm_tail; a launch less a GDN layer; with "gdn"
     "block" or "unrolled"; a candidate: 0.94× the default on 35B-A3B, docs/BENCHMARKS.md), or as one kernel of
     ours after it at decode and verify, summing z's split-K partials itself ("kernel": ops/gated_norm.py, where
-    inductor launches two on the GPU; a candidate). "expert_act": grouped
+    inductor launches two on the GPU; the default since 2026-12-05, with "attn_glue" "fused" below).
+    "expert_act": grouped
     experts' silu(gate)·up as a kernel of inductor's between the gate | up and the down launches ("separate")
     or computed by the down launch from the gate | up partials as it loads them ("fused": a launch less a MoE
     layer; bf16 and fp8 experts, while int4 ones keep the separate kernel; needs "experts" grouped or
@@ -135,15 +136,17 @@ def check_kernels(kernels: dict | None, cfg, device, fp8_experts: bool = False) 
     and 2.4–3× faster at 2–16 rows (2026-12-05). "fp8_weight": the same for an fp8-weight QuantLinear ("cuda":
     ops/fp8_cuda.py, e4m3 pairs into the tensor cores; a candidate: level with Triton's on an H100, 12-18% slower at
     one row on an H200). "reductions": inductor's own choice of looped or persistent reductions ("inductor") or a
-    row of up to 8192 elements on up to 16 rows always held whole, one pass ("persistent": reductions.py; a
-    candidate: the one-row residual add + RMSNorm with 8 split-K partials is otherwise a looped one-program kernel,
-    4.9 µs on the 27B; inductor's multi_kernel, which picks per reduction, made the int4 step 1.030× faster on an
-    H100, 2026-12-05). "attn_glue": a full-attention layer's work around the attention kernel at decode and
+    row of up to 8192 elements on up to 16 rows always held whole, one pass ("persistent": reductions.py; the
+    default since 2026-12-05: the one-row residual add + RMSNorm with 8 split-K partials is otherwise a looped
+    one-program kernel, 4.9 µs on the 27B; a 27B int4 step took 6802 µs with it against 7010 on one H100, where
+    inductor's multi_kernel, which picks per reduction, made it 1.030× faster). "attn_glue": a full-attention
+    layer's work around the attention kernel at decode and
     verify, i.e. the q/k RMSNorms, partial rope and KV-cache write before it and the splits' merge and sigmoid output
     gate after it, as inductor's kernels ("separate": seven on a GPU, 10.8 µs a layer in a 27B int4 profile on an
     H100) or as two kernels of ours reading the q | gate, k and v projection's split-K partials ("fused":
     ops/attention_prep.py, and decode_attention.py's merge_gated_op, which reads only splits holding keys, with
-    "attention" "split"; a candidate)."""
+    "attention" "split"; the default since 2026-12-05: with "gdn_norm" "kernel" a 27B int4 step took 6921 µs
+    against 7010 on one H100, and all three defaults of that day 6614 against 6886 on another)."""
     kernels = dict(kernels or {})
     unknown = set(kernels) - set(KERNELS)
     if unknown:

@@ -32,7 +32,8 @@
 #            fastqwen+split-attention, fastqwen+sdpa-attention,
 #            fastqwen+gemv-linears, fastqwen+fla-gdn, fastqwen+separate-projections, fastqwen+combo-kernels:
 #            inductor's combo kernels, fastqwen+serial-launch: no programmatic dependent launch, fastqwen+torch-linears:
-#            cuBLAS for every bf16 linear, fastqwen-int4+persistent-reductions: the decode row's norms in one pass) and
+#            cuBLAS for every bf16 linear, fastqwen-int4+inductor-reductions: the decode row's norms looped, as
+#            before 2026-12-05) and
 #            $CAND_ARGS (e.g.
 #            CAND_MODEL=qwen3.5-27b CAND_SYSTEMS=fastqwen+split-attention CAND_ARGS="--prompt-len 32768", or
 #            CAND_ARGS="--max-seq-len 131072": a long cache under a 512-token context, or
@@ -72,8 +73,8 @@
 #   suite    the pytest-benchmark suite (tests/benchmarks, 9B plain and MTP) saved as a baseline under
 #            tests/benchmarks/baselines (copied to $OUT: commit it); later runs compare against it
 #   reductions $RED_MODEL's (default 27B) int4 step as $RED_SYSTEMS, each alone in its process (default: as it is
-#            and with kernels["reductions"] "persistent"), then with the kernels $RED_ALL (default: the three launch
-#            candidates together, reductions=persistent attn_glue=fused gdn_norm=kernel; ~6.5 min in all);
+#            and with kernels["reductions"] "inductor"), then with the kernels $RED_ALL (default: the three launch
+#            cuts of 2026-12-05 all undone, reductions=inductor attn_glue=separate gdn_norm=separate; ~6.5 min);
 #            $RED_ARGS adds bench arguments to all (e.g. "--options triton.enable_pdl=True": inductor's kernels with
 #            PDL too; "--options triton.multi_kernel=1" was 1.030x on 2026-12-05, H100)
 #   quant    tests/gpu/test_quant_gpu.py, then scripts/bench_quant.py (per-GEMM table, M = 1..16; QUANT_ARGS, e.g.
@@ -163,10 +164,11 @@ case "$stage" in
            --benchmark-storage=file://tests/benchmarks/baselines --benchmark-save=h200 2>&1 | tail -12
          cp -r tests/benchmarks/baselines "$out/" ;;
   reductions) a="--models ${RED_MODEL:-qwen3.5-27b} --quant-lm-head --n-long 288 --repeats 2 --no-autotune"
-              python scripts/bench.py $a --systems ${RED_SYSTEMS:-fastqwen-int4 fastqwen-int4+persistent-reductions} \
+              python scripts/bench.py $a --systems ${RED_SYSTEMS:-fastqwen-int4 fastqwen-int4+inductor-reductions} \
                 --isolate ${RED_ARGS:-} --json "$out/reductions.json" 2>&1 | grep "^|"
-              python scripts/bench.py $a --systems fastqwen-int4 --kernels ${RED_ALL:-reductions=persistent \
-                attn_glue=fused gdn_norm=kernel} ${RED_ARGS:-} --json "$out/reductions_all.json" 2>&1 | grep "^|" ;;
+              python scripts/bench.py $a --systems fastqwen-int4 --kernels ${RED_ALL:-reductions=inductor \
+                attn_glue=separate gdn_norm=separate} ${RED_ARGS:-} --json "$out/reductions_all.json" 2>&1 \
+                | grep "^|" ;;
   quality) python scripts/quant_quality.py --noise ${QUALITY_NOISE:-0.03 0.1} --json "$out/quant_quality.json" 2>&1 \
            | grep "error" ;;
   quant) python -m pytest -q -p no:warnings tests/gpu/test_quant_gpu.py 2>&1 | tee "$out/quant_tests.log" | tail -5

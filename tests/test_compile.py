@@ -33,11 +33,12 @@ def post_grad_graphs():
 
 
 def assert_writes_the_stacked_cache_in_place(graph: str) -> None:
-    """Each layer's conv window (decode) and verify inputs (round) go into the stacked cache buffers by
-    index_put_ in place: no select_scatter / slice_scatter / functional index_put is left, each of which
-    is a rewrite of a whole stacked buffer (all layers) per layer (HybridCache.write)."""
-    assert "index_put_.default" in graph
-    for functional in ("select_scatter", "slice_scatter", "aten.index_put.default"):
+    """Each layer's cache writes (conv window, KV, verify inputs) go into the stacked cache buffers in place, by
+    index_put_ or by our ops that write them (conv_decode, attention_prep): no select_scatter / slice_scatter /
+    functional index_put, nor a custom op's auto_functionalized, is left, each of which is a rewrite of a whole
+    stacked buffer (all layers) per layer (HybridCache.write)."""
+    assert "index_put_.default" in graph or "fastqwen.attention_prep.default" in graph
+    for functional in ("select_scatter", "slice_scatter", "aten.index_put.default", "auto_functionalized"):
         assert functional not in graph, functional
 
 
@@ -130,6 +131,7 @@ def test_compiled_speculative_round_matches_eager_decoding():
 def test_compiled_steps_are_cached_under_a_tag_of_the_ops_and_the_launch_table(monkeypatch):
     """torch's cache key misses a custom op's schema, so generate runs (and compiles) under a cache_key_tag that
     changes with fastqwen's op schemas and the gemv launch table, and puts the user's tag back afterwards."""
+    from fastqwen import reductions
     from fastqwen.generate import compile_cache_tag
 
     schemas = ["fastqwen::f(Tensor x, bool a=False) -> Tensor"]
@@ -146,7 +148,8 @@ def test_compiled_steps_are_cached_under_a_tag_of_the_ops_and_the_launch_table(m
     with torch.compiler.config.patch(cache_key_tag="users-own"):
         model.generate(torch.randint(1, 500, (1, 5)), max_new_tokens=3)
         assert torch.compiler.config.cache_key_tag == "users-own"
-    assert seen == [compile_cache_tag()] and seen[0].startswith("fastqwen-")
+    assert engine.reductions == "persistent"  # (the default: its heuristic changes the kernels, so it is tagged)
+    assert seen == [compile_cache_tag() + reductions.tag("persistent")] and seen[0].startswith("fastqwen-")
 
 
 
@@ -172,18 +175,37 @@ def test_split_k_partials_fold_into_their_consumers_kernel_at_any_split_count():
     assert kernels[2, "sum"] == 1 and kernels[8, "sum"] == 2 and kernels[16, "sum"] == 2, kernels
 
 
+def decode_kernel_names(*kernels: str) -> list:
+    """The tiny model's decode-step inductor kernels under optimize's `kernels` (OP=CHOICE, linears=gemv
+    first): inductor's Triton codegen on CPU tensors in a subprocess (scripts/decode_kernels.py: the kernels are
+    written, not compiled)."""
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "decode_kernels.py")
+    argv = ["decode_kernels", "--names", "--kernels", "linears=gemv", *kernels]
+    code = f"import runpy, sys; sys.argv = {argv!r}; runpy.run_path({script!r}, run_name='__main__')"
+    return eval(run_in_triton_interpreter(code, interpret=False).strip().splitlines()[-1])
+
+
+def test_decode_step_norms_are_our_kernels_by_default():
+    """By default (kernels "gdn_norm" "kernel", "attn_glue" "fused") no inductor kernel of the decode step
+    holds the GDN gated norm, the attention q/k norms and rope, the KV-cache write or the output gate: our ops
+    do (ops/gated_norm.py, ops/attention_prep.py, decode_attention.merge_gated_op), and fewer kernels are left
+    than with inductor's (the test below)."""
+    names = decode_kernel_names()
+    assert not [n for n in names if "rsqrt" in n and ("silu" in n or "cos" in n)], names
+    assert not [n for n in names if "index_put" in n or "sigmoid" in n], names
+    assert len(names) < len(decode_kernel_names("gdn_norm=separate", "attn_glue=separate")), names
+
+
 def test_decode_step_norms_fuse_with_their_consumers():
-    """In the decode step each per-head norm is one inductor kernel with what consumes it. The GDN gated
+    """With inductor's glue (kernels "gdn_norm" and "attn_glue" "separate") each per-head norm of the decode
+    step is one inductor kernel with what consumes it. The GDN gated
     RMSNorm (a reduction per head, then w·x̂·silu(z)): its output reaches out_proj's op per head
     (Linears.heads), so the pointwise tail indexes as the reduction does; reshaped to [rows, Hv·Dv] before the
     op it ran as a reduction kernel and a pointwise one. The attention q and k norms with their rope (apply_rope
     as one pointwise expression), k's with its write into the cache: rotating and concatenating, they ran as a
     reduction kernel, then a kernel per part of the cat. The split-KV op reads a decode step's positions from
-    the cache's lengths (a kernel wrote them before each attention op). Inductor's Triton codegen runs here on
-    CPU tensors in a subprocess (scripts/decode_kernels.py: the kernels are written, not compiled)."""
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "decode_kernels.py")
-    code = f"import runpy, sys; sys.argv = ['decode_kernels', '--names']; runpy.run_path({script!r}, run_name='__main__')"
-    names = eval(run_in_triton_interpreter(code, interpret=False).strip().splitlines()[-1])
+    the cache's lengths (a kernel wrote them before each attention op)."""
+    names = decode_kernel_names("gdn_norm=separate", "attn_glue=separate")
     gated = [n for n in names if "rsqrt" in n and "silu" in n]
     assert gated and all(n.startswith(("triton_per_", "triton_red_")) for n in gated), names
     roped = [n for n in names if "rsqrt" in n and "cos" in n]  # q's and k's

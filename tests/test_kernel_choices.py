@@ -32,7 +32,7 @@ def test_grouped_experts_match_the_gathered_ones():
 ALL = {"attention": "sdpa", "experts": "grouped", "projections": "separate", "linears": "gemv", "gdn": "fla",
        "launch": "pdl", "splitk": "fixup", "gdn_norm": "fused", "expert_act": "fused",
        "route": "packed", "conv": "separate", "int4": "cuda", "fp8_weight": "cuda",
-       "reductions": "persistent", "attn_glue": "fused"}  # (mlp_act "fused" needs fused projections: its own
+       "reductions": "inductor", "attn_glue": "separate"}  # (mlp_act "fused" needs fused projections: its own
 # cases; the "cuda" kernels run their references off the GPU: tests/test_cuda_kernels.py, tests/gpu/test_cuda_kernels_gpu.py)
 
 
@@ -43,8 +43,8 @@ ALL = {"attention": "sdpa", "experts": "grouped", "projections": "separate", "li
                                                   ("tiny", {"linears": "torch"}, False),
                                                   ("tiny", {"gdn_norm": "fused"}, True),
                                                   ("tiny", {"conv": "separate"}, True),
-                                                  ("tiny", {"attn_glue": "fused"}, True),
-                                                  ("tiny", {"gdn_norm": "kernel"}, True),
+                                                  ("tiny", {"attn_glue": "separate"}, True),
+                                                  ("tiny", {"gdn_norm": "separate"}, True),
                                                   ("tiny", {"gdn_norm": "kernel", "linears": "gemv"}, True),
                                                   ("tiny", {"attn_glue": "fused", "linears": "gemv"}, True),
                                                   ("tiny", {"conv": "fused", "linears": "gemv", "gdn": "fla"}, True),
@@ -62,10 +62,11 @@ def test_alternative_kernels_give_the_default_tokens(name, kernels, compile):
     grouped = kernels.get("experts", "").startswith("grouped")
     grouped_auto = {"expert_act": "fused", "route": "fused"} if grouped else {}  # ("auto" follows the experts)
     assert other._fastqwen.forward.kernels == {"attention": "split", "experts": "gather", "projections": "fused",
-                                               "linears": "auto", "gdn": "block", "launch": "serial", "splitk": "sum", "gdn_norm": "separate",
+                                               "linears": "auto", "gdn": "block", "launch": "serial", "splitk": "sum",
+                                               "gdn_norm": "kernel",
                                                "expert_act": "separate", "route": "argmax", "mlp_act": "separate",
                                                "conv": "fused", "int4": "triton", "fp8_weight": "triton",
-                                               "reductions": "inductor", "attn_glue": "separate", **grouped_auto,
+                                               "reductions": "persistent", "attn_glue": "fused", **grouped_auto,
                                                **kernels}
     ids, mask = left_padded([torch.randint(1, 500, (n,)) for n in (17, 5)])
     assert torch.equal(other.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16),
@@ -74,7 +75,8 @@ def test_alternative_kernels_give_the_default_tokens(name, kernels, compile):
 
 def test_attention_choice_applies_to_decode_and_verify_at_every_cache_length(monkeypatch):
     """"split" (the default) reads the cache through the split-KV op in decode steps (one query a row) and in
-    verify blocks (k + 1 queries), short cache or long; "sdpa" never does. Every way gives the same tokens."""
+    verify blocks (k + 1 queries), short cache or long; "sdpa" never does. Every way gives the same tokens.
+    (With inductor's attention glue, "attn_glue" "separate": the fused glue's split-KV op is the next test's.)"""
     import fastqwen.model as model_module
     from fastqwen.bench import OracleProposer
 
@@ -83,7 +85,7 @@ def test_attention_choice_applies_to_decode_and_verify_at_every_cache_length(mon
     ids, mask = left_padded([torch.randint(1, 500, (n,)) for n in (17, 5)])
     out = {}
     for S, attention in ((64, "split"), (20000, "split"), (64, "sdpa")):
-        kernels = {} if attention == "split" else {"attention": attention}
+        kernels = {"attn_glue": "separate"} | ({} if attention == "split" else {"attention": attention})
         m = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=S, compile=False, kernels=kernels)
         assert m._fastqwen.forward.split_attention == (attention == "split")
         calls.clear()
@@ -97,10 +99,10 @@ def test_attention_choice_applies_to_decode_and_verify_at_every_cache_length(mon
 
 
 def test_fused_attention_glue_serves_decode_and_verify(monkeypatch):
-    """kernels["attn_glue"]="fused": decode steps (one query a row) and verify blocks (k + 1 queries) both go
-    through the prep op and the gated merge (their CPU paths: prepare and merge_gated over the split-KV op's one
-    split), prefill through neither, from the projections' split-K partials (linears "gemv"); tokens, plain and
-    speculative, are the default's."""
+    """kernels["attn_glue"]="fused" (the default): decode steps (one query a row) and verify blocks (k + 1
+    queries) both go through the prep op and the gated merge (their CPU paths: prepare and merge_gated over the
+    split-KV op's one split), prefill through neither, the gate a [B, T, n] output or, with linears "gemv", the
+    projections' split-K partials; tokens, plain and speculative, are inductor's glue's ("separate")."""
     import fastqwen.model as model_module
     from fastqwen.bench import OracleProposer
 
@@ -108,16 +110,19 @@ def test_fused_attention_glue_serves_decode_and_verify(monkeypatch):
     monkeypatch.setattr(model_module, "merge_gated_op", lambda o, lse, q, g, *a: calls.append((q.shape[2], g.dim()))
                         or real(o, lse, q, g, *a))
     ids, mask = left_padded([torch.randint(1, 500, (n,)) for n in (17, 5)])
-    default = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=64, compile=False)
-    want = default.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8)
-    m = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=64, compile=False,
-                          kernels={"attn_glue": "fused", "linears": "gemv"})
-    assert torch.equal(m.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8), want)
-    assert calls and set(calls) == {(1, 4)}  # decode: one query a row, the gate as [S, B, T, n] partials
-    m._fastqwen.enable_speculation(OracleProposer(want[:, ids.shape[1]:], 0.0, m.config.vocab_size), 3)
-    calls.clear()
-    assert torch.equal(m.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8), want)
-    assert set(calls) == {(4, 4)}  # verify blocks of k + 1 = 4 queries
+    separate = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=64, compile=False,
+                                 kernels={"attn_glue": "separate"})
+    want = separate.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8)
+    assert not calls
+    for kernels, gate_dims in (({}, 3), ({"linears": "gemv"}, 4)):  # (gate as [S, B, T, n] partials: 4 dims)
+        m = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=64, compile=False, kernels=kernels)
+        calls.clear()
+        assert torch.equal(m.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8), want)
+        assert set(calls) == {(1, gate_dims)}, kernels  # decode: one query a row
+        m._fastqwen.enable_speculation(OracleProposer(want[:, ids.shape[1]:], 0.0, m.config.vocab_size), 3)
+        calls.clear()
+        assert torch.equal(m.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=8), want)
+        assert set(calls) == {(4, gate_dims)}, kernels  # verify blocks of k + 1 = 4 queries
 
 
 def test_expert_act_auto_takes_the_separate_activation_for_fp8_weight_experts():

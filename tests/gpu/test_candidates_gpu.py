@@ -7,7 +7,7 @@ import torch
 from conftest import COMPILE, assert_near_ties, first_divergence
 
 CANDIDATES = {"attention": "sdpa", "linears": "gemv", "gdn": "fla", "launch": "serial", "splitk": "fixup",
-              "reductions": "persistent", "attn_glue": "fused", "gdn_norm": "kernel"}  # the defaults' alternatives
+              "reductions": "inductor", "attn_glue": "separate", "gdn_norm": "separate"}  # the defaults' alternatives
 
 
 @pytest.mark.candidates
