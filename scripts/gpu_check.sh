@@ -5,7 +5,8 @@
 #            at a time, without the candidates'; TESTS_GROUPS picks some of them (0 generate, 1 MTP, 2 DFlash + oracle,
 #            3 ops + attention, 4 candidates; on one H200 all four took more than one 10-minute call on 2026-12-05:
 #            TESTS_GROUPS="0 1" then "2 3"; a GPU under 100 GB runs 0 and 1 one at a time, as two 9B processes ran out
-#            of an H100's 80 GB: there "0", "1" and "2 3" are a call each, ~290, ~220 and ~240 s on 2026-12-05)
+#            of an H100's 80 GB: there "0", "1" and "2 3" are a call each, ~290, ~220 and ~240 s on 2026-12-05;
+#            and 0's MoE test in a process of its own after the rest, log gpu_tests_0b)
 #   candidate-tests  tests/gpu/test_candidates_gpu.py: every kernel candidate at once against the default, 9B
 #   bench    scripts/bench.py for the models in $MODELS (default: all three real shapes)
 #   spec     scripts/bench_spec.py: MTP k=3 tau=3 and DFlash k=15 tau=6.5 in one process on $SPEC_MODEL
@@ -93,11 +94,12 @@ case "$stage" in
          ngpu=$(nvidia-smi -L | wc -l)
          mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
          group() { local i=$1 gpu=$(($2 < ngpu ? $2 : 0)); shift 2  # log index, GPU (0 on one GPU), pytest args
-                   case " ${TESTS_GROUPS:-0 1 2 3 4} " in *" $i "*) ;; *) return 0 ;; esac
+                   case " ${TESTS_GROUPS:-0 1 2 3 4} " in *" ${i%[a-z]} "*) ;; *) return 0 ;; esac  # (0b: 0's)
                    CUDA_VISIBLE_DEVICES=$gpu python -m pytest -q -s -p no:warnings --durations=6 ${TESTS_ARGS:-} "$@" \
                      >"$out/gpu_tests_$i.log" 2>&1; }
-         one_at_a_time() { if [ "$mib" -lt 100000 ]; then wait; fi; }
-         group 0 0 tests/gpu/test_generate_gpu.py & one_at_a_time
+         if [ "$mib" -lt 100000 ]; then  # (the MoE test's 35B-A3B width OOMs beside the session's 9B on 80 GB)
+           group 0 0 tests/gpu/test_generate_gpu.py -k "not moe"; group 0b 0 tests/gpu/test_generate_gpu.py -k moe
+         else group 0 0 tests/gpu/test_generate_gpu.py & fi
          group 1 1 tests/gpu/test_speculative_gpu.py -k mtp &
          if [ "$ngpu" -lt 2 ]; then wait; fi
          group 2 1 tests/gpu/test_speculative_gpu.py -k "dflash or oracle" &

@@ -149,7 +149,11 @@ def _slots(root: nn.Module, prefix: str) -> list:
             for path, parent in root.named_modules() for name, child in parent.named_children()]
 
 
-def _quantize_slots(slots, scheme: str, group_size: int) -> None:
+def _quantize_slots(slots: list, scheme: str, group_size: int) -> None:
+    """Quantize the linears and routed experts among `slots` (_slots' tuples) in place, one at a time: each
+    slot is cleared as it is taken, so a layer's original weights are freed once its quantized module replaces
+    it (the peak is the model plus one layer's temporaries, not the model in both formats: a 27B bf16 model
+    on an 80 GB GPU quantizes to fp8-weight). `slots` is left empty."""
     done = [(full, child) for _, _, child, full in slots if isinstance(child, (QuantLinear, QuantExperts))]
     layout = lambda sch, group: (sch, group if sch == "int4" else None)  # noqa: E731 (fp8's scales: no group)
     other = [(full, child) for full, child in done if layout(child.scheme, child.group) != layout(scheme, group_size)]
@@ -159,10 +163,13 @@ def _quantize_slots(slots, scheme: str, group_size: int) -> None:
                          f"({len(other)} modules, e.g. {full} as {child.scheme!r}, group {child.group}); load it "
                          f"in bf16 again to quantize it another way")
     kept, slow = [], []
-    params = [p for _, _, child, _ in slots for p in child.parameters()]
-    cuda = bool(params) and params[0].is_cuda
+    first = next((p for _, _, child, _ in slots for p in child.parameters()), None)
+    cuda, dtype = first is not None and first.is_cuda, getattr(first, "dtype", None)
+    del first
+    slots.reverse()
     with torch.no_grad():
-        for parent, name, child, full in slots:
+        while slots:
+            parent, name, child, full = slots.pop()
             if not isinstance(child, nn.Linear):
                 if name == "experts" and hasattr(child, "gate_up_proj"):
                     H, inter = child.down_proj.shape[1:]
@@ -178,7 +185,6 @@ def _quantize_slots(slots, scheme: str, group_size: int) -> None:
                 setattr(parent, name, QuantLinear.from_linear(child, scheme, group_size))
                 if cuda and (child.in_features % STEP or (scheme == "int4" and group_size != STEP)):
                     slow.append(f"{full} (in_features {child.in_features}, group {group_size})")
-    dtype = params[0].dtype if params else None
     if slow:
         warnings.warn(f"quantize({scheme!r}): no small-M kernel for {len(slow)} layers (it needs in_features "
                       f"divisible by {STEP} and int4 groups of {STEP}); they decode through the slower "
