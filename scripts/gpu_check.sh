@@ -68,6 +68,8 @@
 #            its own latency bounds it). Then the CUDA kernel on the 27B's layers cycling through 14 GB of weight copies
 #            (--spread) beside the usual ~2 L2 sizes (H100, 2026-12-05: +4% a GDN layer's GEMVs, of the ~11% a step's
 #            profile shows)
+#   bars     issue #4's decode bars, each system alone in its process: BARS=27b (default: bf16, fp8-weight and int4,
+#            quantized lm_heads; ~4.5 min on an H100) or BARS=35b (bf16 and fp8-weight); BARS_ARGS adds bench arguments
 #   cuda-times-fp8 the same for fp8-weight's register kernel on the 27B's and 35B-A3B's layers.
 #            The step's A/B is `candidates` with CAND_MODEL=qwen3.5-27b CAND_SYSTEMS="fastqwen-int4+triton-int4"
 #            CAND_ARGS="--isolate --quant-lm-head --no-autotune" (fp8: fastqwen-fp8-weight+cuda-fp8-weight)
@@ -122,6 +124,11 @@ case "$stage" in
              | grep "^|" | tee "$out/spread.md" ;;
   cuda-times-fp8) python scripts/gemv_times.py --format fp8-weight --shapes 27b 27b-head 35b-a3b --kernel triton cuda \
                --cuda-batch 2 4 8 --cuda-blocks 1024 2048 4096 2>&1 | tee "$out/cuda_times_fp8.md" ;;
+  bars) a="--isolate --n-long 288 --repeats 2 --no-autotune ${BARS_ARGS:-}"
+        if [ "${BARS:-27b}" = 35b ]; then set -- --models qwen3.5-35b-a3b --systems fastqwen fastqwen-fp8-weight
+        else set -- --models qwen3.5-27b --systems fastqwen fastqwen-fp8-weight fastqwen-int4 --quant-lm-head; fi
+        python scripts/bench.py "$@" $a --json "$out/bars_${BARS:-27b}.json" 2>&1 | grep -v "^\[transformers\]" \
+          | tee "$out/bars_${BARS:-27b}.log" | grep -E "tok/s|step:|^\|" ;;
   candidate-tests) python -m pytest -q -s -p no:warnings tests/gpu/test_candidates_gpu.py 2>&1 | tail -6 ;;
   bench) python scripts/bench.py --models ${MODELS:-qwen3.5-9b qwen3.5-27b qwen3.5-35b-a3b} ${BENCH_ARGS:-} \
            --out-dir "$out" 2>&1 | grep -v "^\[transformers\]" | tail -20 ;;
