@@ -37,9 +37,10 @@ def main():
                    help="the CUDA kernel's BATCH (groups loaded before any decode), each timed")
     p.add_argument("--cuda-pipelined", nargs="+", type=int, default=[int(int4_cuda.PIPELINED)], choices=[0, 1],
                    help="the CUDA int4 kernel with the next batch's loads in flight while one decodes (BATCH 2 only)")
-    p.add_argument("--cuda-fold", nargs="+", type=int, default=[int(int4_cuda.FOLD)], choices=[0, 1],
+    p.add_argument("--cuda-fold", nargs="+", type=int, default=[int(int4_cuda.FOLD)], choices=[0, 1, 2],
                    help="the CUDA int4 kernel with the zero folded out of its decode (int4_cuda.FOLD: BATCH 2 "
-                   "unpipelined, bf16 x up to 8 rows), each timed")
+                   "unpipelined, bf16 x up to 8 rows), each timed; 2: folded with x staged in shared memory "
+                   "(int4_cuda.STAGE_X, where its shared memory fits)")
     p.add_argument("--cuda-loads-only", action="store_true",
                    help="also time the int4 register kernel's BATCH 2 instance as its loads-only probe (every "
                    "weight loaded as the kernel loads it, nothing decoded, at the kernel's blocks a multiprocessor: "
@@ -74,7 +75,7 @@ def main():
         int4 = cuda_module is int4_cuda
         # (BATCH, pipelined, TARGET_BLOCKS, loads-only probe, fold)
         registers = list(dict.fromkeys(  # (fold: BATCH 2 unpipelined's alone; the others are never folded)
-            (b, bool(p), n, False, bool(f) and int4 and (b, p) == (2, 0)) for b in args.cuda_batch
+            (b, bool(p), n, False, f * (int4 and (b, p) == (2, 0))) for b in args.cuda_batch
             for p in args.cuda_pipelined for n in args.cuda_blocks for f in args.cuda_fold
             if not p or (b == 2 and int4)))
         probes = [(2, False, n, True, False) for n in args.cuda_blocks] * (args.cuda_loads_only and int4)
@@ -94,13 +95,17 @@ def main():
                 batch, pipelined, cuda_module.TARGET_BLOCKS, probe, fold = kernel
                 splits = f"splits {cuda_module.plan(N, K)[0]}"
                 cuda_module.BATCH = batch
+                staged = False
                 if cuda_module is int4_cuda:
-                    int4_cuda.PIPELINED, int4_cuda.FOLD = pipelined, fold
+                    int4_cuda.PIPELINED, int4_cuda.FOLD, int4_cuda.STAGE_X = pipelined, fold > 0, fold == 2
+                    staged = fold == 2 and M <= 8 and int4_cuda.stage_bytes(M, int4_cuda.plan(N, K)[1]) <= \
+                        int4_cuda.STAGE_MAX_BYTES
                     run = ((lambda x, q, s, z: int4_cuda.loads_only(x, q, s, z, N)) if probe else  # noqa: E731
                            (lambda x, q, s, z: int4_cuda.int4_gemv(x, q, s, z, N)))
                 else:
                     run = lambda x, q, s, z: fp8_cuda.fp8_gemv(x, q, s)  # noqa: E731
-                config = (f"cuda batch {batch}{' pipelined' * pipelined}{' folded' * (fold and M <= 8)} {splits}"
+                config = (f"cuda batch {batch}{' pipelined' * pipelined}{' folded' * (fold > 0 and M <= 8)}"
+                          f"{' x staged' * staged} {splits}"
                           f"{' LOADS ONLY' * probe}")
             if args.check and not (kernel != "triton" and kernel[3]):  # (not a loads-only probe)
                 got = run(x, *stored).sum(0)

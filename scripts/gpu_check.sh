@@ -70,6 +70,9 @@
 #            profile shows)
 #   bars     issue #4's decode bars, each system alone in its process: BARS=27b (default: bf16, fp8-weight and int4,
 #            quantized lm_heads; ~4.5 min on an H100) or BARS=35b (bf16 and fp8-weight); BARS_ARGS adds bench arguments
+#   staged   the int4 staged-x candidate (int4_cuda.STAGE_X): per-layer times against the folded kernel and the
+#            loads-only probe (1 and 2 rows, with errors), then a 27B int4 step with STAGE_X off and on, each in a
+#            process of its own (~5 min); its GPU tests: CUDA_TESTS_K="folded" bash scripts/gpu_check.sh cuda-tests
 #   cuda-times-fp8 the same for fp8-weight's register kernel on the 27B's and 35B-A3B's layers.
 #            The step's A/B is `candidates` with CAND_MODEL=qwen3.5-27b CAND_SYSTEMS="fastqwen-int4+triton-int4"
 #            CAND_ARGS="--isolate --quant-lm-head --no-autotune" (fp8: fastqwen-fp8-weight+cuda-fp8-weight)
@@ -112,7 +115,8 @@ case "$stage" in
   cuda-tests) timeout ${CUDA_TESTS_TIMEOUT:-480} python -m pytest -v -s -p no:warnings --durations=6 \
                tests/gpu/test_cuda_kernels_gpu.py ${CUDA_TESTS_ARGS:-} ${CUDA_TESTS_K:+-k "$CUDA_TESTS_K"} 2>&1 \
                | tee "$out/cuda_tests.log" | tail -8 ;;
-  cuda-times) python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel cuda --cuda-fold 0 1 --cuda-loads-only \
+  cuda-times) python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel cuda --cuda-fold 0 1 2 \
+               --cuda-loads-only \
                --rows 1 4 --check 2>&1 | tee "$out/cuda_times_fold.md"
              python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel triton cuda \
                --cuda-batch 2 4 8 --cuda-pipelined 0 1 --cuda-blocks 1024 2048 4096 2>&1 | tee "$out/cuda_times.md"
@@ -129,6 +133,14 @@ case "$stage" in
         else set -- --models qwen3.5-27b --systems fastqwen fastqwen-fp8-weight fastqwen-int4 --quant-lm-head; fi
         python scripts/bench.py "$@" $a --json "$out/bars_${BARS:-27b}.json" 2>&1 | grep -v "^\[transformers\]" \
           | tee "$out/bars_${BARS:-27b}.log" | grep -E "tok/s|step:|^\|" ;;
+  staged) python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel cuda --cuda-fold 1 2 \
+            --cuda-loads-only --rows 1 2 --check 2>&1 | grep "^|" | tee "$out/staged_times.md"
+          for s in False True; do  # (a module flag: one process a setting, no --isolate)
+            python -c "import runpy, sys; import fastqwen.ops.int4_cuda as m; m.STAGE_X = $s; sys.argv[0] = 'bench'; \
+              runpy.run_path('scripts/bench.py', run_name='__main__')" --models qwen3.5-27b --systems fastqwen-int4 \
+              --quant-lm-head --n-long 288 --repeats 2 --no-autotune --json "$out/staged_$s.json" 2>&1 \
+              | grep -E "tok/s|step:"
+          done ;;
   candidate-tests) python -m pytest -q -s -p no:warnings tests/gpu/test_candidates_gpu.py 2>&1 | tail -6 ;;
   bench) python scripts/bench.py --models ${MODELS:-qwen3.5-9b qwen3.5-27b qwen3.5-35b-a3b} ${BENCH_ARGS:-} \
            --out-dir "$out" 2>&1 | grep -v "^\[transformers\]" | tail -20 ;;

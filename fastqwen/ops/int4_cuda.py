@@ -6,8 +6,10 @@ bandwidth (docs/DESIGN-NOTES.md, 2026-12-03/04): its occupancy (18-25%) and the 
 it, which no launch config, layout or TMA ring changed. The register kernel feeds the tensor cores here (each lane
 issues its 16-byte weight loads for BATCH groups, and the scales, before it decodes any of them and before the PDL
 wait). The folded kernel (FOLD, the default for bf16 x up to 8 rows) takes the zero out of the decode
-(int4_gemv_fold): a 27B int4 step 1.027x faster on an H100. Removed after measuring slower (2026-12-05): a ring
-kernel (a producer warp feeding a shared-memory ring by bulk copies; 1.4-1.5x slower on an H200), a stream kernel
+(int4_gemv_fold): a 27B int4 step 1.027x faster on an H100; STAGE_X (a candidate, off) stages x in shared memory
+once a block for it (int4_gemv_staged: no byte permutes of x, half the MMAs). Removed after measuring slower
+(2026-12-05): a ring kernel (a producer warp feeding a shared-memory ring by bulk copies; 1.4-1.5x slower on an
+H200), a stream kernel
 (one resident wave, even shares; a 9B step 1.23x slower), an async kernel (cp.async slots a warp; 5-14% slower) and
 instances at 8 blocks an SM or with two MMA chains: the kernel is bound by its own load → decode → MMA latency, not by
 HBM (with its weights resident in L2 it reads no faster; H100, docs/DESIGN-NOTES.md).
@@ -36,6 +38,11 @@ PIPELINED = False  # the next batch's loads in flight while a batch decodes (an 
 FOLD = True  # the folded kernel in place of BATCH 2 unpipelined for bf16 x up to 8 rows: the zero out of the decode
 # (sum (128 + q) x - (128 + z) sum x; 287 SASS instructions a 2-group loop against 333, 72 registers), relative
 # error a few 1e-6 against ~1e-7; a 27B int4 step 6997 µs against 7185 (one H100, 2026-12-05)
+STAGE_X = False  # a candidate: the folded kernel with x staged in shared memory once a block, as the B operands
+# (no byte permutes) with each group's sums of x (no all-ones MMAs): 240 SASS instructions a 2-group loop against
+# the folded kernel's 287, 62 registers (int4_gemv_staged; not yet timed on a GPU). Where its shared memory fits
+# STAGE_MAX_BYTES (stage_bytes), else the folded kernel.
+STAGE_MAX_BYTES = 24 << 10  # (7 blocks an SM keep 7 × (24 + 2 + 1) KB of the 228)
 MAX_SPLITS = 8  # (≤ 8 partials for the caller to add into the consumer's kernel: gemv.add_splits)
 MAX_ROWS = 16  # rows of x a launch takes: one or two blocks of mma.m16n8k16's 8 B columns (a DFlash verify)
 CHOICE = "kernels['int4']='cuda'"
@@ -53,6 +60,12 @@ def variant(rows: int, bf16: bool = True) -> tuple[int, bool, bool]:
     if rows > 8:
         return min(BATCH, 4), False, False
     return BATCH, PIPELINED, FOLD and bf16 and BATCH == 2 and not PIPELINED
+
+
+def stage_bytes(rows: int, groups_per_split: int) -> int:
+    """The staged kernel's shared memory a block: its split's x as B operands (16-byte words, 16 a group and row)
+    and the groups' x sums (8 floats a group)."""
+    return groups_per_split * (16 * rows * 16 + 8 * 4)
 
 
 def plan(N: int, K: int, one_split: bool = False) -> tuple[int, int]:
@@ -92,6 +105,7 @@ def _launch(x, w, scale, zero, out_features, pdl, one_split, loads_only) -> torc
     x = cuda_build.aligned(x)
     bf16 = x.dtype == torch.bfloat16
     batch, pipelined, fold = (2, False, False) if loads_only else variant(x.shape[0], bf16)
+    fold = 2 if fold and STAGE_X and stage_bytes(x.shape[0], per) <= STAGE_MAX_BYTES else int(fold)
     out = torch.empty(splits, x.shape[0], out_features, device=x.device, dtype=torch.float32)
     err = library(cuda_build.device_arch(x.device, CHOICE))(
         x.data_ptr(), w.data_ptr(), scale.data_ptr(), zero.data_ptr(), out.data_ptr(), x.shape[0], out_features,

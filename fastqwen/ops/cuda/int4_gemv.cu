@@ -22,11 +22,13 @@
 // of 8 B columns (NB = 2: two more MMAs a word).
 // Weights and scales are loaded before the PDL wait (they do not depend on the previous kernel); x after it.
 //
-// Two kernels (the entry point's `fold`):
+// Three kernels (the entry point's `fold`):
 //   int4_gemv_rows: a (N/16, splits) grid, each warp loading its own tiles, BATCH groups ahead, straight into
 //     registers; BATCH 2 unpipelined was the fastest instance on every 27B layer (H100 and H200);
 //   int4_gemv_fold (bf16 x, up to 8 rows; the default there): int4_gemv_rows' BATCH 2 unpipelined instance with the
-//     zero taken out of the decode and its position walked as pointers: a 27B int4 step 1.027x faster (H100).
+//     zero taken out of the decode and its position walked as pointers: a 27B int4 step 1.027x faster (H100);
+//   int4_gemv_staged (a candidate, int4_cuda.STAGE_X): int4_gemv_fold with x staged in shared memory once a block
+//     as B operands with each group's sums of x (no byte permutes, half the MMAs; not yet timed).
 // Removed after measuring slower (2026-12-05, docs/DESIGN-NOTES.md): a ring kernel (a persistent grid whose producer
 // warp fed a shared-memory ring by bulk copies; 1.4-1.5x slower on an H200), a stream kernel (one resident wave
 // dealing the strips' groups evenly, optionally holding groups in shared memory before the PDL wait; a 9B step
@@ -246,6 +248,58 @@ __global__ void __launch_bounds__(WARPS * 32, 4) int4_gemv_rows(const uint16_t* 
   strip_gemv::write_partials<NB>(sums, 1.f, 1.f, out, M, N, strip, split);  // (the groups' scales: applied)
 }
 
+// A folded kernel's walk over its warp's groups (int4_gemv_fold, int4_gemv_staged): at the current group g, the
+// lane's words of its tile and the scales and zeros of (row l/4, g) and (row l/4 + 8, g); load(g0) takes groups g0
+// and g0 + WARPS (those < g_end) into registers, next() steps the walk by 2 WARPS groups (pointers, not indices).
+struct FoldWalk {
+  const uint4* tile;
+  const __half* sc;
+  const uint8_t* ze;
+  size_t step;
+  int g_end;
+  uint4 ta[2], tb[2];
+  float sa[2], sb[2];
+  uint32_t za[2], zb[2];
+
+  __device__ __forceinline__ FoldWalk(const uint4* w, const __half* scale, const uint8_t* zero, int N, int G,
+                                      int strip, int lane, int g_begin, int g_end_)
+      : tile(w + ((size_t)strip * G + g_begin) * 64 + lane), step((size_t)WARPS * N), g_end(g_end_) {
+    const size_t side = (size_t)g_begin * N + strip * 16 + lane / 4;
+    sc = scale + side;
+    ze = zero + side;
+  }
+
+  __device__ __forceinline__ void load(int g0) {
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      if (g0 + t * WARPS < g_end) {
+        ta[t] = load_weights(tile + t * WARPS * 64);
+        tb[t] = load_weights(tile + t * WARPS * 64 + 32);
+        sa[t] = __half2float(sc[t * step]);
+        sb[t] = __half2float(sc[t * step + 8]);
+        za[t] = ze[t * step];
+        zb[t] = ze[t * step + 8];
+      }
+    }
+  }
+
+  __device__ __forceinline__ void next() {
+    tile += 2 * WARPS * 64;
+    sc += 2 * step;
+    ze += 2 * step;
+  }
+};
+
+// Words u (row l/4) and v (row l/4 + 8) of a lane's tile as the A operands of their two MMAs in (MAGIC + q) pairs,
+// the folded kernels' decode: lo the nibble pairs 0 and 1, hi 2 and 3.
+__device__ __forceinline__ void plus_magic_operands(uint32_t u, uint32_t v, uint32_t magic, uint32_t (&lo)[4],
+                                                    uint32_t (&hi)[4]) {
+  lo[0] = pair_plus_magic(u, 0, magic), lo[1] = pair_plus_magic(v, 0, magic);
+  lo[2] = pair_plus_magic(u, 1, magic), lo[3] = pair_plus_magic(v, 1, magic);
+  hi[0] = pair_plus_magic(u, 2, magic), hi[1] = pair_plus_magic(v, 2, magic);
+  hi[2] = pair_plus_magic(u, 3, magic), hi[3] = pair_plus_magic(v, 3, magic);
+}
+
 // One group of the folded kernel: c[nb] += the group's sums of (MAGIC + q) x (c0, c1: strip row l/4 against x
 // rows 8 nb + 2 (l%4) and + 1; c2, c3: row l/4 + 8), xsum[nb] += its sums of x (an all-ones A: every row alike,
 // c0 and c1 against those x rows): the decode is one LOP3 a pair, the zeros come off after (int4_gemv_fold).
@@ -258,10 +312,8 @@ __device__ __forceinline__ void group_fold(float (&c)[NB][4], float (&xsum)[NB][
   constexpr uint32_t ONES[4] = {Pairs<true>::ONE, Pairs<true>::ONE, Pairs<true>::ONE, Pairs<true>::ONE};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const uint32_t lo[4] = {pair_plus_magic(wa[i], 0, magic), pair_plus_magic(wb[i], 0, magic),
-                            pair_plus_magic(wa[i], 1, magic), pair_plus_magic(wb[i], 1, magic)};
-    const uint32_t hi[4] = {pair_plus_magic(wa[i], 2, magic), pair_plus_magic(wb[i], 2, magic),
-                            pair_plus_magic(wa[i], 3, magic), pair_plus_magic(wb[i], 3, magic)};
+    uint32_t lo[4], hi[4];
+    plus_magic_operands(wa[i], wb[i], magic, lo, hi);
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) {
       strip_gemv::mma<true>(c[nb], lo, xb[nb][i][0], xb[nb][i][1]);
@@ -285,37 +337,17 @@ __global__ void __launch_bounds__(WARPS * 32, 7) int4_gemv_fold(const uint16_t* 
   const int G = K / 128, strip = blockIdx.x, split = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g_begin = split * groups_per_split + warp, g_end = min(G, (split + 1) * groups_per_split);
-  // at the warp's current group g: its tile's words of this lane, the scale and zero of (row l/4, g)
-  const uint4* tile = w + ((size_t)strip * G + g_begin) * 64 + lane;
-  const size_t side = (size_t)g_begin * N + strip * 16 + lane / 4, step = (size_t)WARPS * N;
-  const __half* sc = scale + side;
-  const uint8_t* ze = zero + side;
+  FoldWalk wk(w, scale, zero, N, G, strip, lane, g_begin, g_end);
   bool has_x[NB];
   const uint4* xcols[NB];
   strip_gemv::x_columns<NB, 4>(x, M, K, lane, has_x, xcols);
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) xcols[nb] += (size_t)g_begin * 16;
-  uint4 ta[2], tb[2];
-  float sa[2], sb[2];
-  uint32_t za[2], zb[2];
-  const auto load = [&](int g0) {  // (groups g0 and g0 + WARPS, at tile, sc, ze)
-#pragma unroll
-    for (int t = 0; t < 2; ++t) {
-      if (g0 + t * WARPS < g_end) {
-        ta[t] = load_weights(tile + t * WARPS * 64);
-        tb[t] = load_weights(tile + t * WARPS * 64 + 32);
-        sa[t] = __half2float(sc[t * step]);
-        sb[t] = __half2float(sc[t * step + 8]);
-        za[t] = ze[t * step];
-        zb[t] = ze[t * step + 8];
-      }
-    }
-  };
-  load(g_begin);  // (weights: before the wait)
+  wk.load(g_begin);  // (weights: before the wait)
   asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the previous kernel's output (PDL)
   float sums[NB][4] = {};
   for (int g0 = g_begin; g0 < g_end; g0 += 2 * WARPS) {
-    if (g0 != g_begin) load(g0);
+    if (g0 != g_begin) wk.load(g0);
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
       if (g0 + t * WARPS < g_end) {
@@ -326,26 +358,115 @@ __global__ void __launch_bounds__(WARPS * 32, 7) int4_gemv_fold(const uint16_t* 
           for (int i = 0; i < 4; ++i) xs[nb][i] = has_x[nb] ? xcols[nb][t * WARPS * 16 + i] : make_uint4(0, 0, 0, 0);
         }
         float c[NB][4] = {}, xsum[NB][4] = {};
-        group_fold<NB>(c, xsum, ta[t], tb[t], xs, magic);
+        group_fold<NB>(c, xsum, wk.ta[t], wk.tb[t], xs, magic);
         // -(MAGIC + z) in fp32: MAGIC = 128 = 0x43000000, z < 16 in the mantissa's top bits
-        const float neg_a = __uint_as_float(0xC3000000u | (za[t] << 16));
-        const float neg_b = __uint_as_float(0xC3000000u | (zb[t] << 16));
+        const float neg_a = __uint_as_float(0xC3000000u | (wk.za[t] << 16));
+        const float neg_b = __uint_as_float(0xC3000000u | (wk.zb[t] << 16));
 #pragma unroll
         for (int nb = 0; nb < NB; ++nb) {
-          sums[nb][0] = fmaf(sa[t], fmaf(neg_a, xsum[nb][0], c[nb][0]), sums[nb][0]);
-          sums[nb][1] = fmaf(sa[t], fmaf(neg_a, xsum[nb][1], c[nb][1]), sums[nb][1]);
-          sums[nb][2] = fmaf(sb[t], fmaf(neg_b, xsum[nb][0], c[nb][2]), sums[nb][2]);
-          sums[nb][3] = fmaf(sb[t], fmaf(neg_b, xsum[nb][1], c[nb][3]), sums[nb][3]);
+          sums[nb][0] = fmaf(wk.sa[t], fmaf(neg_a, xsum[nb][0], c[nb][0]), sums[nb][0]);
+          sums[nb][1] = fmaf(wk.sa[t], fmaf(neg_a, xsum[nb][1], c[nb][1]), sums[nb][1]);
+          sums[nb][2] = fmaf(wk.sb[t], fmaf(neg_b, xsum[nb][0], c[nb][2]), sums[nb][2]);
+          sums[nb][3] = fmaf(wk.sb[t], fmaf(neg_b, xsum[nb][1], c[nb][3]), sums[nb][3]);
         }
       }
     }
-    tile += 2 * WARPS * 64;
-    sc += 2 * step;
-    ze += 2 * step;
+    wk.next();
 #pragma unroll
     for (int nb = 0; nb < NB; ++nb) xcols[nb] += 2 * WARPS * 16;
   }
   strip_gemv::write_partials<NB>(sums, 1.f, 1.f, out, M, N, strip, split);  // (the groups' scales: applied)
+}
+
+// The sum of 8 bf16 values (a uint4 of x) in fp32, in a fixed order.
+__device__ __forceinline__ float bf16x8_sum(uint4 v) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  float s = 0.f;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) s += __uint_as_float(w[k] << 16) + __uint_as_float(w[k] & 0xFFFF0000u);
+  return s;
+}
+
+// The staged kernel (int4_cuda.STAGE_X, a candidate; bf16 x, up to 8 rows): the folded kernel with x's work done
+// once a block instead of once a group a warp. After the PDL wait the block copies its split's x columns into
+// shared memory already in the B operand's order (x_operands' byte permutes) and sums each group's 128 columns
+// of each x row in fp32 (a fixed order: a half-warp's shuffles); the group loop then reads its B operands and
+// x sums there and runs the codes' 8 MMAs a group only (the folded kernel's 8 all-ones MMAs and 16 byte permutes
+// a group and lane are gone). Dynamic shared memory (int4_cuda.stage_bytes): [group of the split][word i][x row
+// < M][lane % 4] uint4 B operands (conflict-free: lane l reads word (row l/4, l%4)), then float sums [group][8
+// rows] (rows M .. 7 zero). Same grid, split plan, group order and code MMAs as int4_gemv_fold.
+__global__ void __launch_bounds__(WARPS * 32, 7) int4_gemv_staged(const uint16_t* x, const uint4* __restrict__ w,
+                                                                  const __half* scale, const uint8_t* zero,
+                                                                  float* __restrict__ out, int M, int N, int K,
+                                                                  int groups_per_split, uint32_t magic) {
+  extern __shared__ uint4 staged[];
+  const int G = K / 128, strip = blockIdx.x, split = blockIdx.y;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g_first = split * groups_per_split, g_begin = g_first + warp, g_end = min(G, g_first + groups_per_split);
+  float* xsum = reinterpret_cast<float*>(staged + (size_t)groups_per_split * 16 * M);
+  FoldWalk wk(w, scale, zero, N, G, strip, lane, g_begin, g_end);
+  wk.load(g_begin);  // (weights: before the wait)
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the previous kernel's output (PDL)
+  // item t: x row `row` of the split's group lg at columns 32 c + 8 i (j = 4 c + i); a half-warp holds one
+  // (group, row)'s 16 items, so its shuffles sum that row's 128 columns
+  const int items = (g_end - g_first) * M * 16;
+  for (int base = 0; base < items; base += WARPS * 32) {
+    const int t = base + threadIdx.x, j = t % 16, row = (t / 16) % M, lg = t / 16 / M;
+    float s = 0.f;
+    if (t < items) {
+      const uint4 v = *reinterpret_cast<const uint4*>(x + (size_t)row * K + (size_t)(g_first + lg) * 128 + 8 * j);
+      staged[((lg * 4 + j % 4) * M + row) * 4 + j / 4] =
+          make_uint4(__byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632), __byte_perm(v.y, v.w, 0x5410),
+                     __byte_perm(v.y, v.w, 0x7632));
+      s = bf16x8_sum(v);
+    }
+#pragma unroll
+    for (int d = 8; d > 0; d /= 2) s += __shfl_xor_sync(0xFFFFFFFFu, s, d);
+    if (t < items && j == 0) xsum[lg * 8 + row] = s;
+  }
+  for (int t = threadIdx.x; t < (g_end - g_first) * 8; t += WARPS * 32) {
+    if (t % 8 >= M) xsum[t] = 0.f;
+  }
+  __syncthreads();
+  // at the warp's current group: its B operands (word i at + i * 4 M; (row l/4, l%4) is word lane of each) and
+  // the sums of x rows 2 (l%4) and + 1
+  const int word = 4 * M, group = 16 * M;
+  const uint4* xp = staged + (size_t)warp * group + lane;
+  const float* xsp = xsum + warp * 8 + 2 * (lane % 4);
+  const bool has_x = lane / 4 < M;
+  float sums[1][4] = {};
+  for (int g0 = g_begin; g0 < g_end; g0 += 2 * WARPS) {
+    if (g0 != g_begin) wk.load(g0);
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      if (g0 + t * WARPS < g_end) {
+        uint4 xb[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) xb[i] = has_x ? xp[t * WARPS * group + i * word] : make_uint4(0, 0, 0, 0);
+        const float2 xs = *reinterpret_cast<const float2*>(xsp + t * WARPS * 8);
+        const uint4 a = wk.ta[t], b = wk.tb[t];
+        const uint32_t wa[4] = {a.x, a.y, a.z, a.w}, wb[4] = {b.x, b.y, b.z, b.w};
+        float c[4] = {};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          uint32_t lo[4], hi[4];
+          plus_magic_operands(wa[i], wb[i], magic, lo, hi);
+          strip_gemv::mma<true>(c, lo, xb[i].x, xb[i].y);
+          strip_gemv::mma<true>(c, hi, xb[i].z, xb[i].w);
+        }
+        const float neg_a = __uint_as_float(0xC3000000u | (wk.za[t] << 16));  // -(MAGIC + z), as int4_gemv_fold
+        const float neg_b = __uint_as_float(0xC3000000u | (wk.zb[t] << 16));
+        sums[0][0] = fmaf(wk.sa[t], fmaf(neg_a, xs.x, c[0]), sums[0][0]);
+        sums[0][1] = fmaf(wk.sa[t], fmaf(neg_a, xs.y, c[1]), sums[0][1]);
+        sums[0][2] = fmaf(wk.sb[t], fmaf(neg_b, xs.x, c[2]), sums[0][2]);
+        sums[0][3] = fmaf(wk.sb[t], fmaf(neg_b, xs.y, c[3]), sums[0][3]);
+      }
+    }
+    wk.next();
+    xp += 2 * WARPS * group;
+    xsp += 2 * WARPS * 8;
+  }
+  strip_gemv::write_partials<1>(sums, 1.f, 1.f, out, M, N, strip, split);  // (the groups' scales: applied)
 }
 
 }  // namespace
@@ -361,16 +482,23 @@ cudaError_t launch(const cudaLaunchConfig_t& config, const void* x, const void* 
 }
 
 // The instance for M rows, (batch, pipe), the loads-only probe and the fold as one key: one column block of 8 x
-// rows (M <= 8) or two (M <= 16, BATCH 2 or 4 unpipelined: the others would spill); the probe and the folded kernel
-// (bf16 x only: int4_gemv_fold) with BATCH 2 unpipelined at one column block only; -1 where there is none.
+// rows (M <= 8) or two (M <= 16, BATCH 2 or 4 unpipelined: the others would spill); the probe and the folded
+// kernels (fold 1: int4_gemv_fold, 2: int4_gemv_staged; bf16 x only) with BATCH 2 unpipelined at one column block
+// only; -1 where there is none.
 static int variant_key(int M, int batch, int pipe, int probe, int fold, int bf16) {
   const int key = (M > 8) * 100 + batch * 2 + (pipe != 0);
-  if ((probe || fold) && (key != 4 || (probe && fold) || (fold && !bf16)))
+  if (fold < 0 || fold > 2 || ((probe || fold) && (key != 4 || (probe && fold) || (fold && !bf16))))
     return -1;
   switch (key) {
-    case 4: case 5: case 8: case 16: case 104: case 108: return key + (fold != 0) * 4000 + (probe != 0) * 8000;
+    case 4: case 5: case 8: case 16: case 104: case 108:
+      return key + (fold == 1) * 4000 + (fold == 2) * 16000 + (probe != 0) * 8000;
     default: return -1;
   }
+}
+
+// The staged kernel's dynamic shared memory: its split's x columns as B operands and its groups' x sums.
+static size_t staged_bytes(int M, int groups_per_split) {
+  return (size_t)groups_per_split * (16 * M * sizeof(uint4) + 8 * sizeof(float));
 }
 
 template <bool BF16>
@@ -392,6 +520,13 @@ cudaError_t launch_variant(int key, const cudaLaunchConfig_t& config, const void
                                   static_cast<const uint8_t*>(zero), out, M, N, K, groups_per_split,
                                   Pairs<true>::MAGIC);
       return cudaErrorInvalidValue;
+    case 16004:  // (the staged kernel: bf16 x only; its shared memory set by the caller)
+      if constexpr (BF16)
+        return cudaLaunchKernelEx(&config, int4_gemv_staged, static_cast<const uint16_t*>(x),
+                                  static_cast<const uint4*>(w), static_cast<const __half*>(scale),
+                                  static_cast<const uint8_t*>(zero), out, M, N, K, groups_per_split,
+                                  Pairs<true>::MAGIC);
+      return cudaErrorInvalidValue;
     default: return cudaErrorInvalidValue;
   }
 }
@@ -404,20 +539,23 @@ constexpr size_t PROBE_BYTES = 30 * 1024 - WARPS * 8 * 16 * sizeof(float);  // (
 // Launches the kernel on `stream` of GPU `device`; returns the cudaError_t, cudaErrorInvalidValue (1) before
 // touching the GPU where the arguments are out of the kernel's range: N % 16, K % 128, a split plan that leaves a
 // split empty or a group out, M outside 1 .. 16, a (batch, pipe) with no instance for M (batch 2, 4 or 8, only 2 or
-// 4 past 8 rows; pipe only with batch 2 and M <= 8). fold (0 or 1): the folded kernel instead (int4_gemv_fold:
-// BATCH 2 unpipelined, up to 8 rows of bf16 x). loads_only: the register kernel's probe of its load path (BATCH 2
+// 4 past 8 rows; pipe only with batch 2 and M <= 8). fold (0, 1 or 2): 1 the folded kernel instead (int4_gemv_fold:
+// BATCH 2 unpipelined, up to 8 rows of bf16 x), 2 the staged one (int4_gemv_staged: the same, its shared memory
+// within 48 KB). loads_only: the register kernel's probe of its load path (BATCH 2
 // unpipelined, up to 8 rows; out all zeros). pdl: programmatic dependent launch (the kernel waits before reading x).
 extern "C" int fastqwen_int4_gemv(const void* x, const void* w, const void* scale, const void* zero, float* out,
                                   int M, int N, int K, int splits, int groups_per_split, int batch, int pipe,
                                   int fold, int loads_only, int bf16, int pdl, int device, void* stream) {
   const int key = variant_key(M, batch, pipe, loads_only, fold, bf16);
-  if (!strip_gemv::shape_ok(M, N, K, 128, splits, groups_per_split) || key < 0)
+  if (!strip_gemv::shape_ok(M, N, K, 128, splits, groups_per_split) || key < 0 ||
+      (key == 16004 && staged_bytes(M, groups_per_split) > (48 << 10)))  // (the most without an opt-in)
     return static_cast<int>(cudaErrorInvalidValue);
   cudaLaunchConfig_t config;
   cudaLaunchAttribute attribute;
   if (cudaError_t e = strip_gemv::launch_config(config, attribute, N, splits, pdl, device, stream); e != cudaSuccess)
     return static_cast<int>(e);
   if (loads_only) config.dynamicSmemBytes = PROBE_BYTES;  // (as many blocks an SM as the kernel it probes)
+  if (key == 16004) config.dynamicSmemBytes = staged_bytes(M, groups_per_split);
   return static_cast<int>(bf16 ? launch_variant<true>(key, config, x, w, scale, zero, out, M, N, K, groups_per_split)
                                : launch_variant<false>(key, config, x, w, scale, zero, out, M, N, K,
                                                        groups_per_split));
