@@ -42,7 +42,7 @@ STAGE_X = False  # a candidate: the folded kernel with x staged in shared memory
 # (no byte permutes) with each group's sums of x (no all-ones MMAs): 240 SASS instructions a 2-group loop against
 # the folded kernel's 287, 62 registers (int4_gemv_staged; not yet timed on a GPU). Where its shared memory fits
 # STAGE_MAX_BYTES (stage_bytes), else the folded kernel.
-STAGE_MAX_BYTES = 24 << 10  # (7 blocks an SM keep 7 × (24 + 2 + 1) KB of the 228)
+STAGE_MAX_BYTES = 24 << 10  # (8 blocks an SM, as its 62 registers allow: 8 × (24 + 2 + 1) KB of the 228)
 MAX_SPLITS = 8  # (≤ 8 partials for the caller to add into the consumer's kernel: gemv.add_splits)
 MAX_ROWS = 16  # rows of x a launch takes: one or two blocks of mma.m16n8k16's 8 B columns (a DFlash verify)
 CHOICE = "kernels['int4']='cuda'"
