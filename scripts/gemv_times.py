@@ -3,6 +3,7 @@
     python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --tag new
     python scripts/gemv_times.py --format int4 --kernel triton cuda   # the Triton and CUDA kernels, layer by layer
     python scripts/gemv_times.py --format int4 --kernel cuda --cuda-fold 0 1 --cuda-loads-only  # instances, probe
+    python scripts/gemv_times.py --format int4 --kernel cuda --pdl   # chained as in a step (PDL launches)
 
 For A/B of a kernel or stored-format change on one GPU: run it in two checkouts (old and new) in turn, in one
 device call, and compare the rows. Each time is the minimum of --repeats CUDA-graph timings cycling through cold
@@ -50,6 +51,10 @@ def main():
                    "partials against x · dequantized Wᵀ in fp32)")
     p.add_argument("--cuda-blocks", nargs="+", type=int, default=[int4_cuda.TARGET_BLOCKS],
                    help="the CUDA kernel's TARGET_BLOCKS (the grid size its split plan aims at), each timed")
+    p.add_argument("--pdl", action="store_true",
+                   help="launch every kernel with programmatic dependent launch, as a decode step does: each of the "
+                   "graph's back-to-back calls then loads its first weights while the one before it drains, so the "
+                   "times show how much of a launch's fixed part (its start and drain) PDL hides")
     p.add_argument("--warm", action="store_true",
                    help="also time each config on one copy of the weight, read again and again (L2-resident where "
                    "it fits: what a GEMV would gain from a weight staged in L2 during the kernels before it)")
@@ -84,7 +89,7 @@ def main():
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             if kernel == "triton":
                 run = lambda x, q, s, z: gemv._launch(  # noqa: E731
-                    x, fmt, q, s, z, False, N, x.shape[0], partials=True)
+                    x, fmt, q, s, z, False, N, x.shape[0], partials=True, pdl=args.pdl)
                 config = gemv.full_config(gemv.gemv_config(fmt, N, K, M))
             else:
                 if kernel[3] and M > 8:  # (the probe: up to 8 rows)
@@ -101,9 +106,9 @@ def main():
                     staged = fold == 2 and M <= 8 and int4_cuda.stage_bytes(M, int4_cuda.plan(N, K)[1]) <= \
                         int4_cuda.STAGE_MAX_BYTES
                     run = ((lambda x, q, s, z: int4_cuda.loads_only(x, q, s, z, N)) if probe else  # noqa: E731
-                           (lambda x, q, s, z: int4_cuda.int4_gemv(x, q, s, z, N)))
+                           (lambda x, q, s, z: int4_cuda.int4_gemv(x, q, s, z, N, args.pdl)))
                 else:
-                    run = lambda x, q, s, z: fp8_cuda.fp8_gemv(x, q, s)  # noqa: E731
+                    run = lambda x, q, s, z: fp8_cuda.fp8_gemv(x, q, s, args.pdl)  # noqa: E731
                 config = (f"cuda batch {batch}{' pipelined' * pipelined}{' folded' * (fold > 0 and M <= 8)}"
                           f"{' x staged' * staged} {splits}"
                           f"{' LOADS ONLY' * probe}")
@@ -116,7 +121,8 @@ def main():
             for mode, n in modes:
                 variants = [(x, *c) for c in copies[:n]]
                 t = min(bench.graph_seconds(run, variants=variants) for _ in range(args.repeats))
-                print(f"| {args.tag} | {layer} | {N}x{K} | M={M} | {config}{mode} | {t * 1e6:.1f} µs | "
+                pdl = " PDL" * (args.pdl and not (kernel != "triton" and kernel[3]))  # (the probe: never PDL)
+                print(f"| {args.tag} | {layer} | {N}x{K} | M={M} | {config}{pdl}{mode} | {t * 1e6:.1f} µs | "
                       f"{nbytes / 1e6:.1f} MB | {nbytes / t / 1e12:.2f} TB/s |", flush=True)
         del copies, stored, w
         torch.cuda.empty_cache()
