@@ -40,8 +40,9 @@ FOLD = True  # the folded kernel in place of BATCH 2 unpipelined for bf16 x up t
 # error a few 1e-6 against ~1e-7; a 27B int4 step 6997 µs against 7185 (one H100, 2026-12-05)
 STAGE_X = False  # a candidate: the folded kernel with x staged in shared memory once a block, as the B operands
 # (no byte permutes) with each group's sums of x (no all-ones MMAs): 240 SASS instructions a 2-group loop against
-# the folded kernel's 287, 62 registers (int4_gemv_staged; not yet timed on a GPU). Where its shared memory fits
-# STAGE_MAX_BYTES (stage_bytes), else the folded kernel.
+# the folded kernel's 287, 62 registers (int4_gemv_staged). Where its shared memory fits STAGE_MAX_BYTES
+# (stage_bytes), else the folded kernel. On an H100 (2026-12-06) 0.3-1.5 µs a 27B layer slower at one row (the same
+# rate, ~0.7 µs more to start: the staging); off until an H200, whose rate is where it could pay, times it.
 STAGE_MAX_BYTES = 24 << 10  # (8 blocks an SM, as its 62 registers allow: 8 × (24 + 2 + 1) KB of the 228)
 MAX_SPLITS = 8  # (≤ 8 partials for the caller to add into the consumer's kernel: gemv.add_splits)
 MAX_ROWS = 16  # rows of x a launch takes: one or two blocks of mma.m16n8k16's 8 B columns (a DFlash verify)
