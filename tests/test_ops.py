@@ -609,3 +609,75 @@ def test_gated_norm_kernel_matches_gated_rms_norm_in_the_triton_interpreter_and_
 
     assert run_in_triton_interpreter(_GATED_NORM).strip().endswith("ok")
     assert run_in_triton_interpreter(_GATED_NORM_SM90, interpret=False).strip().endswith("ok")
+
+
+def test_residual_norm_op_is_the_plain_add_and_norm_and_its_fake_agrees():
+    """kernels={"residual_norm": "kernel"}: the op (its CPU path) is x + y and its RMSNorm, y the block's
+    output or its split-K partials (summed in split order in fp32, rounded to x's dtype), both contiguous;
+    opcheck checks its fake."""
+    from fastqwen.ops.residual_norm import residual_norm
+
+    B, T, N = 2, 3, 40
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w = torch.randn(B, T, N).to(dtype), torch.randn(N).to(dtype)
+        parts = torch.randn(3, B, T, N + 8)[..., 8:]
+        for y in (parts[0].to(dtype), parts[:1], parts):
+            ys = y.float().sum(0).to(dtype) if y.dim() == 4 else y
+            x_new, h = residual_norm(x, y, w, 1e-6)
+            assert x_new.is_contiguous() and torch.equal(x_new, x + ys)
+            assert h.is_contiguous() and torch.equal(h, rms_norm(x + ys, w, 1e-6))
+            torch.library.opcheck(residual_norm, (x, y, w, 1e-6))
+
+
+_RESIDUAL_NORM = """
+import torch
+from fastqwen.ops.norm import rms_norm
+from fastqwen.ops.residual_norm import BLOCK, _residual_norm_cuda, reserve
+torch.manual_seed(0)
+# values exact in bf16 and their sums too: Triton's interpreter rounds fp32 to bf16 toward zero
+for N in (2 * BLOCK + 128, 300):  # (300: a masked tail; programs 3 and 2)
+    for R in (1, 3):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = (torch.randint(-40, 40, (1, R, N)) / 16).to(dtype)
+            w = (torch.randint(-8, 8, (N,)) / 16).to(dtype)
+            for y in ((torch.randint(-40, 40, (1, R, N)) / 16).to(dtype), torch.randint(-40, 40, (4, 1, R, N)) / 64):
+                ys = y.float().sum(0).to(dtype) if y.dim() == 4 else y
+                x_new, h = _residual_norm_cuda(x, y, w, 1e-6)
+                want = rms_norm(x + ys, w, 1e-6)
+                tol = 1e-5 if dtype == torch.float32 else 2e-2
+                assert torch.equal(x_new, x + ys), (N, R, dtype)
+                assert h.dtype == dtype and ((h.float() - want.float()).abs() <= tol * want.float().abs() + tol).all()
+                assert reserve(x.device)[1].item() == 0  # (the last program reset the count)
+print("ok")
+"""
+
+_RESIDUAL_NORM_SM90 = """
+import re
+from sm90 import compile_sm90, stack_bytes
+from fastqwen.ops import residual_norm as rn
+
+sig = {"x_ptr": "*bf16", "y_ptr": "*fp32", "w_ptr": "*bf16", "x_out": "*bf16", "h_out": "*bf16", "ss_ptr": "*fp32",
+       "count_ptr": "*i32", "eps": "fp32", "y_split": "i32", "R": "i32", "N": "i32"}
+for RB in (1, 4):  # the 27B's 5120 columns in 20 programs, 8 partials (its o / out and down projections' plans)
+    kernel = compile_sm90(rn._residual_norm_kernel, sig,
+                          dict(RB=RB, BLOCK=rn.BLOCK, P=20, PB=32, NB=8192, S=8, PDL=True),
+                          ("x_ptr", "y_ptr", "w_ptr", "x_out", "h_out", "ss_ptr"), num_warps=8)
+    code = kernel.asm["ptx"]
+    assert stack_bytes(kernel) == 0 and code.count("griddepcontrol.wait") == 1
+    atom = code.index("atom.global.gpu.acq_rel.add")
+    assert code.count("atom.") == 1 and "bar.sync" in code[code.rindex("st.global", 0, atom):atom]  # (stores first)
+    assert "ld.global.cg" in code[atom:] and "sqrt.rn.f32" in code and "cvt.rn.bf16.f32" in code
+    assert code.count("sqrt.rn.f32") == RB  # (the last program: one row a round, no loop over column blocks)
+print("ok")
+"""
+
+
+def test_residual_norm_kernel_matches_the_plain_add_and_norm_in_the_interpreter_and_builds_for_sm90():
+    """The residual norm's kernel: the new residual exactly, the norm within rounding (fp32) or the interpreter's
+    bf16 rounding, a block's output or four partials, 1 and 3 rows, a masked tail, the count back at zero after
+    each launch; for Hopper at the 27B's width with PDL: no spill, the programs' stores behind a barrier before
+    the one acquire-release count, the last program's reads past L1, IEEE sqrt, bf16 to nearest even."""
+    from conftest import run_in_triton_interpreter
+
+    assert run_in_triton_interpreter(_RESIDUAL_NORM).strip().endswith("ok")
+    assert run_in_triton_interpreter(_RESIDUAL_NORM_SM90, interpret=False).strip().endswith("ok")
