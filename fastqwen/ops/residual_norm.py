@@ -57,6 +57,8 @@ def _(x, y, weight, eps, pdl=False):
 def reserve(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The device's scratch (sums of squares, count), allocated and zeroed on first use: call it before a CUDA
     graph is captured (the Forward does), so the capture records no allocation or memset."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # (one key a GPU: x.device has its index)
     if device not in _scratch:
         _scratch[device] = (torch.zeros(SCRATCH, device=device), torch.zeros(1, device=device, dtype=torch.int32))
     return _scratch[device]

@@ -177,7 +177,7 @@ def test_residual_norm_kernel_matches_the_reference(R, S):
     from fastqwen.ops.residual_norm import reference, reserve, residual_norm
 
     N = 5120
-    reserve(torch.device("cuda"))  # (before the capture below)
+    reserve(torch.device("cuda"))  # (before the capture below: the same scratch as x.device's)
 
     def inputs():
         parts = torch.randn(max(S, 1), 1, R, N, device="cuda")
@@ -191,6 +191,7 @@ def test_residual_norm_kernel_matches_the_reference(R, S):
         assert (got[1] == want_h).float().mean() > 0.99
 
     x, y, w = inputs()
+    assert reserve(x.device)[1].data_ptr() == reserve(torch.device("cuda"))[1].data_ptr()
     for pdl in (False, True):
         for _ in range(3):
             poison_allocator((1, R, N))
