@@ -148,12 +148,6 @@ class Linears:
         return bool(self.gemv and rows <= GEMV_ROWS and (K % STEP == 0 or not x.is_cuda)  # (off CUDA: the reference)
                     and (self.gemv is True or gemv_beats_cublas(self.table, N, K, rows)))
 
-    def output(self, module, x: torch.Tensor, raw: bool = False) -> torch.Tensor:
-        """module on x; raw: as the weight-streaming kernel's split-K partials [S, ..., N] fp32 where it streams
-        (for a consumer that sums them itself: ops/residual_norm.py), else the output [..., N]."""
-        parts = self.partials(module, x) if raw else None
-        return self(module, x) if parts is None else parts
-
     def partials(self, module, x: torch.Tensor) -> torch.Tensor | None:
         """A bias-free linear's (or a QuantLinear's) product on x as the weight-streaming kernel's split-K
         partials [S, ..., N] fp32 (their sum, in x's dtype, is the output), or None where the policy does not
@@ -186,9 +180,8 @@ class Linears:
             outs.append(self(linear, h) if p is None else p)
         return outs
 
-    def heads(self, module, o: torch.Tensor, raw: bool = False) -> torch.Tensor:
-        """module on o [B, T, H, D] flattened to [B, T, H·D] → [B, T, N] (raw: as `output`). Where the
-        weight-streaming op takes it
+    def heads(self, module, o: torch.Tensor) -> torch.Tensor:
+        """module on o [B, T, H, D] flattened to [B, T, H·D] → [B, T, N]. Where the weight-streaming op takes it
         (a streamed bias-free linear or QuantLinear), o reaches the op as [B·T, H, D] and the op flattens it: in a
         compiled step o's producer then stays per head, so inductor fuses a per-head reduction and its pointwise
         tail (the GDN gated norm) into one kernel; reshaped before the op, the tail's [B·T, H·D] indexing does
@@ -197,16 +190,15 @@ class Linears:
         if isinstance(module, self.quant_linear) and module.bias is None:
             parts = module.partials(o, self.pdl, self.fixup, in_dims=2, cuda=self.cuda)
             if parts is not None:
-                return parts if raw else add_splits(parts).to(o.dtype)
+                return add_splits(parts).to(o.dtype)
         elif type(module) is torch.nn.Linear and module.bias is None and self._streams(o, *module.weight.shape, rows):
             parts = wq_linear(o.reshape(rows, *o.shape[2:]), BF16, module.weight, None, None, False,
-                              module.weight.shape[0], self.pdl, self.fixup).view(-1, *lead, module.weight.shape[0])
-            return parts if raw else add_splits(parts).to(o.dtype)
+                              module.weight.shape[0], self.pdl, self.fixup)
+            return add_splits(parts).to(o.dtype).view(*lead, -1)
         return self(module, o.reshape(*lead, -1))
 
-    def mlp(self, mlp, h, raw: bool = False):
-        """A dense gated MLP (transformers' Qwen3.5 MLP, or a MoE layer's shared expert): down(act(gate)·up);
-        raw: down's product as `output` gives it."""
+    def mlp(self, mlp, h):
+        """A dense gated MLP (transformers' Qwen3.5 MLP, or a MoE layer's shared expert): down(act(gate)·up)."""
         fused = mlp.__dict__.get("fastqwen_fused") if self.fused and self.fused_act else None
         down, rows = mlp.down_proj, h.numel() // h.shape[-1]
         if (fused is not None and rows == 1 and len(mlp.__dict__["fastqwen_fused_sizes"]) == 2
@@ -214,8 +206,7 @@ class Linears:
                 and self._streams(h, *fused.weight.shape, 1) and self._streams(h, *down.weight.shape, 1)):
             parts = wq_linear(h.reshape(1, -1), BF16, fused.weight, None, None, False, fused.weight.shape[0], self.pdl,
                               self.fixup)  # [S, 1, 2I]: gate | up
-            parts = swiglu_linear(parts, down.weight, down.weight.shape[0], self.pdl, self.fixup)
-            parts = parts.view(-1, *h.shape[:-1], down.weight.shape[0])
-            return parts if raw else add_splits(parts).to(h.dtype)
+            y = add_splits(swiglu_linear(parts, down.weight, down.weight.shape[0], self.pdl, self.fixup))
+            return y.to(h.dtype).view(*h.shape[:-1], -1)
         gate, up = self.project(mlp, h, MLP_IN)
-        return self.output(mlp.down_proj, mlp.act_fn(gate) * up, raw)
+        return self(mlp.down_proj, mlp.act_fn(gate) * up)

@@ -26,7 +26,6 @@ from .ops.gemv import tile_counts
 from .ops.gated_norm import gated_norm
 from .ops.gdn import gates, gdn_chunk, gdn_decode, gdn_recurrent, gdn_replay, gdn_verify, unpack_qkv
 from .ops.norm import gated_rms_norm, rms_norm
-from .ops.residual_norm import MAX_ROWS as RESIDUAL_NORM_ROWS, reserve, residual_norm
 
 _CHUNK_MIN_TOKENS = 64  # below this, prefill uses the recurrent kernel (fla's chunk kernel wins above)
 
@@ -45,7 +44,7 @@ KERNELS = {"attention": ("split", "sdpa"), "experts": ("auto", "gather", "groupe
            "mlp_act": ("separate", "fused"), "conv": ("fused", "separate"),
            "int4": ("auto", "triton", "cuda"),
            "fp8_weight": ("triton", "cuda"), "reductions": ("persistent", "inductor"),
-           "attn_glue": ("fused", "separate"), "residual_norm": ("inductor", "kernel")}  # first: the default
+           "attn_glue": ("fused", "separate")}  # first: the default
 CUDA_KERNELS = {"int4": "int4", "fp8_weight": "fp8-weight"}  # kernels option -> the scheme its "cuda" choices take
 
 
@@ -147,12 +146,7 @@ def check_kernels(kernels: dict | None, cfg, device, fp8_experts: bool = False) 
     H100) or as two kernels of ours reading the q | gate, k and v projection's split-K partials ("fused":
     ops/attention_prep.py, and decode_attention.py's merge_gated_op, which reads only splits holding keys, with
     "attention" "split"; the default since 2026-12-05: with "gdn_norm" "kernel" a 27B int4 step took 6921 µs
-    against 7010 on one H100, and all three defaults of that day 6614 against 6886 on another). "residual_norm": a
-    block's output added into the residual stream and the next RMSNorm at decode and verify of up to 4 rows, as
-    inductor's one-program-a-row kernel ("inductor": 3.9 µs a launch, two a layer, in a 27B int4 profile on an
-    H100, 2026-12-06) or as one kernel of ours spreading the split-K partials' read over 256-column programs, the
-    last of which normalises ("kernel": ops/residual_norm.py; a candidate, 2026-12-06: its first form 10.1 µs a
-    launch, its last program walking the row block by block; now a row at once, not yet timed)."""
+    against 7010 on one H100, and all three defaults of that day 6614 against 6886 on another)."""
     kernels = dict(kernels or {})
     unknown = set(kernels) - set(KERNELS)
     if unknown:
@@ -253,7 +247,6 @@ class Forward:
         self.norm_kernel = self.kernels["gdn_norm"] == "kernel"
         self.fused_conv = self.kernels["conv"] == "fused"
         self.fused_glue = self.kernels["attn_glue"] == "fused"
-        self.residual_norm = self.kernels["residual_norm"] == "kernel"
         self.pdl = self.kernels["launch"] == "pdl"
         self.lin = Linears(fused=self.kernels["projections"] == "fused",
                            gemv={"torch": False, "gemv": True, "auto": "auto"}[self.kernels["linears"]],
@@ -262,8 +255,6 @@ class Forward:
                            cuda=cuda_schemes(self.kernels))
         if cache.lengths.device.type == "cuda":  # the kernels' arrival counts (split-K fixup, fused GDN norm, expert
             tile_counts(cache.lengths.device, 0)  # MLP, fused route), allocated before any capture
-            if self.residual_norm:
-                reserve(cache.lengths.device)  # (residual_norm's count and sums, likewise)
         for layer in self.layers:
             self.prepare_layer(layer)
 
@@ -349,38 +340,24 @@ class Forward:
         x = self.embed(tokens)
         tapped = {}
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scaling, x.dtype)
-        # raw: each block's output left as split-K partials where it streams, for residual_norm to add
-        raw = self.residual_norm and mode != "prefill" and tokens.numel() <= RESIDUAL_NORM_ROWS
-        y = None  # the last block's output, not yet added into x
         for i, layer in enumerate(self.layers):
-            x, h = self._add_norm(x, y, layer.input_layernorm.weight, raw)
+            h = rms_norm(x, layer.input_layernorm.weight, self.eps)
             if self.cfg.layer_types[i] == "linear_attention":
-                y = self._gdn(layer.linear_attn, h, rows, mode, i, raw)
+                h = self._gdn(layer.linear_attn, h, rows, mode, i)
             else:
                 k_cache, v_cache = self.cache.attention(i)
-                y = self._attention(layer.self_attn, h, cos, sin, positions, k_cache[rows], v_cache[rows], mode,
-                                    past, raw)
-            x, h = self._add_norm(x, y, layer.post_attention_layernorm.weight, raw)
-            y = self._mlp(layer.mlp, h, mode, raw)
+                h = self._attention(layer.self_attn, h, cos, sin, positions, k_cache[rows], v_cache[rows], mode,
+                                    past)
+            x = x + h
+            h = rms_norm(x, layer.post_attention_layernorm.weight, self.eps)
+            x = x + self._mlp(layer.mlp, h, mode)
             if i in taps:
-                x, y = x + summed(y, x.dtype), None
                 tapped[i] = x
-        return (x if y is None else x + summed(y, x.dtype)), [tapped[i] for i in taps]
+        return x, [tapped[i] for i in taps]
 
-    def _add_norm(self, x, y, weight, kernel: bool):
-        """(x + y, its RMSNorm) for the residual x and the last block's output y (split-K partials [S, B, T, N]
-        or an output; None: nothing to add); kernel: by residual_norm (kernels["residual_norm"] "kernel"), else
-        as plain torch that inductor fuses."""
-        if y is None:
-            return x, rms_norm(x, weight, self.eps)
-        if kernel:
-            return residual_norm(x, y, weight, self.eps, self.pdl)
-        x = x + summed(y, x.dtype)
-        return x, rms_norm(x, weight, self.eps)
-
-    def _gdn(self, m, h, rows, mode, i, raw: bool = False):
+    def _gdn(self, m, h, rows, mode, i):
         """Gated DeltaNet block of layer i on cache rows `rows`: projections, conv, gated delta rule, gated norm,
-        out_proj. h [B, T, H]. raw: out_proj's split-K partials where it streams (Linears.output)."""
+        out_proj. h [B, T, H]."""
         B, T, _ = h.shape
         cfg = self.cfg
         heads = (cfg.linear_num_key_heads, cfg.linear_key_head_dim)
@@ -406,15 +383,15 @@ class Forward:
                 if T < self.cache.block:  # (fewer drafts this call) zeros after T: the commit masks them
                     value = torch.cat([value, value.new_zeros(B, self.cache.block - T, *value.shape[2:])], 1)
                 self.cache.write(f"replay_{name}", i, value)
-            return self._gdn_out(m, o, z, norm_kernel, raw)
+            return self._gdn_out(m, o, z, norm_kernel)
         if mode == "decode" and (B == 1 or self.unrolled):  # (fla's kernel would need copies of the views)
             pdl = self.pdl and self.unrolled
             if self.fused_norm:  # o comes out of the op normalised and gated
                 o = gdn_decode(qkv, *heads, a, b, m.A_log, m.dt_bias, state, self.unrolled, pdl, z, m.norm.weight,
                                m.norm.variance_epsilon)
-                return self.lin.output(m.out_proj, o.reshape(B, T, -1), raw)
+                return self.lin(m.out_proj, o.reshape(B, T, -1))
             o = gdn_decode(qkv, *heads, a, b, m.A_log, m.dt_bias, state, self.unrolled, pdl)
-            return self._gdn_out(m, o, z, norm_kernel, raw)
+            return self._gdn_out(m, o, z, norm_kernel)
         q, k, v = unpack_qkv(qkv, *heads, cfg.linear_num_value_heads)
         # contiguous here, so inductor writes them from kernels it has anyway (q, k, v from the conv's): fla's
         # kernels need them so, and the ops' own .contiguous() would be eager copies once T > 1 (or B > 1)
@@ -423,21 +400,20 @@ class Forward:
             o = gdn_chunk(q, k, v, a, b, m.A_log, m.dt_bias, state)
         else:  # a short prefill chunk, or batched decode with fla's kernel
             o = gdn_recurrent(q, k, v, a, b, m.A_log, m.dt_bias, state)
-        return self._gdn_out(m, o, z, norm_kernel, raw)
+        return self._gdn_out(m, o, z, norm_kernel)
 
-    def _gdn_out(self, m, o, z, norm_kernel: bool = False, raw: bool = False):
+    def _gdn_out(self, m, o, z, norm_kernel: bool = False):
         """The GDN block's gated RMSNorm (per head, gate z) and out_proj of the recurrence's o [B, T, Hv, Dv];
         norm_kernel: the norm as our op (kernels["gdn_norm"] "kernel"; z may be split-K partials)."""
         if norm_kernel:
             o = gated_norm(o, z, m.norm.weight, m.norm.variance_epsilon, self.pdl)
         else:
             o = gated_rms_norm(o, z.reshape(o.shape), m.norm.weight, m.norm.variance_epsilon)
-        return self.lin.heads(m.out_proj, o, raw)  # (per head into the op: the norm is one kernel, Linears.heads)
+        return self.lin.heads(m.out_proj, o)  # (per head into the op: the norm is one kernel, Linears.heads)
 
-    def _attention(self, m, h, cos, sin, positions, k_cache, v_cache, mode, past: int = 0, raw: bool = False):
+    def _attention(self, m, h, cos, sin, positions, k_cache, v_cache, mode, past: int = 0):
         """Gated full attention: q/k norms, partial rope, cache write, attention, sigmoid output gate. In
-        prefill the T positions follow the `past` ones the rows hold. raw: o_proj's split-K partials where it
-        streams (Linears.output)."""
+        prefill the T positions follow the `past` ones the rows hold."""
         B, T, _ = h.shape
         D = m.head_dim
         fused = self.fused_glue and mode != "prefill"  # (q | gate, k, v as split-K partials where they stream)
@@ -448,7 +424,7 @@ class Forward:
             if self.split_attention:  # the splits' merge and the output gate: one kernel of ours too
                 o = merge_gated_op(*split_kv_partials_op(q, k_cache, v_cache, positions, m.scaling, True), q, qg,
                                    self.pdl)
-                return self.lin.output(m.o_proj, o, raw)
+                return self.lin(m.o_proj, o)
         else:
             q, k, v = prepare(qg, k, v, *norms)
         if mode == "prefill" and past == 0:
@@ -461,11 +437,11 @@ class Forward:
             o = attend_cache(q, k_cache, v_cache, positions, m.scaling)
         gate = summed(qg, h.dtype).reshape(B, T, -1, 2 * D)[..., D:]
         o = o.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate.reshape(B, T, -1))
-        return self.lin.output(m.o_proj, o, raw)
+        return self.lin(m.o_proj, o)
 
-    def _mlp(self, mlp, h, mode, raw: bool = False):
+    def _mlp(self, mlp, h, mode):
         if not hasattr(mlp, "experts"):
-            return self.lin.mlp(mlp, h, raw)
+            return self.lin.mlp(mlp, h)
         if mode == "prefill":
             return mlp(h)  # transformers' own grouped expert loop
         experts = self.kernels["experts"]

@@ -8,9 +8,6 @@
 #            of an H100's 80 GB: there "0", "1" and "2 3" are a call each, ~290, ~220 and ~240 s on 2026-12-05;
 #            and 0's MoE test in a process of its own after the rest, log gpu_tests_0b)
 #   candidate-tests  tests/gpu/test_candidates_gpu.py: every kernel candidate at once against the default, 9B
-#   residual-norm the residual_norm candidate (ops/residual_norm.py): its GPU tests, its kernel time in the 16-layer
-#            27B int4 serial profile (inductor's add + norm: 3.9 µs on an H100), then the 27B int4 step with it off
-#            and on, each alone in its process (~7 min on an H100)
 #   bench    scripts/bench.py for the models in $MODELS (default: all three real shapes)
 #   spec     scripts/bench_spec.py: MTP k=3 tau=3 and DFlash k=15 tau=6.5 in one process on $SPEC_MODEL
 #            (default 27B, default inductor + CUDA graphs; SPEC_ARGS adds options, e.g. --batch 2; SPEC_TAG names
@@ -145,13 +142,6 @@ case "$stage" in
               | grep -E "tok/s|step:"
           done ;;
   candidate-tests) python -m pytest -q -s -p no:warnings tests/gpu/test_candidates_gpu.py 2>&1 | tail -6 ;;
-  residual-norm) python -m pytest -q -p no:warnings tests/gpu/test_ops_gpu.py -k residual_norm 2>&1 | tail -3
-                 python scripts/profile_step.py --model qwen3.5-27b --no-autotune --layers 16 --quant int4 \
-                   --quant-lm-head --kernels launch=serial residual_norm=kernel --json "$out/prof_residual_norm.json" \
-                   2>&1 | grep -E "per step|_residual_norm|add_int4_gemv_mean"
-                 python scripts/bench.py --models qwen3.5-27b --systems fastqwen-int4 \
-                   fastqwen-int4+residual-norm-kernel --isolate --quant-lm-head --n-long 288 --repeats 2 \
-                   --no-autotune --json "$out/residual_norm.json" 2>&1 | grep -E "tok/s|step:" ;;
   bench) python scripts/bench.py --models ${MODELS:-qwen3.5-9b qwen3.5-27b qwen3.5-35b-a3b} ${BENCH_ARGS:-} \
            --out-dir "$out" 2>&1 | grep -v "^\[transformers\]" | tail -20 ;;
   spec)  m=${SPEC_MODEL:-qwen3.5-27b}; f="$out/spec_$m${SPEC_TAG:+_$SPEC_TAG}"

@@ -32,9 +32,8 @@ def test_grouped_experts_match_the_gathered_ones():
 ALL = {"attention": "sdpa", "experts": "grouped", "projections": "separate", "linears": "gemv", "gdn": "fla",
        "launch": "pdl", "splitk": "fixup", "gdn_norm": "fused", "expert_act": "fused",
        "route": "packed", "conv": "separate", "int4": "cuda", "fp8_weight": "cuda",
-       "reductions": "inductor", "attn_glue": "separate", "residual_norm": "kernel"}
-# (mlp_act "fused" needs fused projections: its own cases; the "cuda" kernels run their references off the GPU:
-# tests/test_cuda_kernels.py, tests/gpu/test_cuda_kernels_gpu.py)
+       "reductions": "inductor", "attn_glue": "separate"}  # (mlp_act "fused" needs fused projections: its own
+# cases; the "cuda" kernels run their references off the GPU: tests/test_cuda_kernels.py, tests/gpu/test_cuda_kernels_gpu.py)
 
 
 @pytest.mark.parametrize("name,kernels,compile", [("tiny", {"attention": "sdpa"}, False),
@@ -50,8 +49,6 @@ ALL = {"attention": "sdpa", "experts": "grouped", "projections": "separate", "li
                                                   ("tiny", {"attn_glue": "fused", "linears": "gemv"}, True),
                                                   ("tiny", {"conv": "fused", "linears": "gemv", "gdn": "fla"}, True),
                                                   ("tiny", {"linears": "gemv", "mlp_act": "fused"}, True),
-                                                  ("tiny", {"residual_norm": "kernel"}, False),
-                                                  ("tiny", {"residual_norm": "kernel", "linears": "gemv"}, True),
                                                   ("tiny-moe", {"linears": "gemv", "mlp_act": "fused"}, False),
                                                   ("tiny-moe", ALL, False),
                                                   ("tiny-moe", {"experts": "grouped-pdl", "launch": "pdl"}, True),
@@ -69,8 +66,7 @@ def test_alternative_kernels_give_the_default_tokens(name, kernels, compile):
                                                "gdn_norm": "kernel",
                                                "expert_act": "separate", "route": "argmax", "mlp_act": "separate",
                                                "conv": "fused", "int4": "triton", "fp8_weight": "triton",
-                                               "reductions": "persistent", "attn_glue": "fused",
-                                               "residual_norm": "inductor", **grouped_auto,
+                                               "reductions": "persistent", "attn_glue": "fused", **grouped_auto,
                                                **kernels}
     ids, mask = left_padded([torch.randint(1, 500, (n,)) for n in (17, 5)])
     assert torch.equal(other.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16),
@@ -389,28 +385,3 @@ def test_quant_experts_kernel_path_per_scheme_and_activation():
     assert {key: kernel_path(*key) for key in want} == want
     with pytest.raises(ValueError, match="'separate', 'fused' or 'mlp'"):
         kernel_path("fp8-weight", "auto")
-
-
-def test_residual_norm_kernel_takes_each_few_row_add_and_norm(monkeypatch):
-    """kernels={"residual_norm": "kernel"} (with gemv linears): each decode step of a one-row engine adds every
-    block's output into the residual stream and takes the next norm in the op, two a layer but the first
-    layer's input norm (nothing to add), with the o / out and down projections' split-K partials [S, 1, 1, H]
-    fp32 (the MoE block's output as it is); prefill keeps the plain add and norm; the tokens are the default's."""
-    import fastqwen.model as model_module
-
-    calls = []
-    real = model_module.residual_norm
-    monkeypatch.setattr(model_module, "residual_norm", lambda x, y, *a: calls.append((y.dim(), y.dtype, y.shape[-1]))
-                        or real(x, y, *a))
-    gen = dict(do_sample=False, max_new_tokens=6)
-    for name in ("tiny", "tiny-moe"):
-        calls.clear()
-        default = fastqwen.optimize(fresh(name), max_seq_len=64, compile=False)
-        model = fastqwen.optimize(fresh(name), max_seq_len=64, compile=False,
-                                  kernels={"residual_norm": "kernel", "linears": "gemv"})
-        ids = torch.randint(1, 500, (1, 21))
-        assert torch.equal(model.generate(ids, **gen), default.generate(ids, **gen))
-        layers, H = model.config.num_hidden_layers, model.config.hidden_size
-        parts = (4, torch.float32, H)
-        mlp = (3, model.dtype, H) if name == "tiny-moe" else parts  # (routed experts: their output)
-        assert calls == ([parts] + [mlp, parts] * (layers - 1)) * 5, (name, calls[:4])  # 5 steps, no prefill

@@ -7,8 +7,7 @@ import torch
 from conftest import COMPILE, assert_near_ties, first_divergence
 
 CANDIDATES = {"attention": "sdpa", "linears": "gemv", "gdn": "fla", "launch": "serial", "splitk": "fixup",
-              "reductions": "inductor", "attn_glue": "separate", "gdn_norm": "separate",
-              "residual_norm": "kernel"}  # the defaults' alternatives
+              "reductions": "inductor", "attn_glue": "separate", "gdn_norm": "separate"}  # the defaults' alternatives
 
 
 @pytest.mark.candidates

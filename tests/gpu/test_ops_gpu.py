@@ -168,44 +168,6 @@ def test_gated_norm_kernel_matches_the_reference(HV, B, T, S):
     assert rel_err(got, gated_rms_norm(o.float(), zs.float(), w.float(), 1e-6)) < 1e-2
 
 
-@pytest.mark.parametrize("R,S", [(1, 8), (1, 0), (2, 4), (4, 8)])
-def test_residual_norm_kernel_matches_the_reference(R, S):
-    """kernels={"residual_norm": "kernel"}: at the 27B's width, decode and MTP-verify rows, y as S split-K
-    partials (0: a bf16 output), with and without PDL, three launches each (the count back at zero after every
-    one), then replayed from a CUDA graph on new inputs: the new residual bit for bit, the norm within one bf16
-    ulp of the reference and over 99% equal (its sum of squares adds in another order than torch's)."""
-    from fastqwen.ops.residual_norm import reference, reserve, residual_norm
-
-    N = 5120
-    reserve(torch.device("cuda"))  # (before the capture below: the same scratch as x.device's)
-
-    def inputs():
-        parts = torch.randn(max(S, 1), 1, R, N, device="cuda")
-        w = (torch.randn(N, device="cuda") * 0.1).bfloat16()
-        return torch.randn(1, R, N, device="cuda", dtype=torch.bfloat16), parts[0].bfloat16() if S == 0 else parts, w
-
-    def check(got, x, y, w):
-        want_x, want_h = reference(x, y, w, 1e-6)
-        assert torch.equal(got[0], want_x) and not got[1].isnan().any()
-        assert ((got[1].float() - want_h.float()).abs() <= 2 ** -7 * want_h.float().abs() + 1e-6).all()
-        assert (got[1] == want_h).float().mean() > 0.99
-
-    x, y, w = inputs()
-    assert reserve(x.device)[1].data_ptr() == reserve(torch.device("cuda"))[1].data_ptr()
-    for pdl in (False, True):
-        for _ in range(3):
-            poison_allocator((1, R, N))
-            check(residual_norm(x, y, w, 1e-6, pdl=pdl), x, y, w)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = residual_norm(x, y, w, 1e-6, pdl=True)
-    for _ in range(3):
-        for static, new in zip((x, y, w), inputs()):
-            static.copy_(new)
-        graph.replay()
-        check(out, x, y, w)
-
-
 def test_compiled_norms_and_conv_match_eager_fp32():
     x = torch.randn(4, 5120, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(5120, device="cuda", dtype=torch.bfloat16) * 0.1
