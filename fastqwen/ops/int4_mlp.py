@@ -1,0 +1,97 @@
+"""A dense gated MLP's int4 decode at one row as one persistent CUDA kernel (a candidate, not in the step yet).
+
+The first increment of the persistent, layer-fused decode step (docs/DESIGN-NOTES.md): the gate | up product, the
+silu·mul and the down product of one row of bf16 x, which today are three launches (two int4 GEMVs with their
+start and drain, and inductor's activation kernel), run as the tasks of one launch whose blocks stay resident and
+wait on counters instead of kernel boundaries (ops/cuda/int4_mlp.cu has the scheme and why it cannot deadlock).
+It returns what the down GEMV returns, fp32 split-K partials [chunks, 1, N], for the next residual add and norm to
+sum. Its bar before it joins the step: a 27B MLP within ~50 µs on an H100, against ~60 µs for today's three
+launches and the norm (`scripts/bench_int4_mlp.py`).
+"""
+
+import torch
+import torch.nn.functional as F
+
+from . import cuda_build
+from .gemv import INT4, STEP, dequantized
+
+CHOICE = "fastqwen.ops.int4_mlp"
+MAX_CHUNKS = 16  # K chunks of down (its partials): the counts' scratch holds 2 MAX_CHUNKS + 1
+_counts: dict = {}  # device → int32 [2 MAX_CHUNKS + 1], zero between launches (the kernel leaves them so)
+
+
+def _weights(linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return linear.qweight, linear.scale, linear.zero
+
+
+def check(x: torch.Tensor, gate_up, down, chunks: int) -> None:
+    """Raises ValueError, naming what is wrong, unless x is one bf16 row [1, K] (or [1, 1, K]), gate_up and down
+    are int4 QuantLinears of group 128 without bias or act-order permutation, gate_up the fused gate | up
+    [2I, K] of down [N, I], and I splits into `chunks` (≤ MAX_CHUNKS) whole groups."""
+    from ..quant.linear import QuantLinear  # (quant imports ops)
+
+    for name, lin in (("gate_up", gate_up), ("down", down)):
+        if not (isinstance(lin, QuantLinear) and lin.scheme == "int4" and lin.group == STEP and lin.bias is None
+                and getattr(lin, "perm", None) is None):
+            raise ValueError(f"int4_mlp: {name} must be an int4 QuantLinear of group {STEP}, bias-free and without "
+                             f"act-order (quantize with quant='int4'); got {type(lin).__name__}")
+    I, K, N = down.in_features, gate_up.in_features, down.out_features
+    if gate_up.out_features != 2 * I:
+        raise ValueError(f"int4_mlp: gate_up must be the fused gate | up of {2 * I} rows for down's {I} inputs; "
+                         f"got {gate_up.out_features}")
+    if x.dtype != torch.bfloat16 or x.numel() != K or x.shape[-1] != K:
+        raise ValueError(f"int4_mlp takes one bf16 row of {K} (decode at batch 1); got {x.dtype} {tuple(x.shape)}")
+    if not 1 <= chunks <= MAX_CHUNKS or I % (chunks * STEP):
+        raise ValueError(f"int4_mlp: chunks must be 1 … {MAX_CHUNKS} and split down's {I} inputs into whole groups "
+                         f"of {STEP}; got {chunks}")
+
+
+def reference(x: torch.Tensor, gate_up, down, chunks: int) -> torch.Tensor:
+    """The kernel's output in plain torch: fp32 [chunks, 1, N]. gate and up are fp32 sums over all of K rounded to
+    bf16, h = bf16(silu(gate) · up) in fp32, and chunk c is h's columns [c I / chunks, (c + 1) I / chunks) times
+    down's, in fp32."""
+    I = down.in_features
+    gu = x.float().reshape(1, -1) @ dequantized(INT4, *_weights(gate_up)).t()
+    gate, up = gu[:, :I].to(torch.bfloat16).float(), gu[:, I:].to(torch.bfloat16).float()
+    h = (F.silu(gate) * up).to(torch.bfloat16).float()
+    W = dequantized(INT4, *_weights(down))
+    width = I // chunks
+    return torch.stack([h[:, k:k + width] @ W[:, k:k + width].t() for k in range(0, I, width)])
+
+
+def reserve(device: torch.device) -> torch.Tensor:
+    """The device's counts, allocated zeroed on first use: call it before a CUDA graph is captured."""
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _counts:
+        _counts[device] = torch.zeros(2 * MAX_CHUNKS + 1, device=device, dtype=torch.int32)
+    return _counts[device]
+
+
+def blocks(device: torch.device, cap: int = 0) -> int:
+    """How many blocks the kernel runs on this GPU: as many as are resident at once (at most `cap`, 0: none)."""
+    fn = cuda_build.build("int4_mlp", cuda_build.device_arch(device, CHOICE), CHOICE).fastqwen_int4_mlp_blocks
+    return fn(cap, device.index if device.index is not None else torch.cuda.current_device())
+
+
+def int4_mlp(x: torch.Tensor, gate_up, down, chunks: int = 4, cap: int = 0) -> torch.Tensor:
+    """down(silu(gate) · up) of one row x as fp32 partials [chunks, 1, N] (their sum is the MLP's output): the
+    persistent kernel on CUDA tensors (cap: at most that many blocks, for sweeps), `reference` elsewhere. One
+    launch at a time a GPU (the counts are the device's)."""
+    check(x, gate_up, down, chunks)
+    if not x.is_cuda:
+        return reference(x, gate_up, down, chunks)
+    I, K, N = down.in_features, gate_up.in_features, down.out_features
+    x = cuda_build.aligned(x.reshape(1, K))
+    counts = reserve(x.device)
+    gu = torch.empty(2 * I, device=x.device, dtype=torch.float32)
+    h = torch.empty(I, device=x.device, dtype=torch.bfloat16)
+    out = torch.empty(chunks, 1, N, device=x.device, dtype=torch.float32)
+    n = blocks(x.device, cap)
+    fn = cuda_build.entry("int4_mlp", cuda_build.device_arch(x.device, CHOICE), CHOICE, pointers=11, ints=6)
+    err = fn(x.data_ptr(), *(t.data_ptr() for t in _weights(gate_up)), *(t.data_ptr() for t in _weights(down)),
+             gu.data_ptr(), h.data_ptr(), out.data_ptr(), counts.data_ptr(), I, K, N, chunks, n, x.device.index,
+             torch.cuda.current_stream(x.device).cuda_stream)
+    if err:
+        raise RuntimeError(f"int4_mlp launch failed: CUDA error {err} ({n} blocks, chunks {chunks})")
+    return out
