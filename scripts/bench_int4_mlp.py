@@ -25,6 +25,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from fastqwen import bench  # noqa: E402
 from fastqwen.ops import int4_cuda, int4_mlp  # noqa: E402
 from fastqwen.ops.gemv import add_splits  # noqa: E402
+from fastqwen.ops.int4_mlp import weights  # noqa: E402
 from fastqwen.quant.linear import QuantLinear  # noqa: E402
 
 SHAPES = {"27b": (5120, 17408, 5120), "9b": (4096, 12288, 4096)}  # (K, I, N)
@@ -67,7 +68,7 @@ def main():
     mlps = [one] + [tuple(QuantLinear.from_linear(lin, "int4") for lin in base) for _ in range(copies - 1)]
     del base
     x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
-    want = int4_mlp.reference(x, *one, 1)[0]
+    want = int4_mlp.reference(x, *(t for q in one for t in weights(q)), 1)[0]
     bw = bench.copy_bandwidth(dev)
     compiled = torch.compile(three_launches, fullgraph=True)
     # (the compiled function takes tensors: guarded on their properties, one compile for every copy)
@@ -91,10 +92,6 @@ def main():
     if args.json:
         args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "shape": args.shape,
                                          "bytes": nbytes, "copy_bandwidth": bw, "rows": rows}, indent=1))
-
-
-def weights(linear: QuantLinear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return linear.qweight, linear.scale, linear.zero
 
 
 def bench_error(parts: torch.Tensor, want: torch.Tensor) -> float:

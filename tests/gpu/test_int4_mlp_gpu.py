@@ -36,7 +36,7 @@ def test_partials_match_the_reference(shape, chunks, cap):
     x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
     poison_allocator((2 * I,), (I,), (chunks, 1, N), dtype=torch.float32)
     got = int4_mlp.int4_mlp(x, gate_up, down, chunks, cap)
-    close(got, int4_mlp.reference(x, gate_up, down, chunks))
+    close(got, int4_mlp.reference(x, *int4_mlp.weights(gate_up), *int4_mlp.weights(down), chunks))
     assert int(int4_mlp.reserve(x.device).abs().sum()) == 0, "the counts are left zero"
 
 
@@ -44,7 +44,7 @@ def test_repeated_launches_and_graph_replays_on_new_inputs():
     K, I, N = SHAPES["9b"]
     gate_up, down = mlp(K, I, N, seed=1)
     xs = [torch.randn(1, K, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
-    want = [int4_mlp.reference(x, gate_up, down, 4) for x in xs]
+    want = [int4_mlp.reference(x, *int4_mlp.weights(gate_up), *int4_mlp.weights(down), 4) for x in xs]
     for x, w in zip(xs * 3, want * 3):  # (back to back: each launch starts from the counts the last one reset)
         close(int4_mlp.int4_mlp(x, gate_up, down, 4), w)
     static = xs[0].clone()
