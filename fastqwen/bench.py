@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import itertools
 import statistics
 import time
 from typing import Callable
@@ -261,7 +262,7 @@ def graph_seconds(fn: Callable, *args, calls: int = 20, replays: int = 10, varia
     with torch.no_grad():
         for i in range(max(3, len(sets))):
             run(i)
-        if not torch.cuda.is_available() or not any(getattr(a, "is_cuda", False) for a in sets[0]):
+        if not torch.cuda.is_available() or not any(_on_cuda(a) for a in sets[0]):
             t = time.perf_counter()
             for i in range(calls):
                 run(i)
@@ -280,6 +281,13 @@ def graph_seconds(fn: Callable, *args, calls: int = 20, replays: int = 10, varia
             b.synchronize()
             times.append(a.elapsed_time(b) / 1e3 / calls)
     return statistics.median(times)
+
+
+def _on_cuda(arg) -> bool:
+    """Whether a timed call's argument lives on a GPU: a CUDA tensor, or a module with CUDA parameters or buffers."""
+    if isinstance(arg, torch.nn.Module):
+        return any(t.is_cuda for t in itertools.chain(arg.parameters(), arg.buffers()))
+    return getattr(arg, "is_cuda", False)
 
 
 def weight_bytes(model: torch.nn.Module, tokens: int = 1) -> int:

@@ -210,7 +210,7 @@ class Linears:
                 and len(mlp.__dict__["fastqwen_fused_sizes"]) == 2
                 and int4_mlp.problem(h, fused, down, MLP_CHUNKS) is None):
             parts = int4_mlp.int4_mlp_op(h.reshape(1, -1), *int4_mlp.weights(fused), *int4_mlp.weights(down),
-                                         MLP_CHUNKS)
+                                         MLP_CHUNKS, 0, self.pdl)
             return add_splits(parts).to(h.dtype).view(*h.shape[:-1], -1)
         fused = fused if self.fused_act else None
         if (fused is not None and rows == 1 and len(mlp.__dict__["fastqwen_fused_sizes"]) == 2

@@ -2,13 +2,13 @@
 at one row, in one process.
 
     python scripts/bench_int4_mlp.py                        # the 27B's MLP (K 5120, I 17408, N 5120)
-    python scripts/bench_int4_mlp.py --shape 9b --chunks 4 8 --cap 0 528
+    python scripts/bench_int4_mlp.py --shape 9b --chunks 4 8 16 --cap 0 528
 
 Systems, each timed as a CUDA graph of back-to-back calls cycling through cold copies of the weights
 (fastqwen.bench.graph_seconds): `three` is today's step (the CUDA int4 GEMV on gate | up, inductor's kernel for
-the partials' sum and silu·mul, the GEMV on down; with PDL as in a step, --pdl 0 for serial); `probe` the two
-GEMVs' loads-only probes (their load path's floor, nothing decoded); `persistent` the candidate at each --chunks
-and --cap (its blocks: 0 all resident). Prints µs per MLP, the bytes' rate, the copy bandwidth's roofline and each
+the partials' sum and silu·mul, the GEMV on down); `probe` the two GEMVs' loads-only probes (their load path's
+floor, nothing decoded); `persistent` the candidate at each --chunks (of down's K: 1, 2, 4, 8 for the 27B's 136
+groups) and --cap (its blocks: 0 all resident). All launch with PDL as in a step (--pdl 0: serial). Prints µs per MLP, the bytes' rate, the copy bandwidth's roofline and each
 system's error against the plain torch reference. The bar (docs/DESIGN-NOTES.md): the 27B's MLP within ~50 µs on
 an H100, against ~60 µs for the three launches and the norm before them.
 """
@@ -52,7 +52,7 @@ def main():
     p.add_argument("--shape", default="27b", choices=list(SHAPES))
     p.add_argument("--chunks", nargs="+", type=int, default=[4, 8])
     p.add_argument("--cap", nargs="+", type=int, default=[0], help="the persistent kernel's most blocks (0: all)")
-    p.add_argument("--pdl", type=int, default=1, choices=[0, 1], help="the three launches with PDL (as a step)")
+    p.add_argument("--pdl", type=int, default=1, choices=[0, 1], help="launches with PDL (as in a step)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", type=pathlib.Path)
     args = p.parse_args()
@@ -77,7 +77,7 @@ def main():
     for chunks in args.chunks:
         for cap in args.cap:
             systems[f"persistent chunks {chunks} cap {cap or int4_mlp.blocks(dev)}"] = (
-                lambda g, d, c=chunks, k=cap: int4_mlp.int4_mlp(x, g, d, c, k))
+                lambda g, d, c=chunks, k=cap: int4_mlp.int4_mlp(x, g, d, c, k, bool(args.pdl)))
     rows = []
     for name, fn in systems.items():
         us = min(bench.graph_seconds(fn, variants=mlps) for _ in range(args.repeats)) * 1e6

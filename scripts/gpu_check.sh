@@ -74,7 +74,7 @@
 #            loads-only probe (1 and 2 rows, with errors), then a 27B int4 step with STAGE_X off and on, each in a
 #            process of its own (~5 min); its GPU tests: CUDA_TESTS_K="folded" bash scripts/gpu_check.sh cuda-tests
 #   mlp      the persistent int4 MLP candidate (ops/int4_mlp.py, kernels={"int4_mlp": "persistent"}): its GPU tests,
-#            scripts/bench_int4_mlp.py on the 27B's MLP (chunks 4, 8, 16; all blocks and 4 an SM) and the 9B's against
+#            scripts/bench_int4_mlp.py on the 27B's MLP (chunks 2, 4, 8; all blocks and 4 an SM) and the 9B's against
 #            today's three launches and the GEMVs' loads-only probes (~3 min), then (MLP_STEP=1, the default) the 27B
 #            int4 step with it off and on, each alone in its process (~5 min more on an H100)
 #   cuda-times-fp8 the same for fp8-weight's register kernel on the 27B's and 35B-A3B's layers.
@@ -147,7 +147,7 @@ case "$stage" in
           done ;;
   mlp)   python -m pytest -q -p no:warnings tests/gpu/test_int4_mlp_gpu.py 2>&1 | tail -4
          sms=$(python -c "import torch; print(torch.cuda.get_device_properties(0).multi_processor_count)")
-         python scripts/bench_int4_mlp.py --shape 27b --chunks 4 8 16 --cap 0 $((4 * sms)) --json "$out/mlp_27b.json"
+         python scripts/bench_int4_mlp.py --shape 27b --chunks 2 4 8 --cap 0 $((4 * sms)) --json "$out/mlp_27b.json"
          python scripts/bench_int4_mlp.py --shape 9b --chunks 4 8 --json "$out/mlp_9b.json"
          [ "${MLP_STEP:-1}" = 1 ] && python scripts/bench.py --models qwen3.5-27b --systems fastqwen-int4 \
            fastqwen-int4+persistent-mlp --isolate --quant-lm-head --n-long 288 --repeats 2 --no-autotune \

@@ -259,11 +259,14 @@ def test_bench_spec_times_the_verify_on_a_shorter_stack(tmp_path):
 
 
 def test_timings_can_cycle_through_weight_copies_larger_than_l2(monkeypatch):
-    """bench.graph_seconds(variants=...) calls fn on each argument set in turn (every one at least once), and
-    cold_copies asks for enough copies that twice the L2 cache streams between two reads of one copy."""
+    """bench.graph_seconds(variants=...) calls fn on each argument set in turn (every one at least once), modules
+    among the arguments too, and cold_copies asks for enough copies that twice the L2 cache streams between two reads of one copy."""
     seen = []
     t = bench.graph_seconds(lambda x, w: seen.append(w), variants=[(torch.ones(1), i) for i in range(25)], calls=4)
     assert t > 0 and set(seen) == set(range(25))
+    lin = torch.nn.Linear(2, 2)  # (modules count by their tensors: a CUDA module's calls are timed as a graph)
+    assert not bench._on_cuda(lin) and not bench._on_cuda(torch.ones(1)) and not bench._on_cuda(3)
+    assert bench.graph_seconds(lambda m: m(torch.ones(1, 2)), variants=[(lin,)], calls=2) > 0
     assert bench.cold_copies(10, "cpu") == 1
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"L2_cache_size": 50 << 20}))
     assert [bench.cold_copies(n << 20, "cuda") for n in (31, 50, 100, 101, 1300)] == [4, 2, 1, 1, 1]

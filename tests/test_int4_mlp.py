@@ -68,8 +68,8 @@ def test_library_refuses_shapes_out_of_range_before_touching_the_gpu(tmp_path, m
     monkeypatch.setenv("FASTQWEN_CACHE", str(tmp_path))
     cuda_build.build.cache_clear()
     try:
-        fn = cuda_build.entry("int4_mlp", "90", int4_mlp.CHOICE, pointers=11, ints=6)
-        call = lambda I=512, K=256, N=128, C=4, blocks=8: fn(*[0] * 11, I, K, N, C, blocks, 0, None)  # noqa: E731
+        fn = cuda_build.entry("int4_mlp", "90", int4_mlp.CHOICE, pointers=10, ints=7)
+        call = lambda I=512, K=256, N=128, C=4, blocks=8: fn(*[0] * 10, I, K, N, C, blocks, 1, 0, None)  # noqa: E731
         for bad in ({"I": 520}, {"I": 0}, {"K": 200}, {"N": 40}, {"C": 0}, {"C": 3}, {"C": 8}, {"blocks": 0}):
             assert call(**bad) == 1, bad  # (C 8: chunks of 64 columns, not whole groups)
         if not torch.cuda.is_available():
@@ -81,8 +81,9 @@ def test_library_refuses_shapes_out_of_range_before_touching_the_gpu(tmp_path, m
 @NVCC
 def test_kernel_builds_for_sm90_at_seven_blocks_without_spills_and_waits_as_written(tmp_path):
     """One kernel, ≤ 72 registers (7 blocks of 128 threads a multiprocessor, the folded GEMV's occupancy), no local
-    memory; in its SASS the down tasks' wait is a loop of acquire loads with a nanosleep, the arrival counts are
-    atomics, and the tensor-core MMAs sit in the task loops."""
+    memory; in its SASS the first weight loads come before the PDL wait and no atomic or store does, the down tasks'
+    wait is a loop of acquire loads with a nanosleep, the arrival counts and tickets are atomics, and the tensor-core
+    MMAs sit in the task loops."""
     report, lib = _build_sm90("int4_mlp", tmp_path)
     used = [line.split("Used ")[1] for line in report.splitlines() if "Used " in line]
     assert len(used) == 1 and int(used[0].split()[0]) <= 72, report
@@ -91,9 +92,12 @@ def test_kernel_builds_for_sm90_at_seven_blocks_without_spills_and_waits_as_writ
     ops = _sass_ops(kernel)
     assert not {"LDL", "STL"} & set(ops), "local memory"
     count = lambda prefix, ops=ops: sum(o.startswith(prefix) for o in ops)  # noqa: E731
-    assert count("HMMA.16816.F32.BF16") == 64  # (16 a group, two groups a batch, the two tasks' walks)
-    assert count("ATOMG.E.ADD") == 2 and count("MEMBAR.SC") == 0  # (arrivals, blocks out: acq_rel, no SC fence)
-    assert count("STG.E.STRONG.GPU") >= 1  # (the ready flag's release store)
+    assert count("HMMA.16816.F32.BF16") == 64  # (16 a group, two groups a batch: the pair tasks' walk, down's)
+    assert count("ATOMG.E.ADD.S32.STRONG.GPU") == 2 and count("MEMBAR.SC") == 0  # (arrivals, blocks out: acq_rel)
+    assert count("ATOMG.E.ADD.STRONG.GPU") == 2  # (the tickets, taken in either loop)
+    first_wait = ops.index("ACQBULK")  # (griddepcontrol.wait: PDL)
+    assert "LDG.E.NA.128" in ops[:first_wait], "the first weight loads are issued before the PDL wait"
+    assert not any(o.startswith(("ATOMG", "STG")) for o in ops[:first_wait]), "no atomic or store before the PDL wait"
     a, b = min(((a, b) for a, b in _loops(kernel) if "NANOSLEEP" in ops[a:b + 1]), key=lambda loop: loop[1] - loop[0])
     spin = ops[a:b + 1]  # (the innermost loop that sleeps: the wait)
     assert len(spin) < 8 and "LDG.E.STRONG.GPU" in spin and "CCTL.IVALL" in spin, spin  # (an acquire load)

@@ -16,8 +16,8 @@ from . import cuda_build
 from .gemv import INT4, STEP, dequantized
 
 CHOICE = "fastqwen.ops.int4_mlp"
-MAX_CHUNKS = 16  # K chunks of down (its partials): the counts' scratch holds 2 MAX_CHUNKS + 1
-_counts: dict = {}  # device → int32 [2 MAX_CHUNKS + 1], zero between launches (the kernel leaves them so)
+MAX_CHUNKS = 16  # K chunks of down (its partials): the counts' scratch holds MAX_CHUNKS + 2
+_counts: dict = {}  # device → int32 [MAX_CHUNKS + 2], zero between launches (the kernel leaves them so)
 
 
 def weights(linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -68,7 +68,7 @@ def reserve(device: torch.device) -> torch.Tensor:
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if device not in _counts:
-        _counts[device] = torch.zeros(2 * MAX_CHUNKS + 1, device=device, dtype=torch.int32)
+        _counts[device] = torch.zeros(MAX_CHUNKS + 2, device=device, dtype=torch.int32)
     return _counts[device]
 
 
@@ -78,19 +78,19 @@ def blocks(device: torch.device, cap: int = 0) -> int:
     return fn(cap, device.index if device.index is not None else torch.cuda.current_device())
 
 
-def int4_mlp(x: torch.Tensor, gate_up, down, chunks: int = 4, cap: int = 0) -> torch.Tensor:
+def int4_mlp(x: torch.Tensor, gate_up, down, chunks: int = 4, cap: int = 0, pdl: bool = False) -> torch.Tensor:
     """down(silu(gate) · up) of one row x as fp32 partials [chunks, 1, N] (their sum is the MLP's output), for the
     int4 QuantLinears gate_up (the fused gate | up) and down (`problem`): the persistent kernel on CUDA tensors (cap:
-    at most that many blocks, for sweeps), `reference` elsewhere. One launch at a time a GPU (the counts are the
-    device's)."""
+    at most that many blocks, for sweeps; pdl: programmatic dependent launch), `reference` elsewhere. One launch at a
+    time a GPU (the counts are the device's)."""
     if (message := problem(x, gate_up, down, chunks)) is not None:
         raise ValueError(message)
-    return int4_mlp_op(x.reshape(1, -1), *weights(gate_up), *weights(down), chunks, cap)
+    return int4_mlp_op(x.reshape(1, -1), *weights(gate_up), *weights(down), chunks, cap, pdl)
 
 
 @torch.library.custom_op("fastqwen::int4_mlp", mutates_args=())
 def int4_mlp_op(x: torch.Tensor, gq: torch.Tensor, gs: torch.Tensor, gz: torch.Tensor, dq: torch.Tensor,
-                ds: torch.Tensor, dz: torch.Tensor, chunks: int, cap: int = 0) -> torch.Tensor:
+                ds: torch.Tensor, dz: torch.Tensor, chunks: int, cap: int = 0, pdl: bool = False) -> torch.Tensor:
     """`int4_mlp` on checked operands: x [1, K] bf16, gate | up's and down's int4 tensors (QuantLinear's layout,
     codes tiled), as a registered op for compiled steps."""
     if not x.is_cuda:
@@ -98,13 +98,12 @@ def int4_mlp_op(x: torch.Tensor, gq: torch.Tensor, gs: torch.Tensor, gz: torch.T
     K, I, N = x.shape[-1], dq.shape[1] * STEP, ds.shape[0]
     x = cuda_build.aligned(x)
     counts = reserve(x.device)
-    gu = torch.empty(2 * I, device=x.device, dtype=torch.float32)
     h = torch.empty(I, device=x.device, dtype=torch.bfloat16)
     out = torch.empty(chunks, 1, N, device=x.device, dtype=torch.float32)
     n = blocks(x.device, cap)
-    fn = cuda_build.entry("int4_mlp", cuda_build.device_arch(x.device, CHOICE), CHOICE, pointers=11, ints=6)
+    fn = cuda_build.entry("int4_mlp", cuda_build.device_arch(x.device, CHOICE), CHOICE, pointers=10, ints=7)
     err = fn(x.data_ptr(), gq.data_ptr(), gs.data_ptr(), gz.data_ptr(), dq.data_ptr(), ds.data_ptr(), dz.data_ptr(),
-             gu.data_ptr(), h.data_ptr(), out.data_ptr(), counts.data_ptr(), I, K, N, chunks, n, x.device.index,
+             h.data_ptr(), out.data_ptr(), counts.data_ptr(), I, K, N, chunks, n, int(pdl), x.device.index,
              torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         raise RuntimeError(f"int4_mlp launch failed: CUDA error {err} ({n} blocks, chunks {chunks})")
@@ -112,5 +111,5 @@ def int4_mlp_op(x: torch.Tensor, gq: torch.Tensor, gs: torch.Tensor, gz: torch.T
 
 
 @int4_mlp_op.register_fake
-def _(x, gq, gs, gz, dq, ds, dz, chunks, cap=0):
+def _(x, gq, gs, gz, dq, ds, dz, chunks, cap=0, pdl=False):
     return x.new_empty(chunks, 1, ds.shape[0], dtype=torch.float32)

@@ -1,5 +1,6 @@
 """The persistent int4 MLP kernel (ops/int4_mlp.py, a candidate) on the GPU: its partials against the plain torch
-reference at the 27B's and 9B's MLP shapes, 1 to 16 chunks, all resident blocks or a few (many tasks a block);
+reference at the 27B's and 9B's MLP shapes, 1 to 16 chunks, all resident blocks or a few (many tasks a block),
+with and without programmatic dependent launch;
 every output written (NaN-poisoned memory); launched again and again, and replayed in a CUDA graph on new inputs
 (the counts it resets); the counts left zero."""
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 from conftest import poison_allocator, rel_err
 
+from fastqwen import bench
 from fastqwen.ops import int4_mlp
 from fastqwen.quant.linear import QuantLinear
 
@@ -28,14 +30,16 @@ def close(got, want):
     assert rel_err(got.sum(0), want.sum(0)) < 2e-3
 
 
-@pytest.mark.parametrize("shape", ["27b", "9b"])
-@pytest.mark.parametrize("chunks,cap", [(4, 0), (8, 0), (1, 0), (16, 0), (4, 132)])
-def test_partials_match_the_reference(shape, chunks, cap):
+@pytest.mark.parametrize("shape,chunks,cap,pdl", [("27b", 4, 0, False), ("27b", 8, 0, True), ("27b", 1, 0, False),
+                                              ("27b", 4, 132, True), ("9b", 4, 0, True), ("9b", 16, 0, False),
+                                              ("9b", 8, 200, False)])
+def test_partials_match_the_reference(shape, chunks, cap, pdl):
     K, I, N = SHAPES[shape]
     gate_up, down = mlp(K, I, N)
+    assert bench._on_cuda(gate_up)  # (what graph_seconds times as a CUDA graph)
     x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
-    poison_allocator((2 * I,), (I,), (chunks, 1, N), dtype=torch.float32)
-    got = int4_mlp.int4_mlp(x, gate_up, down, chunks, cap)
+    poison_allocator((I,), (chunks, 1, N), dtype=torch.float32)
+    got = int4_mlp.int4_mlp(x, gate_up, down, chunks, cap, pdl)
     close(got, int4_mlp.reference(x, *int4_mlp.weights(gate_up), *int4_mlp.weights(down), chunks))
     assert int(int4_mlp.reserve(x.device).abs().sum()) == 0, "the counts are left zero"
 
