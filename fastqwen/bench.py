@@ -53,8 +53,7 @@ CANDIDATE_SYSTEMS = {"fastqwen+split-attention": {"attention": "split"},  # (the
                      "fastqwen+fused-attn-glue": {"attn_glue": "fused"},  # (the default)
                      "fastqwen+separate-attn-glue": {"attn_glue": "separate"},
                      "fastqwen+gated-norm-kernel": {"gdn_norm": "kernel"},  # (the default)
-                     "fastqwen+separate-gdn-norm": {"gdn_norm": "separate"},
-                     "fastqwen+persistent-mlp": {"int4_mlp": "persistent"}}  # (with int4: fastqwen-int4+…)
+                     "fastqwen+separate-gdn-norm": {"gdn_norm": "separate"}}
 # fastqwen with inductor options merged over the run's (launch count: combo kernels launch independent
 # small kernels, e.g. a GDN layer's q, k and v, as one; reductions of up to 16 unrolled, so that the MoE
 # combine's sum over a token's 9 expert outputs folds into the residual add and norm after it instead of a

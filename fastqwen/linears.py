@@ -7,17 +7,13 @@ weight-streaming kernel (ops/gemv.py) for bf16 linears at decode and verify.
 """
 
 import torch
-import transformers.activations
 
-from .ops import int4_mlp
 from .ops.gemv import (BF16, STEP, TILE_ROWS, add_splits, gemv_beats_cublas, gpu_table, swiglu_linear, untile_int4,
                        wq_linear)
 
 MLP_IN = ("gate_proj", "up_proj")  # a gated MLP's input projections
 
 GEMV_ROWS = 16  # bf16 at more rows stays with cuBLAS (the kernel's bf16 configs are swept at ≤ 16 rows)
-SILU = tuple(t for t in (torch.nn.SiLU, getattr(transformers.activations, "SiLUActivation", None)) if t)
-MLP_CHUNKS = 4  # the persistent int4 MLP's chunks of down (its partials), until a GPU sweep says otherwise
 
 
 def fuse_linears(module, names) -> None:
@@ -112,15 +108,14 @@ class Linears:
     `fused_act`: a SiLU-gated MLP on one row whose fused gate | up and down weights both take the kernel runs
     its down projection on the gate | up partials, computing silu(gate)·up as it loads them (swiglu_linear):
     no activation kernel between the two. `cuda`: the quantization schemes whose QuantLinears' few-row products
-    take the CUDA C++ kernels (QuantLinear.partials). `persistent_mlp`: a SiLU-gated MLP on one row whose fused
-    gate | up and down are int4 in the kernel's layout runs as one persistent kernel (ops/int4_mlp.py)."""
+    take the CUDA C++ kernels (QuantLinear.partials)."""
 
     def __init__(self, fused: bool = False, gemv: bool | str = False, pdl: bool = False, fixup: bool = False,
-                 fused_act: bool = False, cuda: tuple = (), persistent_mlp: bool = False):
+                 fused_act: bool = False, cuda: tuple = ()):
         from .quant.linear import QuantLinear  # (here: quant.linear imports model, which imports this module)
 
         self.fused, self.gemv, self.pdl, self.fixup, self.quant_linear = fused, gemv, pdl, fixup, QuantLinear
-        self.fused_act, self.cuda, self.persistent_mlp = fused_act, cuda, persistent_mlp
+        self.fused_act, self.cuda = fused_act, cuda
         self.table = gpu_table() if gemv == "auto" else {}  # read here: not inside a traced step
 
     def __call__(self, module, x: torch.Tensor) -> torch.Tensor:
@@ -204,15 +199,8 @@ class Linears:
 
     def mlp(self, mlp, h):
         """A dense gated MLP (transformers' Qwen3.5 MLP, or a MoE layer's shared expert): down(act(gate)·up)."""
+        fused = mlp.__dict__.get("fastqwen_fused") if self.fused and self.fused_act else None
         down, rows = mlp.down_proj, h.numel() // h.shape[-1]
-        fused = mlp.__dict__.get("fastqwen_fused") if self.fused else None
-        if (self.persistent_mlp and fused is not None and rows == 1 and isinstance(mlp.act_fn, SILU)
-                and len(mlp.__dict__["fastqwen_fused_sizes"]) == 2
-                and int4_mlp.problem(h, fused, down, MLP_CHUNKS) is None):
-            parts = int4_mlp.int4_mlp_op(h.reshape(1, -1), *int4_mlp.weights(fused), *int4_mlp.weights(down),
-                                         MLP_CHUNKS, 0, self.pdl)
-            return add_splits(parts).to(h.dtype).view(*h.shape[:-1], -1)
-        fused = fused if self.fused_act else None
         if (fused is not None and rows == 1 and len(mlp.__dict__["fastqwen_fused_sizes"]) == 2
                 and all(type(m) is torch.nn.Linear and m.bias is None for m in (fused, down))
                 and self._streams(h, *fused.weight.shape, 1) and self._streams(h, *down.weight.shape, 1)):

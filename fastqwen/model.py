@@ -25,7 +25,6 @@ from .ops.conv import commit_window, conv_decode, conv_step
 from .ops.gemv import tile_counts
 from .ops.gated_norm import gated_norm
 from .ops.gdn import gates, gdn_chunk, gdn_decode, gdn_recurrent, gdn_replay, gdn_verify, unpack_qkv
-from .ops import int4_mlp
 from .ops.norm import gated_rms_norm, rms_norm
 
 _CHUNK_MIN_TOKENS = 64  # below this, prefill uses the recurrent kernel (fla's chunk kernel wins above)
@@ -45,7 +44,7 @@ KERNELS = {"attention": ("split", "sdpa"), "experts": ("auto", "gather", "groupe
            "mlp_act": ("separate", "fused"), "conv": ("fused", "separate"),
            "int4": ("auto", "triton", "cuda"),
            "fp8_weight": ("triton", "cuda"), "reductions": ("persistent", "inductor"),
-           "attn_glue": ("fused", "separate"), "int4_mlp": ("gemv", "persistent")}  # first: the default
+           "attn_glue": ("fused", "separate")}  # first: the default
 CUDA_KERNELS = {"int4": "int4", "fp8_weight": "fp8-weight"}  # kernels option -> the scheme its "cuda" choices take
 
 
@@ -147,11 +146,7 @@ def check_kernels(kernels: dict | None, cfg, device, fp8_experts: bool = False) 
     H100) or as two kernels of ours reading the q | gate, k and v projection's split-K partials ("fused":
     ops/attention_prep.py, and decode_attention.py's merge_gated_op, which reads only splits holding keys, with
     "attention" "split"; the default since 2026-12-05: with "gdn_norm" "kernel" a 27B int4 step took 6921 µs
-    against 7010 on one H100, and all three defaults of that day 6614 against 6886 on another). "int4_mlp": a dense
-    MLP whose fused gate | up and down are int4 (group 128, rows in 16s, a SiLU gate) at one-row decode, as two
-    GEMVs and an activation kernel ("gemv") or as one persistent kernel whose blocks wait on counters, not launch
-    boundaries ("persistent": ops/int4_mlp.py, a candidate, 2026-12-06, not yet timed; on a GPU it needs nvcc, as
-    the CUDA kernels do)."""
+    against 7010 on one H100, and all three defaults of that day 6614 against 6886 on another)."""
     kernels = dict(kernels or {})
     unknown = set(kernels) - set(KERNELS)
     if unknown:
@@ -257,12 +252,9 @@ class Forward:
                            gemv={"torch": False, "gemv": True, "auto": "auto"}[self.kernels["linears"]],
                            pdl=self.pdl, fixup=self.kernels["splitk"] == "fixup",
                            fused_act=self.kernels["mlp_act"] == "fused",
-                           cuda=cuda_schemes(self.kernels),
-                           persistent_mlp=self.kernels["int4_mlp"] == "persistent")
+                           cuda=cuda_schemes(self.kernels))
         if cache.lengths.device.type == "cuda":  # the kernels' arrival counts (split-K fixup, fused GDN norm, expert
             tile_counts(cache.lengths.device, 0)  # MLP, fused route), allocated before any capture
-            if self.lin.persistent_mlp:
-                int4_mlp.reserve(cache.lengths.device)  # (the persistent MLP's, likewise)
         for layer in self.layers:
             self.prepare_layer(layer)
 

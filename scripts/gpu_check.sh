@@ -73,10 +73,6 @@
 #   staged   the int4 staged-x candidate (int4_cuda.STAGE_X): per-layer times against the folded kernel and the
 #            loads-only probe (1 and 2 rows, with errors), then a 27B int4 step with STAGE_X off and on, each in a
 #            process of its own (~5 min); its GPU tests: CUDA_TESTS_K="folded" bash scripts/gpu_check.sh cuda-tests
-#   mlp      the persistent int4 MLP candidate (ops/int4_mlp.py, kernels={"int4_mlp": "persistent"}): its GPU tests,
-#            scripts/bench_int4_mlp.py on the 27B's MLP (chunks 2, 4, 8; all blocks and 4 an SM) and the 9B's against
-#            today's three launches and the GEMVs' loads-only probes (~3 min), then (MLP_STEP=1, the default) the 27B
-#            int4 step with it off and on, each alone in its process (~5 min more on an H100)
 #   cuda-times-fp8 the same for fp8-weight's register kernel on the 27B's and 35B-A3B's layers.
 #            The step's A/B is `candidates` with CAND_MODEL=qwen3.5-27b CAND_SYSTEMS="fastqwen-int4+triton-int4"
 #            CAND_ARGS="--isolate --quant-lm-head --no-autotune" (fp8: fastqwen-fp8-weight+cuda-fp8-weight)
@@ -145,13 +141,6 @@ case "$stage" in
               --quant-lm-head --n-long 288 --repeats 2 --no-autotune --json "$out/staged_$s.json" 2>&1 \
               | grep -E "tok/s|step:"
           done ;;
-  mlp)   python -m pytest -q -p no:warnings tests/gpu/test_int4_mlp_gpu.py 2>&1 | tail -4
-         sms=$(python -c "import torch; print(torch.cuda.get_device_properties(0).multi_processor_count)")
-         python scripts/bench_int4_mlp.py --shape 27b --chunks 2 4 8 --cap 0 $((4 * sms)) --json "$out/mlp_27b.json"
-         python scripts/bench_int4_mlp.py --shape 9b --chunks 4 8 --json "$out/mlp_9b.json"
-         [ "${MLP_STEP:-1}" = 1 ] && python scripts/bench.py --models qwen3.5-27b --systems fastqwen-int4 \
-           fastqwen-int4+persistent-mlp --isolate --quant-lm-head --n-long 288 --repeats 2 --no-autotune \
-           --json "$out/mlp_step.json" 2>&1 | grep -E "tok/s|step:" ;;
   candidate-tests) python -m pytest -q -s -p no:warnings tests/gpu/test_candidates_gpu.py 2>&1 | tail -6 ;;
   bench) python scripts/bench.py --models ${MODELS:-qwen3.5-9b qwen3.5-27b qwen3.5-35b-a3b} ${BENCH_ARGS:-} \
            --out-dir "$out" 2>&1 | grep -v "^\[transformers\]" | tail -20 ;;

@@ -32,9 +32,8 @@ def test_grouped_experts_match_the_gathered_ones():
 ALL = {"attention": "sdpa", "experts": "grouped", "projections": "separate", "linears": "gemv", "gdn": "fla",
        "launch": "pdl", "splitk": "fixup", "gdn_norm": "fused", "expert_act": "fused",
        "route": "packed", "conv": "separate", "int4": "cuda", "fp8_weight": "cuda",
-       "reductions": "inductor", "attn_glue": "separate", "int4_mlp": "persistent"}
-# (mlp_act "fused" needs fused projections: its own cases; the "cuda" kernels run their references off the GPU:
-# tests/test_cuda_kernels.py, tests/gpu/test_cuda_kernels_gpu.py; int4_mlp takes only int4 MLPs: its own test)
+       "reductions": "inductor", "attn_glue": "separate"}  # (mlp_act "fused" needs fused projections: its own
+# cases; the "cuda" kernels run their references off the GPU: tests/test_cuda_kernels.py, tests/gpu/test_cuda_kernels_gpu.py)
 
 
 @pytest.mark.parametrize("name,kernels,compile", [("tiny", {"attention": "sdpa"}, False),
@@ -67,8 +66,8 @@ def test_alternative_kernels_give_the_default_tokens(name, kernels, compile):
                                                "gdn_norm": "kernel",
                                                "expert_act": "separate", "route": "argmax", "mlp_act": "separate",
                                                "conv": "fused", "int4": "triton", "fp8_weight": "triton",
-                                               "reductions": "persistent", "attn_glue": "fused", "int4_mlp": "gemv",
-                                               **grouped_auto, **kernels}
+                                               "reductions": "persistent", "attn_glue": "fused", **grouped_auto,
+                                               **kernels}
     ids, mask = left_padded([torch.randint(1, 500, (n,)) for n in (17, 5)])
     assert torch.equal(other.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16),
                        default.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16))
@@ -386,26 +385,3 @@ def test_quant_experts_kernel_path_per_scheme_and_activation():
     assert {key: kernel_path(*key) for key in want} == want
     with pytest.raises(ValueError, match="'separate', 'fused' or 'mlp'"):
         kernel_path("fp8-weight", "auto")
-
-
-@pytest.mark.parametrize("compile", [False, True])
-def test_persistent_int4_mlp_takes_each_one_row_mlp_and_gives_the_default_tokens(compile, monkeypatch):
-    """kernels={"int4_mlp": "persistent"} on an int4 model whose MLPs the kernel takes (hidden 128, intermediate
-    512: whole groups of 128, 4 chunks): every decode step's MLPs go to the op (compiled: traced through its
-    fake, run by its CPU reference), prefill's do not, and the tokens are the default's."""
-    from fastqwen import presets
-    from fastqwen.ops import int4_mlp
-
-    calls = []
-    real = int4_mlp.reference  # (what the op runs off the GPU, compiled or not)
-    monkeypatch.setattr(int4_mlp, "reference", lambda x, *a: calls.append(tuple(x.shape)) or real(x, *a))
-    build = lambda: presets.build("tiny", hidden_size=128, intermediate_size=512)  # noqa: E731
-    opts = dict(max_seq_len=64, compile=compile, quant="int4")
-    default = fastqwen.optimize(build(), **opts)
-    model = fastqwen.optimize(build(), kernels={"int4_mlp": "persistent"}, **opts)
-    gen = dict(do_sample=False, max_new_tokens=6)
-    ids = torch.randint(1, 500, (1, 21))
-    assert torch.equal(model.generate(ids, **gen), default.generate(ids, **gen))
-    assert calls == [(1, 128)] * model.config.num_hidden_layers * 5, calls[:3]  # (5 decode steps)
-    with pytest.raises(ValueError, match="int4_mlp.*choose from gemv, persistent"):
-        fastqwen.optimize(build(), kernels={"int4_mlp": "fused"}, **opts)
