@@ -42,6 +42,9 @@ def main():
                    help="the CUDA int4 kernel with the zero folded out of its decode (int4_cuda.FOLD: BATCH 2 "
                    "unpipelined, bf16 x up to 8 rows), each timed; 2: folded with x staged in shared memory "
                    "(int4_cuda.STAGE_X, where its shared memory fits)")
+    p.add_argument("--cuda-pair", nargs="+", type=int, default=[int(int4_cuda.PAIR)], choices=[0, 1],
+                   help="the CUDA int4 kernel's 9 … 16-row instance as the pair kernel (int4_cuda.PAIR: two strips a "
+                   "block), each timed at rows over 8")
     p.add_argument("--cuda-loads-only", action="store_true",
                    help="also time the int4 register kernel's BATCH 2 instance as its loads-only probe (every "
                    "weight loaded as the kernel loads it, nothing decoded, at the kernel's blocks a multiprocessor: "
@@ -78,12 +81,12 @@ def main():
         copies = [stored] + [tuple(None if t is None else t.clone() for t in stored)
                              for _ in range(max(cold, -(-int(args.spread * 1e9) // nbytes)) - 1)]
         int4 = cuda_module is int4_cuda
-        # (BATCH, pipelined, TARGET_BLOCKS, loads-only probe, fold)
-        registers = list(dict.fromkeys(  # (fold: BATCH 2 unpipelined's alone; the others are never folded)
-            (b, bool(p), n, False, f * (int4 and (b, p) == (2, 0))) for b in args.cuda_batch
-            for p in args.cuda_pipelined for n in args.cuda_blocks for f in args.cuda_fold
-            if not p or (b == 2 and int4)))
-        probes = [(2, False, n, True, False) for n in args.cuda_blocks] * (args.cuda_loads_only and int4)
+        # (BATCH, pipelined, TARGET_BLOCKS, loads-only probe, fold, pair)
+        registers = list(dict.fromkeys(  # (fold and pair: BATCH 2 unpipelined's alone)
+            (b, bool(p), n, False, f * (int4 and (b, p) == (2, 0)), pr * (int4 and (b, p) == (2, 0)))
+            for b in args.cuda_batch for p in args.cuda_pipelined for n in args.cuda_blocks for f in args.cuda_fold
+            for pr in args.cuda_pair if not p or (b == 2 and int4)))
+        probes = [(2, False, n, True, False, 0) for n in args.cuda_blocks] * (args.cuda_loads_only and int4)
         cuda = registers + probes if "cuda" in args.kernel else []
         for M, kernel in ((M, k) for M in args.rows for k in ["triton"] * ("triton" in args.kernel) + cuda):
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
@@ -92,14 +95,15 @@ def main():
                     x, fmt, q, s, z, False, N, x.shape[0], partials=True, pdl=args.pdl)
                 config = gemv.full_config(gemv.gemv_config(fmt, N, K, M))
             else:
-                if kernel[3] and M > 8:  # (the probe: up to 8 rows)
-                    continue
+                if (kernel[3] and M > 8) or (kernel[5] != args.cuda_pair[0] * (int4 and kernel[:2] == (2, False))
+                                             and M <= 8):
+                    continue  # (the probe: up to 8 rows; the pair kernel: over 8 rows only)
                 if N % 16 or K % (128 if cuda_module is int4_cuda else 64):  # (the kernels' tiles)
                     print(f"| {args.tag} | {layer} | {N}x{K} | M={M} | cuda: shape not taken | — | — | — |")
                     continue
-                batch, pipelined, cuda_module.TARGET_BLOCKS, probe, fold = kernel
-                splits = f"splits {cuda_module.plan(N, K)[0]}"
-                cuda_module.BATCH = batch
+                batch, pipelined, cuda_module.TARGET_BLOCKS, probe, fold, pair = kernel
+                cuda_module.BATCH, int4_cuda.PAIR = batch, bool(pair)
+                splits = f"splits {cuda_module.plan(N, K, False, *(M,) * int4)[0]}"
                 staged = False
                 if cuda_module is int4_cuda:
                     int4_cuda.PIPELINED, int4_cuda.FOLD, int4_cuda.STAGE_X = pipelined, fold > 0, fold == 2
@@ -110,7 +114,7 @@ def main():
                 else:
                     run = lambda x, q, s, z: fp8_cuda.fp8_gemv(x, q, s, args.pdl)  # noqa: E731
                 config = (f"cuda batch {batch}{' pipelined' * pipelined}{' folded' * (fold > 0 and M <= 8)}"
-                          f"{' x staged' * staged} {splits}"
+                          f"{' x staged' * staged}{' pair' * (int4 and int4_cuda.paired(N, M))} {splits}"
                           f"{' LOADS ONLY' * probe}")
             if args.check and not (kernel != "triton" and kernel[3]):  # (not a loads-only probe)
                 got = run(x, *stored).sum(0)

@@ -73,6 +73,9 @@
 #   staged   the int4 staged-x candidate (int4_cuda.STAGE_X): per-layer times against the folded kernel and the
 #            loads-only probe (1 and 2 rows, with errors), then a 27B int4 step with STAGE_X off and on, each in a
 #            process of its own (~5 min); its GPU tests: CUDA_TESTS_K="folded" bash scripts/gpu_check.sh cuda-tests
+#   pair     int4's pair kernel (int4_cuda.PAIR, the default past 8 rows): per-layer times at 9 and 16 rows against the
+#            one-strip instance, then a 27B int4 verify of 16 positions on the first 16 layers with PAIR off and on,
+#            each in a process of its own (~6 min)
 #   cuda-times-fp8 the same for fp8-weight's register kernel on the 27B's and 35B-A3B's layers.
 #            The step's A/B is `candidates` with CAND_MODEL=qwen3.5-27b CAND_SYSTEMS="fastqwen-int4+triton-int4"
 #            CAND_ARGS="--isolate --quant-lm-head --no-autotune" (fp8: fastqwen-fp8-weight+cuda-fp8-weight)
@@ -141,6 +144,16 @@ case "$stage" in
               --quant-lm-head --n-long 288 --repeats 2 --no-autotune --json "$out/staged_$s.json" 2>&1 \
               | grep -E "tok/s|step:"
           done ;;
+  pair) python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel cuda --rows 16 9 --cuda-pair 0 1 \
+          --check 2>&1 | grep "^|" | tee "$out/pair_times.md"
+        for p in False True; do  # (a module flag: one process a setting)
+          python -c "import runpy, sys; import fastqwen.ops.int4_cuda as m; m.PAIR = $p; sys.argv[0] = 'bench_spec'; \
+            runpy.run_path('scripts/bench_spec.py', run_name='__main__')" --model qwen3.5-27b --layers 16 --runs \
+            --verify-block 16 --quant int4 --quant-lm-head --no-autotune --json "$out/verify_pair_$p.json" 2>&1 \
+            | grep -vE "^\[transformers\]|Warning|^ " | tail -2
+          python -c "import json; r = json.load(open('$out/verify_pair_$p.json')); v = r['verify16']; \
+            print('PAIR $p: decode', round(r['decode_s'] * 1e6), 'µs, verify of 16', round(v['verify_s'] * 1e6), 'µs')"
+        done ;;
   candidate-tests) python -m pytest -q -s -p no:warnings tests/gpu/test_candidates_gpu.py 2>&1 | tail -6 ;;
   bench) python scripts/bench.py --models ${MODELS:-qwen3.5-9b qwen3.5-27b qwen3.5-35b-a3b} ${BENCH_ARGS:-} \
            --out-dir "$out" 2>&1 | grep -v "^\[transformers\]" | tail -20 ;;

@@ -292,7 +292,7 @@ def test_emulated_int4_lanes_give_the_reference_partials(dtype, M, monkeypatch):
     q, s, z = stored_operands(INT4, torch.randn(N, K))
     z = torch.randint(0, 17, (G := K // STEP, N), dtype=torch.uint8).t()  # (group-major, as stored)
     x = torch.randn(M, K).to(dtype)
-    monkeypatch.setattr(int4_cuda, "plan", lambda N, K, one_split=False: (2, 3))
+    monkeypatch.setattr(int4_cuda, "plan", lambda N, K, one_split=False, rows=1: (2, 3))
     got, want = emulate_int4(x, q, s, z, N), int4_cuda.int4_gemv(x, q, s, z, N)
     assert G == 6 and got.shape == want.shape == (2, M, N)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-4), (got - want).abs().max()
@@ -365,7 +365,7 @@ def _template_args(mangled: str, kernel: str) -> list[int]:
 
 
 @NVCC
-@pytest.mark.parametrize("name,instances", [("int4_gemv", 16), ("fp8_gemv", 10)])
+@pytest.mark.parametrize("name,instances", [("int4_gemv", 18), ("fp8_gemv", 10)])
 def test_kernels_build_for_sm90_without_spills(name, instances, tmp_path):
     """nvcc -Xptxas -v for sm_90: every instance ≤ 128 registers (4 blocks of 128 threads a multiprocessor), no
     spills, static shared memory under the 48 KB limit."""
@@ -403,6 +403,37 @@ def test_register_kernels_issue_their_first_loads_before_the_wait(name, kernel, 
         mmas = (8 if name == "int4_gemv" else 4) * nb * batch * (2 if pipe else 1)
         assert sum(o.startswith("HMMA.16816.F32") for o in ops) == (0 if probe else mmas)
         assert (len(xs) == 0) == probe
+
+
+def test_pair_plan_counts_blocks_of_two_strips(monkeypatch):
+    """int4_cuda.PAIR: 9 … 16 rows against an N % 32 == 0 weight plan over N / 32 blocks (more splits for the
+    same grid), at BATCH 2 only; up to 8 rows, odd strips and other BATCHes keep the one-strip plan."""
+    monkeypatch.setattr(int4_cuda, "PAIR", True)
+    assert int4_cuda.plan(34816, 5120, rows=16) == (4, 10) and int4_cuda.plan(34816, 5120, rows=8) == (2, 20)
+    assert int4_cuda.plan(5120, 17408, rows=9) == (8, 17) and int4_cuda.paired(5120, 9)
+    assert not int4_cuda.paired(5136, 16) and not int4_cuda.paired(34816, 8)
+    monkeypatch.setattr(int4_cuda, "BATCH", 4)
+    assert not int4_cuda.paired(34816, 16) and int4_cuda.plan(34816, 5120, rows=16) == (2, 20)
+
+
+@NVCC
+def test_pair_kernel_loads_both_strips_before_the_wait_and_x_once(tmp_path):
+    """int4_gemv_pair (int4_cuda.PAIR), bf16 and fp16 x: both strips' first batch (2 groups each: eight 16-byte
+    weight loads that skip L1) before the PDL wait, x after it; x's loads and byte permutes once a group (8 and 32,
+    int4_gemv_rows' two-column-block instance's), its MMAs twice (16 a group a strip)."""
+    functions = _sass_functions(_build_sm90("int4_gemv", tmp_path)[1], "int4_gemv_pair")
+    assert len(functions) == 2
+    rows = [k for k in _sass_functions(_build_sm90("int4_gemv", tmp_path)[1], "int4_gemv_rows")
+            if _template_args(k.split("\n")[0], "int4_gemv_rows") == [1, 2, 0, 2, 0]]
+    for k in functions:
+        ops = _sass_ops(k)
+        wait = ops.index("ACQBULK")
+        weights = [i for i, o in enumerate(ops) if o == "LDG.E.NA.128"]
+        xs = [i for i, o in enumerate(ops) if o == "LDG.E.128"]
+        assert len(weights) == 16 and weights[7] < wait < min(xs + weights[8:]), (weights, wait, xs)
+        assert len(xs) == 16 and sum(o.startswith("PRMT") for o in ops) == sum(
+            o.startswith("PRMT") for o in _sass_ops(rows[0])), len(xs)
+        assert sum(o.startswith("HMMA.16816.F32") for o in ops) == 64
 
 
 @NVCC
@@ -465,7 +496,7 @@ def test_the_staged_kernel_stands_in_for_the_fold_where_its_shared_memory_fits(m
     library and output; a split plan of one split of 40 groups, as the 27B's lm_head)."""
     sent = []
     monkeypatch.setattr(int4_cuda, "library", lambda arch: lambda *a: sent.append(a[12]) or 0)
-    monkeypatch.setattr(int4_cuda, "plan", lambda N, K, one_split=False: (1, 40))
+    monkeypatch.setattr(int4_cuda, "plan", lambda N, K, one_split=False, rows=1: (1, 40))
     monkeypatch.setattr(int4_cuda, "takes", lambda *a: True)
     monkeypatch.setattr(int4_cuda.cuda_build, "device_arch", lambda device, choice: "90")
     monkeypatch.setattr(int4_cuda.cuda_build, "aligned", lambda x: x)
@@ -541,8 +572,9 @@ def test_built_libraries_refuse_arguments_out_of_range_before_touching_the_gpu(t
     try:
         int4, fp8 = int4_cuda.library("90"), fp8_cuda.library("90")  # (the typed entry points)
         assert sorted(p.name.split("-")[0] for p in (tmp_path / "cuda").glob("*.so")) == ["fp8_gemv", "int4_gemv"]
-        call4 = lambda M=1, N=64, K=512, splits=2, per=2, batch=4, pipe=0, fold=0, loads_only=0, bf16=1: int4(  # noqa
-            0, 0, 0, 0, 0, M, N, K, splits, per, batch, pipe, fold, loads_only, bf16, 0, 0, None)
+        def call4(M=1, N=64, K=512, splits=2, per=2, batch=4, pipe=0, fold=0, loads_only=0, bf16=1, pair=0):
+            return int4(0, 0, 0, 0, 0, M, N, K, splits, per, batch, pipe, fold, loads_only, bf16, pair, 0, 0, None)
+
         for bad in ({"N": 40}, {"K": 500}, {"M": 0}, {"M": 17}, {"splits": 3}, {"per": 1}, {"batch": 3},
                     {"batch": 4, "pipe": 1}, {"M": 9, "batch": 8}, {"M": 9, "batch": 2, "pipe": 1},
                     {"loads_only": 1, "batch": 4}, {"loads_only": 1, "M": 9, "batch": 2},
@@ -550,6 +582,8 @@ def test_built_libraries_refuse_arguments_out_of_range_before_touching_the_gpu(t
                     {"fold": 1, "batch": 2, "M": 9}, {"fold": 1, "batch": 2, "pipe": 1},
                     {"fold": 1, "batch": 2, "loads_only": 1}, {"fold": 3, "batch": 2}, {"fold": -1, "batch": 2},
                     {"fold": 2, "batch": 2, "bf16": 0}, {"fold": 2, "batch": 2, "M": 9},
+                    {"M": 8, "batch": 2, "pair": 1}, {"M": 16, "batch": 4, "pair": 1},
+                    {"M": 16, "batch": 2, "pair": 1, "N": 48}, {"M": 16, "batch": 2, "pair": 1, "loads_only": 1},
                     {"fold": 2, "batch": 2, "M": 8, "K": 128 * 25, "splits": 1, "per": 25}):  # (last: 51 KB shared)
             assert call4(**bad) == 1, bad
         call8 = lambda M=1, N=64, K=512, splits=2, per=4, batch=4: fp8(  # noqa: E731
@@ -558,8 +592,10 @@ def test_built_libraries_refuse_arguments_out_of_range_before_touching_the_gpu(t
                     {"M": 9, "batch": 8}):
             assert call8(**bad) == 1, bad
         if not torch.cuda.is_available():
-            for ok in (call4(), call4(M=16), call4(batch=2, pipe=1), call4(loads_only=1, batch=2, bf16=0),
-                       call4(fold=1, batch=2, M=8), call4(fold=2, batch=2, M=8), call8(), call8(M=12, batch=2)):
+            for ok in (call4(), call4(M=16), call4(M=16, batch=2, pair=1),
+                       call4(batch=2, pipe=1),
+                       call4(loads_only=1, batch=2, bf16=0), call4(fold=1, batch=2, M=8),
+                       call4(fold=2, batch=2, M=8), call8(), call8(M=12, batch=2)):
                 assert ok not in (0, 1)  # (no GPU: the runtime's error, e.g. 35)
     finally:
         cuda_build.build.cache_clear()

@@ -7,7 +7,8 @@ it, which no launch config, layout or TMA ring changed. The register kernel feed
 issues its 16-byte weight loads for BATCH groups, and the scales, before it decodes any of them and before the PDL
 wait). The folded kernel (FOLD, the default for bf16 x up to 8 rows) takes the zero out of the decode
 (int4_gemv_fold): a 27B int4 step 1.027x faster on an H100; STAGE_X (a candidate, off) stages x in shared memory
-once a block for it (int4_gemv_staged: no byte permutes of x, half the MMAs). Removed after measuring slower
+once a block for it (int4_gemv_staged: no byte permutes of x, half the MMAs). Past 8 rows (a DFlash verify) PAIR
+gives each block two strips, so each load of x serves both (int4_gemv_pair). Removed after measuring slower
 (2026-12-05): a ring kernel (a producer warp feeding a shared-memory ring by bulk copies; 1.4-1.5x slower on an
 H200), a stream kernel
 (one resident wave, even shares; a 9B step 1.23x slower), an async kernel (cp.async slots a warp; 5-14% slower) and
@@ -44,6 +45,9 @@ STAGE_X = False  # a candidate: the folded kernel with x staged in shared memory
 # (stage_bytes), else the folded kernel. On an H100 (2026-12-06) 0.3-1.5 µs a 27B layer slower at one row (the same
 # rate, ~0.7 µs more to start: the staging); off until an H200, whose rate is where it could pay, times it.
 STAGE_MAX_BYTES = 24 << 10  # (8 blocks an SM, as its 62 registers allow: 8 × (24 + 2 + 1) KB of the 228)
+PAIR = True  # 9 … 16 rows by int4_gemv_pair (two strips a block: each load of x serves both, where past 8 rows x's
+# loads outweigh the weights'), where N % 32 == 0; the same bits as the one-strip instance at one split. At 16 rows
+# on an H100 (2026-12-06) 12-30% faster on every 27B shape (gate | up 53.5 vs 64.6 µs, lm_head 316.1 vs 449.9)
 MAX_SPLITS = 8  # (≤ 8 partials for the caller to add into the consumer's kernel: gemv.add_splits)
 MAX_ROWS = 16  # rows of x a launch takes: one or two blocks of mma.m16n8k16's 8 B columns (a DFlash verify)
 CHOICE = "kernels['int4']='cuda'"
@@ -51,7 +55,7 @@ CHOICE = "kernels['int4']='cuda'"
 
 def library(arch: str):
     """The kernel's entry point for compute capability `arch` (cuda_build.entry: built on first use)."""
-    return cuda_build.entry("int4_gemv", arch, CHOICE, pointers=5, ints=12)
+    return cuda_build.entry("int4_gemv", arch, CHOICE, pointers=5, ints=13)
 
 
 def variant(rows: int, bf16: bool = True) -> tuple[int, bool, bool]:
@@ -69,9 +73,17 @@ def stage_bytes(rows: int, groups_per_split: int) -> int:
     return groups_per_split * (16 * rows * 16 + 8 * 4)
 
 
-def plan(N: int, K: int, one_split: bool = False) -> tuple[int, int]:
-    """(splits, groups of 128 columns a split) for an [N, K] weight (cuda_build.split_plan)."""
-    return cuda_build.split_plan(N // TILE_ROWS, K // STEP, one_split, TARGET_BLOCKS, MAX_SPLITS)
+def paired(N: int, rows: int) -> bool:
+    """Whether `rows` rows of x against an [N, K] weight take the pair kernel (PAIR with BATCH 2, 9 … 16 rows,
+    N % 32 == 0)."""
+    return PAIR and BATCH == 2 and rows > 8 and N % (2 * TILE_ROWS) == 0
+
+
+def plan(N: int, K: int, one_split: bool = False, rows: int = 1) -> tuple[int, int]:
+    """(splits, groups of 128 columns a split) for an [N, K] weight against `rows` rows of x (cuda_build.split_plan,
+    over blocks of two strips where they take the pair kernel)."""
+    blocks = N // TILE_ROWS // (2 if paired(N, rows) else 1)
+    return cuda_build.split_plan(blocks, K // STEP, one_split, TARGET_BLOCKS, MAX_SPLITS)
 
 
 def takes(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> bool:
@@ -97,7 +109,7 @@ def reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch
 
 def _launch(x, w, scale, zero, out_features, pdl, one_split, loads_only) -> torch.Tensor:
     """int4_gemv's body; loads_only: the register kernel's probe (its BATCH 2 instance's loads, nothing decoded)."""
-    splits, per = plan(out_features, x.shape[-1], one_split)
+    splits, per = plan(out_features, x.shape[-1], one_split, x.shape[0])
     if not x.is_cuda:
         return reference(x, w, scale, zero, out_features, splits)
     if not takes(x, w, scale, zero):
@@ -110,7 +122,8 @@ def _launch(x, w, scale, zero, out_features, pdl, one_split, loads_only) -> torc
     out = torch.empty(splits, x.shape[0], out_features, device=x.device, dtype=torch.float32)
     err = library(cuda_build.device_arch(x.device, CHOICE))(
         x.data_ptr(), w.data_ptr(), scale.data_ptr(), zero.data_ptr(), out.data_ptr(), x.shape[0], out_features,
-        x.shape[-1], splits, per, batch, pipelined, fold, loads_only, bf16, pdl, x.device.index,
+        x.shape[-1], splits, per, batch, pipelined, fold, loads_only, bf16,
+        paired(out_features, x.shape[0]) and not loads_only, pdl, x.device.index,
         torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         raise RuntimeError(f"int4_gemv launch failed: CUDA error {err} (BATCH {batch}, PIPELINED {pipelined}, "
@@ -122,14 +135,14 @@ def _launch(x, w, scale, zero, out_features, pdl, one_split, loads_only) -> torc
 def int4_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out_features: int,
               pdl: bool = False, one_split: bool = False) -> torch.Tensor:
     """x [M ≤ 16, K] (bf16 / fp16) · Wᵀ for an int4 weight in QuantLinear's layout (`takes`) as split-K partial sums
-    fp32 [splits, M, out_features] (plan(out_features, K, one_split)); their sum over dim 0 is the product. pdl:
+    fp32 [splits, M, out_features] (plan(out_features, K, one_split, M)); their sum over dim 0 is the product. pdl:
     launch with programmatic dependent launch. The CUDA kernel on CUDA tensors, `reference` elsewhere."""
     return _launch(x, w, scale, zero, out_features, pdl, one_split, False)
 
 
 @int4_gemv.register_fake
 def _(x, w, scale, zero, out_features, pdl=False, one_split=False):
-    splits = plan(out_features, x.shape[-1], one_split)[0]
+    splits = plan(out_features, x.shape[-1], one_split, x.shape[0])[0]
     return x.new_empty(splits, x.shape[0], out_features, dtype=torch.float32)
 
 

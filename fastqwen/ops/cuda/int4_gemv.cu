@@ -30,6 +30,8 @@
 //   int4_gemv_staged (a candidate, int4_cuda.STAGE_X): int4_gemv_fold with x staged in shared memory once a block
 //     as B operands with each group's sums of x (no byte permutes, half the MMAs; on an H100 0.3-1.5 µs a 27B
 //     layer slower: the staging adds ~0.7 µs to the start, the rate is the folded kernel's).
+// and, past 8 rows, int4_gemv_pair (int4_cuda.PAIR, the default there: the entry point's `pair`): int4_gemv_rows'
+// two column blocks on two strips a block, one load of x for both (12-30% faster at 16 rows, H100).
 // Removed after measuring slower (2026-12-05, docs/DESIGN-NOTES.md): a ring kernel (a persistent grid whose producer
 // warp fed a shared-memory ring by bulk copies; 1.4-1.5x slower on an H200), a stream kernel (one resident wave
 // dealing the strips' groups evenly, optionally holding groups in shared memory before the PDL wait; a 9B step
@@ -247,6 +249,68 @@ __global__ void __launch_bounds__(WARPS * 32, 4) int4_gemv_rows(const uint16_t* 
   }
   if constexpr (PROBE) probe_sums(sums, M);
   strip_gemv::write_partials<NB>(sums, 1.f, 1.f, out, M, N, strip, split);  // (the groups' scales: applied)
+}
+
+// The pair kernel (int4_cuda.PAIR, the default; 9 … 16 rows): int4_gemv_rows' BATCH 2 unpipelined instance at two
+// column blocks on two strips a block, each warp decoding strips 2 b and 2 b + 1 against one load of x. Past 8 rows
+// x's loads outweigh the codes' (a lane's 128 bytes of x a group against 32 of weights) and every strip's block
+// reads the whole of its split's x again; two strips a block halve those reads and x's byte permutes. A (N/32,
+// splits) grid (N % 32 == 0); the same group order and arithmetic a strip as int4_gemv_rows, so the same bits at
+// the same split.
+template <bool BF16>
+__global__ void __launch_bounds__(WARPS * 32, 4) int4_gemv_pair(const uint16_t* x, const uint4* __restrict__ w,
+                                                                const __half* scale, const uint8_t* zero,
+                                                                float* __restrict__ out, int M, int N, int K,
+                                                                int groups_per_split, uint32_t magic) {
+  constexpr int NB = 2, STRIDE = 2 * WARPS;
+  const int G = K / 128, split = blockIdx.y;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g_begin = split * groups_per_split + warp, g_end = min(G, (split + 1) * groups_per_split);
+  const int strips[2] = {2 * (int)blockIdx.x, 2 * (int)blockIdx.x + 1};
+  const uint4* tiles[2] = {w + (size_t)strips[0] * G * 64 + lane, w + (size_t)strips[1] * G * 64 + lane};
+  bool has_x[NB];
+  const uint4* xcols[NB];
+  strip_gemv::x_columns<NB, 4>(x, M, K, lane, has_x, xcols);
+  Batch<BF16, 2> a[2];
+#pragma unroll
+  for (int s = 0; s < 2; ++s) a[s].load(tiles[s], scale, zero, N, strips[s] * 16 + lane / 4, g_begin, g_end);
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the previous kernel's output (PDL)
+  float sums[2][NB][4] = {};
+  for (int g0 = g_begin; g0 < g_end; g0 += STRIDE) {
+    if (g0 != g_begin) {
+#pragma unroll
+      for (int s = 0; s < 2; ++s) a[s].load(tiles[s], scale, zero, N, strips[s] * 16 + lane / 4, g0, g_end);
+    }
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const int g = g0 + t * WARPS;
+      if (g < g_end) {
+        uint4 xs[NB][4];
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) xs[nb][i] = has_x[nb] ? xcols[nb][(size_t)g * 16 + i] : make_uint4(0, 0, 0, 0);
+        }
+        uint32_t xb[NB][4][4];
+        x_operands<NB>(xs, xb);
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+          float c[NB][4] = {};
+          group_mma<BF16, NB>(c, a[s].ta[t], a[s].tb[t], xb, a[s].za[t], a[s].zb[t], magic);
+#pragma unroll
+          for (int nb = 0; nb < NB; ++nb) {
+            sums[s][nb][0] = fmaf(a[s].sa[t], c[nb][0], sums[s][nb][0]);
+            sums[s][nb][1] = fmaf(a[s].sa[t], c[nb][1], sums[s][nb][1]);
+            sums[s][nb][2] = fmaf(a[s].sb[t], c[nb][2], sums[s][nb][2]);
+            sums[s][nb][3] = fmaf(a[s].sb[t], c[nb][3], sums[s][nb][3]);
+          }
+        }
+      }
+    }
+  }
+  strip_gemv::write_partials<NB>(sums[0], 1.f, 1.f, out, M, N, strips[0], split);
+  __syncthreads();  // (write_partials' shared sums, used again)
+  strip_gemv::write_partials<NB>(sums[1], 1.f, 1.f, out, M, N, strips[1], split);
 }
 
 // A folded kernel's walk over its warp's groups (int4_gemv_fold, int4_gemv_staged): at the current group g, the
@@ -485,13 +549,15 @@ cudaError_t launch(const cudaLaunchConfig_t& config, const void* x, const void* 
 // The instance for M rows, (batch, pipe), the loads-only probe and the fold as one key: one column block of 8 x
 // rows (M <= 8) or two (M <= 16, BATCH 2 or 4 unpipelined: the others would spill); the probe and the folded
 // kernels (fold 1: int4_gemv_fold, 2: int4_gemv_staged; bf16 x only) with BATCH 2 unpipelined at one column block
-// only; -1 where there is none.
-static int variant_key(int M, int batch, int pipe, int probe, int fold, int bf16) {
+// only; pair: two column blocks' BATCH 2 instance as int4_gemv_pair (two strips a block); -1 where there is none.
+static int variant_key(int M, int batch, int pipe, int probe, int fold, int bf16, int pair) {
   const int key = (M > 8) * 100 + batch * 2 + (pipe != 0);
-  if (fold < 0 || fold > 2 || ((probe || fold) && (key != 4 || (probe && fold) || (fold && !bf16))))
+  if (fold < 0 || fold > 2 || ((probe || fold) && (key != 4 || (probe && fold) || (fold && !bf16))) ||
+      (pair && key != 104))
     return -1;
   switch (key) {
-    case 4: case 5: case 8: case 16: case 104: case 108:
+    case 104: return pair ? 32104 : key;
+    case 4: case 5: case 8: case 16: case 108:
       return key + (fold == 1) * 4000 + (fold == 2) * 16000 + (probe != 0) * 8000;
     default: return -1;
   }
@@ -513,6 +579,10 @@ cudaError_t launch_variant(int key, const cudaLaunchConfig_t& config, const void
     case 16: return launch<BF16, 8, false, 1>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
     case 104: return launch<BF16, 2, false, 2>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
     case 108: return launch<BF16, 4, false, 2>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
+    case 32104:
+      return cudaLaunchKernelEx(&config, int4_gemv_pair<BF16>, static_cast<const uint16_t*>(x),
+                                static_cast<const uint4*>(w), static_cast<const __half*>(scale),
+                                static_cast<const uint8_t*>(zero), out, M, N, K, groups_per_split, Pairs<BF16>::MAGIC);
     case 8004: return launch<BF16, 2, false, 1, true>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
     case 4004:  // (the folded kernel: bf16 x only, variant_key)
       if constexpr (BF16)
@@ -544,17 +614,21 @@ constexpr size_t PROBE_BYTES = 30 * 1024 - WARPS * 8 * 16 * sizeof(float);  // (
 // BATCH 2 unpipelined, up to 8 rows of bf16 x), 2 the staged one (int4_gemv_staged: the same, its shared memory
 // within 48 KB). loads_only: the register kernel's probe of its load path (BATCH 2
 // unpipelined, up to 8 rows; out all zeros). pdl: programmatic dependent launch (the kernel waits before reading x).
+// pair: two strips a block (int4_gemv_pair: 9 … 16 rows, BATCH 2 unpipelined, N % 32 == 0; a grid of N / 32 blocks
+// by splits).
 extern "C" int fastqwen_int4_gemv(const void* x, const void* w, const void* scale, const void* zero, float* out,
                                   int M, int N, int K, int splits, int groups_per_split, int batch, int pipe,
-                                  int fold, int loads_only, int bf16, int pdl, int device, void* stream) {
-  const int key = variant_key(M, batch, pipe, loads_only, fold, bf16);
-  if (!strip_gemv::shape_ok(M, N, K, 128, splits, groups_per_split) || key < 0 ||
+                                  int fold, int loads_only, int bf16, int pair, int pdl, int device,
+                                  void* stream) {
+  const int key = variant_key(M, batch, pipe, loads_only, fold, bf16, pair);
+  if (!strip_gemv::shape_ok(M, N, K, 128, splits, groups_per_split) || key < 0 || (pair && N % 32) ||
       (key == 16004 && staged_bytes(M, groups_per_split) > (48 << 10)))  // (the most without an opt-in)
     return static_cast<int>(cudaErrorInvalidValue);
   cudaLaunchConfig_t config;
   cudaLaunchAttribute attribute;
   if (cudaError_t e = strip_gemv::launch_config(config, attribute, N, splits, pdl, device, stream); e != cudaSuccess)
     return static_cast<int>(e);
+  if (pair) config.gridDim.x = N / 32;
   if (loads_only) config.dynamicSmemBytes = PROBE_BYTES;  // (as many blocks an SM as the kernel it probes)
   if (key == 16004) config.dynamicSmemBytes = staged_bytes(M, groups_per_split);
   return static_cast<int>(bf16 ? launch_variant<true>(key, config, x, w, scale, zero, out, M, N, K, groups_per_split)
