@@ -74,8 +74,9 @@
 #            loads-only probe (1 and 2 rows, with errors), then a 27B int4 step with STAGE_X off and on, each in a
 #            process of its own (~5 min); its GPU tests: CUDA_TESTS_K="folded" bash scripts/gpu_check.sh cuda-tests
 #   pair     int4's pair kernel (int4_cuda.PAIR, the default past 8 rows): per-layer times at 9 and 16 rows against the
-#            one-strip instance, then a 27B int4 verify of 16 positions on the first 16 layers with PAIR off and on,
-#            each in a process of its own (~6 min)
+#            one-strip instance, at TARGET_BLOCKS 2048 and 4096 (the pair kernel runs 4 blocks an SM, the plan aimed at
+#            7), then a 27B int4 verify of 16 positions on the first 16 layers with PAIR off and on, each in a process
+#            of its own (~6 min)
 #   cuda-times-fp8 the same for fp8-weight's register kernel on the 27B's and 35B-A3B's layers.
 #            The step's A/B is `candidates` with CAND_MODEL=qwen3.5-27b CAND_SYSTEMS="fastqwen-int4+triton-int4"
 #            CAND_ARGS="--isolate --quant-lm-head --no-autotune" (fp8: fastqwen-fp8-weight+cuda-fp8-weight)
@@ -145,7 +146,7 @@ case "$stage" in
               | grep -E "tok/s|step:"
           done ;;
   pair) python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel cuda --rows 16 9 --cuda-pair 0 1 \
-          --check 2>&1 | grep "^|" | tee "$out/pair_times.md"
+          --cuda-blocks 2048 4096 --check 2>&1 | grep "^|" | tee "$out/pair_times.md"
         for p in False True; do  # (a module flag: one process a setting)
           python -c "import runpy, sys; import fastqwen.ops.int4_cuda as m; m.PAIR = $p; sys.argv[0] = 'bench_spec'; \
             runpy.run_path('scripts/bench_spec.py', run_name='__main__')" --model qwen3.5-27b --layers 16 --runs \
