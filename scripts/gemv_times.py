@@ -103,7 +103,7 @@ def main():
                     continue
                 batch, pipelined, cuda_module.TARGET_BLOCKS, probe, fold, pair = kernel
                 cuda_module.BATCH, int4_cuda.PAIR = batch, bool(pair)
-                splits = f"splits {cuda_module.plan(N, K, False, *(M,) * int4)[0]}"
+                splits = f"splits {cuda_module.plan(N, K)[0]}"
                 staged = False
                 if cuda_module is int4_cuda:
                     int4_cuda.PIPELINED, int4_cuda.FOLD, int4_cuda.STAGE_X = pipelined, fold > 0, fold == 2

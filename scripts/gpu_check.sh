@@ -74,8 +74,8 @@
 #            loads-only probe (1 and 2 rows, with errors), then a 27B int4 step with STAGE_X off and on, each in a
 #            process of its own (~5 min); its GPU tests: CUDA_TESTS_K="folded" bash scripts/gpu_check.sh cuda-tests
 #   pair     int4's pair kernel (int4_cuda.PAIR, the default past 8 rows): per-layer times at 9 and 16 rows against the
-#            one-strip instance, at TARGET_BLOCKS 2048 and 4096 (the pair kernel runs 4 blocks an SM, the plan aimed at
-#            7), then a 27B int4 verify of 16 positions on the first 16 layers with PAIR off and on, each in a process
+#            one-strip instance, at TARGET_BLOCKS 2048 and 4096 (the plan counts 16-row strips, so the pair kernel's
+#            grid has half as many blocks), then a 27B int4 verify of 16 positions on the first 16 layers with PAIR off and on, each in a process
 #            of its own (~6 min)
 #   cuda-times-fp8 the same for fp8-weight's register kernel on the 27B's and 35B-A3B's layers.
 #            The step's A/B is `candidates` with CAND_MODEL=qwen3.5-27b CAND_SYSTEMS="fastqwen-int4+triton-int4"

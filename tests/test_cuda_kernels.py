@@ -405,15 +405,16 @@ def test_register_kernels_issue_their_first_loads_before_the_wait(name, kernel, 
         assert (len(xs) == 0) == probe
 
 
-def test_pair_plan_counts_blocks_of_two_strips(monkeypatch):
-    """int4_cuda.PAIR: 9 … 16 rows against an N % 32 == 0 weight plan over N / 32 blocks (more splits for the
-    same grid), at BATCH 2 only; up to 8 rows, odd strips and other BATCHes keep the one-strip plan."""
+def test_pair_kernel_takes_9_to_16_rows_at_batch_2_and_the_strips_plan(monkeypatch):
+    """int4_cuda.PAIR: 9 … 16 rows against an N % 32 == 0 weight take the pair kernel, at BATCH 2 only; up to 8
+    rows, odd strips and other BATCHes the one-strip instance. Its split plan is the one-strip kernel's (over
+    16-row strips), whatever the rows."""
     monkeypatch.setattr(int4_cuda, "PAIR", True)
-    assert int4_cuda.plan(34816, 5120, rows=16) == (4, 10) and int4_cuda.plan(34816, 5120, rows=8) == (2, 20)
-    assert int4_cuda.plan(5120, 17408, rows=9) == (8, 17) and int4_cuda.paired(5120, 9)
+    assert int4_cuda.paired(34816, 16) and int4_cuda.paired(5120, 9)
     assert not int4_cuda.paired(5136, 16) and not int4_cuda.paired(34816, 8)
+    assert int4_cuda.plan(34816, 5120) == (2, 20) and int4_cuda.plan(5120, 17408) == (8, 17)
     monkeypatch.setattr(int4_cuda, "BATCH", 4)
-    assert not int4_cuda.paired(34816, 16) and int4_cuda.plan(34816, 5120, rows=16) == (2, 20)
+    assert not int4_cuda.paired(34816, 16)
 
 
 @NVCC

@@ -47,7 +47,8 @@ STAGE_X = False  # a candidate: the folded kernel with x staged in shared memory
 STAGE_MAX_BYTES = 24 << 10  # (8 blocks an SM, as its 62 registers allow: 8 × (24 + 2 + 1) KB of the 228)
 PAIR = True  # 9 … 16 rows by int4_gemv_pair (two strips a block: each load of x serves both, where past 8 rows x's
 # loads outweigh the weights'), where N % 32 == 0; the same bits as the one-strip instance at one split. At 16 rows
-# on an H100 (2026-12-06) 12-30% faster on every 27B shape (gate | up 53.5 vs 64.6 µs, lm_head 316.1 vs 449.9)
+# on an H100 (2026-12-06) 6-30% faster on every 27B shape (gate | up 50.4 vs 64.6 µs, lm_head 317.1 vs 449.9), a
+# 27B int4 verify of 16 positions on 16 layers 3089 µs against 3569
 MAX_SPLITS = 8  # (≤ 8 partials for the caller to add into the consumer's kernel: gemv.add_splits)
 MAX_ROWS = 16  # rows of x a launch takes: one or two blocks of mma.m16n8k16's 8 B columns (a DFlash verify)
 CHOICE = "kernels['int4']='cuda'"
@@ -79,11 +80,12 @@ def paired(N: int, rows: int) -> bool:
     return PAIR and BATCH == 2 and rows > 8 and N % (2 * TILE_ROWS) == 0
 
 
-def plan(N: int, K: int, one_split: bool = False, rows: int = 1) -> tuple[int, int]:
-    """(splits, groups of 128 columns a split) for an [N, K] weight against `rows` rows of x (cuda_build.split_plan,
-    over blocks of two strips where they take the pair kernel)."""
-    blocks = N // TILE_ROWS // (2 if paired(N, rows) else 1)
-    return cuda_build.split_plan(blocks, K // STEP, one_split, TARGET_BLOCKS, MAX_SPLITS)
+def plan(N: int, K: int, one_split: bool = False) -> tuple[int, int]:
+    """(splits, groups of 128 columns a split) for an [N, K] weight (cuda_build.split_plan over its 16-row strips:
+    the pair kernel too, whose blocks take two strips each, so its grid has half the blocks; planned over its own
+    blocks it took twice the splits and was 4-15% slower on 4 of the 27B's 6 layer shapes, equal on the rest:
+    H100, 2026-12-06)."""
+    return cuda_build.split_plan(N // TILE_ROWS, K // STEP, one_split, TARGET_BLOCKS, MAX_SPLITS)
 
 
 def takes(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> bool:
@@ -109,7 +111,7 @@ def reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch
 
 def _launch(x, w, scale, zero, out_features, pdl, one_split, loads_only) -> torch.Tensor:
     """int4_gemv's body; loads_only: the register kernel's probe (its BATCH 2 instance's loads, nothing decoded)."""
-    splits, per = plan(out_features, x.shape[-1], one_split, x.shape[0])
+    splits, per = plan(out_features, x.shape[-1], one_split)
     if not x.is_cuda:
         return reference(x, w, scale, zero, out_features, splits)
     if not takes(x, w, scale, zero):
@@ -135,14 +137,14 @@ def _launch(x, w, scale, zero, out_features, pdl, one_split, loads_only) -> torc
 def int4_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, out_features: int,
               pdl: bool = False, one_split: bool = False) -> torch.Tensor:
     """x [M ≤ 16, K] (bf16 / fp16) · Wᵀ for an int4 weight in QuantLinear's layout (`takes`) as split-K partial sums
-    fp32 [splits, M, out_features] (plan(out_features, K, one_split, M)); their sum over dim 0 is the product. pdl:
+    fp32 [splits, M, out_features] (plan(out_features, K, one_split)); their sum over dim 0 is the product. pdl:
     launch with programmatic dependent launch. The CUDA kernel on CUDA tensors, `reference` elsewhere."""
     return _launch(x, w, scale, zero, out_features, pdl, one_split, False)
 
 
 @int4_gemv.register_fake
 def _(x, w, scale, zero, out_features, pdl=False, one_split=False):
-    splits = plan(out_features, x.shape[-1], one_split, x.shape[0])[0]
+    splits = plan(out_features, x.shape[-1], one_split)[0]
     return x.new_empty(splits, x.shape[0], out_features, dtype=torch.float32)
 
 

@@ -24,8 +24,7 @@ class Kernel:
     @classmethod
     def expected(cls, x, ops, N, one_split=False):
         """The reference partials in the kernel's own split of K (its module's plan)."""
-        rows = (x.shape[0],) if cls.module is int4_cuda else ()  # (int4's plan: over pairs of strips if paired)
-        return cls.reference(x, ops, N, cls.module.plan(N, x.shape[-1], one_split, *rows)[0])
+        return cls.reference(x, ops, N, cls.module.plan(N, x.shape[-1], one_split)[0])
 
 
 class Int4(Kernel):
@@ -153,24 +152,22 @@ def graph_error(kernel, x, ops, N) -> float:
 
 @pytest.mark.parametrize("N,K", [(34816, 5120), (5120, 17408), (248320, 5120), (12352, 2048), (16480, 5120)])
 def test_int4_pair_kernel_gives_the_one_strip_instances_bits(N, K, monkeypatch):
-    """int4_cuda.PAIR (9 … 16 rows by int4_gemv_pair, two strips a block): at one split the same partials bit for
-    bit as the one-strip instance, within 1e-5 of the reference, bf16 and fp16 x, 9 and 16 rows, with PDL, every
-    output written (NaN-poisoned); at its own plan (more splits) too, and in a CUDA graph replayed on new x."""
+    """int4_cuda.PAIR (9 … 16 rows by int4_gemv_pair, two strips a block): at one split and at the split plan the
+    same partials bit for bit as the one-strip instance, within 1e-5 of the reference, bf16 and fp16 x, 9 and 16
+    rows, with PDL, every output written (NaN-poisoned); and in a CUDA graph replayed on new x."""
     kernel, ops = KERNELS["int4"], weight("int4", N, K)
     for dtype, M in ((torch.bfloat16, 16), (torch.float16, 9)):
         x = torch.randn(M, K, device="cuda", dtype=dtype)
-        want = kernel.expected(x, ops, N, True)
-        outs = []
-        for pair in (False, True):
-            monkeypatch.setattr(int4_cuda, "PAIR", pair)
-            poison_allocator(tuple(want.shape), dtype=torch.float32)
-            outs.append(kernel.call(x, ops, N, True, True))
-            assert rel_err(outs[-1], want) < 1e-5, (N, K, M, pair, rel_err(outs[-1], want))
-        assert torch.equal(outs[0], outs[1]), (N, K, M)
-        want = kernel.expected(x, ops, N)  # (PAIR on: its split plan)
-        poison_allocator(tuple(want.shape), dtype=torch.float32)
-        got = kernel.call(x, ops, N, True)
-        assert got.shape == want.shape and rel_err(got, want) < 1e-5, (N, K, M, got.shape, want.shape)
+        for one_split in (True, False):
+            want = kernel.expected(x, ops, N, one_split)
+            outs = []
+            for pair in (False, True):
+                monkeypatch.setattr(int4_cuda, "PAIR", pair)
+                poison_allocator(tuple(want.shape), dtype=torch.float32)
+                outs.append(kernel.call(x, ops, N, True, one_split))
+                assert outs[-1].shape == want.shape and rel_err(outs[-1], want) < 1e-5, \
+                    (N, K, M, one_split, pair, rel_err(outs[-1], want))
+            assert torch.equal(outs[0], outs[1]), (N, K, M, one_split)
     assert graph_error(kernel, x, ops, N) < 1e-5
 
 
