@@ -77,6 +77,12 @@
 #            one-strip instance, at TARGET_BLOCKS 2048 and 4096 (the plan counts 16-row strips, so the pair kernel's
 #            grid has half as many blocks), then a 27B int4 verify of 16 positions on the first 16 layers with PAIR off and on, each in a process
 #            of its own (~6 min)
+#   ab       an A/B of two builds, each side in processes of its own: $AB_CMD (one command line) run in .ab/base (a copy
+#            of another commit's fastqwen/ and scripts/, made before the call with `rm -rf .ab/base && mkdir -p .ab/base
+#            && git archive BASE fastqwen scripts | tar -x -C .ab/base`, carried: carry [".whl", ".ab"]) and in the
+#            working tree, in the order base, tree, base, tree; AB_TAIL lines of each (default 20). E.g. the pair kernel
+#            on a branch against main: AB_CMD="python scripts/gemv_times.py --format int4 --shapes 27b 27b-head
+#            --kernel cuda --rows 16 9 --check | grep '^|'"
 #   cuda-times-fp8 the same for fp8-weight's register kernel on the 27B's and 35B-A3B's layers.
 #            The step's A/B is `candidates` with CAND_MODEL=qwen3.5-27b CAND_SYSTEMS="fastqwen-int4+triton-int4"
 #            CAND_ARGS="--isolate --quant-lm-head --no-autotune" (fp8: fastqwen-fp8-weight+cuda-fp8-weight)
@@ -155,6 +161,13 @@ case "$stage" in
           python -c "import json; r = json.load(open('$out/verify_pair_$p.json')); v = r['verify16']; \
             print('PAIR $p: decode', round(r['decode_s'] * 1e6), 'µs, verify of 16', round(v['verify_s'] * 1e6), 'µs')"
         done ;;
+  ab) [ -d .ab/base/fastqwen ] || { echo "no .ab/base/fastqwen: see ab in this script's header"; exit 2; }
+      for side in base tree base tree; do
+        dir=$([ $side = base ] && echo .ab/base || echo .)
+        echo "== $side ($(cd "$dir" && pwd))"
+        (cd "$dir" && PYTHONPATH="/tmp/site:$PWD" bash -c "${AB_CMD:?AB_CMD: the command to run on each side}") 2>&1 \
+          | tail -"${AB_TAIL:-20}"
+      done ;;
   candidate-tests) python -m pytest -q -s -p no:warnings tests/gpu/test_candidates_gpu.py 2>&1 | tail -6 ;;
   bench) python scripts/bench.py --models ${MODELS:-qwen3.5-9b qwen3.5-27b qwen3.5-35b-a3b} ${BENCH_ARGS:-} \
            --out-dir "$out" 2>&1 | grep -v "^\[transformers\]" | tail -20 ;;
