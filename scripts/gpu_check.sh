@@ -80,7 +80,8 @@
 #   ab       an A/B of two builds, each side in processes of its own: $AB_CMD (one command line) run in .ab/base (a copy
 #            of another commit's fastqwen/ and scripts/, made before the call with `rm -rf .ab/base && mkdir -p .ab/base
 #            && git archive BASE fastqwen scripts | tar -x -C .ab/base`, carried: carry [".whl", ".ab"]) and in the
-#            working tree, in the order base, tree, base, tree; AB_TAIL lines of each (default 20). E.g. the pair kernel
+#            working tree, in the order base, tree, base, tree (AB_ROUNDS=1: base, tree); AB_TAIL lines of each (default
+#            20). E.g. the pair kernel
 #            on a branch against main: AB_CMD="python scripts/gemv_times.py --format int4 --shapes 27b 27b-head
 #            --kernel cuda --rows 16 9 --check | grep '^|'"
 #   cuda-times-fp8 the same for fp8-weight's register kernel on the 27B's and 35B-A3B's layers.
@@ -162,7 +163,7 @@ case "$stage" in
             print('PAIR $p: decode', round(r['decode_s'] * 1e6), 'µs, verify of 16', round(v['verify_s'] * 1e6), 'µs')"
         done ;;
   ab) [ -d .ab/base/fastqwen ] || { echo "no .ab/base/fastqwen: see ab in this script's header"; exit 2; }
-      for side in base tree base tree; do
+      for side in $(for _ in $(seq "${AB_ROUNDS:-2}"); do echo base tree; done); do
         dir=$([ $side = base ] && echo .ab/base || echo .)
         echo "== $side ($(cd "$dir" && pwd))"
         (cd "$dir" && PYTHONPATH="/tmp/site:$PWD" bash -c "${AB_CMD:?AB_CMD: the command to run on each side}") 2>&1 \
