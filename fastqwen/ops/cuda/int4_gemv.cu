@@ -337,9 +337,10 @@ __device__ __forceinline__ void plus_magic_operands(uint32_t u, uint32_t v, uint
 // column blocks on two strips a block, each warp decoding strips 2 b and 2 b + 1 against one load of x. Past 8 rows
 // x's loads outweigh the codes' (a lane's 128 bytes of x a group against 32 of weights) and every strip's block
 // reads the whole of its split's x again; two strips a block halve those reads and x's byte permutes. Both strips'
-// position walked as pointers (FoldWalk<2>, as int4_gemv_fold; indices recomputed at each load took 170 of an 850-
-// instruction 2-group loop). A (N/32, splits) grid (N % 32 == 0); the same group order and arithmetic a strip as
-// int4_gemv_rows, so the same bits at the same split.
+// position walked as pointers (FoldWalk<2>, as int4_gemv_fold; indices recomputed at each load took 169 of an 850-
+// instruction 2-group loop), and x loaded by every lane (rows past M read row M - 1, whose sums are not written:
+// no 64 registers cleared a batch); the loop is 631 instructions. A (N/32, splits) grid (N % 32 == 0); the same
+// group order and arithmetic a strip as int4_gemv_rows, so the same bits at the same split.
 template <bool BF16>
 __global__ void __launch_bounds__(WARPS * 32, 4) int4_gemv_pair(const uint16_t* x, const uint4* __restrict__ w,
                                                                 const __half* scale, const uint8_t* zero,
@@ -350,9 +351,8 @@ __global__ void __launch_bounds__(WARPS * 32, 4) int4_gemv_pair(const uint16_t* 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g_begin = split * groups_per_split + warp, g_end = min(G, (split + 1) * groups_per_split);
   FoldWalk<2> wk(w, scale, zero, N, G, strip, lane, g_begin, g_end);
-  bool has_x[NB];
-  const uint4* xcols[NB];
-  strip_gemv::x_columns<NB, 4>(x, M, K, lane, has_x, xcols);
+  const uint4* xcols[NB];  // (every lane loads: rows past M read row M - 1, no zeros to clear a group)
+  strip_gemv::x_columns<NB, 4>(x, M, K, lane, xcols);
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) xcols[nb] += (size_t)g_begin * 16;
   wk.load(g_begin);  // (weights: before the wait)
@@ -367,7 +367,7 @@ __global__ void __launch_bounds__(WARPS * 32, 4) int4_gemv_pair(const uint16_t* 
 #pragma unroll
         for (int nb = 0; nb < NB; ++nb) {
 #pragma unroll
-          for (int i = 0; i < 4; ++i) xs[nb][i] = has_x[nb] ? xcols[nb][t * WARPS * 16 + i] : make_uint4(0, 0, 0, 0);
+          for (int i = 0; i < 4; ++i) xs[nb][i] = xcols[nb][t * WARPS * 16 + i];
         }
         uint32_t xb[NB][4][4];
         x_operands<NB>(xs, xb);
