@@ -421,20 +421,27 @@ def test_pair_kernel_takes_9_to_16_rows_at_batch_2_and_the_strips_plan(monkeypat
 def test_pair_kernel_loads_both_strips_before_the_wait_and_x_once(tmp_path):
     """int4_gemv_pair (int4_cuda.PAIR), bf16 and fp16 x: both strips' first batch (2 groups each: eight 16-byte
     weight loads that skip L1) before the PDL wait, x after it; x's loads and byte permutes once a group (8 and 32,
-    int4_gemv_rows' two-column-block instance's), its MMAs twice (16 a group a strip)."""
+    int4_gemv_rows' two-column-block instance's), its MMAs twice (16 a group a strip); both strips walked as
+    pointers: at most 32 address instructions (IMAD, LEA, constant loads) in its 2-group loop (169 of 850 with
+    indices recomputed at each load, 2026-12-06), and x loaded unconditionally (no registers cleared in the loop
+    for rows past M)."""
     functions = _sass_functions(_build_sm90("int4_gemv", tmp_path)[1], "int4_gemv_pair")
     assert len(functions) == 2
     rows = [k for k in _sass_functions(_build_sm90("int4_gemv", tmp_path)[1], "int4_gemv_rows")
             if _template_args(k.split("\n")[0], "int4_gemv_rows") == [1, 2, 0, 2, 0]]
+    x_permutes = lambda k: sum("PRMT" in line and ("0x5410" in line or "0x7632" in line)  # noqa: E731
+                               for line in k.splitlines())
     for k in functions:
         ops = _sass_ops(k)
         wait = ops.index("ACQBULK")
         weights = [i for i, o in enumerate(ops) if o == "LDG.E.NA.128"]
         xs = [i for i, o in enumerate(ops) if o == "LDG.E.128"]
         assert len(weights) == 16 and weights[7] < wait < min(xs + weights[8:]), (weights, wait, xs)
-        assert len(xs) == 16 and sum(o.startswith("PRMT") for o in ops) == sum(
-            o.startswith("PRMT") for o in _sass_ops(rows[0])), len(xs)
+        assert len(xs) == 16 and x_permutes(k) == x_permutes(rows[0]) == 64, (len(xs), x_permutes(k))
         assert sum(o.startswith("HMMA.16816.F32") for o in ops) == 64
+        lo, hi = max(_loops(k), key=lambda loop: loop[1] - loop[0])
+        assert sum(o.split(".")[0] in ("IMAD", "LEA", "LDC") for o in ops[lo:hi + 1]) <= 32, ops[lo:hi + 1]
+        assert "CS2R" not in ops[lo:hi + 1]
 
 
 @NVCC

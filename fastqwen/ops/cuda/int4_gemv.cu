@@ -251,84 +251,29 @@ __global__ void __launch_bounds__(WARPS * 32, 4) int4_gemv_rows(const uint16_t* 
   strip_gemv::write_partials<NB>(sums, 1.f, 1.f, out, M, N, strip, split);  // (the groups' scales: applied)
 }
 
-// The pair kernel (int4_cuda.PAIR, the default; 9 … 16 rows): int4_gemv_rows' BATCH 2 unpipelined instance at two
-// column blocks on two strips a block, each warp decoding strips 2 b and 2 b + 1 against one load of x. Past 8 rows
-// x's loads outweigh the codes' (a lane's 128 bytes of x a group against 32 of weights) and every strip's block
-// reads the whole of its split's x again; two strips a block halve those reads and x's byte permutes. A (N/32,
-// splits) grid (N % 32 == 0); the same group order and arithmetic a strip as int4_gemv_rows, so the same bits at
-// the same split.
-template <bool BF16>
-__global__ void __launch_bounds__(WARPS * 32, 4) int4_gemv_pair(const uint16_t* x, const uint4* __restrict__ w,
-                                                                const __half* scale, const uint8_t* zero,
-                                                                float* __restrict__ out, int M, int N, int K,
-                                                                int groups_per_split, uint32_t magic) {
-  constexpr int NB = 2, STRIDE = 2 * WARPS;
-  const int G = K / 128, split = blockIdx.y;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int g_begin = split * groups_per_split + warp, g_end = min(G, (split + 1) * groups_per_split);
-  const int strips[2] = {2 * (int)blockIdx.x, 2 * (int)blockIdx.x + 1};
-  const uint4* tiles[2] = {w + (size_t)strips[0] * G * 64 + lane, w + (size_t)strips[1] * G * 64 + lane};
-  bool has_x[NB];
-  const uint4* xcols[NB];
-  strip_gemv::x_columns<NB, 4>(x, M, K, lane, has_x, xcols);
-  Batch<BF16, 2> a[2];
-#pragma unroll
-  for (int s = 0; s < 2; ++s) a[s].load(tiles[s], scale, zero, N, strips[s] * 16 + lane / 4, g_begin, g_end);
-  asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the previous kernel's output (PDL)
-  float sums[2][NB][4] = {};
-  for (int g0 = g_begin; g0 < g_end; g0 += STRIDE) {
-    if (g0 != g_begin) {
-#pragma unroll
-      for (int s = 0; s < 2; ++s) a[s].load(tiles[s], scale, zero, N, strips[s] * 16 + lane / 4, g0, g_end);
-    }
-#pragma unroll
-    for (int t = 0; t < 2; ++t) {
-      const int g = g0 + t * WARPS;
-      if (g < g_end) {
-        uint4 xs[NB][4];
-#pragma unroll
-        for (int nb = 0; nb < NB; ++nb) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) xs[nb][i] = has_x[nb] ? xcols[nb][(size_t)g * 16 + i] : make_uint4(0, 0, 0, 0);
-        }
-        uint32_t xb[NB][4][4];
-        x_operands<NB>(xs, xb);
-#pragma unroll
-        for (int s = 0; s < 2; ++s) {
-          float c[NB][4] = {};
-          group_mma<BF16, NB>(c, a[s].ta[t], a[s].tb[t], xb, a[s].za[t], a[s].zb[t], magic);
-#pragma unroll
-          for (int nb = 0; nb < NB; ++nb) {
-            sums[s][nb][0] = fmaf(a[s].sa[t], c[nb][0], sums[s][nb][0]);
-            sums[s][nb][1] = fmaf(a[s].sa[t], c[nb][1], sums[s][nb][1]);
-            sums[s][nb][2] = fmaf(a[s].sb[t], c[nb][2], sums[s][nb][2]);
-            sums[s][nb][3] = fmaf(a[s].sb[t], c[nb][3], sums[s][nb][3]);
-          }
-        }
-      }
-    }
-  }
-  strip_gemv::write_partials<NB>(sums[0], 1.f, 1.f, out, M, N, strips[0], split);
-  __syncthreads();  // (write_partials' shared sums, used again)
-  strip_gemv::write_partials<NB>(sums[1], 1.f, 1.f, out, M, N, strips[1], split);
-}
-
-// A folded kernel's walk over its warp's groups (int4_gemv_fold, int4_gemv_staged): at the current group g, the
-// lane's words of its tile and the scales and zeros of (row l/4, g) and (row l/4 + 8, g); load(g0) takes groups g0
-// and g0 + WARPS (those < g_end) into registers, next() steps the walk by 2 WARPS groups (pointers, not indices).
+// A walk over a warp's groups (int4_gemv_fold, int4_gemv_staged; int4_gemv_pair with STRIPS 2): at the current
+// group g, the lane's words of the tile of each of STRIPS consecutive strips and the scales and zeros of (row l/4,
+// g) and (row l/4 + 8, g) of each; load(g0) takes groups g0 and g0 + WARPS (those < g_end) into registers, next()
+// steps the walk by 2 WARPS groups (pointers, not indices; strip s at a fixed offset from the first).
+template <int STRIPS = 1>
 struct FoldWalk {
   const uint4* tile;
   const __half* sc;
   const uint8_t* ze;
   size_t step;
+  int strip_tiles;  // (G 64 < 2^31)
   int g_end;
-  uint4 ta[2], tb[2];
-  float sa[2], sb[2];
-  uint32_t za[2], zb[2];
+  uint4 ta[STRIPS][2], tb[STRIPS][2];
+  float sa[STRIPS][2], sb[STRIPS][2];
+  // the zeros of rows l/4 and l/4 + 8: z[s][t][0] and [1] (one strip), or z_a | z_b << 16 in z[s][t][0] (PACKED:
+  // one register a tile, so that the pair kernel fits 128 registers; the folded kernels keep the two: no permutes)
+  static constexpr bool PACKED = STRIPS > 1;
+  uint32_t z[STRIPS][2][PACKED ? 1 : 2];
 
   __device__ __forceinline__ FoldWalk(const uint4* w, const __half* scale, const uint8_t* zero, int N, int G,
                                       int strip, int lane, int g_begin, int g_end_)
-      : tile(w + ((size_t)strip * G + g_begin) * 64 + lane), step((size_t)WARPS * N), g_end(g_end_) {
+      : tile(w + ((size_t)strip * G + g_begin) * 64 + lane), step((size_t)WARPS * N), strip_tiles(G * 64),
+        g_end(g_end_) {
     const size_t side = (size_t)g_begin * N + strip * 16 + lane / 4;
     sc = scale + side;
     ze = zero + side;
@@ -336,16 +281,39 @@ struct FoldWalk {
 
   __device__ __forceinline__ void load(int g0) {
 #pragma unroll
-    for (int t = 0; t < 2; ++t) {
-      if (g0 + t * WARPS < g_end) {
-        ta[t] = load_weights(tile + t * WARPS * 64);
-        tb[t] = load_weights(tile + t * WARPS * 64 + 32);
-        sa[t] = __half2float(sc[t * step]);
-        sb[t] = __half2float(sc[t * step + 8]);
-        za[t] = ze[t * step];
-        zb[t] = ze[t * step + 8];
+    for (int s = 0; s < STRIPS; ++s) {
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        if (g0 + t * WARPS < g_end) {
+          ta[s][t] = load_weights(tile + s * strip_tiles + t * WARPS * 64);
+          tb[s][t] = load_weights(tile + s * strip_tiles + t * WARPS * 64 + 32);
+          sa[s][t] = __half2float(sc[t * step + 16 * s]);
+          sb[s][t] = __half2float(sc[t * step + 16 * s + 8]);
+          if constexpr (PACKED) {
+            z[s][t][0] = ze[t * step + 16 * s] | (uint32_t)ze[t * step + 16 * s + 8] << 16;
+          } else {
+            z[s][t][0] = ze[t * step + 16 * s];
+            z[s][t][1] = ze[t * step + 16 * s + 8];
+          }
+        }
       }
     }
+  }
+
+  // -(MAGIC + z) in fp32 (MAGIC = 128 = 0x43000000, z < 16 in the mantissa's top bits) of row l/4 (b: l/4 + 8)
+  __device__ __forceinline__ float neg_a(int s, int t) const {
+    return __uint_as_float(0xC3000000u | z[s][t][0] << 16);
+  }
+  __device__ __forceinline__ float neg_b(int s, int t) const {
+    if constexpr (PACKED) return __uint_as_float(0xC3000000u | (z[s][t][0] & 0xFFFF0000u));
+    else return __uint_as_float(0xC3000000u | z[s][t][1] << 16);
+  }
+
+  // -(MAGIC + zero) in both halves of a 16-bit pair (pair_minus_zero's neg_zero) of row l/4 (b 0) or l/4 + 8 (b 1)
+  template <bool BF16>
+  __device__ __forceinline__ uint32_t neg_zeros(int s, int t, int b) const {
+    static_assert(PACKED);
+    return __byte_perm(z[s][t][0], Pairs<BF16>::NEG_MAGIC >> 8, b ? 0x4242 : 0x4040);
   }
 
   __device__ __forceinline__ void next() {
@@ -363,6 +331,68 @@ __device__ __forceinline__ void plus_magic_operands(uint32_t u, uint32_t v, uint
   lo[2] = pair_plus_magic(u, 1, magic), lo[3] = pair_plus_magic(v, 1, magic);
   hi[0] = pair_plus_magic(u, 2, magic), hi[1] = pair_plus_magic(v, 2, magic);
   hi[2] = pair_plus_magic(u, 3, magic), hi[3] = pair_plus_magic(v, 3, magic);
+}
+
+// The pair kernel (int4_cuda.PAIR, the default; 9 … 16 rows): int4_gemv_rows' BATCH 2 unpipelined instance at two
+// column blocks on two strips a block, each warp decoding strips 2 b and 2 b + 1 against one load of x. Past 8 rows
+// x's loads outweigh the codes' (a lane's 128 bytes of x a group against 32 of weights) and every strip's block
+// reads the whole of its split's x again; two strips a block halve those reads and x's byte permutes. Both strips'
+// position walked as pointers (FoldWalk<2>, as int4_gemv_fold; indices recomputed at each load took 169 of an 850-
+// instruction 2-group loop), and x loaded by every lane (rows past M read row M - 1, whose sums are not written:
+// no 64 registers cleared a batch); the loop is 631 instructions. A (N/32, splits) grid (N % 32 == 0); the same
+// group order and arithmetic a strip as int4_gemv_rows, so the same bits at the same split.
+template <bool BF16>
+__global__ void __launch_bounds__(WARPS * 32, 4) int4_gemv_pair(const uint16_t* x, const uint4* __restrict__ w,
+                                                                const __half* scale, const uint8_t* zero,
+                                                                float* __restrict__ out, int M, int N, int K,
+                                                                int groups_per_split, uint32_t magic) {
+  constexpr int NB = 2;
+  const int G = K / 128, split = blockIdx.y, strip = 2 * blockIdx.x;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g_begin = split * groups_per_split + warp, g_end = min(G, (split + 1) * groups_per_split);
+  FoldWalk<2> wk(w, scale, zero, N, G, strip, lane, g_begin, g_end);
+  const uint4* xcols[NB];  // (every lane loads: rows past M read row M - 1, no zeros to clear a group)
+  strip_gemv::x_columns<NB, 4>(x, M, K, lane, xcols);
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) xcols[nb] += (size_t)g_begin * 16;
+  wk.load(g_begin);  // (weights: before the wait)
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the previous kernel's output (PDL)
+  float sums[2][NB][4] = {};
+  for (int g0 = g_begin; g0 < g_end; g0 += 2 * WARPS) {
+    if (g0 != g_begin) wk.load(g0);
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      if (g0 + t * WARPS < g_end) {
+        uint4 xs[NB][4];
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) xs[nb][i] = xcols[nb][t * WARPS * 16 + i];
+        }
+        uint32_t xb[NB][4][4];
+        x_operands<NB>(xs, xb);
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+          float c[NB][4] = {};
+          group_mma<BF16, NB>(c, wk.ta[s][t], wk.tb[s][t], xb, wk.template neg_zeros<BF16>(s, t, 0),
+                              wk.template neg_zeros<BF16>(s, t, 1), magic);
+#pragma unroll
+          for (int nb = 0; nb < NB; ++nb) {
+            sums[s][nb][0] = fmaf(wk.sa[s][t], c[nb][0], sums[s][nb][0]);
+            sums[s][nb][1] = fmaf(wk.sa[s][t], c[nb][1], sums[s][nb][1]);
+            sums[s][nb][2] = fmaf(wk.sb[s][t], c[nb][2], sums[s][nb][2]);
+            sums[s][nb][3] = fmaf(wk.sb[s][t], c[nb][3], sums[s][nb][3]);
+          }
+        }
+      }
+    }
+    wk.next();
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb) xcols[nb] += 2 * WARPS * 16;
+  }
+  strip_gemv::write_partials<NB>(sums[0], 1.f, 1.f, out, M, N, strip, split);
+  __syncthreads();  // (write_partials' shared sums, used again)
+  strip_gemv::write_partials<NB>(sums[1], 1.f, 1.f, out, M, N, strip + 1, split);
 }
 
 // One group of the folded kernel: c[nb] += the group's sums of (MAGIC + q) x (c0, c1: strip row l/4 against x
@@ -402,7 +432,7 @@ __global__ void __launch_bounds__(WARPS * 32, 7) int4_gemv_fold(const uint16_t* 
   const int G = K / 128, strip = blockIdx.x, split = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g_begin = split * groups_per_split + warp, g_end = min(G, (split + 1) * groups_per_split);
-  FoldWalk wk(w, scale, zero, N, G, strip, lane, g_begin, g_end);
+  FoldWalk<> wk(w, scale, zero, N, G, strip, lane, g_begin, g_end);
   bool has_x[NB];
   const uint4* xcols[NB];
   strip_gemv::x_columns<NB, 4>(x, M, K, lane, has_x, xcols);
@@ -423,16 +453,15 @@ __global__ void __launch_bounds__(WARPS * 32, 7) int4_gemv_fold(const uint16_t* 
           for (int i = 0; i < 4; ++i) xs[nb][i] = has_x[nb] ? xcols[nb][t * WARPS * 16 + i] : make_uint4(0, 0, 0, 0);
         }
         float c[NB][4] = {}, xsum[NB][4] = {};
-        group_fold<NB>(c, xsum, wk.ta[t], wk.tb[t], xs, magic);
+        group_fold<NB>(c, xsum, wk.ta[0][t], wk.tb[0][t], xs, magic);
         // -(MAGIC + z) in fp32: MAGIC = 128 = 0x43000000, z < 16 in the mantissa's top bits
-        const float neg_a = __uint_as_float(0xC3000000u | (wk.za[t] << 16));
-        const float neg_b = __uint_as_float(0xC3000000u | (wk.zb[t] << 16));
+        const float neg_a = wk.neg_a(0, t), neg_b = wk.neg_b(0, t);
 #pragma unroll
         for (int nb = 0; nb < NB; ++nb) {
-          sums[nb][0] = fmaf(wk.sa[t], fmaf(neg_a, xsum[nb][0], c[nb][0]), sums[nb][0]);
-          sums[nb][1] = fmaf(wk.sa[t], fmaf(neg_a, xsum[nb][1], c[nb][1]), sums[nb][1]);
-          sums[nb][2] = fmaf(wk.sb[t], fmaf(neg_b, xsum[nb][0], c[nb][2]), sums[nb][2]);
-          sums[nb][3] = fmaf(wk.sb[t], fmaf(neg_b, xsum[nb][1], c[nb][3]), sums[nb][3]);
+          sums[nb][0] = fmaf(wk.sa[0][t], fmaf(neg_a, xsum[nb][0], c[nb][0]), sums[nb][0]);
+          sums[nb][1] = fmaf(wk.sa[0][t], fmaf(neg_a, xsum[nb][1], c[nb][1]), sums[nb][1]);
+          sums[nb][2] = fmaf(wk.sb[0][t], fmaf(neg_b, xsum[nb][0], c[nb][2]), sums[nb][2]);
+          sums[nb][3] = fmaf(wk.sb[0][t], fmaf(neg_b, xsum[nb][1], c[nb][3]), sums[nb][3]);
         }
       }
     }
@@ -469,7 +498,7 @@ __global__ void __launch_bounds__(WARPS * 32, 7) int4_gemv_staged(const uint16_t
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g_first = split * groups_per_split, g_begin = g_first + warp, g_end = min(G, g_first + groups_per_split);
   float* xsum = reinterpret_cast<float*>(staged + (size_t)groups_per_split * 16 * M);
-  FoldWalk wk(w, scale, zero, N, G, strip, lane, g_begin, g_end);
+  FoldWalk<> wk(w, scale, zero, N, G, strip, lane, g_begin, g_end);
   wk.load(g_begin);  // (weights: before the wait)
   asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the previous kernel's output (PDL)
   // item t: x row `row` of the split's group lg at columns 32 c + 8 i (j = 4 c + i); a half-warp holds one
@@ -509,7 +538,7 @@ __global__ void __launch_bounds__(WARPS * 32, 7) int4_gemv_staged(const uint16_t
 #pragma unroll
         for (int i = 0; i < 4; ++i) xb[i] = has_x ? xp[t * WARPS * group + i * word] : make_uint4(0, 0, 0, 0);
         const float2 xs = *reinterpret_cast<const float2*>(xsp + t * WARPS * 8);
-        const uint4 a = wk.ta[t], b = wk.tb[t];
+        const uint4 a = wk.ta[0][t], b = wk.tb[0][t];
         const uint32_t wa[4] = {a.x, a.y, a.z, a.w}, wb[4] = {b.x, b.y, b.z, b.w};
         float c[4] = {};
 #pragma unroll
@@ -519,12 +548,11 @@ __global__ void __launch_bounds__(WARPS * 32, 7) int4_gemv_staged(const uint16_t
           strip_gemv::mma<true>(c, lo, xb[i].x, xb[i].y);
           strip_gemv::mma<true>(c, hi, xb[i].z, xb[i].w);
         }
-        const float neg_a = __uint_as_float(0xC3000000u | (wk.za[t] << 16));  // -(MAGIC + z), as int4_gemv_fold
-        const float neg_b = __uint_as_float(0xC3000000u | (wk.zb[t] << 16));
-        sums[0][0] = fmaf(wk.sa[t], fmaf(neg_a, xs.x, c[0]), sums[0][0]);
-        sums[0][1] = fmaf(wk.sa[t], fmaf(neg_a, xs.y, c[1]), sums[0][1]);
-        sums[0][2] = fmaf(wk.sb[t], fmaf(neg_b, xs.x, c[2]), sums[0][2]);
-        sums[0][3] = fmaf(wk.sb[t], fmaf(neg_b, xs.y, c[3]), sums[0][3]);
+        const float neg_a = wk.neg_a(0, t), neg_b = wk.neg_b(0, t);  // -(MAGIC + z), as int4_gemv_fold
+        sums[0][0] = fmaf(wk.sa[0][t], fmaf(neg_a, xs.x, c[0]), sums[0][0]);
+        sums[0][1] = fmaf(wk.sa[0][t], fmaf(neg_a, xs.y, c[1]), sums[0][1]);
+        sums[0][2] = fmaf(wk.sb[0][t], fmaf(neg_b, xs.x, c[2]), sums[0][2]);
+        sums[0][3] = fmaf(wk.sb[0][t], fmaf(neg_b, xs.y, c[3]), sums[0][3]);
       }
     }
     wk.next();

@@ -38,17 +38,23 @@ __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint3
   }
 }
 
-// x row 8 nb + l/4 of the lane's column block nb (the B operand it supplies): whether it is < M, and where its
-// columns of step 0 start: LANE uint4s into the row for each lane % 4 (a row clamped to M - 1, never read past
-// M: has_x gates the loads).
+// x row 8 nb + l/4 of the lane's column block nb (the B operand it supplies): where its columns of step 0 start,
+// LANE uint4s into the row for each lane % 4 (a row clamped to M - 1: rows past M read row M - 1 again, harmless
+// where their sums are not written).
+template <int NB, int LANE>
+__device__ __forceinline__ void x_columns(const uint16_t* x, int M, int K, int lane, const uint4* (&cols)[NB]) {
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb)
+    cols[nb] = reinterpret_cast<const uint4*>(x + (size_t)min(nb * 8 + lane / 4, M - 1) * K) + (lane % 4) * LANE;
+}
+
+// The same, and whether each row is < M (has_x: where the kernel gates its loads on it, never reading past M).
 template <int NB, int LANE>
 __device__ __forceinline__ void x_columns(const uint16_t* x, int M, int K, int lane, bool (&has_x)[NB],
                                           const uint4* (&cols)[NB]) {
+  x_columns<NB, LANE>(x, M, K, lane, cols);
 #pragma unroll
-  for (int nb = 0; nb < NB; ++nb) {
-    has_x[nb] = nb * 8 + lane / 4 < M;
-    cols[nb] = reinterpret_cast<const uint4*>(x + (size_t)min(nb * 8 + lane / 4, M - 1) * K) + (lane % 4) * LANE;
-  }
+  for (int nb = 0; nb < NB; ++nb) has_x[nb] = nb * 8 + lane / 4 < M;
 }
 
 // The epilogue of one strip: lane l's sums[nb] (c0, c1: row l/4 of the strip against x rows 8 nb + 2 (l%4) and
