@@ -21,7 +21,7 @@ from .ops.attention_prep import attention_prep, prepare, summed
 from .ops.decode_attention import attend_cache_split_op, merge_gated_op, split_kv_partials_op
 from .linears import MLP_IN, Linears, fuse_linears
 from .moe import routed_moe, stack_shared_expert
-from .ops.conv import commit_window, conv_decode, conv_step
+from .ops.conv import commit_window, conv_decode, conv_step, conv_verify
 from .ops.gemv import tile_counts
 from .ops.gated_norm import gated_norm
 from .ops.gdn import gates, gdn_chunk, gdn_decode, gdn_recurrent, gdn_replay, gdn_verify, unpack_qkv
@@ -41,7 +41,7 @@ KERNELS = {"attention": ("split", "sdpa"), "experts": ("auto", "gather", "groupe
            "gdn": ("block", "unrolled", "fla"), "launch": ("auto", "serial", "pdl"),
            "splitk": ("sum", "fixup"), "gdn_norm": ("kernel", "separate", "fused"),
            "expert_act": ("auto", "separate", "fused", "mlp"), "route": ("auto", "argmax", "packed", "fused"),
-           "mlp_act": ("separate", "fused"), "conv": ("fused", "separate"),
+           "mlp_act": ("separate", "fused"), "conv": ("fused", "separate", "fused-verify"),
            "int4": ("auto", "triton", "cuda"),
            "fp8_weight": ("triton", "cuda"), "reductions": ("persistent", "inductor"),
            "attn_glue": ("fused", "separate")}  # first: the default
@@ -125,7 +125,9 @@ def check_kernels(kernels: dict | None, cfg, device, fp8_experts: bool = False) 
     write into the cache, the output: three launches) or as one kernel of ours that also advances the cached
     window in place and sums the input projection's split-K partials as it loads them ("fused":
     ops/conv.py conv_decode; the default since 2026-12-02: a 9B step 4486–4487 µs of device time against 4529,
-    a 35B-A3B step 2721 against 2739, each in a process of its own). "int4": an int4 QuantLinear's products on up to
+    a 35B-A3B step 2721 against 2739, each in a process of its own); "fused-verify": that, and a speculative
+    verify's conv as one kernel of ours too, which sums x's partials and stores the commit's replay x and qkv
+    (ops/conv.py conv_verify, where inductor launches three: a candidate, 2026-12-06). "int4": an int4 QuantLinear's products on up to
     16 rows (decode, MTP's and DFlash's verify, small batches) by the Triton weight-streaming kernel ("triton",
     ops/gemv.py) or by a CUDA C++ tensor-core kernel (ops/int4_cuda.py: built with nvcc on first use, compute
     capability 9.0 or later): "cuda" its warps loading their weights into registers (ring, stream and async
@@ -245,7 +247,8 @@ class Forward:
         self.block = self.kernels["gdn"] == "block"
         self.fused_norm = self.kernels["gdn_norm"] == "fused"
         self.norm_kernel = self.kernels["gdn_norm"] == "kernel"
-        self.fused_conv = self.kernels["conv"] == "fused"
+        self.fused_conv = self.kernels["conv"] in ("fused", "fused-verify")
+        self.verify_conv = self.kernels["conv"] == "fused-verify"
         self.fused_glue = self.kernels["attn_glue"] == "fused"
         self.pdl = self.kernels["launch"] == "pdl"
         self.lin = Linears(fused=self.kernels["projections"] == "fused",
@@ -365,12 +368,16 @@ class Forward:
         # an unrolled decode sums a's and b's split-K partials as it loads them (no launch to materialise them),
         # the fused conv x's
         fused_conv = mode == "decode" and T == 1 and self.fused_conv
+        verify_conv = mode == "verify" and self.verify_conv and rows == slice(None)
         norm_kernel = self.norm_kernel and mode != "prefill"  # (the gated norm's op sums z's partials itself)
         raw = (("in_proj_b", "in_proj_a") if mode == "decode" and self.unrolled else ()) + (
-            ("in_proj_qkv",) if fused_conv else ()) + (("in_proj_z",) if norm_kernel else ())
+            ("in_proj_qkv",) if fused_conv or verify_conv else ()) + (("in_proj_z",) if norm_kernel else ())
         x, z, b, a = self.lin.project(m, h, _GDN_IN, raw)
         if fused_conv:  # the cached window advanced in place by the op
             qkv = conv_decode(x, m.conv1d.weight[:, 0], conv, self.pdl)
+        elif verify_conv:  # the window left to the commit; replay x and qkv stored by the op
+            replay = self.cache.replay(i)
+            qkv = conv_verify(x, m.conv1d.weight[:, 0], conv, replay["x"], replay["qkv"], self.pdl)
         else:
             qkv, window = conv_step(x, m.conv1d.weight[:, 0], conv)
             if mode != "verify":  # (a verify leaves the window to the commit)
@@ -379,7 +386,8 @@ class Forward:
             qkv = qkv.contiguous()  # (conv_step's output is a [B, C, T] buffer transposed: heads apart by T)
             o = gdn_verify(qkv, *heads, a, b, m.A_log, m.dt_bias, state, self.unrolled, self.pdl, self.block)
             g, beta = gates(a, b, m.A_log, m.dt_bias)
-            for name, value in zip(("x", "qkv", "g", "beta"), (x, qkv, g, beta)):
+            stored = (("g", g), ("beta", beta)) if verify_conv else (("x", x), ("qkv", qkv), ("g", g), ("beta", beta))
+            for name, value in stored:
                 if T < self.cache.block:  # (fewer drafts this call) zeros after T: the commit masks them
                     value = torch.cat([value, value.new_zeros(B, self.cache.block - T, *value.shape[2:])], 1)
                 self.cache.write(f"replay_{name}", i, value)

@@ -4,6 +4,7 @@ import contextlib
 import logging
 import os
 
+import pytest
 import torch
 from conftest import fresh, left_padded, run_in_triton_interpreter
 from torch._dynamo.utils import counters
@@ -102,14 +103,16 @@ print("HITS", counters["inductor"]["fxgraph_cache_hit"], "MISSES", counters["ind
     assert hits > 0 and misses == 0
 
 
-def test_compiled_speculative_round_matches_eager_decoding():
+@pytest.mark.parametrize("kernels", [{}, {"conv": "fused-verify"}])
+def test_compiled_speculative_round_matches_eager_decoding(kernels):
     """The speculative round (verify, accept, the stacked-cache commit) compiled into one graph gives the
     plain eager tokens, with the optimize-time 3 drafts and with 2 asked for per call (its own graph), and
-    calls after the first of each compile nothing new; each round graph stashes the verify inputs in place."""
+    calls after the first of each compile nothing new; each round graph stashes the verify inputs in place
+    (with "fused-verify" the conv_verify op writes replay x and qkv into the stacked buffers' views)."""
     from fastqwen.bench import OracleProposer
 
     eager = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=128, compile=False)
-    spec = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=128, compile=True)
+    spec = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=128, compile=True, kernels=kernels)
     oracle = OracleProposer(torch.zeros(2, 20, dtype=torch.long), 0.35, spec.config.vocab_size)
     spec._fastqwen.enable_speculation(oracle, 3)
     for i, (ids, mask) in enumerate([left_padded([torch.randint(1, 500, (n,)) for n in (9, 30)]),

@@ -43,6 +43,7 @@ ALL = {"attention": "sdpa", "experts": "grouped", "projections": "separate", "li
                                                   ("tiny", {"linears": "torch"}, False),
                                                   ("tiny", {"gdn_norm": "fused"}, True),
                                                   ("tiny", {"conv": "separate"}, True),
+                                                  ("tiny", {"conv": "fused-verify"}, True),
                                                   ("tiny", {"attn_glue": "separate"}, True),
                                                   ("tiny", {"gdn_norm": "separate"}, True),
                                                   ("tiny", {"gdn_norm": "kernel", "linears": "gemv"}, True),
@@ -372,6 +373,29 @@ def test_speculative_verify_with_our_gdn_kernels_is_token_identical(gdn):
     expected = plain.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20)
     spec._fastqwen.enable_speculation(OracleProposer(expected[:, ids.shape[1]:], 0.3, spec.config.vocab_size), 4)
     assert torch.equal(spec.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20), expected)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_verify_conv_stores_the_replay_and_is_token_identical(compile, monkeypatch):
+    """kernels={"conv": "fused-verify"}: a speculative verify's conv goes through conv_verify (x as the projection's
+    output or partials; off CUDA its reference), which stores the commit's replay x and qkv, so the model stores
+    only g and beta; plain and speculative tokens are the default's, compiled or not."""
+    import fastqwen.model as model_module
+    from fastqwen.bench import OracleProposer
+
+    calls, real = [], model_module.conv_verify
+    if not compile:  # (a spy in a compiled step would guard on the list: the calls are counted eagerly)
+        monkeypatch.setattr(model_module, "conv_verify", lambda x, *a: calls.append(x.shape[-2]) or real(x, *a))
+    ids, mask = left_padded([torch.randint(1, 500, (n,)) for n in (17, 5)])
+    default = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=96, compile=False)
+    want = default.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20)
+    m = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=96, compile=compile,
+                          kernels={"conv": "fused-verify"})
+    assert torch.equal(m.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20), want)
+    assert not calls  # (decode: conv_decode, as "fused")
+    m._fastqwen.enable_speculation(OracleProposer(want[:, ids.shape[1]:], 0.3, m.config.vocab_size), 4)
+    assert torch.equal(m.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20), want)
+    assert compile or (calls and set(calls) == {5}), calls  # (verify blocks of k + 1 = 5 positions)
 
 
 def test_quant_experts_kernel_path_per_scheme_and_activation():

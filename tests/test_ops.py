@@ -436,6 +436,97 @@ def test_conv_decode_kernel_compiles_for_sm90_and_waits_before_reading_activatio
     assert run_in_triton_interpreter(_CONV_DECODE_SM90, interpret=False).strip().endswith("ok")
 
 
+def test_conv_verify_is_conv_step_with_the_replay_inputs_stored():
+    """conv_verify (kernels={"conv": "fused-verify"}) on x [B, T, C] or the projection's split-K partials [S, B, T,
+    C] fp32: conv_step's output, the window untouched, x (summed, rounded) and the output in the first T positions
+    of the layer's replay_x and replay_qkv views (strided views of stacked buffers), zeros after them, the other
+    layers' untouched; its fake kernel agrees (opcheck)."""
+    from fastqwen.ops.conv import conv_verify
+
+    B, C, W, T, block = 2, 24, 4, 3, 5
+    w = torch.randn(C, 1, W)[:, 0]
+    for dtype in (torch.float32, torch.bfloat16):
+        window = torch.randn(B, C, W - 1).to(dtype)
+        parts = torch.randn(3, B, T, C + 5)[..., 5:]
+        for x in (parts[0].to(dtype), parts):
+            xs = x.float().sum(0).to(dtype) if x.dim() == 4 else x
+            want_out, _ = conv_step(xs, w.to(dtype), window)
+            stacked = [torch.randn(3, B, block, C).to(dtype) for _ in range(2)]
+            rx, rq = (t.clone() for t in stacked)
+            before = window.clone()
+            out = conv_verify(x, w.to(dtype), window, rx[1], rq[1])
+            assert out.shape == (B, T, C) and out.dtype == dtype and out.is_contiguous()
+            assert torch.equal(out, want_out) and torch.equal(window, before), (dtype, x.dim())
+            assert torch.equal(rx[1, :, :T], xs) and torch.equal(rq[1, :, :T], want_out)
+            assert not rx[1, :, T:].any() and not rq[1, :, T:].any()
+            for got, orig in zip((rx, rq), stacked):
+                assert torch.equal(got[0], orig[0]) and torch.equal(got[2], orig[2])
+            torch.library.opcheck(conv_verify, (x, w.to(dtype), window, rx.clone()[1], rq.clone()[1]))
+
+
+_CONV_VERIFY = """
+import torch
+from fastqwen.ops.conv import _conv_verify_cuda, conv_step
+torch.manual_seed(0)
+B, C, W, block = 2, 600, 4, 6  # (C not a multiple of the block: the masked tail)
+w = torch.randn(C, 1, W)[:, 0]
+for T in (1, 4):
+    # sums exact in bf16 (multiples of 1/16 below 12): the interpreter rounds fp32 to bf16 toward zero
+    parts = (torch.randint(-64, 64, (3, B, T, C + 8)) / 16)[..., 8:]
+    for dtype in (torch.float32, torch.bfloat16):
+        window = torch.randn(B, C, W - 1).to(dtype)
+        for x in (parts[0].to(dtype), parts[:1], parts):
+            xs = x.float().sum(0).to(dtype) if x.dim() == 4 else x
+            want_out, _ = conv_step(xs.float(), w.to(dtype).float(), window.float())  # (fp32 taps, one rounding)
+            rx, rq = (torch.full((3, B, block, C), 7.0).to(dtype) for _ in range(2))
+            before = window.clone()
+            out = _conv_verify_cuda(x, w.to(dtype), window, rx[1], rq[1], pdl=False)
+            tol = 0 if dtype == torch.float32 else 1e-2
+            assert out.shape == (B, T, C) and torch.equal(window, before)
+            assert ((out.float() - want_out).abs() <= tol * want_out.abs() + 1e-6).all(), (T, dtype, x.dim())
+            assert torch.equal(rq[1, :, :T], out) and torch.equal(rx[1, :, :T].float(), xs.float())
+            assert not rx[1, :, T:].any() and not rq[1, :, T:].any()
+            assert (rx[0] == 7).all() and (rq[2] == 7).all()
+print("ok")
+"""
+
+
+_CONV_VERIFY_SM90 = """
+import re
+from sm90 import compile_sm90, stack_bytes
+from fastqwen.ops import conv
+
+sig = {"x_ptr": "*fp32", "w_ptr": "*bf16", "win_ptr": "*bf16", "out_ptr": "*bf16", "rx_ptr": "*bf16", "rq_ptr": "*bf16",
+       "C": "i32", "x_split": "i32", "x_row": "i32", "x_pos": "i32", "win_row": "i32", "r_row": "i32"}
+kernel = compile_sm90(conv._conv_verify_kernel, sig,
+                      dict(S=3, T=16, BLOCK_T=16, W=4, WP=4, BLOCK=conv.CONV_BLOCK, PDL=True),
+                      ("x_ptr", "w_ptr", "win_ptr", "out_ptr", "rx_ptr", "rq_ptr"), num_warps=2)
+code = kernel.asm["ptx"]
+assert stack_bytes(kernel) == 0
+wait = code.index("griddepcontrol.wait")
+before = re.findall(r"ld\\.global[^;]*", code[:wait])  # the weights only: 4 bf16 taps a channel, one 8-byte load
+assert before and all(ld.startswith("ld.global.v2.b32") for ld in before), before
+print("ok")
+"""
+
+
+def test_conv_verify_kernel_compiles_for_sm90_and_waits_before_reading_the_window():
+    """Compiled for Hopper with programmatic dependent launch at a 16-position block: no spill; only the weights
+    load before griddepcontrol.wait (the window, written by the commit, and x's partials after it)."""
+    from conftest import run_in_triton_interpreter
+
+    assert run_in_triton_interpreter(_CONV_VERIFY_SM90, interpret=False).strip().endswith("ok")
+
+
+def test_conv_verify_kernel_matches_the_reference_in_the_triton_interpreter():
+    """The verify conv's kernel: fp32 exactly conv_step, bf16 within one rounding of its fp32 taps, over 1 and 4
+    positions; x as an input, one partial or three; the replays' first T positions written (x exactly), zeros
+    after, the window and the other layers untouched."""
+    from conftest import run_in_triton_interpreter
+
+    assert run_in_triton_interpreter(_CONV_VERIFY).strip().endswith("ok")
+
+
 def _prep_inputs(B, T, Hq, Hkv, D, R, S, dtype, seed=0):
     """attention_prep's inputs: q | gate, k, v as S split-K partials [S, B, T, n] fp32 (views past 8 leading
     columns: strided like a fused projection's slices), or outputs [B, T, n] in dtype for S = 0; cos, sin of

@@ -74,20 +74,27 @@ def _(x, weight, window, pdl=False):
 if triton is not None:
 
     @triton.jit
+    def _channel_taps(w_ptr, C, W: tl.constexpr, WP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        """A program's BLOCK channels c (mask m), the tap index j [1, WP] and the weights [BLOCK, WP] in fp32
+        (the weight [C, W] contiguous), loaded before the PDL wait, which follows (PDL)."""
+        c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = c < C
+        j = tl.arange(0, WP)[None, :]
+        w = tl.load(w_ptr + c[:, None] * W + j, mask=m[:, None] & (j < W)).to(tl.float32)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        return c, m, j, w
+
+    @triton.jit
     def _conv_decode_kernel(x_ptr, w_ptr, win_ptr, out_ptr, C, x_split, x_row, win_row, S: tl.constexpr,
                             W: tl.constexpr, WP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         """A program: BLOCK channels of one row, as [BLOCK, WP] tiles of taps (WP = W rounded up to a power of
         2; the weight [C, W] contiguous). x = Σ of S partials (fp32, in order) rounded to the window's dtype; out = silu(Σⱼ window[j]·w[j] +
         x·w[W-1]) in fp32, added tap by tap, rounded once; then the window shifts left by one and takes x (each
         thread rewrites only its own channels, after reading them). PDL: the weights load before the wait."""
-        c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        c, m, j, w = _channel_taps(w_ptr, C, W, WP, BLOCK, PDL)
         row = tl.program_id(1)
-        m = c < C
-        j = tl.arange(0, WP)[None, :]
-        w = tl.load(w_ptr + c[:, None] * W + j, mask=m[:, None] & (j < W)).to(tl.float32)  # [BLOCK, WP]
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
         xs = tl.load(x_ptr + row * x_row + c, mask=m).to(tl.float32)
         for s in tl.static_range(1, S):
             xs += tl.load(x_ptr + s * x_split + row * x_row + c, mask=m).to(tl.float32)
@@ -104,6 +111,94 @@ if triton is not None:
 
 
 CONV_BLOCK = 256  # channels a program: 32–40 programs a row at Qwen3.5's 8192–10240 channels
+
+
+@torch.library.custom_op("fastqwen::conv_verify", mutates_args=("replay_x", "replay_qkv"))
+def conv_verify(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor, replay_x: torch.Tensor,
+                replay_qkv: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+    """conv_step over a speculative verify's T positions with the commit's replay inputs stored: x [B, T, C] in
+    window's dtype, or the input projection's split-K partials [S, B, T, C] fp32 (summed and rounded to window's
+    dtype, as the projection's output would be), weight [C, W], window [B, C, W-1] (read only: the commit advances
+    it), replay_x and replay_qkv [B, block, C] (block ≥ T: the cache's replay slices of this layer). Returns
+    silu(conv) [B, T, C] contiguous in window's dtype; writes x (summed) and that output into the first T
+    positions of replay_x and replay_qkv, zeros after them (the commit masks them). On CUDA one kernel of ours,
+    the taps in fp32 as conv_decode's (where a compiled verify had inductor launch three: x's partials summed
+    into the window, the conv with its replay write, x's replay write); pdl: with programmatic dependent launch."""
+    return _conv_verify_reference(x, weight, window, replay_x, replay_qkv)
+
+
+def _conv_verify_reference(x, weight, window, replay_x, replay_qkv):
+    """conv_verify in plain torch (conv_step, then the replay writes)."""
+    xs = _summed_input(x, window.dtype)
+    out, _ = conv_step(xs, weight, window)
+    T = xs.shape[1]
+    replay_x.zero_()
+    replay_x[:, :T].copy_(xs)
+    replay_qkv.zero_()
+    replay_qkv[:, :T].copy_(out)
+    return out.contiguous()
+
+
+@conv_verify.register_fake
+def _(x, weight, window, replay_x, replay_qkv, pdl=False):
+    return window.new_empty(window.shape[0], x.shape[-2], window.shape[1])
+
+
+if triton is not None:
+
+    @triton.jit
+    def _conv_verify_kernel(x_ptr, w_ptr, win_ptr, out_ptr, rx_ptr, rq_ptr, C, x_split, x_row, x_pos, win_row,
+                            r_row, S: tl.constexpr, T: tl.constexpr, BLOCK_T: tl.constexpr, W: tl.constexpr,
+                            WP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        """A program: BLOCK channels of one row over the T positions (the weight [C, W] contiguous, [BLOCK, WP]
+        tiles of taps, WP = W rounded up to a power of 2). Position t's input: the Σ of S partials (fp32, in
+        order) rounded to the window's dtype, stored to replay x; its output silu(Σⱼ input[t + j - (W-1)]·w[j])
+        in fp32 over cat(window, inputs), added tap by tap as conv_decode's, rounded once, stored to out and to
+        replay qkv; positions T … BLOCK_T - 1 of both replays zero. PDL: the weights load before the wait (the
+        window too is written by earlier kernels: the commit's)."""
+        c, m, j, w = _channel_taps(w_ptr, C, W, WP, BLOCK, PDL)
+        row = tl.program_id(1)
+        # the W - 1 inputs before position 0, then a shift register: taps [BLOCK, WP], column W - 1 the new input
+        taps = tl.load(win_ptr + row * win_row + c[:, None] * (W - 1) + j, mask=m[:, None] & (j < W - 1))
+        taps = taps.to(tl.float32)
+        for t in tl.static_range(T):
+            xs = tl.load(x_ptr + row * x_row + t * x_pos + c, mask=m).to(tl.float32)
+            for s in tl.static_range(1, S):
+                xs += tl.load(x_ptr + s * x_split + row * x_row + t * x_pos + c, mask=m).to(tl.float32)
+            xq = xs.to(rx_ptr.dtype.element_ty)
+            tl.store(rx_ptr + row * r_row + t * C + c, xq, mask=m)
+            taps = tl.where(j == W - 1, xq.to(tl.float32)[:, None], taps)
+            acc = tl.zeros([BLOCK], tl.float32)
+            for k in tl.static_range(W):  # (conv_step's order, as conv_decode)
+                acc += tl.sum(tl.where(j == k, taps * w, 0.0), 1)
+            out = acc / (1.0 + tl.exp(-acc))
+            outq = out.to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + (row * T + t) * C + c, outq, mask=m)
+            tl.store(rq_ptr + row * r_row + t * C + c, outq, mask=m)
+            # shift left by one: column k takes column k + 1 (the last one is overwritten by the next input)
+            taps = tl.sum(tl.where(j[:, :, None] + 1 == tl.arange(0, WP)[None, None, :], taps[:, None, :], 0.0), 2)
+        for t in tl.static_range(T, BLOCK_T):
+            tl.store(rx_ptr + row * r_row + t * C + c, tl.zeros([BLOCK], tl.float32).to(rx_ptr.dtype.element_ty),
+                     mask=m)
+            tl.store(rq_ptr + row * r_row + t * C + c, tl.zeros([BLOCK], tl.float32).to(rq_ptr.dtype.element_ty),
+                     mask=m)
+
+
+@conv_verify.register_kernel("cuda")
+def _conv_verify_cuda(x, weight, window, replay_x, replay_qkv, pdl=False):
+    B, C, W1 = window.shape
+    parts = x if x.dim() == 4 else x[None]
+    T = parts.shape[2]
+    if triton is None or window.stride(2) != 1 or window.stride(1) != W1 or not weight.is_contiguous() or (
+            parts.stride(-1) != 1) or replay_x.stride() != replay_qkv.stride() or replay_x.stride(2) != 1 or (
+            replay_x.stride(1) != C):
+        return _conv_verify_reference(x, weight, window, replay_x, replay_qkv)
+    out = window.new_empty(B, T, C)
+    _conv_verify_kernel[(triton.cdiv(C, CONV_BLOCK), B)](
+        parts, weight, window, out, replay_x, replay_qkv, C, parts.stride(0), parts.stride(1), parts.stride(2),
+        window.stride(0), replay_x.stride(0), S=parts.shape[0], T=T, BLOCK_T=replay_x.shape[1], W=W1 + 1,
+        WP=triton.next_power_of_2(W1 + 1), BLOCK=CONV_BLOCK, PDL=pdl, num_warps=2, launch_pdl=pdl)
+    return out
 
 
 @conv_decode.register_kernel("cuda")

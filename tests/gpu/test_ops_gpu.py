@@ -94,6 +94,36 @@ def test_conv_decode_matches_conv_step_and_advances_the_cached_window(shape, B, 
 
 
 @pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("B,T,pdl", [(1, 16, True), (1, 4, False), (2, 9, True)])
+def test_conv_verify_matches_conv_step_and_stores_the_replay(shape, B, T, pdl):
+    """kernels={"conv": "fused-verify"}: the conv over a verify block of T positions (block 16) from the input
+    projection's split-K partials (S = 1 and 3) and from a bf16 input: conv_step's output in fp32 within one bf16
+    rounding, x's rounded sums and the output in the layer's replay views' first T positions exactly, zeros after
+    (poisoned beforehand), the window and the other layers untouched."""
+    from fastqwen.ops.conv import conv_verify
+
+    H, HV = SHAPES[shape]
+    C, block = 2 * H * 128 + HV * 128, 16
+    torch.manual_seed(0)
+    w = torch.randn(C, 1, 4, device="cuda", dtype=torch.bfloat16)[:, 0]
+    window = torch.randn(B, C, 3, device="cuda", dtype=torch.bfloat16)
+    for S in (0, 1, 3):  # (0: a bf16 input)
+        parts = torch.randn(max(S, 1), B, T, C + 64, device="cuda")[..., 64:]
+        x = parts[0].bfloat16() if S == 0 else parts
+        xs = x if S == 0 else sum(parts[1:], parts[0]).bfloat16()  # (the kernel's order)
+        want_out, _ = conv_step(xs.float(), w.float(), window.float())
+        rx, rq = (torch.full((3, B, block, C), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        before = window.clone()
+        poison_allocator((B, T, C))
+        out = conv_verify(x, w, window, rx[1], rq[1], pdl)
+        assert out.dtype == torch.bfloat16 and not out.isnan().any() and torch.equal(window, before)
+        assert rel_err(out, want_out) < 1e-2, S
+        assert torch.equal(rx[1, :, :T], xs) and torch.equal(rq[1, :, :T], out), S
+        assert not rx[1, :, T:].any() and not rq[1, :, T:].any(), S
+        assert rx[0].isnan().all() and rq[2].isnan().all()
+
+
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("B,unrolled", [(1, False), (1, True), (3, True)])
 def test_packed_decode_sums_split_k_partials_of_a_and_b_as_the_projection(shape, B, unrolled):
     """gdn_decode with a and b as the fused input projection's split-K partials [S, B, 1, HV] fp32 (views, as the
