@@ -499,7 +499,7 @@ from fastqwen.ops import conv
 sig = {"x_ptr": "*fp32", "w_ptr": "*bf16", "win_ptr": "*bf16", "out_ptr": "*bf16", "rx_ptr": "*bf16", "rq_ptr": "*bf16",
        "C": "i32", "x_split": "i32", "x_row": "i32", "x_pos": "i32", "win_row": "i32", "r_row": "i32"}
 kernel = compile_sm90(conv._conv_verify_kernel, sig,
-                      dict(S=3, T=16, BLOCK_T=16, W=4, WP=4, BLOCK=conv.CONV_BLOCK, PDL=True),
+                      dict(S=3, T=16, W=4, WP=4, BLOCK=conv.CONV_BLOCK, PDL=True),
                       ("x_ptr", "w_ptr", "win_ptr", "out_ptr", "rx_ptr", "rq_ptr"), num_warps=2)
 code = kernel.asm["ptx"]
 assert stack_bytes(kernel) == 0

@@ -148,40 +148,38 @@ if triton is not None:
 
     @triton.jit
     def _conv_verify_kernel(x_ptr, w_ptr, win_ptr, out_ptr, rx_ptr, rq_ptr, C, x_split, x_row, x_pos, win_row,
-                            r_row, S: tl.constexpr, T: tl.constexpr, BLOCK_T: tl.constexpr, W: tl.constexpr,
-                            WP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        """A program: BLOCK channels of one row over the T positions (the weight [C, W] contiguous, [BLOCK, WP]
-        tiles of taps, WP = W rounded up to a power of 2). Position t's input: the Σ of S partials (fp32, in
-        order) rounded to the window's dtype, stored to replay x; its output silu(Σⱼ input[t + j - (W-1)]·w[j])
-        in fp32 over cat(window, inputs), added tap by tap as conv_decode's, rounded once, stored to out and to
-        replay qkv; positions T … BLOCK_T - 1 of both replays zero. PDL: the weights load before the wait (the
-        window too is written by earlier kernels: the commit's)."""
+                            r_row, S: tl.constexpr, T: tl.constexpr, W: tl.constexpr, WP: tl.constexpr,
+                            BLOCK: tl.constexpr, PDL: tl.constexpr):
+        """A program: BLOCK channels of one row at one position t of the replay block (the weight [C, W]
+        contiguous, [BLOCK, WP] tiles of taps, WP = W rounded up to a power of 2); the positions run in parallel.
+        Input p: the Σ of S partials (fp32, in order) rounded to the window's dtype; p < 0 reads the window's
+        column W - 1 + p. t < T: the output silu(Σₖ input[t + k - (W-1)]·w[k]) in fp32, added tap by tap as
+        conv_decode's, rounded once, stored to out and to replay qkv; input t stored to replay x. t ≥ T: both
+        replays zero. PDL: the weights load before the wait (the window too is written by earlier kernels)."""
         c, m, j, w = _channel_taps(w_ptr, C, W, WP, BLOCK, PDL)
-        row = tl.program_id(1)
-        # the W - 1 inputs before position 0, then a shift register: taps [BLOCK, WP], column W - 1 the new input
-        taps = tl.load(win_ptr + row * win_row + c[:, None] * (W - 1) + j, mask=m[:, None] & (j < W - 1))
-        taps = taps.to(tl.float32)
-        for t in tl.static_range(T):
-            xs = tl.load(x_ptr + row * x_row + t * x_pos + c, mask=m).to(tl.float32)
+        t = tl.program_id(1)
+        row = tl.program_id(2)
+        live = t < T
+        taps = tl.zeros([BLOCK, WP], tl.float32)
+        for k in tl.static_range(W):
+            p = t + k - (W - 1)
+            own = m & live & (p >= 0)
+            xs = tl.load(x_ptr + row * x_row + p * x_pos + c, mask=own).to(tl.float32)
             for s in tl.static_range(1, S):
-                xs += tl.load(x_ptr + s * x_split + row * x_row + t * x_pos + c, mask=m).to(tl.float32)
+                xs += tl.load(x_ptr + s * x_split + row * x_row + p * x_pos + c, mask=own).to(tl.float32)
             xq = xs.to(rx_ptr.dtype.element_ty)
-            tl.store(rx_ptr + row * r_row + t * C + c, xq, mask=m)
-            taps = tl.where(j == W - 1, xq.to(tl.float32)[:, None], taps)
-            acc = tl.zeros([BLOCK], tl.float32)
-            for k in tl.static_range(W):  # (conv_step's order, as conv_decode)
-                acc += tl.sum(tl.where(j == k, taps * w, 0.0), 1)
-            out = acc / (1.0 + tl.exp(-acc))
-            outq = out.to(out_ptr.dtype.element_ty)
-            tl.store(out_ptr + (row * T + t) * C + c, outq, mask=m)
-            tl.store(rq_ptr + row * r_row + t * C + c, outq, mask=m)
-            # shift left by one: column k takes column k + 1 (the last one is overwritten by the next input)
-            taps = tl.sum(tl.where(j[:, :, None] + 1 == tl.arange(0, WP)[None, None, :], taps[:, None, :], 0.0), 2)
-        for t in tl.static_range(T, BLOCK_T):
-            tl.store(rx_ptr + row * r_row + t * C + c, tl.zeros([BLOCK], tl.float32).to(rx_ptr.dtype.element_ty),
-                     mask=m)
-            tl.store(rq_ptr + row * r_row + t * C + c, tl.zeros([BLOCK], tl.float32).to(rq_ptr.dtype.element_ty),
-                     mask=m)
+            old = tl.load(win_ptr + row * win_row + c * (W - 1) + (W - 1 + p), mask=m & live & (p < 0))
+            xk = tl.where(p >= 0, xq, old).to(tl.float32)
+            taps = tl.where(j == k, xk[:, None], taps)
+            if k == W - 1:
+                tl.store(rx_ptr + row * r_row + t * C + c, tl.where(live, xq, 0.0).to(rx_ptr.dtype.element_ty),
+                         mask=m)
+        acc = tl.zeros([BLOCK], tl.float32)
+        for k in tl.static_range(W):  # (conv_step's order, as conv_decode)
+            acc += tl.sum(tl.where(j == k, taps * w, 0.0), 1)
+        outq = (acc / (1.0 + tl.exp(-acc))).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + (row * T + t) * C + c, outq, mask=m & live)
+        tl.store(rq_ptr + row * r_row + t * C + c, tl.where(live, outq, 0.0).to(rq_ptr.dtype.element_ty), mask=m)
 
 
 @conv_verify.register_kernel("cuda")
@@ -194,9 +192,9 @@ def _conv_verify_cuda(x, weight, window, replay_x, replay_qkv, pdl=False):
             replay_x.stride(1) != C):
         return _conv_verify_reference(x, weight, window, replay_x, replay_qkv)
     out = window.new_empty(B, T, C)
-    _conv_verify_kernel[(triton.cdiv(C, CONV_BLOCK), B)](
+    _conv_verify_kernel[(triton.cdiv(C, CONV_BLOCK), replay_x.shape[1], B)](
         parts, weight, window, out, replay_x, replay_qkv, C, parts.stride(0), parts.stride(1), parts.stride(2),
-        window.stride(0), replay_x.stride(0), S=parts.shape[0], T=T, BLOCK_T=replay_x.shape[1], W=W1 + 1,
+        window.stride(0), replay_x.stride(0), S=parts.shape[0], T=T, W=W1 + 1,
         WP=triton.next_power_of_2(W1 + 1), BLOCK=CONV_BLOCK, PDL=pdl, num_warps=2, launch_pdl=pdl)
     return out
 
