@@ -44,7 +44,7 @@ CANDIDATE_SYSTEMS = {"fastqwen+split-attention": {"attention": "split"},  # (the
                      "fastqwen+fused-mlp-act": {"mlp_act": "fused"},
                      "fastqwen+fused-conv": {"conv": "fused"},  # (the default)
                      "fastqwen+separate-conv": {"conv": "separate"},
-                     "fastqwen+fused-verify-conv": {"conv": "fused-verify"},  # (a candidate: the verify's conv too)
+                     "fastqwen+fused-verify-conv": {"conv": "fused-verify"},  # (a candidate: the verify's conv and gates too)
                      "fastqwen+serial-launch": {"launch": "serial"},
                      "fastqwen+cuda-int4": {"int4": "cuda"},  # (as fastqwen-int4+cuda-int4: the CUDA kernel,
                      "fastqwen+triton-int4": {"int4": "triton"},  # int4's "auto" on sm_90 with nvcc; Triton's)

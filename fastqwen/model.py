@@ -21,7 +21,7 @@ from .ops.attention_prep import attention_prep, prepare, summed
 from .ops.decode_attention import attend_cache_split_op, merge_gated_op, split_kv_partials_op
 from .linears import MLP_IN, Linears, fuse_linears
 from .moe import routed_moe, stack_shared_expert
-from .ops.conv import commit_window, conv_decode, conv_step, conv_verify
+from .ops.conv import commit_window, conv_decode, conv_step, verify_prologue
 from .ops.gemv import tile_counts
 from .ops.gated_norm import gated_norm
 from .ops.gdn import gates, gdn_chunk, gdn_decode, gdn_recurrent, gdn_replay, gdn_verify, unpack_qkv
@@ -126,8 +126,9 @@ def check_kernels(kernels: dict | None, cfg, device, fp8_experts: bool = False) 
     window in place and sums the input projection's split-K partials as it loads them ("fused":
     ops/conv.py conv_decode; the default since 2026-12-02: a 9B step 4486–4487 µs of device time against 4529,
     a 35B-A3B step 2721 against 2739, each in a process of its own); "fused-verify": that, and a speculative
-    verify's conv as one kernel of ours too, which sums x's partials and stores the commit's replay x and qkv
-    (ops/conv.py conv_verify, where inductor launches three: a candidate, 2026-12-06). "int4": an int4 QuantLinear's products on up to
+    verify's conv and gates as one kernel of ours too, which sums x's, a's and b's partials and stores every
+    replay input of the commit (ops/conv.py verify_prologue, where inductor launches ~6: a candidate, 2026-12-06).
+    "int4": an int4 QuantLinear's products on up to
     16 rows (decode, MTP's and DFlash's verify, small batches) by the Triton weight-streaming kernel ("triton",
     ops/gemv.py) or by a CUDA C++ tensor-core kernel (ops/int4_cuda.py: built with nvcc on first use, compute
     capability 9.0 or later): "cuda" its warps loading their weights into registers (ring, stream and async
@@ -370,14 +371,15 @@ class Forward:
         fused_conv = mode == "decode" and T == 1 and self.fused_conv
         verify_conv = mode == "verify" and self.verify_conv and rows == slice(None)
         norm_kernel = self.norm_kernel and mode != "prefill"  # (the gated norm's op sums z's partials itself)
-        raw = (("in_proj_b", "in_proj_a") if mode == "decode" and self.unrolled else ()) + (
+        raw = (("in_proj_b", "in_proj_a") if (mode == "decode" and self.unrolled) or verify_conv else ()) + (
             ("in_proj_qkv",) if fused_conv or verify_conv else ()) + (("in_proj_z",) if norm_kernel else ())
         x, z, b, a = self.lin.project(m, h, _GDN_IN, raw)
         if fused_conv:  # the cached window advanced in place by the op
             qkv = conv_decode(x, m.conv1d.weight[:, 0], conv, self.pdl)
-        elif verify_conv:  # the window left to the commit; replay x and qkv stored by the op
+        elif verify_conv:  # the window left to the commit; every replay input stored by the op
             replay = self.cache.replay(i)
-            qkv = conv_verify(x, m.conv1d.weight[:, 0], conv, replay["x"], replay["qkv"], self.pdl)
+            qkv, a, b = verify_prologue(x, a, b, m.conv1d.weight[:, 0], conv, m.A_log, m.dt_bias, replay["x"],
+                                        replay["qkv"], replay["g"], replay["beta"], self.pdl)
         else:
             qkv, window = conv_step(x, m.conv1d.weight[:, 0], conv)
             if mode != "verify":  # (a verify leaves the window to the commit)
@@ -385,12 +387,12 @@ class Forward:
         if mode == "verify":  # q, k, v split inside the ops: the conv's output stays one buffer (the replay's too)
             qkv = qkv.contiguous()  # (conv_step's output is a [B, C, T] buffer transposed: heads apart by T)
             o = gdn_verify(qkv, *heads, a, b, m.A_log, m.dt_bias, state, self.unrolled, self.pdl, self.block)
-            g, beta = gates(a, b, m.A_log, m.dt_bias)
-            stored = (("g", g), ("beta", beta)) if verify_conv else (("x", x), ("qkv", qkv), ("g", g), ("beta", beta))
-            for name, value in stored:
-                if T < self.cache.block:  # (fewer drafts this call) zeros after T: the commit masks them
-                    value = torch.cat([value, value.new_zeros(B, self.cache.block - T, *value.shape[2:])], 1)
-                self.cache.write(f"replay_{name}", i, value)
+            if not verify_conv:
+                g, beta = gates(a, b, m.A_log, m.dt_bias)
+                for name, value in (("x", x), ("qkv", qkv), ("g", g), ("beta", beta)):
+                    if T < self.cache.block:  # (fewer drafts this call) zeros after T: the commit masks them
+                        value = torch.cat([value, value.new_zeros(B, self.cache.block - T, *value.shape[2:])], 1)
+                    self.cache.write(f"replay_{name}", i, value)
             return self._gdn_out(m, o, z, norm_kernel)
         if mode == "decode" and (B == 1 or self.unrolled):  # (fla's kernel would need copies of the views)
             pdl = self.pdl and self.unrolled

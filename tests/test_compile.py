@@ -108,7 +108,7 @@ def test_compiled_speculative_round_matches_eager_decoding(kernels):
     """The speculative round (verify, accept, the stacked-cache commit) compiled into one graph gives the
     plain eager tokens, with the optimize-time 3 drafts and with 2 asked for per call (its own graph), and
     calls after the first of each compile nothing new; each round graph stashes the verify inputs in place
-    (with "fused-verify" the conv_verify op writes replay x and qkv into the stacked buffers' views)."""
+    (with "fused-verify" the verify_prologue op writes every replay input into the stacked buffers' views)."""
     from fastqwen.bench import OracleProposer
 
     eager = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=128, compile=False)
@@ -178,12 +178,12 @@ def test_split_k_partials_fold_into_their_consumers_kernel_at_any_split_count():
     assert kernels[2, "sum"] == 1 and kernels[8, "sum"] == 2 and kernels[16, "sum"] == 2, kernels
 
 
-def decode_kernel_names(*kernels: str) -> list:
-    """The tiny model's decode-step inductor kernels under optimize's `kernels` (OP=CHOICE, linears=gemv
-    first): inductor's Triton codegen on CPU tensors in a subprocess (scripts/decode_kernels.py: the kernels are
-    written, not compiled)."""
+def decode_kernel_names(*kernels: str, verify: int = 0) -> list:
+    """The tiny model's decode-step inductor kernels (with `verify` T: a speculative verify's of T positions)
+    under optimize's `kernels` (OP=CHOICE, linears=gemv first): inductor's Triton codegen on CPU tensors in a
+    subprocess (scripts/decode_kernels.py: the kernels are written, not compiled)."""
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "decode_kernels.py")
-    argv = ["decode_kernels", "--names", "--kernels", "linears=gemv", *kernels]
+    argv = ["decode_kernels", "--names", "--kernels", "linears=gemv", *kernels] + ["--verify", str(verify)] * bool(verify)
     code = f"import runpy, sys; sys.argv = {argv!r}; runpy.run_path({script!r}, run_name='__main__')"
     return eval(run_in_triton_interpreter(code, interpret=False).strip().splitlines()[-1])
 
@@ -197,6 +197,18 @@ def test_decode_step_norms_are_our_kernels_by_default():
     assert not [n for n in names if "rsqrt" in n and ("silu" in n or "cos" in n)], names
     assert not [n for n in names if "index_put" in n or "sigmoid" in n], names
     assert len(names) < len(decode_kernel_names("gdn_norm=separate", "attn_glue=separate")), names
+
+
+def test_verify_prologue_leaves_the_verify_no_conv_or_gate_kernel():
+    """kernels={"conv": "fused-verify"}: a speculative verify's GDN layers launch no inductor kernel for the conv
+    (the window's cat, the taps, silu), the gates (-exp(A_log), softplus, sigmoid) or their replay writes: the
+    verify_prologue op does all of it; by default inductor writes those kernels (the control), more of them."""
+    default = decode_kernel_names(verify=5)
+    fused = decode_kernel_names("conv=fused-verify", verify=5)
+    gates_or_conv = ("softplus", "sigmoid", "exp_neg", "transpose")
+    assert [n for n in default if any(part in n for part in gates_or_conv)], default
+    assert not [n for n in fused if any(part in n for part in gates_or_conv)], fused
+    assert len(fused) < len(default), (fused, default)
 
 
 def test_decode_step_norms_fuse_with_their_consumers():

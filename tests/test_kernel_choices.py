@@ -376,16 +376,16 @@ def test_speculative_verify_with_our_gdn_kernels_is_token_identical(gdn):
 
 
 @pytest.mark.parametrize("compile", [False, True])
-def test_verify_conv_stores_the_replay_and_is_token_identical(compile, monkeypatch):
-    """kernels={"conv": "fused-verify"}: a speculative verify's conv goes through conv_verify (x as the projection's
-    output or partials; off CUDA its reference), which stores the commit's replay x and qkv, so the model stores
-    only g and beta; plain and speculative tokens are the default's, compiled or not."""
+def test_verify_prologue_stores_the_replay_and_is_token_identical(compile, monkeypatch):
+    """kernels={"conv": "fused-verify"}: a speculative verify's conv and gates go through verify_prologue (x, a, b
+    as the projection's outputs or partials; off CUDA its reference), which stores every replay input of the
+    commit; plain and speculative tokens are the default's, compiled or not."""
     import fastqwen.model as model_module
     from fastqwen.bench import OracleProposer
 
-    calls, real = [], model_module.conv_verify
+    calls, real = [], model_module.verify_prologue
     if not compile:  # (a spy in a compiled step would guard on the list: the calls are counted eagerly)
-        monkeypatch.setattr(model_module, "conv_verify", lambda x, *a: calls.append(x.shape[-2]) or real(x, *a))
+        monkeypatch.setattr(model_module, "verify_prologue", lambda x, *a: calls.append(x.shape[-2]) or real(x, *a))
     ids, mask = left_padded([torch.randint(1, 500, (n,)) for n in (17, 5)])
     default = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=96, compile=False)
     want = default.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20)

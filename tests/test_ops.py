@@ -436,71 +436,102 @@ def test_conv_decode_kernel_compiles_for_sm90_and_waits_before_reading_activatio
     assert run_in_triton_interpreter(_CONV_DECODE_SM90, interpret=False).strip().endswith("ok")
 
 
-def test_conv_verify_is_conv_step_with_the_replay_inputs_stored():
-    """conv_verify (kernels={"conv": "fused-verify"}) on x [B, T, C] or the projection's split-K partials [S, B, T,
-    C] fp32: conv_step's output, the window untouched, x (summed, rounded) and the output in the first T positions
-    of the layer's replay_x and replay_qkv views (strided views of stacked buffers), zeros after them, the other
-    layers' untouched; its fake kernel agrees (opcheck)."""
-    from fastqwen.ops.conv import conv_verify
+def _prologue_inputs(S, B, T, C, HV, dtype, seed=0):
+    """verify_prologue's x, a, b: views of one fused projection's split-K partials [S, B, T, 5 + C + 2·HV] fp32
+    (b before a, as the GDN input projection lays them out), or for S = 0 its first partial's parts in dtype;
+    values multiples of 1/16 below 12 in the sums, exact in bf16 (Triton's interpreter rounds fp32 to bf16
+    toward zero); a's wide enough that a + dt_bias passes softplus's threshold of 20 somewhere."""
+    g = torch.Generator().manual_seed(seed)
+    parts = torch.randint(-64, 64, (max(S, 1), B, T, 5 + C + 2 * HV), generator=g) / 16
+    parts[..., -HV:] *= 4
+    x, b, a = parts[..., 5:5 + C], parts[..., 5 + C:5 + C + HV], parts[..., 5 + C + HV:]
+    return (x, a, b) if S else tuple(t[0].to(dtype) for t in (x, a, b))
 
-    B, C, W, T, block = 2, 24, 4, 3, 5
+
+def test_verify_prologue_is_conv_step_and_gates_with_the_replay_inputs_stored():
+    """verify_prologue (kernels={"conv": "fused-verify"}) on x, a, b as inputs or as the projection's split-K
+    partials [S, B, T, ·] fp32: conv_step's output and a, b (summed, rounded) returned, the window untouched; x,
+    the output and ops/gdn.py's gates g and beta in the first T positions of the layer's replay views (strided
+    views of stacked buffers), zeros after them, the other layers' untouched; its fake kernel agrees (opcheck)."""
+    from fastqwen.ops.conv import verify_prologue
+    from fastqwen.ops.gdn import gates
+
+    B, C, HV, W, T, block = 2, 24, 6, 4, 3, 5
     w = torch.randn(C, 1, W)[:, 0]
+    A_log, dt_bias = torch.rand(HV).add(0.1).log(), torch.randn(HV)
     for dtype in (torch.float32, torch.bfloat16):
         window = torch.randn(B, C, W - 1).to(dtype)
-        parts = torch.randn(3, B, T, C + 5)[..., 5:]
-        for x in (parts[0].to(dtype), parts):
-            xs = x.float().sum(0).to(dtype) if x.dim() == 4 else x
+        for S in (0, 3):
+            x, a, b = _prologue_inputs(S, B, T, C, HV, dtype)
+            xs, as_, bs = (t.float().sum(0).to(dtype) if S else t for t in (x, a, b))
             want_out, _ = conv_step(xs, w.to(dtype), window)
-            stacked = [torch.randn(3, B, block, C).to(dtype) for _ in range(2)]
-            rx, rq = (t.clone() for t in stacked)
+            want_g, want_beta = gates(as_, bs, A_log, dt_bias)
+            stacked = [torch.randn(3, B, block, n).to(dt) for n, dt in ((C, dtype), (C, dtype), (HV, torch.float32),
+                                                                        (HV, torch.float32))]
+            rx, rq, rg, rb = (t.clone() for t in stacked)
             before = window.clone()
-            out = conv_verify(x, w.to(dtype), window, rx[1], rq[1])
+            args = (x, a, b, w.to(dtype), window, A_log, dt_bias)
+            out, got_a, got_b = verify_prologue(*args, rx[1], rq[1], rg[1], rb[1])
             assert out.shape == (B, T, C) and out.dtype == dtype and out.is_contiguous()
-            assert torch.equal(out, want_out) and torch.equal(window, before), (dtype, x.dim())
-            assert torch.equal(rx[1, :, :T], xs) and torch.equal(rq[1, :, :T], want_out)
-            assert not rx[1, :, T:].any() and not rq[1, :, T:].any()
-            for got, orig in zip((rx, rq), stacked):
+            assert torch.equal(out, want_out) and torch.equal(window, before), (dtype, S)
+            assert torch.equal(got_a, as_) and torch.equal(got_b, bs) and got_a.dtype == dtype
+            for r, want in ((rx, xs), (rq, want_out), (rg, want_g), (rb, want_beta)):
+                assert torch.equal(r[1, :, :T], want) and not r[1, :, T:].any()
+            for got, orig in zip((rx, rq, rg, rb), stacked):
                 assert torch.equal(got[0], orig[0]) and torch.equal(got[2], orig[2])
-            torch.library.opcheck(conv_verify, (x, w.to(dtype), window, rx.clone()[1], rq.clone()[1]))
+            torch.library.opcheck(verify_prologue, (*args, *(t.clone()[1] for t in stacked)))
 
 
-_CONV_VERIFY = """
+_VERIFY_PROLOGUE = """
 import torch
-from fastqwen.ops.conv import _conv_verify_cuda, conv_step
+from fastqwen.ops.conv import _verify_prologue_cuda, conv_step
+from fastqwen.ops.gdn import gates
+from test_ops import _prologue_inputs
 torch.manual_seed(0)
-B, C, W, block = 2, 600, 4, 6  # (C not a multiple of the block: the masked tail)
+B, C, HV, W, block = 2, 600, 40, 4, 6  # (C not a multiple of the block, HV not a power of 2: the masked tails)
 w = torch.randn(C, 1, W)[:, 0]
+A_log, dt_bias = torch.rand(HV).mul(16).add(0.01).log(), torch.randn(HV)
 for T in (1, 4):
-    # sums exact in bf16 (multiples of 1/16 below 12): the interpreter rounds fp32 to bf16 toward zero
-    parts = (torch.randint(-64, 64, (3, B, T, C + 8)) / 16)[..., 8:]
     for dtype in (torch.float32, torch.bfloat16):
         window = torch.randn(B, C, W - 1).to(dtype)
-        for x in (parts[0].to(dtype), parts[:1], parts):
-            xs = x.float().sum(0).to(dtype) if x.dim() == 4 else x
+        for S in (0, 1, 3):
+            x, a, b = _prologue_inputs(S, B, T, C, HV, dtype)
+            xs, as_, bs = (t.float().sum(0).to(dtype) if S else t for t in (x, a, b))
             want_out, _ = conv_step(xs.float(), w.to(dtype).float(), window.float())  # (fp32 taps, one rounding)
+            want_g, want_beta = gates(as_, bs, A_log, dt_bias)
             rx, rq = (torch.full((3, B, block, C), 7.0).to(dtype) for _ in range(2))
+            rg, rb = (torch.full((3, B, block, HV), 7.0) for _ in range(2))
             before = window.clone()
-            out = _conv_verify_cuda(x, w.to(dtype), window, rx[1], rq[1], pdl=False)
+            out, got_a, got_b = _verify_prologue_cuda(x, a, b, w.to(dtype), window, A_log, dt_bias, rx[1], rq[1],
+                                                      rg[1], rb[1], pdl=False)
             tol = 0 if dtype == torch.float32 else 1e-2
             assert out.shape == (B, T, C) and torch.equal(window, before)
-            assert ((out.float() - want_out).abs() <= tol * want_out.abs() + 1e-6).all(), (T, dtype, x.dim())
+            assert ((out.float() - want_out).abs() <= tol * want_out.abs() + 1e-6).all(), (T, dtype, S)
+            assert torch.equal(got_a, as_) and torch.equal(got_b, bs), (T, dtype, S)
+            torch.testing.assert_close(rg[1, :, :T], want_g, rtol=2e-6, atol=0)
+            torch.testing.assert_close(rb[1, :, :T], want_beta, rtol=2e-6, atol=0)
             assert torch.equal(rq[1, :, :T], out) and torch.equal(rx[1, :, :T].float(), xs.float())
-            assert not rx[1, :, T:].any() and not rq[1, :, T:].any()
-            assert (rx[0] == 7).all() and (rq[2] == 7).all()
+            for r in (rx, rq, rg, rb):
+                assert not r[1, :, T:].any() and (r[0] == 7).all() and (r[2] == 7).all()
 print("ok")
 """
 
 
-_CONV_VERIFY_SM90 = """
+_VERIFY_PROLOGUE_SM90 = """
 import re
 from sm90 import compile_sm90, stack_bytes
 from fastqwen.ops import conv
 
-sig = {"x_ptr": "*fp32", "w_ptr": "*bf16", "win_ptr": "*bf16", "out_ptr": "*bf16", "rx_ptr": "*bf16", "rq_ptr": "*bf16",
-       "C": "i32", "x_split": "i32", "x_row": "i32", "x_pos": "i32", "win_row": "i32", "r_row": "i32"}
-kernel = compile_sm90(conv._conv_verify_kernel, sig,
-                      dict(S=3, T=16, W=4, WP=4, BLOCK=conv.CONV_BLOCK, PDL=True),
-                      ("x_ptr", "w_ptr", "win_ptr", "out_ptr", "rx_ptr", "rq_ptr"), num_warps=2)
+sig = {"x_ptr": "*fp32", "ab_ptrs": "*fp32", "w_ptr": "*bf16", "win_ptr": "*bf16", "A_log_ptr": "*fp32",
+       "dt_bias_ptr": "*bf16", "out_ptr": "*bf16", "a_out_ptr": "*bf16", "b_out_ptr": "*bf16", "rx_ptr": "*bf16",
+       "rq_ptr": "*bf16",
+       "rg_ptr": "*fp32", "rb_ptr": "*fp32", "C": "i32", "HV": "i32", "x_split": "i32", "x_row": "i32",
+       "x_pos": "i32", "a_split": "i32", "a_row": "i32", "a_pos": "i32", "b_off": "i32", "win_row": "i32",
+       "r_row": "i32", "rg_row": "i32"}
+kernel = compile_sm90(conv._verify_prologue_kernel, sig,
+                      dict(S=3, T=16, W=4, WP=4, BLOCK=conv.CONV_BLOCK, HVP=64, PDL=True),
+                      ("x_ptr", "ab_ptrs", "w_ptr", "win_ptr", "A_log_ptr", "dt_bias_ptr", "out_ptr", "a_out_ptr",
+                       "b_out_ptr", "rx_ptr", "rq_ptr", "rg_ptr", "rb_ptr"), num_warps=2)
 code = kernel.asm["ptx"]
 assert stack_bytes(kernel) == 0
 wait = code.index("griddepcontrol.wait")
@@ -510,21 +541,22 @@ print("ok")
 """
 
 
-def test_conv_verify_kernel_compiles_for_sm90_and_waits_before_reading_the_window():
-    """Compiled for Hopper with programmatic dependent launch at a 16-position block: no spill; only the weights
-    load before griddepcontrol.wait (the window, written by the commit, and x's partials after it)."""
+def test_verify_prologue_kernel_compiles_for_sm90_and_waits_before_reading_the_window():
+    """Compiled for Hopper with programmatic dependent launch at a 16-position block: no spill; only the conv
+    weights load before griddepcontrol.wait (the window, written by the commit, and the partials after it)."""
     from conftest import run_in_triton_interpreter
 
-    assert run_in_triton_interpreter(_CONV_VERIFY_SM90, interpret=False).strip().endswith("ok")
+    assert run_in_triton_interpreter(_VERIFY_PROLOGUE_SM90, interpret=False).strip().endswith("ok")
 
 
-def test_conv_verify_kernel_matches_the_reference_in_the_triton_interpreter():
-    """The verify conv's kernel: fp32 exactly conv_step, bf16 within one rounding of its fp32 taps, over 1 and 4
-    positions; x as an input, one partial or three; the replays' first T positions written (x exactly), zeros
-    after, the window and the other layers untouched."""
+def test_verify_prologue_kernel_matches_the_reference_in_the_triton_interpreter():
+    """The verify prologue's kernel: fp32 exactly conv_step, bf16 within one rounding of its fp32 taps, over 1
+    and 4 positions; x, a, b as inputs, one partial or three; a and b's sums exactly, the gates within fp32
+    rounding of ops/gdn.py gates (softplus past its threshold too); the replays' first T positions written (x
+    exactly), zeros after, the window and the other layers untouched."""
     from conftest import run_in_triton_interpreter
 
-    assert run_in_triton_interpreter(_CONV_VERIFY).strip().endswith("ok")
+    assert run_in_triton_interpreter(_VERIFY_PROLOGUE).strip().endswith("ok")
 
 
 def _prep_inputs(B, T, Hq, Hkv, D, R, S, dtype, seed=0):

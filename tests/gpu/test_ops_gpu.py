@@ -95,32 +95,45 @@ def test_conv_decode_matches_conv_step_and_advances_the_cached_window(shape, B, 
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("B,T,pdl", [(1, 16, True), (1, 4, False), (2, 9, True)])
-def test_conv_verify_matches_conv_step_and_stores_the_replay(shape, B, T, pdl):
-    """kernels={"conv": "fused-verify"}: the conv over a verify block of T positions (block 16) from the input
-    projection's split-K partials (S = 1 and 3) and from a bf16 input: conv_step's output in fp32 within one bf16
-    rounding, x's rounded sums and the output in the layer's replay views' first T positions exactly, zeros after
-    (poisoned beforehand), the window and the other layers untouched."""
-    from fastqwen.ops.conv import conv_verify
+def test_verify_prologue_matches_conv_step_and_gates_and_stores_the_replay(shape, B, T, pdl):
+    """kernels={"conv": "fused-verify"}: a GDN verify block of T positions (block 16) from the fused input
+    projection's split-K partials (S = 1 and 3: x, b and a as views of one [S, B, T, ·] buffer, b before a) and
+    from bf16 inputs: conv_step's output in fp32 within one bf16 rounding; x, a and b rounded sums exactly (a and
+    b returned); the gates within fp32 rounding of ops/gdn.py gates on them; the output, x, g and beta in the
+    layer's replay views' first T positions, zeros after (poisoned beforehand), the window and the other layers
+    untouched."""
+    from fastqwen.ops.conv import verify_prologue
+    from fastqwen.ops.gdn import gates
 
     H, HV = SHAPES[shape]
     C, block = 2 * H * 128 + HV * 128, 16
     torch.manual_seed(0)
     w = torch.randn(C, 1, 4, device="cuda", dtype=torch.bfloat16)[:, 0]
     window = torch.randn(B, C, 3, device="cuda", dtype=torch.bfloat16)
-    for S in (0, 1, 3):  # (0: a bf16 input)
-        parts = torch.randn(max(S, 1), B, T, C + 64, device="cuda")[..., 64:]
-        x = parts[0].bfloat16() if S == 0 else parts
-        xs = x if S == 0 else sum(parts[1:], parts[0]).bfloat16()  # (the kernel's order)
+    A_log = torch.empty(HV, device="cuda").uniform_(0.01, 16).log()
+    dt_bias = torch.randn(HV, device="cuda", dtype=torch.bfloat16)
+    for S in (0, 1, 3):  # (0: bf16 inputs)
+        parts = torch.randn(max(S, 1), B, T, 64 + C + 2 * HV, device="cuda")
+        parts[..., -HV:] *= 8  # (a + dt_bias past softplus's threshold of 20 somewhere)
+        x, b, a = parts[..., 64:64 + C], parts[..., 64 + C:64 + C + HV], parts[..., 64 + C + HV:]
+        if S == 0:
+            x, a, b = (t[0].bfloat16() for t in (x, a, b))
+        xs, as_, bs = ((t if S == 0 else sum(t[1:], t[0]).bfloat16()) for t in (x, a, b))  # (the kernel's order)
         want_out, _ = conv_step(xs.float(), w.float(), window.float())
+        want_g, want_beta = gates(as_, bs, A_log, dt_bias)
         rx, rq = (torch.full((3, B, block, C), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        rg, rb = (torch.full((3, B, block, HV), float("nan"), device="cuda") for _ in range(2))
         before = window.clone()
         poison_allocator((B, T, C))
-        out = conv_verify(x, w, window, rx[1], rq[1], pdl)
+        out, got_a, got_b = verify_prologue(x, a, b, w, window, A_log, dt_bias, rx[1], rq[1], rg[1], rb[1], pdl)
         assert out.dtype == torch.bfloat16 and not out.isnan().any() and torch.equal(window, before)
         assert rel_err(out, want_out) < 1e-2, S
+        assert torch.equal(got_a, as_) and torch.equal(got_b, bs), S
+        torch.testing.assert_close(rg[1, :, :T], want_g, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(rb[1, :, :T], want_beta, rtol=1e-5, atol=1e-6)
         assert torch.equal(rx[1, :, :T], xs) and torch.equal(rq[1, :, :T], out), S
-        assert not rx[1, :, T:].any() and not rq[1, :, T:].any(), S
-        assert rx[0].isnan().all() and rq[2].isnan().all()
+        for r in (rx, rq, rg, rb):
+            assert not r[1, :, T:].any() and r[0].isnan().all() and r[2].isnan().all(), S
 
 
 @pytest.mark.parametrize("shape", SHAPES)
