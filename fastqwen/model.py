@@ -240,6 +240,12 @@ class Forward:
         self.rope_scaling = float(getattr(text.rotary_emb, "attention_scaling", 1.0))
         self.eps = self.cfg.rms_norm_eps
         self.cache = cache
+        # cos, sin [max_seq_len, R] of every position, for attention_prep to read at a step's positions: passed
+        # as [B, T, R], inductor wrote them with a kernel before each attention layer's op (16 a 27B step)
+        dtype = text.embed_tokens.weight.dtype
+        self.rope_table = rope_cos_sin(torch.arange(cache.max_seq_len, device=cache.lengths.device)[None],
+                                       self.inv_freq, self.rope_scaling, dtype)
+        self.rope_table = tuple(t[0] for t in self.rope_table)
         fp8_experts = any(getattr(m, "scheme", None) == "fp8-weight" and hasattr(m, "routed")  # (QuantExperts)
                           for m in self.layers.modules())
         self.kernels = check_kernels(kernels, self.cfg, cache.lengths.device, fp8_experts)
@@ -429,8 +435,8 @@ class Forward:
         fused = self.fused_glue and mode != "prefill"  # (q | gate, k, v as split-K partials where they stream)
         qg, k, v = self.lin.project(m, h, ATTN_IN, ATTN_IN if fused else ())
         norms = (m.q_norm.weight, m.k_norm.weight, m.q_norm.eps, m.k_norm.eps, cos, sin, positions, k_cache, v_cache)
-        if fused:
-            q = attention_prep(qg, k, v, *norms, self.pdl)
+        if fused:  # (the tables, read at the positions: cos and sin unused, no kernel writes them)
+            q = attention_prep(qg, k, v, *norms[:4], *self.rope_table, *norms[6:], self.pdl)
             if self.split_attention:  # the splits' merge and the output gate: one kernel of ours too
                 o = merge_gated_op(*split_kv_partials_op(q, k_cache, v_cache, positions, m.scaling, True), q, qg,
                                    self.pdl)

@@ -192,9 +192,11 @@ def test_decode_step_norms_are_our_kernels_by_default():
     """By default (kernels "gdn_norm" "kernel", "attn_glue" "fused") no inductor kernel of the decode step
     holds the GDN gated norm, the attention q/k norms and rope, the KV-cache write or the output gate: our ops
     do (ops/gated_norm.py, ops/attention_prep.py, decode_attention.merge_gated_op), and fewer kernels are left
-    than with inductor's (the test below)."""
+    than with inductor's (the test below). Nor does any compute the rope's cos and sin: attention_prep reads the
+    model's tables at the positions (given cos and sin of the step's positions, inductor wrote them with a
+    kernel before each attention layer's op)."""
     names = decode_kernel_names()
-    assert not [n for n in names if "rsqrt" in n and ("silu" in n or "cos" in n)], names
+    assert not [n for n in names if "_cos_" in n or "_sin_" in n], names
     assert not [n for n in names if "index_put" in n or "sigmoid" in n], names
     assert len(names) < len(decode_kernel_names("gdn_norm=separate", "attn_glue=separate")), names
 
@@ -286,9 +288,9 @@ def test_persistent_reductions_hold_a_few_rows_of_up_to_8192_in_one_pass():
 def test_fused_attention_glue_takes_the_attention_layers_kernels_from_inductor():
     """kernels["attn_glue"]="fused": an attention layer's q/k norms, rope and k / v cache writes are one op of
     ours, its splits' merge and output gate another, so the decode step's inductor kernels lose all of them (none
-    rotates, writes the cache, takes a softmax or a sigmoid) and gain one a step (cos and sin, which the prep reads
-    as tensors: computed once for every layer). Inductor's Triton codegen on CPU tensors in a subprocess
-    (scripts/decode_kernels.py), the tiny model."""
+    rotates, writes the cache, takes a softmax or a sigmoid) and gain none (the prep reads cos and sin from the
+    model's tables: given them at the step's positions, inductor wrote them before each layer's op). Inductor's
+    Triton codegen on CPU tensors in a subprocess (scripts/decode_kernels.py), the tiny model."""
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "decode_kernels.py")
     code = (f"import runpy\nns = runpy.run_path({script!r})\n"
             "for glue in ('separate', 'fused'):\n"
@@ -306,8 +308,8 @@ def test_fused_attention_glue_takes_the_attention_layers_kernels_from_inductor()
     assert sum("softmax" in n for n in default) == 2 * layers and sum("sigmoid" in n for n in default) == layers
     assert not any(w in n for n in fused for w in ("index_put", "softmax", "sigmoid")), fused
     assert not any("rsqrt" in n and "cos" in n for n in fused), fused
-    assert sum("cos" in n and "sin" in n for n in fused) == 1, fused  # (cos, sin once a step)
-    assert int(n_fused) == len(fused) == int(n_default) - 5 * layers + 1, (n_default, n_fused)
+    assert not any("cos" in n or "sin" in n for n in fused), fused
+    assert int(n_fused) == len(fused) == int(n_default) - 5 * layers, (n_default, n_fused)
 
 
 def test_gated_norm_kernel_takes_the_gdn_gated_norm_from_inductor():

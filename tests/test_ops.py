@@ -577,19 +577,30 @@ def _prep_inputs(B, T, Hq, Hkv, D, R, S, dtype, seed=0):
     return ins, weights, cos, sin, positions
 
 
-def test_attention_prep_is_the_separate_path_and_its_fake_agrees():
+def _rope_tables(R, P, dtype):
+    """cos, sin tables [P, R] of positions 0 … P − 1, as _prep_inputs's cos and sin at their positions."""
+    from fastqwen.ops.attention import rope_cos_sin
+
+    inv_freq = 1.0 / (1e4 ** (torch.arange(0, R, 2).float() / R))
+    return tuple(t[0] for t in rope_cos_sin(torch.arange(P)[None], inv_freq, 1.0, dtype))
+
+
+@pytest.mark.parametrize("tables", [False, True])
+def test_attention_prep_is_the_separate_path_and_its_fake_agrees(tables):
     """kernels={"attn_glue": "fused"}: the op (its CPU path) returns prepare's q, writes k and v where
-    prepare does and nowhere else (caches poisoned with NaN), from outputs or split-K partials; opcheck checks
-    its fake and its mutations of the cache views."""
+    prepare does and nowhere else (caches poisoned with NaN), from outputs or split-K partials, with cos and sin
+    at the positions or as tables of every position; opcheck checks its fake and its mutations of the cache
+    views."""
     from fastqwen.ops.attention_prep import attention_prep, prepare
 
     B, T, Hq, Hkv, D, R, seq = 2, 3, 4, 2, 16, 8, 12
     for dtype in (torch.float32, torch.bfloat16):
         for S in (0, 1, 3):
-            ins, (qw, kw), cos, sin, positions = _prep_inputs(B, T, Hq, Hkv, D, R, S, dtype)
+            ins, (qw, kw), cos_at, sin_at, positions = _prep_inputs(B, T, Hq, Hkv, D, R, S, dtype)
+            cos, sin = _rope_tables(R, seq, dtype) if tables else (cos_at, sin_at)
             caches = torch.full((2, 3, B, Hkv, seq, D), float("nan"), dtype=dtype)  # (k, v) x 3 layers
             want_caches = caches.clone()
-            q, k, v = prepare(*ins, qw, kw, 1e-6, 1e-6, cos, sin, positions, *want_caches[:, 1])
+            q, k, v = prepare(*ins, qw, kw, 1e-6, 1e-6, cos_at, sin_at, positions, *want_caches[:, 1])
             got = attention_prep(*ins, qw, kw, 1e-6, 1e-6, cos, sin, positions, *caches[:, 1])
             assert got.shape == (B, Hq, T, D) and got.is_contiguous() and torch.equal(got, q), (dtype, S)
             assert torch.equal(caches.isnan(), want_caches.isnan()) and caches.isnan().sum() == caches.numel() - 2 * (
@@ -602,23 +613,24 @@ def test_attention_prep_is_the_separate_path_and_its_fake_agrees():
 
 _ATTENTION_PREP = """
 import torch
-from test_ops import _prep_inputs
+from test_ops import _prep_inputs, _rope_tables
 from fastqwen.ops.attention_prep import _attention_prep_cuda, prepare
 B, T, Hq, Hkv, D, R, seq = 2, 3, 4, 2, 48, 16, 12  # (D not a power of 2: the masked tail)
-for dtype in (torch.float32, torch.bfloat16):
-    for S in (0, 1, 3):
-        ins, (qw, kw), cos, sin, positions = _prep_inputs(B, T, Hq, Hkv, D, R, S, dtype)
-        caches = torch.full((2, B, Hkv, seq, D), float("nan"), dtype=dtype)
-        want_caches = caches.clone()
-        want = prepare(*ins, qw, kw, 1e-6, 1e-6, cos, sin, positions, *want_caches)[0]
-        got = _attention_prep_cuda(*ins, qw, kw, 1e-6, 1e-6, cos, sin, positions, *caches, pdl=False)
-        # bf16: within the interpreter's rounding toward zero (eager's roundings: a bf16 ulp or two)
-        tol = 1e-6 if dtype == torch.float32 else 2e-2
-        for a, b in ((got, want), (caches.nan_to_num(), want_caches.nan_to_num())):
-            assert ((a.float() - b.float()).abs() <= tol * b.float().abs() + tol).all(), (dtype, S)
-        assert torch.equal(caches.isnan(), want_caches.isnan()), (dtype, S)  # written where prepare writes
-        assert torch.equal(caches[1].nan_to_num(), want_caches[1].nan_to_num()), (dtype, S)  # v: exact
-        assert got.shape == want.shape and got.is_contiguous()
+for dtype, S, tables in [(d, S, t) for d in (torch.float32, torch.bfloat16) for S in (0, 1, 3) for t in (0, 1)]:
+    ins, (qw, kw), cos_at, sin_at, positions = _prep_inputs(B, T, Hq, Hkv, D, R, S, dtype)
+    # tables of 10 positions: row 1's last position (9) their last row; a table too short would read row 0
+    cos, sin = _rope_tables(R, 10, dtype) if tables else (cos_at, sin_at)
+    caches = torch.full((2, B, Hkv, seq, D), float("nan"), dtype=dtype)
+    want_caches = caches.clone()
+    want = prepare(*ins, qw, kw, 1e-6, 1e-6, cos_at, sin_at, positions, *want_caches)[0]
+    got = _attention_prep_cuda(*ins, qw, kw, 1e-6, 1e-6, cos, sin, positions, *caches, pdl=False)
+    # bf16: within the interpreter's rounding toward zero (eager's roundings: a bf16 ulp or two)
+    tol = 1e-6 if dtype == torch.float32 else 2e-2
+    for a, b in ((got, want), (caches.nan_to_num(), want_caches.nan_to_num())):
+        assert ((a.float() - b.float()).abs() <= tol * b.float().abs() + tol).all(), (dtype, S)
+    assert torch.equal(caches.isnan(), want_caches.isnan()), (dtype, S)  # written where prepare writes
+    assert torch.equal(caches[1].nan_to_num(), want_caches[1].nan_to_num()), (dtype, S)  # v: exact
+    assert got.shape == want.shape and got.is_contiguous()
 print("ok")
 """
 
@@ -629,13 +641,13 @@ from sm90 import compile_sm90, stack_bytes
 from fastqwen.ops import attention_prep as ap
 
 ints = ("q_split", "q_row", "q_pos", "k_split", "k_row", "k_pos", "v_split", "v_row", "v_pos", "cs_row", "cs_pos",
-        "p_row", "p_pos", "c_row", "c_head", "c_seq", "SEQ")
+        "p_row", "p_pos", "c_row", "c_head", "c_seq", "SEQ", "P")
 sig = {"q_ptr": "*fp32", "k_ptr": "*fp32", "v_ptr": "*fp32", "qw_ptr": "*bf16", "kw_ptr": "*bf16", "cos_ptr": "*bf16",
        "sin_ptr": "*bf16", "pos_ptr": "*i64", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "out_ptr": "*bf16",
        "q_eps": "fp32", "k_eps": "fp32", **{n: "i32" for n in ints}}
-for T in (1, 16):  # the 27B's heads: 24 q, 4 kv, 256 dims, 64 rotated; 5 partials
+for T, table in ((1, True), (16, True), (16, False)):  # the 27B's heads: 24 q, 4 kv, 256 dims, 64 rotated
     kernel = compile_sm90(ap._prep_kernel, sig, dict(T=T, HQ=24, HKV=4, D=256, BD=256, R=64, SQ=5, SK=5, SV=5,
-                                                     PDL=True),
+                                                     TABLE=table, PDL=True),
                           ("q_ptr", "k_ptr", "v_ptr", "qw_ptr", "kw_ptr", "kc_ptr", "vc_ptr", "out_ptr"), num_warps=2,
                           enable_fp_fusion=False)  # (as the launch: eager rounds x·c before adding x[perm]·s)
     code = kernel.asm["ptx"]
@@ -651,7 +663,7 @@ print("ok")
 def test_attention_prep_kernel_matches_prepare_in_the_triton_interpreter():
     """The fused attention prep's kernel against prepare: fp32 within rounding, bf16 within the interpreter's
     rounding; k and v written at each row's positions only (NaN elsewhere), v exactly; from outputs, one partial
-    or three; a head size not a power of 2."""
+    or three; cos and sin at the positions or as tables read at them; a head size not a power of 2."""
     from conftest import run_in_triton_interpreter
 
     assert run_in_triton_interpreter(_ATTENTION_PREP).strip().endswith("ok")

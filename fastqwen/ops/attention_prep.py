@@ -60,8 +60,18 @@ def attention_prep(q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor, q
                    k_weight: torch.Tensor, q_eps: float, k_eps: float, cos: torch.Tensor, sin: torch.Tensor,
                    positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    pdl: bool = False) -> torch.Tensor:
-    """`prepare`'s q (contiguous) as a registered op; on CUDA one kernel of ours. pdl: launched with
+    """`prepare`'s q (contiguous) as a registered op; on CUDA one kernel of ours. cos, sin: [B, T, R] as
+    prepare's, or tables [P, R] of every position (row p for position p; P > every position written), read at
+    the positions (a position outside 0 … P − 1, whose k and v are not stored, reads row 0). pdl: launched with
     programmatic dependent launch."""
+    return _prepared_q(q_in, k_in, v_in, q_weight, k_weight, q_eps, k_eps, cos, sin, positions, k_cache, v_cache)
+
+
+def _prepared_q(q_in, k_in, v_in, q_weight, k_weight, q_eps, k_eps, cos, sin, positions, k_cache, v_cache):
+    """attention_prep in plain torch: tables read at the positions, then `prepare`'s q, contiguous."""
+    if cos.dim() == 2:
+        at = positions.clamp(0, cos.shape[0] - 1)
+        cos, sin = cos[at], sin[at]
     return prepare(q_in, k_in, v_in, q_weight, k_weight, q_eps, k_eps, cos, sin, positions, k_cache,
                    v_cache)[0].contiguous()
 
@@ -100,13 +110,15 @@ if triton is not None:
     @triton.jit
     def _prep_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, out_ptr,
                      q_eps, k_eps, q_split, q_row, q_pos, k_split, k_row, k_pos, v_split, v_row, v_pos,
-                     cs_row, cs_pos, p_row, p_pos, c_row, c_head, c_seq, SEQ,
+                     cs_row, cs_pos, p_row, p_pos, c_row, c_head, c_seq, SEQ, P,
                      T: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                     R: tl.constexpr, SQ: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr, PDL: tl.constexpr):
+                     R: tl.constexpr, SQ: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr, TABLE: tl.constexpr,
+                     PDL: tl.constexpr):
         """Program (b·T + t, h): h < HQ a q head (out [B, HQ, T, D] contiguous), then the HKV k heads (into
         kc at the row's position), then the HKV v heads (vc). Caches [B, HKV, SEQ, D] at strides (c_row,
         c_head, c_seq), 1; inputs at (split, row, position) strides, heads contiguous; cos, sin [B, T, R]
-        contiguous in the last dim. A position outside 0 … SEQ − 1 writes nothing."""
+        contiguous in the last dim, or with TABLE [P, R] tables read at the position (row 0 for one outside
+        0 … P − 1). A position outside 0 … SEQ − 1 writes nothing."""
         bt, h = tl.program_id(0), tl.program_id(1)
         b, t = bt // T, bt % T
         d = tl.arange(0, BD)
@@ -124,10 +136,14 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()
         DTYPE: tl.constexpr = out_ptr.dtype.element_ty
         rot = d < R
-        c = tl.load(cos_ptr + b * cs_row + t * cs_pos + d, mask=rot, other=1.0).to(tl.float32)
-        s = tl.load(sin_ptr + b * cs_row + t * cs_pos + d, mask=rot, other=0.0).to(tl.float32)
-        s = tl.where(d < half, -s, s)
         pos = tl.load(pos_ptr + b * p_row + t * p_pos)
+        if TABLE:
+            cs = tl.where((pos >= 0) & (pos < P), pos, 0) * cs_pos
+        else:
+            cs = b * cs_row + t * cs_pos
+        c = tl.load(cos_ptr + cs + d, mask=rot, other=1.0).to(tl.float32)
+        s = tl.load(sin_ptr + cs + d, mask=rot, other=0.0).to(tl.float32)
+        s = tl.where(d < half, -s, s)
         ok = mask & (pos >= 0) & (pos < SEQ)
         if h < HQ:
             yq = _normed_rotated(q_ptr, q_split, b * q_row + t * q_pos + h * 2 * D, w, wp, q_eps, c, s, d, perm, mask,
@@ -158,10 +174,10 @@ def _attention_prep_cuda(q_in, k_in, v_in, q_weight, k_weight, q_eps, k_eps, cos
     Hkv, seq, D = k_cache.shape[1:]
     R = cos.shape[-1]
     inputs = (q_in, k_in, v_in, cos, sin, q_weight, k_weight)
+    table = cos.dim() == 2
     if triton is None or any(x.stride(-1) != 1 for x in inputs) or k_cache.stride() != v_cache.stride() or (
-            k_cache.stride(-1) != 1 or R % 2 or R > D):
-        return prepare(q_in, k_in, v_in, q_weight, k_weight, q_eps, k_eps, cos, sin, positions, k_cache,
-                       v_cache)[0].contiguous()
+            k_cache.stride(-1) != 1 or R % 2 or R > D or cos.stride() != sin.stride()):
+        return _prepared_q(q_in, k_in, v_in, q_weight, k_weight, q_eps, k_eps, cos, sin, positions, k_cache, v_cache)
     (q, q_split, q_row, q_pos, sq), (k, k_split, k_row, k_pos, sk), (v, v_split, v_row, v_pos, sv) = (
         _strides(x) for x in (q_in, k_in, v_in))
     Hq = q_in.shape[-1] // (2 * D)
@@ -170,8 +186,9 @@ def _attention_prep_cuda(q_in, k_in, v_in, q_weight, k_weight, q_eps, k_eps, cos
     # 4.4% of q's values came out a bf16 ulp off eager's on an H100 (2026-12-05)
     _prep_kernel[(B * T, Hq + 2 * Hkv)](
         q, k, v, q_weight, k_weight, cos, sin, positions, k_cache, v_cache, out, q_eps, k_eps,
-        q_split, q_row, q_pos, k_split, k_row, k_pos, v_split, v_row, v_pos, cos.stride(0), cos.stride(1),
-        positions.stride(0), positions.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), seq,
-        T=T, HQ=Hq, HKV=Hkv, D=D, BD=triton.next_power_of_2(D), R=R, SQ=sq, SK=sk, SV=sv, PDL=pdl,
+        q_split, q_row, q_pos, k_split, k_row, k_pos, v_split, v_row, v_pos, 0 if table else cos.stride(0),
+        cos.stride(-2), positions.stride(0), positions.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), seq, cos.shape[0] if table else 0, T=T, HQ=Hq, HKV=Hkv, D=D, BD=triton.next_power_of_2(D),
+        R=R, SQ=sq, SK=sk, SV=sv, TABLE=table, PDL=pdl,
         num_warps=2, launch_pdl=pdl, enable_fp_fusion=False)
     return out

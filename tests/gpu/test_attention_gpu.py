@@ -27,14 +27,15 @@ def test_split_kv_matches_fp32_reference_and_skips_unused_keys(B, T, S):
     assert rel_err(out, ref) < 1e-2
 
 
+@pytest.mark.parametrize("tables", [False, True])
 @pytest.mark.parametrize("model,B,T,S", [("27b", 1, 1, 5), ("27b", 1, 16, 5), ("27b", 3, 4, 1), ("35b", 1, 1, 8),
                                          ("35b", 2, 1, 0)])
-def test_attention_prep_kernel_matches_prepare(model, B, T, S):
+def test_attention_prep_kernel_matches_prepare(model, B, T, S, tables):
     """kernels={"attn_glue": "fused"}: the fused kernel against prepare (eager torch on the GPU) at the 27B's heads
     (24 q, 4 kv of 256, 64 rotated) and the 35B-A3B's (16 q, 2 kv), S split-K partials (0: bf16 outputs), decode,
-    verify and batch rows at distinct positions, with PDL: q, k within a bf16 ulp of the reference (eager's
-    roundings, FP fusion off; the sums of squares may round apart) and over 99% equal; v exactly; the caches untouched
-    elsewhere (NaN-poisoned)."""
+    verify and batch rows at distinct positions, with PDL, cos and sin at the positions or as tables of every
+    position (the model's): q, k within a bf16 ulp of the reference (eager's roundings, FP fusion off; the sums of
+    squares may round apart) and over 99% equal; v exactly; the caches untouched elsewhere (NaN-poisoned)."""
     from fastqwen.ops.attention import rope_cos_sin
     from fastqwen.ops.attention_prep import attention_prep, prepare
 
@@ -49,6 +50,8 @@ def test_attention_prep_kernel_matches_prepare(model, B, T, S):
     caches = torch.full((2, B, Hkv, seq, D), float("nan"), device="cuda", dtype=torch.bfloat16)
     want_caches = caches.clone()
     want = prepare(*ins, qw, kw, 1e-6, 1e-6, cos, sin, positions, *want_caches)[0]
+    if tables:  # (rows of every position, as the model's: the same values at the positions)
+        cos, sin = (t[0] for t in rope_cos_sin(torch.arange(seq, device="cuda")[None], inv_freq, 1.0, torch.bfloat16))
     got = attention_prep(*ins, qw, kw, 1e-6, 1e-6, cos, sin, positions, *caches, pdl=True)
     torch.cuda.synchronize()
     assert torch.equal(caches.isnan(), want_caches.isnan())
