@@ -77,6 +77,9 @@
 #            one-strip instance, at TARGET_BLOCKS 2048 and 4096 (the plan counts 16-row strips, so the pair kernel's
 #            grid has half as many blocks), then a 27B int4 verify of 16 positions on the first 16 layers with PAIR off and on, each in a process
 #            of its own (~6 min)
+#   prologue the GPU tests of the verify prologue (kernels={"conv": "fused-verify"}) and of attention_prep's rope
+#            tables, then a 27B int4 verify of 16 positions on the first 16 layers with and without fused-verify in
+#            one process (~4 min)
 #   ab       an A/B of two builds, each side in processes of its own: $AB_CMD (one command line) run in .ab/base (a copy
 #            of another commit's fastqwen/ and scripts/, made before the call with `rm -rf .ab/base && mkdir -p .ab/base
 #            && git archive BASE fastqwen scripts | tar -x -C .ab/base`, carried: carry [".whl", ".ab"]) and in the
@@ -162,6 +165,14 @@ case "$stage" in
           python -c "import json; r = json.load(open('$out/verify_pair_$p.json')); v = r['verify16']; \
             print('PAIR $p: decode', round(r['decode_s'] * 1e6), 'µs, verify of 16', round(v['verify_s'] * 1e6), 'µs')"
         done ;;
+  prologue) python -m pytest -q -p no:warnings tests/gpu/test_ops_gpu.py tests/gpu/test_attention_gpu.py \
+              -k "verify_prologue or attention_prep" 2>&1 | tee "$out/prologue_tests.log" | tail -3
+            python scripts/bench_spec.py --model qwen3.5-27b --layers 16 --runs --verify-block 16 --quant int4 \
+              --quant-lm-head --no-autotune --also-kernels conv=fused-verify --json "$out/verify_prologue.json" 2>&1 \
+              | grep -vE "^\[transformers\]|Warning|^ " | tail -2
+            python -c "import json; r = json.load(open('$out/verify_prologue.json')); a = r['also_kernels']; \
+              print('verify of 16:', round(r['verify16']['verify_s'] * 1e6), 'µs; fused-verify', \
+              round(a['conv=fused-verify']['verify_s'] * 1e6), 'µs')" ;;
   ab) [ -d .ab/base/fastqwen ] || { echo "no .ab/base/fastqwen: see ab in this script's header"; exit 2; }
       for side in $(for _ in $(seq "${AB_ROUNDS:-2}"); do echo base tree; done); do
         dir=$([ $side = base ] && echo .ab/base || echo .)
