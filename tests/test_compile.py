@@ -71,6 +71,18 @@ def test_compiled_step_matches_eager_and_never_recompiles():
     assert sum(counters["recompiles"].values()) == 0
 
 
+def test_the_steps_own_tensors_are_static_addresses():
+    """cudagraph trees copy every input of a compiled graph that is neither a module's parameter or buffer nor
+    marked static into the graph's own copy before each replay. The tensors Forward holds itself (inv_freq,
+    the rope tables [max_seq_len, R], step_positions' offsets) reach the steps as such inputs, so each is
+    marked (the tables alone would be a 1 MB copy a step at 4096 positions)."""
+    forward = fastqwen.optimize(fresh("tiny"), compile=False, max_seq_len=64)._fastqwen.forward
+    held = [t for v in vars(forward).values() for t in (v if isinstance(v, tuple) else (v,))
+            if isinstance(t, torch.Tensor)]
+    assert len(held) == 4, held
+    assert all(getattr(t, "_dynamo_static_input_type", None) for t in held), held
+
+
 def test_compile_cache_carries_compiled_graphs_to_a_fresh_process(tmp_path):
     """warmup() saves the compiled artifacts; a new process with an empty inductor cache loads them and
     compiles nothing from scratch (FX graph cache hits, no misses). One layer of the tiny preset: the cache's
@@ -211,6 +223,14 @@ def test_verify_prologue_leaves_the_verify_no_conv_or_gate_kernel():
     assert [n for n in default if any(part in n for part in gates_or_conv)], default
     assert not [n for n in fused if any(part in n for part in gates_or_conv)], fused
     assert len(fused) < len(default), (fused, default)
+
+
+def test_a_verify_writes_its_positions_once():
+    """A verify's positions (lengths + t) come from step_positions, an op whose output every attention op
+    reads: written inline, inductor copied them into a new buffer for each op of ours reading them (an
+    `arange` kernel twice an attention layer, 32 a 27B verify)."""
+    names = decode_kernel_names(verify=5)
+    assert not [n for n in names if "arange" in n], names
 
 
 def test_decode_step_norms_fuse_with_their_consumers():
