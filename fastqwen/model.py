@@ -17,7 +17,7 @@ import torch
 
 from .cache import HybridCache
 from .ops.attention import attend_cache, attend_causal, attend_prefix, rope_cos_sin
-from .ops.attention_prep import attention_prep, prepare, summed
+from .ops.attention_prep import attention_prep, prepare, step_positions, summed
 from .ops.decode_attention import attend_cache_split_op, merge_gated_op, split_kv_partials_op
 from .linears import MLP_IN, Linears, fuse_linears
 from .moe import routed_moe, stack_shared_expert
@@ -239,6 +239,11 @@ class Forward:
         self.rope_scaling = float(getattr(text.rotary_emb, "attention_scaling", 1.0))
         self.eps = self.cfg.rms_norm_eps
         self.cache = cache
+        self.offsets = torch.arange(cache.max_seq_len, device=cache.lengths.device)  # (a step's t, step_positions)
+        # read by the compiled steps through this object, not as a module's buffers: unmarked, cudagraph trees
+        # would copy each into the graph's own input at every replay
+        for t in (self.inv_freq, self.offsets):
+            torch._dynamo.mark_static_address(t)
         fp8_experts = any(getattr(m, "scheme", None) == "fp8-weight" and hasattr(m, "routed")  # (QuantExperts)
                           for m in self.layers.modules())
         self.kernels = check_kernels(kernels, self.cfg, cache.lengths.device, fp8_experts)
@@ -296,9 +301,9 @@ class Forward:
         verify: leave the recurrent state for `commit` (T ≤ the cache's block).
         """
         T = tokens.shape[1]
-        # one position: the lengths themselves, a view (lengths + arange was a kernel before each attention op)
-        lengths = self.cache.lengths[:, None]
-        positions = lengths if T == 1 else lengths + torch.arange(T, device=tokens.device)
+        # one position: the lengths themselves, a view; more: step_positions' buffer, which every attention op reads
+        lengths = self.cache.lengths
+        positions = lengths[:, None] if T == 1 else step_positions(lengths, self.offsets[:T])
         mode = "verify" if verify else "decode"
         h, taps = self._layers(tokens, positions, slice(None), mode, self._taps(features))
         h = self.final_norm(h)

@@ -1,7 +1,8 @@
-"""The kernels inductor writes for fastqwen's decode step on a GPU, listed without a GPU.
+"""The kernels inductor writes for fastqwen's decode step (or a speculative verify) on a GPU, listed without a GPU.
 
     python scripts/decode_kernels.py --model tiny
     python scripts/decode_kernels.py --model qwen3.5-9b --layers 4 --kernels conv=separate
+    python scripts/decode_kernels.py --model qwen3.5-27b --layers 4 --verify 16 --kernels linears=gemv conv=fused-verify
 
 Needs Triton beside torch (on a CPU-only machine: a `pip install --target` directory on PYTHONPATH, as
 tests/conftest.py uses). Inductor's Triton backend is asked to compile the step for CPU tensors: the same
@@ -72,23 +73,35 @@ def kernel_names(fn, *args) -> list[str]:
     return [name for code in codes for name in re.findall(r"\n\s+(triton_\w+)\.run\(", code)]
 
 
-def decode_step_code(model: str, layers: int | None, kernels: dict, options: dict | None = None) -> str:
+def decode_step_code(model: str, layers: int | None, kernels: dict, options: dict | None = None,
+                     verify: int = 0) -> str:
     """The Python source inductor generates for the decode step of `model` (a preset, bf16, random weights,
     its first `layers` layers; `options`: inductor options, optimize's compile_options), its Triton kernels
-    included."""
+    included; with `verify` T, for the speculative verify of a block of T positions instead (bench_spec's: every
+    row marked done, so the step computes and advances nothing)."""
     import fastqwen
     from fastqwen import presets
+    from fastqwen.bench import OracleProposer
 
+    built = presets.build(model, dtype=torch.bfloat16, layers=layers)
     with written_kernels() as codes:
-        built = presets.build(model, dtype=torch.bfloat16, layers=layers)
-        engine = fastqwen.optimize(built, max_seq_len=64, compile=True, kernels=kernels, compile_options=options)
+        model_ = fastqwen.optimize(built, max_seq_len=64, compile=True, kernels=kernels, compile_options=options)
         try:
-            engine.generate(torch.randint(1, 500, (1, 9)), max_new_tokens=3, do_sample=False)
+            if verify:
+                e = model_._fastqwen
+                e.enable_speculation(OracleProposer(torch.ones(1, 64, dtype=torch.long), 1.0, built.config.vocab_size),
+                                     verify - 1)
+                e.state["done"].fill_(True)
+                tokens = torch.zeros(e.max_batch_size, verify, dtype=torch.long)
+                e.compile(lambda: e.forward.step(tokens, verify=True))()
+            else:
+                model_.generate(torch.randint(1, 500, (1, 9)), max_new_tokens=3, do_sample=False)
         except Exception:  # (the uncompiled kernels: expected once the step's code exists)
             pass
-    found = [c for c in codes if "split_kv_partials" in c or "gdn_decode" in c]  # the decode step's graph
+    marks = ("gdn_verify",) if verify else ("split_kv_partials", "gdn_decode")  # the step's graph
+    found = [c for c in codes if any(mark in c for mark in marks)]
     if not found:
-        raise RuntimeError(f"no decode step among the {len(codes)} graphs compiled")
+        raise RuntimeError(f"no {'verify' if verify else 'decode'} step among the {len(codes)} graphs compiled")
     return found[0]
 
 
@@ -107,14 +120,17 @@ def main():
     p.add_argument("--inductor", nargs="*", default=[], metavar="OPTION=VALUE",
                    help="inductor options (Python literals), e.g. score_fusion_memory_threshold=1")
     p.add_argument("--names", action="store_true", help="print only the sorted kernel names, as a Python list")
+    p.add_argument("--verify", type=int, default=0, metavar="T",
+                   help="a speculative verify of T positions instead of the decode step")
     args = p.parse_args()
     options = {k: ast.literal_eval(v) for k, v in (kv.split("=", 1) for kv in args.inductor)} or None
     counts = launches(decode_step_code(args.model, args.layers, dict(kv.split("=", 1) for kv in args.kernels),
-                                       options))
+                                       options, args.verify))
     if args.names:
         print(sorted(counts))
         return
-    print(f"{sum(counts.values())} inductor launches a decode step ({args.model}"
+    print(f"{sum(counts.values())} inductor launches a {f'verify of {args.verify}' if args.verify else 'decode step'} "
+          f"({args.model}"
           f"{f', {args.layers} layers' if args.layers else ''})")
     for name, n in counts.items():
         print(f"{n:4d}  {name}")

@@ -71,6 +71,18 @@ def test_compiled_step_matches_eager_and_never_recompiles():
     assert sum(counters["recompiles"].values()) == 0
 
 
+def test_the_steps_own_tensors_are_static_addresses():
+    """cudagraph trees copy every input of a compiled graph that is neither a module's parameter or buffer nor
+    marked static into the graph's own copy before each replay. The tensors Forward holds itself (inv_freq,
+    step_positions' offsets, any table) reach the steps as such inputs, so each is marked (TORCH_LOGS=
+    cudagraph_static_inputs listed inv_freq as "Non-static" before: a copy every decode step)."""
+    forward = fastqwen.optimize(fresh("tiny"), compile=False, max_seq_len=64)._fastqwen.forward
+    held = [t for v in vars(forward).values() for t in (v if isinstance(v, tuple) else (v,))
+            if isinstance(t, torch.Tensor)]
+    assert any(t is forward.inv_freq for t in held) and any(t is forward.offsets for t in held), held
+    assert all(getattr(t, "_dynamo_static_input_type", None) for t in held), held
+
+
 def test_compile_cache_carries_compiled_graphs_to_a_fresh_process(tmp_path):
     """warmup() saves the compiled artifacts; a new process with an empty inductor cache loads them and
     compiles nothing from scratch (FX graph cache hits, no misses). One layer of the tiny preset: the cache's
@@ -178,12 +190,12 @@ def test_split_k_partials_fold_into_their_consumers_kernel_at_any_split_count():
     assert kernels[2, "sum"] == 1 and kernels[8, "sum"] == 2 and kernels[16, "sum"] == 2, kernels
 
 
-def decode_kernel_names(*kernels: str) -> list:
-    """The tiny model's decode-step inductor kernels under optimize's `kernels` (OP=CHOICE, linears=gemv
-    first): inductor's Triton codegen on CPU tensors in a subprocess (scripts/decode_kernels.py: the kernels are
-    written, not compiled)."""
+def decode_kernel_names(*kernels: str, verify: int = 0) -> list:
+    """The tiny model's decode-step inductor kernels (with `verify` T: a speculative verify's of T positions)
+    under optimize's `kernels` (OP=CHOICE, linears=gemv first): inductor's Triton codegen on CPU tensors in a
+    subprocess (scripts/decode_kernels.py: the kernels are written, not compiled)."""
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "decode_kernels.py")
-    argv = ["decode_kernels", "--names", "--kernels", "linears=gemv", *kernels]
+    argv = ["decode_kernels", "--names", "--kernels", "linears=gemv", *kernels] + ["--verify", str(verify)] * bool(verify)
     code = f"import runpy, sys; sys.argv = {argv!r}; runpy.run_path({script!r}, run_name='__main__')"
     return eval(run_in_triton_interpreter(code, interpret=False).strip().splitlines()[-1])
 
@@ -197,6 +209,14 @@ def test_decode_step_norms_are_our_kernels_by_default():
     assert not [n for n in names if "rsqrt" in n and ("silu" in n or "cos" in n)], names
     assert not [n for n in names if "index_put" in n or "sigmoid" in n], names
     assert len(names) < len(decode_kernel_names("gdn_norm=separate", "attn_glue=separate")), names
+
+
+def test_a_verify_writes_its_positions_once():
+    """A verify's positions (lengths + t) come from step_positions, an op whose output every attention op
+    reads: written inline, inductor copied them into a new buffer for each op of ours reading them (an
+    `arange` kernel twice an attention layer, 32 a 27B verify)."""
+    names = decode_kernel_names(verify=5)
+    assert not [n for n in names if "arange" in n], names
 
 
 def test_decode_step_norms_fuse_with_their_consumers():

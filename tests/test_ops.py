@@ -545,6 +545,17 @@ def _prep_inputs(B, T, Hq, Hkv, D, R, S, dtype, seed=0):
     return ins, weights, cos, sin, positions
 
 
+def test_step_positions_are_lengths_plus_offsets_and_its_fake_agrees():
+    """step_positions(lengths [B], offsets [T]) = lengths[:, None] + offsets, int64, contiguous [B, T]."""
+    from fastqwen.ops.attention_prep import step_positions
+
+    lengths, offsets = torch.tensor([0, 7, 123]), torch.arange(5)
+    got = step_positions(lengths, offsets)
+    assert torch.equal(got, torch.tensor([[0, 1, 2, 3, 4], [7, 8, 9, 10, 11], [123, 124, 125, 126, 127]]))
+    assert got.is_contiguous() and got.dtype == torch.int64
+    torch.library.opcheck(step_positions, (lengths, offsets))
+
+
 def test_attention_prep_is_the_separate_path_and_its_fake_agrees():
     """kernels={"attn_glue": "fused"}: the op (its CPU path) returns prepare's q, writes k and v where
     prepare does and nowhere else (caches poisoned with NaN), from outputs or split-K partials; opcheck checks

@@ -55,6 +55,20 @@ def prepare(q_in, k_in, v_in, q_weight, k_weight, q_eps: float, k_eps: float, co
     return q, k, v
 
 
+@torch.library.custom_op("fastqwen::step_positions", mutates_args=())
+def step_positions(lengths: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """A step's positions [B, T] = lengths [B] + offsets [T], as a buffer of their own (one add). Written inline
+    (lengths[:, None] + arange) they are an unrealized input to each op of ours that reads them, and inductor
+    copies such an input into a new buffer for every op (ExternKernel.require_strides): two launches an
+    attention layer of a verify, 32 on the 27B. An op's output is realized once."""
+    return lengths[:, None] + offsets
+
+
+@step_positions.register_fake
+def _(lengths, offsets):
+    return lengths.new_empty(lengths.shape[0], offsets.shape[0])
+
+
 @torch.library.custom_op("fastqwen::attention_prep", mutates_args=("k_cache", "v_cache"))
 def attention_prep(q_in: torch.Tensor, k_in: torch.Tensor, v_in: torch.Tensor, q_weight: torch.Tensor,
                    k_weight: torch.Tensor, q_eps: float, k_eps: float, cos: torch.Tensor, sin: torch.Tensor,
