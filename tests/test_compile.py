@@ -74,12 +74,12 @@ def test_compiled_step_matches_eager_and_never_recompiles():
 def test_the_steps_own_tensors_are_static_addresses():
     """cudagraph trees copy every input of a compiled graph that is neither a module's parameter or buffer nor
     marked static into the graph's own copy before each replay. The tensors Forward holds itself (inv_freq,
-    the rope tables [max_seq_len, R], step_positions' offsets) reach the steps as such inputs, so each is
-    marked (the tables alone would be a 1 MB copy a step at 4096 positions)."""
+    step_positions' offsets, any table) reach the steps as such inputs, so each is marked (TORCH_LOGS=
+    cudagraph_static_inputs listed inv_freq as "Non-static" before: a copy every decode step)."""
     forward = fastqwen.optimize(fresh("tiny"), compile=False, max_seq_len=64)._fastqwen.forward
     held = [t for v in vars(forward).values() for t in (v if isinstance(v, tuple) else (v,))
             if isinstance(t, torch.Tensor)]
-    assert len(held) == 4, held
+    assert any(t is forward.inv_freq for t in held) and any(t is forward.offsets for t in held), held
     assert all(getattr(t, "_dynamo_static_input_type", None) for t in held), held
 
 
