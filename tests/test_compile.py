@@ -71,16 +71,35 @@ def test_compiled_step_matches_eager_and_never_recompiles():
     assert sum(counters["recompiles"].values()) == 0
 
 
-def test_the_steps_own_tensors_are_static_addresses():
-    """cudagraph trees copy every input of a compiled graph that is neither a module's parameter or buffer nor
-    marked static into the graph's own copy before each replay. The tensors Forward holds itself (inv_freq,
-    step_positions' offsets, any table) reach the steps as such inputs, so each is marked (TORCH_LOGS=
-    cudagraph_static_inputs listed inv_freq as "Non-static" before: a copy every decode step)."""
-    forward = fastqwen.optimize(fresh("tiny"), compile=False, max_seq_len=64)._fastqwen.forward
-    held = [t for v in vars(forward).values() for t in (v if isinstance(v, tuple) else (v,))
-            if isinstance(t, torch.Tensor)]
-    assert any(t is forward.inv_freq for t in held) and any(t is forward.offsets for t in held), held
-    assert all(getattr(t, "_dynamo_static_input_type", None) for t in held), held
+@pytest.mark.parametrize("speculate", [None, "dflash", "mtp"])
+def test_no_compiled_step_has_a_tensor_input_cudagraphs_would_copy(speculate, tmp_path, monkeypatch):
+    """cudagraph trees copy every tensor input of a compiled graph that is neither a module's parameter or
+    buffer nor marked static (torch._dynamo.mark_static_address) into the graph's own copy before each replay:
+    a launch (and for a table, its bytes) every step. The decode step and the DFlash and MTP rounds take none:
+    the inputs dynamo hands inductor are all static (main copied Forward's inv_freq every step until
+    2026-12-06; a table of every position would have been ~1 MB a step)."""
+    import torch._inductor.compile_fx as compile_fx
+    from test_dflash import write_draft
+    from test_mtp import write_checkpoint
+
+    copied, graphs, inner = [], [], compile_fx.compile_fx
+
+    def spy(gm, inputs, *args, **kwargs):
+        graphs.append(gm)
+        copied.extend(n.name for n in gm.graph.nodes if n.op == "placeholder"
+                      and isinstance(n.meta.get("example_value"), torch.Tensor)
+                      and not n.meta.get("tensor_dict", {}).get("_dynamo_static_input_type"))
+        return inner(gm, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(compile_fx, "compile_fx", spy)  # (torch.compile's inductor backend imports it per call)
+    model = fresh("tiny")
+    draft = {None: None, "dflash": lambda: write_draft(tmp_path / "dflash"),
+             "mtp": lambda: write_checkpoint(tmp_path / "mtp", model) or str(tmp_path / "mtp")}[speculate]
+    torch._dynamo.reset()
+    model = fastqwen.optimize(model, max_seq_len=128, compile=True, speculate=speculate,
+                              draft=draft and draft())
+    model.generate(torch.randint(1, 500, (1, 9)), max_new_tokens=12, do_sample=False)
+    assert graphs and not copied, copied
 
 
 def test_compile_cache_carries_compiled_graphs_to_a_fresh_process(tmp_path):
