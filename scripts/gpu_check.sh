@@ -70,6 +70,11 @@
 #            profile shows)
 #   bars     issue #4's decode bars, each system alone in its process: BARS=27b (default: bf16, fp8-weight and int4,
 #            quantized lm_heads; ~4.5 min on an H100) or BARS=35b (bf16 and fp8-weight); BARS_ARGS adds bench arguments
+#   fit      int4's one-row GEMV as a fixed part plus a rate (docs/DESIGN-NOTES.md, "The int4 GEMV's time as a fixed part
+#            plus a rate"): the folded kernel, the staged-x candidate, the cluster-summed one (where built) and the
+#            loads-only probe on the 27B's layers and head, alone and then chained with PDL, and each one's line
+#            (scripts/gemv_fit.py: fixed µs + bytes ÷ TB/s; ~2.5 min); on an H200 it
+#            tells whether the load path or the decode's start and drain holds the rate at 78% of the read ceiling
 #   staged   the int4 staged-x candidate (int4_cuda.STAGE_X): per-layer times against the folded kernel and the
 #            loads-only probe (1 and 2 rows, with errors), then a 27B int4 step with STAGE_X off and on, each in a
 #            process of its own (~5 min); its GPU tests: CUDA_TESTS_K="folded" bash scripts/gpu_check.sh cuda-tests
@@ -147,6 +152,13 @@ case "$stage" in
         else set -- --models qwen3.5-27b --systems fastqwen fastqwen-fp8-weight fastqwen-int4 --quant-lm-head; fi
         python scripts/bench.py "$@" $a --json "$out/bars_${BARS:-27b}.json" 2>&1 | grep -v "^\[transformers\]" \
           | tee "$out/bars_${BARS:-27b}.log" | grep -E "tok/s|step:|^\|" ;;
+  fit) folds="1 2$(grep -q CLUSTER_SUM fastqwen/ops/int4_cuda.py && echo ' 3')"
+       for pdl in "" --pdl; do
+         python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel cuda --cuda-fold $folds \
+           --cuda-loads-only --rows 1 $pdl $([ -z "$pdl" ] && echo --check) 2>&1 | grep "^|" \
+           | tee "$out/fit${pdl:+_pdl}.md" | cut -c1-140
+       done
+       python scripts/gemv_fit.py "$out"/fit.md "$out"/fit_pdl.md | tee "$out/fit_lines.md" ;;
   staged) python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel cuda --cuda-fold 1 2 \
             --cuda-loads-only --rows 1 2 --check 2>&1 | grep "^|" | tee "$out/staged_times.md"
           for s in False True; do  # (a module flag: one process a setting, no --isolate)

@@ -346,3 +346,24 @@ def test_quant_quality_calibrates_its_logit_error_with_weight_noise(tmp_path):
     assert 0.01 < rows["fp8-weight"]["linear_rel_err_median"] < 0.05
     for r in rows.values():
         assert r["rel_err"] > r["linear_rel_err_median"] and 0 <= r["top1_agreement"] <= 1
+
+
+def test_gemv_fit_recovers_a_known_line(tmp_path):
+    """scripts/gemv_fit.py on a gemv_times.py table whose times are exactly 4 µs + bytes ÷ 3 TB/s for one kernel and
+    1.5 µs + bytes ÷ 4 TB/s for another (split counts and errors differing per row, as in real tables): each fit
+    gives back its line, the two kept apart, and a kernel timed at one size is left out (no line through a point)."""
+    rows = []
+    for i, mb in enumerate((16.5, 38.4, 46.7, 93.3, 665.5)):
+        rows.append(f"|  | l{i} | 1x1 | M=1 | cuda batch 2 folded splits {i + 1} (error {i}e-06) | "
+                    f"{4 + mb / 3:.4f} µs | {mb} MB | 0 TB/s |")
+        rows.append(f"|  | l{i} | 1x1 | M=1 | cuda batch 2 splits {i + 2} LOADS ONLY | {1.5 + mb / 4:.4f} µs | {mb} MB | "
+                    "0 TB/s |")
+    rows.append("|  | l0 | 1x1 | M=4 | cuda batch 2 folded splits 2 | 9.0 µs | 16.5 MB | 0 TB/s |")
+    table = tmp_path / "t.md"
+    table.write_text("# a title\n" + "\n".join(rows) + "\n")
+    script = pathlib.Path(__file__).parents[1] / "scripts" / "gemv_fit.py"
+    out = subprocess.run([sys.executable, str(script), str(table)], check=True, capture_output=True, text=True).stdout
+    fits = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")]
+                                              for line in out.splitlines()[2:])}
+    assert fits == {"cuda batch 2 folded": ["1", "5", "4.00", "3.00", "0.00"],
+                    "cuda batch 2 LOADS ONLY": ["1", "5", "1.50", "4.00", "0.00"]}
