@@ -42,9 +42,9 @@ CANDIDATE_SYSTEMS = {"fastqwen+split-attention": {"attention": "split"},  # (the
                      "fastqwen+argmax-route": {"route": "argmax"},
                      "fastqwen+fused-route": {"route": "fused"},  # (the default with grouped: "auto")
                      "fastqwen+fused-mlp-act": {"mlp_act": "fused"},
-                     "fastqwen+fused-conv": {"conv": "fused"},  # (the default)
+                     "fastqwen+fused-conv": {"conv": "fused"},  # (the decode conv only: a verify's as inductor's)
                      "fastqwen+separate-conv": {"conv": "separate"},
-                     "fastqwen+fused-verify-conv": {"conv": "fused-verify"},  # (a candidate: the verify's conv and gates too)
+                     "fastqwen+fused-verify-conv": {"conv": "fused-verify"},  # (the default: the verify's conv and gates too)
                      "fastqwen+serial-launch": {"launch": "serial"},
                      "fastqwen+cuda-int4": {"int4": "cuda"},  # (as fastqwen-int4+cuda-int4: the CUDA kernel,
                      "fastqwen+triton-int4": {"int4": "triton"},  # int4's "auto" on sm_90 with nvcc; Triton's)

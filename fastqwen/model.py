@@ -41,7 +41,7 @@ KERNELS = {"attention": ("split", "sdpa"), "experts": ("auto", "gather", "groupe
            "gdn": ("block", "unrolled", "fla"), "launch": ("auto", "serial", "pdl"),
            "splitk": ("sum", "fixup"), "gdn_norm": ("kernel", "separate", "fused"),
            "expert_act": ("auto", "separate", "fused", "mlp"), "route": ("auto", "argmax", "packed", "fused"),
-           "mlp_act": ("separate", "fused"), "conv": ("fused", "separate", "fused-verify"),
+           "mlp_act": ("separate", "fused"), "conv": ("fused-verify", "fused", "separate"),
            "int4": ("auto", "triton", "cuda"),
            "fp8_weight": ("triton", "cuda"), "reductions": ("persistent", "inductor"),
            "attn_glue": ("fused", "separate")}  # first: the default
@@ -124,10 +124,12 @@ def check_kernels(kernels: dict | None, cfg, device, fp8_experts: bool = False) 
     a GDN layer's depthwise conv at a one-position decode as inductor's kernels ("separate": the new window, its
     write into the cache, the output: three launches) or as one kernel of ours that also advances the cached
     window in place and sums the input projection's split-K partials as it loads them ("fused":
-    ops/conv.py conv_decode; the default since 2026-12-02: a 9B step 4486–4487 µs of device time against 4529,
-    a 35B-A3B step 2721 against 2739, each in a process of its own); "fused-verify": that, and a speculative
-    verify's conv and gates as one kernel of ours too, which sums x's, a's and b's partials and stores every
-    replay input of the commit (ops/conv.py verify_prologue, where inductor launches ~6: a candidate, 2026-12-06).
+    ops/conv.py conv_decode; a 9B step 4486–4487 µs of device time against 4529, a 35B-A3B step 2721 against
+    2739, each in a process of its own, 2026-12-02), a speculative verify's conv and gates then inductor's;
+    "fused-verify" (the default since 2026-12-06): that, and a speculative verify's conv and gates as one kernel
+    of ours too, which sums x's, a's and b's partials and stores every replay input of the commit (ops/conv.py
+    verify_prologue, where inductor launches ~6: a 16-layer 27B int4 verify of 16 took 2754 µs against 2800,
+    one H100).
     "int4": an int4 QuantLinear's products on up to
     16 rows (decode, MTP's and DFlash's verify, small batches) by the Triton weight-streaming kernel ("triton",
     ops/gemv.py) or by a CUDA C++ tensor-core kernel (ops/int4_cuda.py: built with nvcc on first use, compute

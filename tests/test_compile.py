@@ -134,12 +134,13 @@ print("HITS", counters["inductor"]["fxgraph_cache_hit"], "MISSES", counters["ind
     assert hits > 0 and misses == 0
 
 
-@pytest.mark.parametrize("kernels", [{}, {"conv": "fused-verify"}])
+@pytest.mark.parametrize("kernels", [{}, {"conv": "fused"}])
 def test_compiled_speculative_round_matches_eager_decoding(kernels):
     """The speculative round (verify, accept, the stacked-cache commit) compiled into one graph gives the
     plain eager tokens, with the optimize-time 3 drafts and with 2 asked for per call (its own graph), and
     calls after the first of each compile nothing new; each round graph stashes the verify inputs in place
-    (with "fused-verify" the verify_prologue op writes every replay input into the stacked buffers' views)."""
+    (by default the verify_prologue op writes every replay input into the stacked buffers' views; with "fused"
+    the model does)."""
     from fastqwen.bench import OracleProposer
 
     eager = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=128, compile=False)
@@ -233,11 +234,12 @@ def test_decode_step_norms_are_our_kernels_by_default():
 
 
 def test_verify_prologue_leaves_the_verify_no_conv_or_gate_kernel():
-    """kernels={"conv": "fused-verify"}: a speculative verify's GDN layers launch no inductor kernel for the conv
-    (the window's cat, the taps, silu), the gates (-exp(A_log), softplus, sigmoid) or their replay writes: the
-    verify_prologue op does all of it; by default inductor writes those kernels (the control), more of them."""
-    default = decode_kernel_names(verify=5)
-    fused = decode_kernel_names("conv=fused-verify", verify=5)
+    """kernels={"conv": "fused-verify"} (the default): a speculative verify's GDN layers launch no inductor kernel
+    for the conv (the window's cat, the taps, silu), the gates (-exp(A_log), softplus, sigmoid) or their replay
+    writes: the verify_prologue op does all of it; with "fused" inductor writes those kernels (the control), more
+    of them."""
+    default = decode_kernel_names("conv=fused", verify=5)
+    fused = decode_kernel_names(verify=5)
     gates_or_conv = ("softplus", "sigmoid", "exp_neg", "transpose")
     assert [n for n in default if any(part in n for part in gates_or_conv)], default
     assert not [n for n in fused if any(part in n for part in gates_or_conv)], fused

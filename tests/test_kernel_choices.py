@@ -43,7 +43,7 @@ ALL = {"attention": "sdpa", "experts": "grouped", "projections": "separate", "li
                                                   ("tiny", {"linears": "torch"}, False),
                                                   ("tiny", {"gdn_norm": "fused"}, True),
                                                   ("tiny", {"conv": "separate"}, True),
-                                                  ("tiny", {"conv": "fused-verify"}, True),
+                                                  ("tiny", {"conv": "fused"}, True),
                                                   ("tiny", {"attn_glue": "separate"}, True),
                                                   ("tiny", {"gdn_norm": "separate"}, True),
                                                   ("tiny", {"gdn_norm": "kernel", "linears": "gemv"}, True),
@@ -66,7 +66,7 @@ def test_alternative_kernels_give_the_default_tokens(name, kernels, compile):
                                                "linears": "auto", "gdn": "block", "launch": "serial", "splitk": "sum",
                                                "gdn_norm": "kernel",
                                                "expert_act": "separate", "route": "argmax", "mlp_act": "separate",
-                                               "conv": "fused", "int4": "triton", "fp8_weight": "triton",
+                                               "conv": "fused-verify", "int4": "triton", "fp8_weight": "triton",
                                                "reductions": "persistent", "attn_glue": "fused", **grouped_auto,
                                                **kernels}
     ids, mask = left_padded([torch.randint(1, 500, (n,)) for n in (17, 5)])
@@ -377,9 +377,10 @@ def test_speculative_verify_with_our_gdn_kernels_is_token_identical(gdn):
 
 @pytest.mark.parametrize("compile", [False, True])
 def test_verify_prologue_stores_the_replay_and_is_token_identical(compile, monkeypatch):
-    """kernels={"conv": "fused-verify"}: a speculative verify's conv and gates go through verify_prologue (x, a, b
-    as the projection's outputs or partials; off CUDA its reference), which stores every replay input of the
-    commit; plain and speculative tokens are the default's, compiled or not."""
+    """kernels={"conv": "fused-verify"} (the default): a speculative verify's conv and gates go through
+    verify_prologue (x, a, b as the projection's outputs or partials; off CUDA its reference), which stores every
+    replay input of the commit; plain and speculative tokens are those of "fused" (the model's own gates and
+    replay writes), compiled or not."""
     import fastqwen.model as model_module
     from fastqwen.bench import OracleProposer
 
@@ -387,10 +388,10 @@ def test_verify_prologue_stores_the_replay_and_is_token_identical(compile, monke
     if not compile:  # (a spy in a compiled step would guard on the list: the calls are counted eagerly)
         monkeypatch.setattr(model_module, "verify_prologue", lambda x, *a: calls.append(x.shape[-2]) or real(x, *a))
     ids, mask = left_padded([torch.randint(1, 500, (n,)) for n in (17, 5)])
-    default = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=96, compile=False)
-    want = default.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20)
-    m = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=96, compile=compile,
-                          kernels={"conv": "fused-verify"})
+    control = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=96, compile=False,
+                                kernels={"conv": "fused"})
+    want = control.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20)
+    m = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=96, compile=compile)
     assert torch.equal(m.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20), want)
     assert not calls  # (decode: conv_decode, as "fused")
     m._fastqwen.enable_speculation(OracleProposer(want[:, ids.shape[1]:], 0.3, m.config.vocab_size), 4)

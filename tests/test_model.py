@@ -100,7 +100,8 @@ def test_gated_delta_rule_ops_get_inputs_their_kernels_read_in_place(monkeypatch
     """A prompt's ops (fla's kernels) get q, k, v, a, b contiguous: the ops' own .contiguous() would be eager
     copies inside the step. A verify block's op gets the conv's packed output qkv [B, T, C] contiguous (q, k
     and v split inside it, read in place by the unrolled kernel), with a and b as views of the fused
-    projection: the unrolled kernel reads them at their strides."""
+    projection: the unrolled kernel reads them at their strides (kernels["conv"] "fused"; under the default
+    "fused-verify" a and b come out of the verify prologue's kernel, contiguous)."""
     import fastqwen.model as fm
     from fastqwen.bench import OracleProposer
 
@@ -111,7 +112,8 @@ def test_gated_delta_rule_ops_get_inputs_their_kernels_read_in_place(monkeypatch
             seen.append((_name, args[0].shape[1], [t.is_contiguous() for t in tensors]))
             return _op(*args)
         monkeypatch.setattr(fm, name, record)
-    model = fastqwen.optimize(fresh("tiny"), max_batch_size=1, max_seq_len=96, compile=False, kernels={"gdn": gdn})
+    model = fastqwen.optimize(fresh("tiny"), max_batch_size=1, max_seq_len=96, compile=False,
+                              kernels={"gdn": gdn, "conv": "fused"})
     ids = torch.randint(1, 500, (1, 20))
     ref = model.generate(ids, max_new_tokens=6, do_sample=False)
     model._fastqwen.enable_speculation(OracleProposer(ref[:, 20:], 0.0, model.config.vocab_size), 4)
