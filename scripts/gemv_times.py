@@ -24,6 +24,16 @@ from fastqwen.ops import fp8_cuda, gemv, int4_cuda  # noqa: E402
 from bench_quant import SHAPES, SWEPT  # noqa: E402
 
 
+def timed_at(kernel: tuple, M: int, pair: int, int4: bool) -> bool:
+    """Whether the CUDA instance `kernel` (BATCH, pipelined, TARGET_BLOCKS, loads-only probe, fold, pair) is timed
+    at M rows: the loads-only probe up to 8 rows (it has no pair form); past 8 rows every pair choice; up to 8 rows
+    only the instance with the first --cuda-pair choice where it has a pair kernel (int4's BATCH 2 unpipelined)."""
+    batch, pipelined, _, probe, _, paired = kernel
+    if probe:
+        return M <= 8
+    return M > 8 or paired == pair * (int4 and (batch, pipelined) == (2, False))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--format", default="int4", choices=list(SWEPT))
@@ -95,9 +105,8 @@ def main():
                     x, fmt, q, s, z, False, N, x.shape[0], partials=True, pdl=args.pdl)
                 config = gemv.full_config(gemv.gemv_config(fmt, N, K, M))
             else:
-                if (kernel[3] and M > 8) or (kernel[5] != args.cuda_pair[0] * (int4 and kernel[:2] == (2, False))
-                                             and M <= 8):
-                    continue  # (the probe: up to 8 rows; the pair kernel: over 8 rows only)
+                if not timed_at(kernel, M, args.cuda_pair[0], int4):
+                    continue
                 if N % 16 or K % (128 if cuda_module is int4_cuda else 64):  # (the kernels' tiles)
                     print(f"| {args.tag} | {layer} | {N}x{K} | M={M} | cuda: shape not taken | — | — | — |")
                     continue

@@ -367,3 +367,20 @@ def test_gemv_fit_recovers_a_known_line(tmp_path):
                                               for line in out.splitlines()[2:])}
     assert fits == {"cuda batch 2 folded": ["1", "5", "4.00", "3.00", "0.00"],
                     "cuda batch 2 LOADS ONLY": ["1", "5", "1.50", "4.00", "0.00"]}
+
+
+def test_gemv_times_keeps_the_loads_only_probe_where_the_pair_kernel_is_the_default(monkeypatch):
+    """scripts/gemv_times.py's instance filter: with the pair kernel the default (--cuda-pair 1) the loads-only
+    probe, which has no pair form, is still timed up to 8 rows (it was skipped, so an H200 fit of 2026-12-06 got
+    no probe line); past 8 rows it is not; up to 8 rows one instance a BATCH (the first pair choice's), past 8
+    every pair choice."""
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1] / "scripts"))
+    from gemv_times import timed_at
+
+    probe, one = (2, False, 4096, True, False, 0), (2, False, 4096, False, 1, 1)
+    unpaired = (2, False, 4096, False, 1, 0)
+    assert timed_at(probe, 1, 1, True) and timed_at(probe, 8, 1, True) and not timed_at(probe, 9, 1, True)
+    assert timed_at(one, 1, 1, True) and not timed_at(unpaired, 1, 1, True)
+    assert timed_at(one, 16, 1, True) and timed_at(unpaired, 16, 1, True)
+    assert timed_at(unpaired, 1, 0, True) and timed_at((4, False, 4096, False, 0, 0), 1, 1, True)
+    assert timed_at((2, False, 4096, False, 0, 0), 1, 1, False)  # (fp8: no pair field to match)
