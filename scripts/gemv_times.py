@@ -48,10 +48,9 @@ def main():
                    help="the CUDA kernel's BATCH (groups loaded before any decode), each timed")
     p.add_argument("--cuda-pipelined", nargs="+", type=int, default=[int(int4_cuda.PIPELINED)], choices=[0, 1],
                    help="the CUDA int4 kernel with the next batch's loads in flight while one decodes (BATCH 2 only)")
-    p.add_argument("--cuda-fold", nargs="+", type=int, default=[int(int4_cuda.FOLD)], choices=[0, 1, 2],
+    p.add_argument("--cuda-fold", nargs="+", type=int, default=[int(int4_cuda.FOLD)], choices=[0, 1],
                    help="the CUDA int4 kernel with the zero folded out of its decode (int4_cuda.FOLD: BATCH 2 "
-                   "unpipelined, bf16 x up to 8 rows), each timed; 2: folded with x staged in shared memory "
-                   "(int4_cuda.STAGE_X, where its shared memory fits)")
+                   "unpipelined, bf16 x up to 8 rows), each timed")
     p.add_argument("--cuda-pair", nargs="+", type=int, default=[int(int4_cuda.PAIR)], choices=[0, 1],
                    help="the CUDA int4 kernel's 9 … 16-row instance as the pair kernel (int4_cuda.PAIR: two strips a "
                    "block), each timed at rows over 8")
@@ -113,17 +112,14 @@ def main():
                 batch, pipelined, cuda_module.TARGET_BLOCKS, probe, fold, pair = kernel
                 cuda_module.BATCH, int4_cuda.PAIR = batch, bool(pair)
                 splits = f"splits {cuda_module.plan(N, K)[0]}"
-                staged = False
                 if cuda_module is int4_cuda:
-                    int4_cuda.PIPELINED, int4_cuda.FOLD, int4_cuda.STAGE_X = pipelined, fold > 0, fold == 2
-                    staged = fold == 2 and M <= 8 and int4_cuda.stage_bytes(M, int4_cuda.plan(N, K)[1]) <= \
-                        int4_cuda.STAGE_MAX_BYTES
+                    int4_cuda.PIPELINED, int4_cuda.FOLD = pipelined, bool(fold)
                     run = ((lambda x, q, s, z: int4_cuda.loads_only(x, q, s, z, N)) if probe else  # noqa: E731
                            (lambda x, q, s, z: int4_cuda.int4_gemv(x, q, s, z, N, args.pdl)))
                 else:
                     run = lambda x, q, s, z: fp8_cuda.fp8_gemv(x, q, s, args.pdl)  # noqa: E731
                 config = (f"cuda batch {batch}{' pipelined' * pipelined}{' folded' * (fold > 0 and M <= 8)}"
-                          f"{' x staged' * staged}{' pair' * (int4 and int4_cuda.paired(N, M))} {splits}"
+                          f"{' pair' * (int4 and int4_cuda.paired(N, M))} {splits}"
                           f"{' LOADS ONLY' * probe}")
             if args.check and not (kernel != "triton" and kernel[3]):  # (not a loads-only probe)
                 got = run(x, *stored).sum(0)

@@ -71,13 +71,10 @@
 #   bars     issue #4's decode bars, each system alone in its process: BARS=27b (default: bf16, fp8-weight and int4,
 #            quantized lm_heads; ~4.5 min on an H100) or BARS=35b (bf16 and fp8-weight); BARS_ARGS adds bench arguments
 #   fit      int4's one-row GEMV as a fixed part plus a rate (docs/DESIGN-NOTES.md, "The int4 GEMV's time as a fixed part
-#            plus a rate"): the folded kernel, the staged-x candidate, the cluster-summed one (where built) and the
-#            loads-only probe on the 27B's layers and head, alone and then chained with PDL, and each one's line
-#            (scripts/gemv_fit.py: fixed µs + bytes ÷ TB/s; ~2.5 min); on an H200 it
-#            tells whether the load path or the decode's start and drain holds the rate at 78% of the read ceiling
-#   staged   the int4 staged-x candidate (int4_cuda.STAGE_X): per-layer times against the folded kernel and the
-#            loads-only probe (1 and 2 rows, with errors), then a 27B int4 step with STAGE_X off and on, each in a
-#            process of its own (~5 min); its GPU tests: CUDA_TESTS_K="folded" bash scripts/gpu_check.sh cuda-tests
+#            plus a rate"): the folded kernel, the cluster-summed one (where built) and the loads-only probe on the
+#            27B's layers and head, alone and then chained with PDL, and each one's line (scripts/gemv_fit.py: fixed
+#            µs + bytes ÷ TB/s; ~1.5 min on an H200); on an H200 it tells whether the load path or the decode's start
+#            and drain holds the rate at ~80% of the read ceiling
 #   pair     int4's pair kernel (int4_cuda.PAIR, the default past 8 rows): per-layer times at 9 and 16 rows against the
 #            one-strip instance, at TARGET_BLOCKS 2048 and 4096 (the plan counts 16-row strips, so the pair kernel's
 #            grid has half as many blocks), then a 27B int4 verify of 16 positions on the first 16 layers with PAIR off and on, each in a process
@@ -152,21 +149,13 @@ case "$stage" in
         else set -- --models qwen3.5-27b --systems fastqwen fastqwen-fp8-weight fastqwen-int4 --quant-lm-head; fi
         python scripts/bench.py "$@" $a --json "$out/bars_${BARS:-27b}.json" 2>&1 | grep -v "^\[transformers\]" \
           | tee "$out/bars_${BARS:-27b}.log" | grep -E "tok/s|step:|^\|" ;;
-  fit) folds="1 2$(grep -q CLUSTER_SUM fastqwen/ops/int4_cuda.py && echo ' 3')"
+  fit) folds="1$(grep -q CLUSTER_SUM fastqwen/ops/int4_cuda.py && echo ' 3')"
        for pdl in "" --pdl; do
          python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel cuda --cuda-fold $folds \
            --cuda-loads-only --rows 1 $pdl $([ -z "$pdl" ] && echo --check) 2>&1 | grep "^|" \
            | tee "$out/fit${pdl:+_pdl}.md" | cut -c1-140
        done
        python scripts/gemv_fit.py "$out"/fit.md "$out"/fit_pdl.md | tee "$out/fit_lines.md" ;;
-  staged) python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel cuda --cuda-fold 1 2 \
-            --cuda-loads-only --rows 1 2 --check 2>&1 | grep "^|" | tee "$out/staged_times.md"
-          for s in False True; do  # (a module flag: one process a setting, no --isolate)
-            python -c "import runpy, sys; import fastqwen.ops.int4_cuda as m; m.STAGE_X = $s; sys.argv[0] = 'bench'; \
-              runpy.run_path('scripts/bench.py', run_name='__main__')" --models qwen3.5-27b --systems fastqwen-int4 \
-              --quant-lm-head --n-long 288 --repeats 2 --no-autotune --json "$out/staged_$s.json" 2>&1 \
-              | grep -E "tok/s|step:"
-          done ;;
   pair) python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel cuda --rows 16 9 --cuda-pair 0 1 \
           --cuda-blocks 2048 4096 --check 2>&1 | grep "^|" | tee "$out/pair_times.md"
         for p in False True; do  # (a module flag: one process a setting)

@@ -6,10 +6,10 @@ bandwidth (docs/DESIGN-NOTES.md, 2026-12-03/04): its occupancy (18-25%) and the 
 it, which no launch config, layout or TMA ring changed. The register kernel feeds the tensor cores here (each lane
 issues its 16-byte weight loads for BATCH groups, and the scales, before it decodes any of them and before the PDL
 wait). The folded kernel (FOLD, the default for bf16 x up to 8 rows) takes the zero out of the decode
-(int4_gemv_fold): a 27B int4 step 1.027x faster on an H100; STAGE_X (a candidate, off) stages x in shared memory
-once a block for it (int4_gemv_staged: no byte permutes of x, half the MMAs). Past 8 rows (a DFlash verify) PAIR
+(int4_gemv_fold): a 27B int4 step 1.027x faster on an H100. Past 8 rows (a DFlash verify) PAIR
 gives each block two strips, so each load of x serves both (int4_gemv_pair). Removed after measuring slower
-(2026-12-05): a ring kernel (a producer warp feeding a shared-memory ring by bulk copies; 1.4-1.5x slower on an
+(2026-12-05/06): a staged-x kernel (x in shared memory once a block: fewer instructions, yet 0.8-2 µs a 27B layer
+slower on an H200), a ring kernel (a producer warp feeding a shared-memory ring by bulk copies; 1.4-1.5x slower on an
 H200), a stream kernel
 (one resident wave, even shares; a 9B step 1.23x slower), an async kernel (cp.async slots a warp; 5-14% slower) and
 instances at 8 blocks an SM or with two MMA chains: the kernel is bound by its own load → decode → MMA latency, not by
@@ -39,12 +39,6 @@ PIPELINED = False  # the next batch's loads in flight while a batch decodes (an 
 FOLD = True  # the folded kernel in place of BATCH 2 unpipelined for bf16 x up to 8 rows: the zero out of the decode
 # (sum (128 + q) x - (128 + z) sum x; 287 SASS instructions a 2-group loop against 333, 72 registers), relative
 # error a few 1e-6 against ~1e-7; a 27B int4 step 6997 µs against 7185 (one H100, 2026-12-05)
-STAGE_X = False  # a candidate: the folded kernel with x staged in shared memory once a block, as the B operands
-# (no byte permutes) with each group's sums of x (no all-ones MMAs): 240 SASS instructions a 2-group loop against
-# the folded kernel's 287, 62 registers (int4_gemv_staged). Where its shared memory fits STAGE_MAX_BYTES
-# (stage_bytes), else the folded kernel. On an H100 (2026-12-06) 0.3-1.5 µs a 27B layer slower at one row (the same
-# rate, ~0.7 µs more to start: the staging); off until an H200, whose rate is where it could pay, times it.
-STAGE_MAX_BYTES = 24 << 10  # (8 blocks an SM, as its 62 registers allow: 8 × (24 + 2 + 1) KB of the 228)
 PAIR = True  # 9 … 16 rows by int4_gemv_pair (two strips a block: each load of x serves both, where past 8 rows x's
 # loads outweigh the weights'), where N % 32 == 0; the same bits as the one-strip instance at one split. At 16 rows
 # on an H100 (2026-12-06) 6-30% faster on every 27B shape (gate | up 50.4 vs 64.6 µs, lm_head 317.1 vs 449.9), a
@@ -66,12 +60,6 @@ def variant(rows: int, bf16: bool = True) -> tuple[int, bool, bool]:
     if rows > 8:
         return min(BATCH, 4), False, False
     return BATCH, PIPELINED, FOLD and bf16 and BATCH == 2 and not PIPELINED
-
-
-def stage_bytes(rows: int, groups_per_split: int) -> int:
-    """The staged kernel's shared memory a block: its split's x as B operands (16-byte words, 16 a group and row)
-    and the groups' x sums (8 floats a group)."""
-    return groups_per_split * (16 * rows * 16 + 8 * 4)
 
 
 def paired(N: int, rows: int) -> bool:
@@ -120,7 +108,6 @@ def _launch(x, w, scale, zero, out_features, pdl, one_split, loads_only) -> torc
     x = cuda_build.aligned(x)
     bf16 = x.dtype == torch.bfloat16
     batch, pipelined, fold = (2, False, False) if loads_only else variant(x.shape[0], bf16)
-    fold = 2 if fold and STAGE_X and stage_bytes(x.shape[0], per) <= STAGE_MAX_BYTES else int(fold)
     out = torch.empty(splits, x.shape[0], out_features, device=x.device, dtype=torch.float32)
     err = library(cuda_build.device_arch(x.device, CHOICE))(
         x.data_ptr(), w.data_ptr(), scale.data_ptr(), zero.data_ptr(), out.data_ptr(), x.shape[0], out_features,

@@ -22,22 +22,23 @@
 // of 8 B columns (NB = 2: two more MMAs a word).
 // Weights and scales are loaded before the PDL wait (they do not depend on the previous kernel); x after it.
 //
-// Three kernels (the entry point's `fold`):
+// Two kernels (the entry point's `fold`):
 //   int4_gemv_rows: a (N/16, splits) grid, each warp loading its own tiles, BATCH groups ahead, straight into
 //     registers; BATCH 2 unpipelined was the fastest instance on every 27B layer (H100 and H200);
 //   int4_gemv_fold (bf16 x, up to 8 rows; the default there): int4_gemv_rows' BATCH 2 unpipelined instance with the
 //     zero taken out of the decode and its position walked as pointers: a 27B int4 step 1.027x faster (H100);
-//   int4_gemv_staged (a candidate, int4_cuda.STAGE_X): int4_gemv_fold with x staged in shared memory once a block
-//     as B operands with each group's sums of x (no byte permutes, half the MMAs; on an H100 0.3-1.5 µs a 27B
-//     layer slower: the staging adds ~0.7 µs to the start, the rate is the folded kernel's).
 // and, past 8 rows, int4_gemv_pair (int4_cuda.PAIR, the default there: the entry point's `pair`): int4_gemv_rows'
 // two column blocks on two strips a block, one load of x for both (12-30% faster at 16 rows, H100).
 // Removed after measuring slower (2026-12-05, docs/DESIGN-NOTES.md): a ring kernel (a persistent grid whose producer
 // warp fed a shared-memory ring by bulk copies; 1.4-1.5x slower on an H200), a stream kernel (one resident wave
 // dealing the strips' groups evenly, optionally holding groups in shared memory before the PDL wait; a 9B step
 // 1.23x slower), an async kernel (each warp's groups through shared-memory slots by cp.async; 5-14% slower), and
-// instances at 8 blocks an SM or with two MMA chains (slower on every layer). The kernel is bound by its own load →
-// decode → MMA latency, not by HBM: with its weights resident in L2 it reads no faster (H100, 2026-12-05).
+// instances at 8 blocks an SM or with two MMA chains (slower on every layer); and (2026-12-06) a staged kernel (the
+// folded one with x copied into shared memory once a block as B operands with each group's sums of x: 240 SASS
+// instructions a loop against 287, yet 0.8-2 µs a 27B layer slower on an H200 and 0.3-1.5 on an H100; on the H200
+// 6.00 µs + bytes / 3.46 TB/s against 5.29 + bytes / 3.67: a longer start and no better rate for fewer
+// instructions). The kernel is bound by its own load → decode → MMA latency, not by HBM: with its weights resident
+// in L2 it reads no faster (H100, 2026-12-05).
 
 #include <cuda_fp16.h>
 
@@ -251,7 +252,7 @@ __global__ void __launch_bounds__(WARPS * 32, 4) int4_gemv_rows(const uint16_t* 
   strip_gemv::write_partials<NB>(sums, 1.f, 1.f, out, M, N, strip, split);  // (the groups' scales: applied)
 }
 
-// A walk over a warp's groups (int4_gemv_fold, int4_gemv_staged; int4_gemv_pair with STRIPS 2): at the current
+// A walk over a warp's groups (int4_gemv_fold; int4_gemv_pair with STRIPS 2): at the current
 // group g, the lane's words of the tile of each of STRIPS consecutive strips and the scales and zeros of (row l/4,
 // g) and (row l/4 + 8, g) of each; load(g0) takes groups g0 and g0 + WARPS (those < g_end) into registers, next()
 // steps the walk by 2 WARPS groups (pointers, not indices; strip s at a fixed offset from the first).
@@ -472,96 +473,6 @@ __global__ void __launch_bounds__(WARPS * 32, 7) int4_gemv_fold(const uint16_t* 
   strip_gemv::write_partials<NB>(sums, 1.f, 1.f, out, M, N, strip, split);  // (the groups' scales: applied)
 }
 
-// The sum of 8 bf16 values (a uint4 of x) in fp32, in a fixed order.
-__device__ __forceinline__ float bf16x8_sum(uint4 v) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-  float s = 0.f;
-#pragma unroll
-  for (int k = 0; k < 4; ++k) s += __uint_as_float(w[k] << 16) + __uint_as_float(w[k] & 0xFFFF0000u);
-  return s;
-}
-
-// The staged kernel (int4_cuda.STAGE_X, a candidate; bf16 x, up to 8 rows): the folded kernel with x's work done
-// once a block instead of once a group a warp. After the PDL wait the block copies its split's x columns into
-// shared memory already in the B operand's order (x_operands' byte permutes) and sums each group's 128 columns
-// of each x row in fp32 (a fixed order: a half-warp's shuffles); the group loop then reads its B operands and
-// x sums there and runs the codes' 8 MMAs a group only (the folded kernel's 8 all-ones MMAs and 16 byte permutes
-// a group and lane are gone). Dynamic shared memory (int4_cuda.stage_bytes): [group of the split][word i][x row
-// < M][lane % 4] uint4 B operands (conflict-free: lane l reads word (row l/4, l%4)), then float sums [group][8
-// rows] (rows M .. 7 zero). Same grid, split plan, group order and code MMAs as int4_gemv_fold.
-__global__ void __launch_bounds__(WARPS * 32, 7) int4_gemv_staged(const uint16_t* x, const uint4* __restrict__ w,
-                                                                  const __half* scale, const uint8_t* zero,
-                                                                  float* __restrict__ out, int M, int N, int K,
-                                                                  int groups_per_split, uint32_t magic) {
-  extern __shared__ uint4 staged[];
-  const int G = K / 128, strip = blockIdx.x, split = blockIdx.y;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int g_first = split * groups_per_split, g_begin = g_first + warp, g_end = min(G, g_first + groups_per_split);
-  float* xsum = reinterpret_cast<float*>(staged + (size_t)groups_per_split * 16 * M);
-  FoldWalk<> wk(w, scale, zero, N, G, strip, lane, g_begin, g_end);
-  wk.load(g_begin);  // (weights: before the wait)
-  asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the previous kernel's output (PDL)
-  // item t: x row `row` of the split's group lg at columns 32 c + 8 i (j = 4 c + i); a half-warp holds one
-  // (group, row)'s 16 items, so its shuffles sum that row's 128 columns
-  const int items = (g_end - g_first) * M * 16;
-  for (int base = 0; base < items; base += WARPS * 32) {
-    const int t = base + threadIdx.x, j = t % 16, row = (t / 16) % M, lg = t / 16 / M;
-    float s = 0.f;
-    if (t < items) {
-      const uint4 v = *reinterpret_cast<const uint4*>(x + (size_t)row * K + (size_t)(g_first + lg) * 128 + 8 * j);
-      staged[((lg * 4 + j % 4) * M + row) * 4 + j / 4] =
-          make_uint4(__byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632), __byte_perm(v.y, v.w, 0x5410),
-                     __byte_perm(v.y, v.w, 0x7632));
-      s = bf16x8_sum(v);
-    }
-#pragma unroll
-    for (int d = 8; d > 0; d /= 2) s += __shfl_xor_sync(0xFFFFFFFFu, s, d);
-    if (t < items && j == 0) xsum[lg * 8 + row] = s;
-  }
-  for (int t = threadIdx.x; t < (g_end - g_first) * 8; t += WARPS * 32) {
-    if (t % 8 >= M) xsum[t] = 0.f;
-  }
-  __syncthreads();
-  // at the warp's current group: its B operands (word i at + i * 4 M; (row l/4, l%4) is word lane of each) and
-  // the sums of x rows 2 (l%4) and + 1
-  const int word = 4 * M, group = 16 * M;
-  const uint4* xp = staged + (size_t)warp * group + lane;
-  const float* xsp = xsum + warp * 8 + 2 * (lane % 4);
-  const bool has_x = lane / 4 < M;
-  float sums[1][4] = {};
-  for (int g0 = g_begin; g0 < g_end; g0 += 2 * WARPS) {
-    if (g0 != g_begin) wk.load(g0);
-#pragma unroll
-    for (int t = 0; t < 2; ++t) {
-      if (g0 + t * WARPS < g_end) {
-        uint4 xb[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) xb[i] = has_x ? xp[t * WARPS * group + i * word] : make_uint4(0, 0, 0, 0);
-        const float2 xs = *reinterpret_cast<const float2*>(xsp + t * WARPS * 8);
-        const uint4 a = wk.ta[0][t], b = wk.tb[0][t];
-        const uint32_t wa[4] = {a.x, a.y, a.z, a.w}, wb[4] = {b.x, b.y, b.z, b.w};
-        float c[4] = {};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          uint32_t lo[4], hi[4];
-          plus_magic_operands(wa[i], wb[i], magic, lo, hi);
-          strip_gemv::mma<true>(c, lo, xb[i].x, xb[i].y);
-          strip_gemv::mma<true>(c, hi, xb[i].z, xb[i].w);
-        }
-        const float neg_a = wk.neg_a(0, t), neg_b = wk.neg_b(0, t);  // -(MAGIC + z), as int4_gemv_fold
-        sums[0][0] = fmaf(wk.sa[0][t], fmaf(neg_a, xs.x, c[0]), sums[0][0]);
-        sums[0][1] = fmaf(wk.sa[0][t], fmaf(neg_a, xs.y, c[1]), sums[0][1]);
-        sums[0][2] = fmaf(wk.sb[0][t], fmaf(neg_b, xs.x, c[2]), sums[0][2]);
-        sums[0][3] = fmaf(wk.sb[0][t], fmaf(neg_b, xs.y, c[3]), sums[0][3]);
-      }
-    }
-    wk.next();
-    xp += 2 * WARPS * group;
-    xsp += 2 * WARPS * 8;
-  }
-  strip_gemv::write_partials<1>(sums, 1.f, 1.f, out, M, N, strip, split);  // (the groups' scales: applied)
-}
-
 }  // namespace
 
 template <bool BF16, int BATCH, bool PIPE, int NB, bool PROBE = false>
@@ -576,24 +487,19 @@ cudaError_t launch(const cudaLaunchConfig_t& config, const void* x, const void* 
 
 // The instance for M rows, (batch, pipe), the loads-only probe and the fold as one key: one column block of 8 x
 // rows (M <= 8) or two (M <= 16, BATCH 2 or 4 unpipelined: the others would spill); the probe and the folded
-// kernels (fold 1: int4_gemv_fold, 2: int4_gemv_staged; bf16 x only) with BATCH 2 unpipelined at one column block
+// kernel (fold 1: int4_gemv_fold; bf16 x only) with BATCH 2 unpipelined at one column block
 // only; pair: two column blocks' BATCH 2 instance as int4_gemv_pair (two strips a block); -1 where there is none.
 static int variant_key(int M, int batch, int pipe, int probe, int fold, int bf16, int pair) {
   const int key = (M > 8) * 100 + batch * 2 + (pipe != 0);
-  if (fold < 0 || fold > 2 || ((probe || fold) && (key != 4 || (probe && fold) || (fold && !bf16))) ||
+  if (fold < 0 || fold > 1 || ((probe || fold) && (key != 4 || (probe && fold) || (fold && !bf16))) ||
       (pair && key != 104))
     return -1;
   switch (key) {
     case 104: return pair ? 32104 : key;
     case 4: case 5: case 8: case 16: case 108:
-      return key + (fold == 1) * 4000 + (fold == 2) * 16000 + (probe != 0) * 8000;
+      return key + (fold == 1) * 4000 + (probe != 0) * 8000;
     default: return -1;
   }
-}
-
-// The staged kernel's dynamic shared memory: its split's x columns as B operands and its groups' x sums.
-static size_t staged_bytes(int M, int groups_per_split) {
-  return (size_t)groups_per_split * (16 * M * sizeof(uint4) + 8 * sizeof(float));
 }
 
 template <bool BF16>
@@ -619,13 +525,6 @@ cudaError_t launch_variant(int key, const cudaLaunchConfig_t& config, const void
                                   static_cast<const uint8_t*>(zero), out, M, N, K, groups_per_split,
                                   Pairs<true>::MAGIC);
       return cudaErrorInvalidValue;
-    case 16004:  // (the staged kernel: bf16 x only; its shared memory set by the caller)
-      if constexpr (BF16)
-        return cudaLaunchKernelEx(&config, int4_gemv_staged, static_cast<const uint16_t*>(x),
-                                  static_cast<const uint4*>(w), static_cast<const __half*>(scale),
-                                  static_cast<const uint8_t*>(zero), out, M, N, K, groups_per_split,
-                                  Pairs<true>::MAGIC);
-      return cudaErrorInvalidValue;
     default: return cudaErrorInvalidValue;
   }
 }
@@ -638,9 +537,8 @@ constexpr size_t PROBE_BYTES = 30 * 1024 - WARPS * 8 * 16 * sizeof(float);  // (
 // Launches the kernel on `stream` of GPU `device`; returns the cudaError_t, cudaErrorInvalidValue (1) before
 // touching the GPU where the arguments are out of the kernel's range: N % 16, K % 128, a split plan that leaves a
 // split empty or a group out, M outside 1 .. 16, a (batch, pipe) with no instance for M (batch 2, 4 or 8, only 2 or
-// 4 past 8 rows; pipe only with batch 2 and M <= 8). fold (0, 1 or 2): 1 the folded kernel instead (int4_gemv_fold:
-// BATCH 2 unpipelined, up to 8 rows of bf16 x), 2 the staged one (int4_gemv_staged: the same, its shared memory
-// within 48 KB). loads_only: the register kernel's probe of its load path (BATCH 2
+// 4 past 8 rows; pipe only with batch 2 and M <= 8). fold (0 or 1): 1 the folded kernel instead (int4_gemv_fold:
+// BATCH 2 unpipelined, up to 8 rows of bf16 x). loads_only: the register kernel's probe of its load path (BATCH 2
 // unpipelined, up to 8 rows; out all zeros). pdl: programmatic dependent launch (the kernel waits before reading x).
 // pair: two strips a block (int4_gemv_pair: 9 … 16 rows, BATCH 2 unpipelined, N % 32 == 0; a grid of N / 32 blocks
 // by splits).
@@ -649,8 +547,7 @@ extern "C" int fastqwen_int4_gemv(const void* x, const void* w, const void* scal
                                   int fold, int loads_only, int bf16, int pair, int pdl, int device,
                                   void* stream) {
   const int key = variant_key(M, batch, pipe, loads_only, fold, bf16, pair);
-  if (!strip_gemv::shape_ok(M, N, K, 128, splits, groups_per_split) || key < 0 || (pair && N % 32) ||
-      (key == 16004 && staged_bytes(M, groups_per_split) > (48 << 10)))  // (the most without an opt-in)
+  if (!strip_gemv::shape_ok(M, N, K, 128, splits, groups_per_split) || key < 0 || (pair && N % 32))
     return static_cast<int>(cudaErrorInvalidValue);
   cudaLaunchConfig_t config;
   cudaLaunchAttribute attribute;
@@ -658,7 +555,6 @@ extern "C" int fastqwen_int4_gemv(const void* x, const void* w, const void* scal
     return static_cast<int>(e);
   if (pair) config.gridDim.x = N / 32;
   if (loads_only) config.dynamicSmemBytes = PROBE_BYTES;  // (as many blocks an SM as the kernel it probes)
-  if (key == 16004) config.dynamicSmemBytes = staged_bytes(M, groups_per_split);
   return static_cast<int>(bf16 ? launch_variant<true>(key, config, x, w, scale, zero, out, M, N, K, groups_per_split)
                                : launch_variant<false>(key, config, x, w, scale, zero, out, M, N, K,
                                                        groups_per_split));
