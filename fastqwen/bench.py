@@ -38,6 +38,7 @@ CANDIDATE_SYSTEMS = {"fastqwen+split-attention": {"attention": "split"},  # (the
                      "fastqwen+fused-expert-act": {"expert_act": "fused"},  # (the default with grouped: "auto")
                      "fastqwen+separate-expert-act": {"expert_act": "separate"},
                      "fastqwen+one-launch-experts": {"expert_act": "mlp"},
+                     "fastqwen+paired-expert-act": {"expert_act": "paired"},
                      "fastqwen+packed-route": {"route": "packed"},
                      "fastqwen+argmax-route": {"route": "argmax"},
                      "fastqwen+fused-route": {"route": "fused"},  # (the default with grouped: "auto")

@@ -40,7 +40,7 @@ KERNELS = {"attention": ("split", "sdpa"), "experts": ("auto", "gather", "groupe
            "projections": ("fused", "separate"), "linears": ("auto", "torch", "gemv"),
            "gdn": ("block", "unrolled", "fla"), "launch": ("auto", "serial", "pdl"),
            "splitk": ("sum", "fixup"), "gdn_norm": ("kernel", "separate", "fused"),
-           "expert_act": ("auto", "separate", "fused", "mlp"), "route": ("auto", "argmax", "packed", "fused"),
+           "expert_act": ("auto", "separate", "fused", "mlp", "paired"), "route": ("auto", "argmax", "packed", "fused"),
            "mlp_act": ("separate", "fused"), "conv": ("fused-verify", "fused", "separate"),
            "int4": ("auto", "triton", "cuda"),
            "fp8_weight": ("triton", "cuda"), "reductions": ("persistent", "inductor"),
@@ -103,7 +103,11 @@ def check_kernels(kernels: dict | None, cfg, device, fp8_experts: bool = False) 
     layer; bf16 and fp8 experts, while int4 ones keep the separate kernel; needs "experts" grouped or
     grouped-pdl and a SiLU MLP), or gate | up, activation and down all in one launch whose down tiles load
     their weights while the gate | up tiles still run ("mlp": ops/expert_mlp.py; bf16 and fp8-weight experts,
-    fp8 ones as "fused", int4 ones as "separate"). "route": the grouped experts' routing kernel's k rounds as
+    fp8 ones as "fused", int4 ones as "separate"), or computed by the gate | up launch in its epilogue, each
+    program taking gate rows and the matching up rows, one split, and read by the down launch as its x
+    ("paired": ops/gemv.py expert_glu_gemv; no partials and no activation launch, so the down launch follows
+    the gate | up one directly under PDL; bf16 and fp8 experts, int4 ones as "separate"; a candidate).
+    "route": the grouped experts' routing kernel's k rounds as
     a max then a min over the indices holding it, in 4 warps ("argmax"), or as one max over (logit, index) keys
     packed into an int64, in one warp ("packed": no shared memory, no barrier; same experts and weights;
     ops/router.py; needs "experts" grouped or grouped-pdl), or for one token the router matmul and packed
@@ -176,12 +180,13 @@ def check_kernels(kernels: dict | None, cfg, device, fp8_experts: bool = False) 
     if kernels["expert_act"] == "auto":
         silu = grouped and getattr(cfg, "hidden_act", "silu") == "silu"
         kernels["expert_act"] = "fused" if silu and not fp8_experts else "separate"
-    for op, choice in (("expert_act", "fused"), ("expert_act", "mlp"), ("route", "packed"), ("route", "fused")):
+    for op, choice in (("expert_act", "fused"), ("expert_act", "mlp"), ("expert_act", "paired"), ("route", "packed"),
+                       ("route", "fused")):
         if kernels[op] == choice and kernels["experts"] not in ("grouped", "grouped-pdl"):
             raise ValueError(f"kernels[{op!r}]={choice!r} is a grouped-experts kernel: set kernels['experts'] to "
                              f"'grouped' or 'grouped-pdl' (it is {kernels['experts']!r})")
     for op in ("expert_act", "mlp_act"):
-        if kernels[op] in ("fused", "mlp") and getattr(cfg, "hidden_act", "silu") != "silu":
+        if kernels[op] in ("fused", "mlp", "paired") and getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"kernels[{op!r}]={kernels[op]!r} computes SiLU; this model's hidden_act is "
                              f"{cfg.hidden_act!r}: use 'separate'")
     if kernels["mlp_act"] == "fused" and (kernels["projections"] != "fused" or kernels["linears"] == "torch"):

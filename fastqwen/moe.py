@@ -15,7 +15,7 @@ import torch
 
 from .linears import Linears
 from .ops.expert_mlp import expert_mlp
-from .ops.gemv import BF16, expert_gemv, expert_swiglu_gemv
+from .ops.gemv import BF16, expert_gemv, expert_glu_gemv, expert_swiglu_gemv
 from .ops.router import reference as route_reference
 from .ops.router import route, router_route
 
@@ -102,12 +102,14 @@ def routed_moe(mlp, h: torch.Tensor, grouped: bool = False, lin: Linears | None 
     (with grouped): the routing and the expert launches with programmatic dependent launch. expert_act (with
     grouped, experts whose act_fn is SiLU; "separate": a kernel of its own between the two expert launches):
     "fused", the down launch computes silu(gate)·up from the gate | up launch's partials as it loads them
-    (ops/gemv.py expert_swiglu_gemv); "mlp", gate | up, the activation and down in one launch on CUDA
-    (ops/expert_mlp.py; bf16 and fp8-weight experts, the others as "fused"); quantized experts
-    (QuantExperts.routed, their own kernel launches on CUDA) do so in bf16 and fp8, while int4 ones keep a
-    kernel for the activation. route_kernel (with grouped): the routing kernel's rounds, "argmax" or "packed"
-    (one-warp packed keys), or "fused": one token's router matmul and routing in one launch (packed rounds;
-    ops/router.py router_route; more tokens, or a router the kernel does not take, as "packed")."""
+    (ops/gemv.py expert_swiglu_gemv); "paired", the gate | up launch computes it in its epilogue, its programs
+    taking gate and up rows in pairs (ops/gemv.py expert_glu_gemv), and the down launch reads it; "mlp", gate |
+    up, the activation and down in one launch on CUDA (ops/expert_mlp.py; bf16 and fp8-weight experts, the
+    others as "fused"); quantized experts (QuantExperts.routed, their own kernel launches on CUDA) do so in
+    bf16 and fp8, while int4 ones keep a kernel for the activation whatever is asked. route_kernel (with
+    grouped): the routing kernel's rounds, "argmax" or "packed" (one-warp packed keys), or "fused": one token's
+    router matmul and routing in one launch (packed rounds; ops/router.py router_route; more tokens, or a
+    router the kernel does not take, as "packed")."""
     shape = h.shape
     x = h.reshape(-1, shape[-1])
     stacked = mlp.__dict__.get("fastqwen_stacked") if grouped else None
@@ -131,6 +133,9 @@ def routed_moe(mlp, h: torch.Tensor, grouped: bool = False, lin: Linears | None 
         pair_expert = experts.flatten().int()
         if expert_act == "mlp":  # (k pairs a token)
             out = expert_mlp(x, pair_expert, BF16, gate_up, None, down, None, x.dtype)
+        elif expert_act == "paired":
+            act = expert_glu_gemv(x, pair_expert, BF16, gate_up, None, x.dtype, pdl=pdl)  # [N·k, I]
+            out = expert_gemv(act, None, pair_expert, BF16, down, None, None, down.shape[1], pdl=pdl).sum(0)
         elif expert_act == "fused":
             parts = expert_gemv(x, None, pair_expert, BF16, gate_up, None, None, gate_up.shape[1], pdl=pdl)
             out = expert_swiglu_gemv(parts, pair_expert, BF16, down, None, down.shape[1], x.dtype, pdl=pdl).sum(0)

@@ -1,5 +1,7 @@
 """Kernel-level A/B of a MoE decode layer's kernels: the routed experts' gated MLP in two launches (ops/gemv.py
-expert_gemv, then expert_swiglu_gemv with the activation on load) against one (ops/expert_mlp.py expert_mlp);
+expert_gemv, then expert_swiglu_gemv with the activation on load) against one (ops/expert_mlp.py expert_mlp), and
+the two-launch forms with and without PDL: the activation on load ("fused") or in the gate | up launch's epilogue
+(expert_glu_gemv, then expert_gemv: "paired");
 and one token's router matmul and routing in two launches (the weight-streaming kernel's split-K partials, then
 ops/router.py route, packed) against one (router_route), with and without PDL.
 
@@ -26,7 +28,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from fastqwen.ops.expert_mlp import CONFIG, launch  # noqa: E402
 from fastqwen.linears import Linears  # noqa: E402
-from fastqwen.ops.gemv import BF16, FP8_ROW, expert_gemv, expert_swiglu_gemv  # noqa: E402
+from fastqwen.ops.gemv import BF16, FP8_ROW, expert_gemv, expert_glu_gemv, expert_swiglu_gemv  # noqa: E402
 from fastqwen.ops.router import FUSED_CONFIG, fused_launch, route  # noqa: E402
 from fastqwen.quant.formats import quantize_fp8_rows  # noqa: E402
 
@@ -130,7 +132,18 @@ def main():
         def one(config):
             return lambda: [launch(x, exp, fmt, *w1, *w2, torch.bfloat16, config) for w1, w2, exp in layers]
 
-        graphs = {"two": captured(two), **{c: captured(one(c)) for c in configs}}
+        def fused(pdl):
+            return lambda: [expert_swiglu_gemv(expert_gemv(x, None, exp, fmt, *w1, None, 2 * I, False, pdl), exp, fmt,
+                                               *w2, H, torch.bfloat16, False, pdl) for w1, w2, exp in layers]
+
+        def paired(pdl):
+            return lambda: [expert_gemv(expert_glu_gemv(x, exp, fmt, *w1, torch.bfloat16, False, pdl), None, exp, fmt,
+                                        *w2, None, H, False, pdl) for w1, w2, exp in layers]
+
+        forms = {f"{name} {form}, pdl {pdl}": f(pdl) for form, f in (("fused", fused), ("paired", paired))
+                 for pdl in (False, True)}
+        graphs = {"two": captured(two), **{c: captured(one(c)) for c in configs},
+                  **{form: captured(fn) for form, fn in forms.items()}}
         best = timed(graphs, args.rounds)
         a = torch.stack([parts.sum(0) for parts in graphs["two"][1]])
         two_us = best["two"] / L
@@ -138,6 +151,9 @@ def main():
             diff = ((torch.stack(graphs[c][1]) - a).norm() / a.norm()).item()
             one_us = best[c] / L
             print(f"| {name} | {':'.join(map(str, c))} | {two_us:.2f} | {one_us:.2f} | {one_us / two_us:.3f} | {diff:.1e} |")
+        for form in forms:  # (rows of their own: two launches, the activation on load or in the epilogue)
+            diff = ((torch.stack([parts.sum(0) for parts in graphs[form][1]]) - a).norm() / a.norm()).item()
+            print(f"| {form} | — | {two_us:.2f} | {best[form] / L:.2f} | {best[form] / L / two_us:.3f} | {diff:.1e} |")
         del layers, graphs
         torch.cuda.empty_cache()
     asked = [tuple(int(v) for v in c.split(":")) for c in args.router_configs]

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..ops.expert_mlp import KERNEL_FORMATS as MLP_FORMATS
 from ..ops.expert_mlp import expert_mlp
-from ..ops.gemv import FORMATS, INT4, STEP, expert_gemv, expert_swiglu_gemv
+from ..ops.gemv import FORMATS, INT4, STEP, expert_gemv, expert_glu_gemv, expert_swiglu_gemv
 from .formats import dequantize_weight, fake_quantize_fp8_activations, quantize_weight, tile_int4
 
 _MATRICES = ("gate_up", "down")
@@ -41,13 +41,16 @@ def _experts_rows(q: torch.Tensor) -> tuple[int, int]:
 
 def kernel_path(scheme: str, act: str) -> str:
     """The launches QuantExperts.routed runs on CUDA for `scheme` and the asked activation `act`: "mlp" (the
-    whole MLP in one launch: fp8-weight), "fused" (the down launch computes the activation: fp8 schemes) or
-    "separate" (int4, and what is asked)."""
-    if act not in ("separate", "fused", "mlp"):
-        raise ValueError(f"expert activation {act!r}: choose 'separate', 'fused' or 'mlp'")
+    whole MLP in one launch: fp8-weight), "fused" (the down launch computes the activation: fp8 schemes),
+    "paired" (the gate | up launch computes it in its epilogue: fp8 schemes) or "separate" (int4, and what is
+    asked)."""
+    if act not in ("separate", "fused", "mlp", "paired"):
+        raise ValueError(f"expert activation {act!r}: choose 'separate', 'fused', 'mlp' or 'paired'")
     if act == "mlp" and FORMATS[scheme] in MLP_FORMATS:
         return "mlp"
-    return "fused" if act in ("fused", "mlp") and FORMATS[scheme] != INT4 else "separate"
+    if FORMATS[scheme] == INT4 or act == "separate":
+        return "separate"
+    return "paired" if act == "paired" else "fused"
 
 
 class QuantExperts(nn.Module):
@@ -173,8 +176,10 @@ class QuantExperts(nn.Module):
         act (act_fn SiLU; "separate": a kernel of its own): "fused", on CUDA the down launch computes
         silu(gate)·up from the gate | up launch's partials as it loads them (expert_swiglu_gemv), a launch less
         (fp8 schemes; int4 keeps it separate); "mlp", fp8-weight experts run gate | up, the activation and down
-        in one launch (ops/expert_mlp.py), the fp8 scheme as "fused", int4 as "separate". pdl (kernels experts
-        "grouped-pdl"): the weight-streaming launches with programmatic dependent launch (not the one-launch MLP)."""
+        in one launch (ops/expert_mlp.py), the fp8 scheme as "fused", int4 as "separate"; "paired" (fp8
+        schemes), the gate | up launch computes it in its epilogue (expert_glu_gemv) and the down launch reads
+        it. pdl (kernels experts "grouped-pdl"): the weight-streaming launches with programmatic dependent launch
+        (not the one-launch MLP)."""
         N, k = experts.shape
         pair_expert = experts.flatten()
         if x.is_cuda and self._kernel_fits():
@@ -185,14 +190,19 @@ class QuantExperts(nn.Module):
             if path == "mlp":
                 y = expert_mlp(x, pe, fmt, gu["qweight"], gu.get("scale"), dn["qweight"], dn.get("scale"), x.dtype)
                 return y.view(N, k, self.hidden).to(x.dtype)
-            parts = expert_gemv(x, None, pe, fmt, gu["qweight"], gu.get("scale_inv", gu.get("scale")),
-                                gu.get("zero"), 2 * self.inter, quant_x, pdl)
+            gu_scale = gu.get("scale_inv", gu.get("scale"))
             down = dn["qweight"], dn.get("scale_inv", dn.get("scale"))
+            if path == "paired":
+                h = expert_glu_gemv(x, pe, fmt, gu["qweight"], gu_scale, x.dtype, quant_x, pdl)
+            else:
+                parts = expert_gemv(x, None, pe, fmt, gu["qweight"], gu_scale, gu.get("zero"), 2 * self.inter,
+                                    quant_x, pdl)
             if path == "fused":
                 y = expert_swiglu_gemv(parts, pe, fmt, *down, self.hidden, x.dtype, quant_x, pdl)
             else:
-                gate, up = parts.sum(0).chunk(2, dim=-1)
-                h = (self.act_fn(gate) * up).to(x.dtype)
+                if path == "separate":
+                    gate, up = parts.sum(0).chunk(2, dim=-1)
+                    h = (self.act_fn(gate) * up).to(x.dtype)
                 y = expert_gemv(h, None, pe, fmt, *down, dn.get("zero"), self.hidden, quant_x, pdl)
             return y.sum(0).view(N, k, self.hidden).to(x.dtype)
         rows = []
