@@ -105,8 +105,9 @@ def check_kernels(kernels: dict | None, cfg, device, fp8_experts: bool = False) 
     their weights while the gate | up tiles still run ("mlp": ops/expert_mlp.py; bf16 and fp8-weight experts,
     fp8 ones as "fused", int4 ones as "separate"), or computed by the gate | up launch in its epilogue, each
     program taking gate rows and the matching up rows, one split, and read by the down launch as its x
-    ("paired": ops/gemv.py expert_glu_gemv; no partials and no activation launch, so the down launch follows
-    the gate | up one directly under PDL; bf16 and fp8 experts, int4 ones as "separate"; a candidate).
+    ("paired": ops/gemv.py expert_glu_gemv; no partials and no activation launch, so under PDL the down launch
+    follows the gate | up one directly and prefetches its first weight steps before it waits; bf16 and fp8
+    experts, int4 ones as "separate"; a candidate).
     "route": the grouped experts' routing kernel's k rounds as
     a max then a min over the indices holding it, in 4 warps ("argmax"), or as one max over (logit, index) keys
     packed into an int64, in one warp ("packed": no shared memory, no barrier; same experts and weights;

@@ -103,7 +103,8 @@ def routed_moe(mlp, h: torch.Tensor, grouped: bool = False, lin: Linears | None 
     grouped, experts whose act_fn is SiLU; "separate": a kernel of its own between the two expert launches):
     "fused", the down launch computes silu(gate)·up from the gate | up launch's partials as it loads them
     (ops/gemv.py expert_swiglu_gemv); "paired", the gate | up launch computes it in its epilogue, its programs
-    taking gate and up rows in pairs (ops/gemv.py expert_glu_gemv), and the down launch reads it; "mlp", gate |
+    taking gate and up rows in pairs (ops/gemv.py expert_glu_gemv), and the down launch reads it (under pdl
+    pulling its first weight steps into L2 before it waits: its experts are known by then); "mlp", gate |
     up, the activation and down in one launch on CUDA (ops/expert_mlp.py; bf16 and fp8-weight experts, the
     others as "fused"); quantized experts (QuantExperts.routed, their own kernel launches on CUDA) do so in
     bf16 and fp8, while int4 ones keep a kernel for the activation whatever is asked. route_kernel (with
@@ -135,7 +136,8 @@ def routed_moe(mlp, h: torch.Tensor, grouped: bool = False, lin: Linears | None 
             out = expert_mlp(x, pair_expert, BF16, gate_up, None, down, None, x.dtype)
         elif expert_act == "paired":
             act = expert_glu_gemv(x, pair_expert, BF16, gate_up, None, x.dtype, pdl=pdl)  # [N·k, I]
-            out = expert_gemv(act, None, pair_expert, BF16, down, None, None, down.shape[1], pdl=pdl).sum(0)
+            out = expert_gemv(act, None, pair_expert, BF16, down, None, None, down.shape[1], pdl=pdl,
+                              experts_known=True).sum(0)
         elif expert_act == "fused":
             parts = expert_gemv(x, None, pair_expert, BF16, gate_up, None, None, gate_up.shape[1], pdl=pdl)
             out = expert_swiglu_gemv(parts, pair_expert, BF16, down, None, down.shape[1], x.dtype, pdl=pdl).sum(0)

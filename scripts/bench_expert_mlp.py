@@ -136,12 +136,13 @@ def main():
             return lambda: [expert_swiglu_gemv(expert_gemv(x, None, exp, fmt, *w1, None, 2 * I, False, pdl), exp, fmt,
                                                *w2, H, torch.bfloat16, False, pdl) for w1, w2, exp in layers]
 
-        def paired(pdl):
+        def paired(pdl, known=True):  # (known: the down launch prefetches its weights before its PDL wait)
             return lambda: [expert_gemv(expert_glu_gemv(x, exp, fmt, *w1, torch.bfloat16, False, pdl), None, exp, fmt,
-                                        *w2, None, H, False, pdl) for w1, w2, exp in layers]
+                                        *w2, None, H, False, pdl, known) for w1, w2, exp in layers]
 
         forms = {f"{name} {form}, pdl {pdl}": f(pdl) for form, f in (("fused", fused), ("paired", paired))
                  for pdl in (False, True)}
+        forms[f"{name} paired, pdl True, no prefetch"] = paired(True, False)
         graphs = {"two": captured(two), **{c: captured(one(c)) for c in configs},
                   **{form: captured(fn) for form, fn in forms.items()}}
         best = timed(graphs, args.rounds)

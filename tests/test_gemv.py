@@ -539,7 +539,7 @@ def ptx(fmt, lowp, swap, act=False, bits=False, pdl=False, fixup=0):  # the 16-r
     return compile_sm90(gemv._gemv_kernel, sig, consts, ALIGNED, num_stages=4).asm["ptx"]
 
 def row_kernel(fmt, bits, BN=128, pdl=False, fixup=0, grouped=False, swiglu=0, per_row=0, half2=0, stages=2, tiles=1,
-               glu=False):
+               glu=False, exp_known=False):
     # one-row kernel, 128-column steps
     sig = dict(x_ptr="*fp32" if swiglu else "*bf16", w_ptr=w_type(fmt, bits), **sz_types(fmt),
                y_ptr="*bf16" if glu else "*fp32", tok_ptr="*i32", exp_ptr="*i32", N="i32", K="i32", s_stride="i32", g_stride="i32",
@@ -547,7 +547,7 @@ def row_kernel(fmt, bits, BN=128, pdl=False, fixup=0, grouped=False, swiglu=0, p
     acc_k = 128 // (8 if fmt == gemv.INT4 else 4) if bits else 64 if fmt == gemv.INT4 else 128
     consts = dict(FMT=fmt, ACT_FP8=False, GROUPED=grouped, FP8_LIMIT=448.0, BLOCK_N=BN, BLOCK_K=128, ACC_K=acc_k,
                   STAGES=stages, BITS=bits, PDL=pdl, FIXUP=fixup, SWIGLU=swiglu, PER_ROW=per_row,
-                  ACT_DTYPE=tl.bfloat16, HALF2=half2, ASM=1, TILES=tiles, GLU=glu)
+                  ACT_DTYPE=tl.bfloat16, HALF2=half2, ASM=1, TILES=tiles, GLU=glu, EXP_KNOWN=exp_known)
     return compile_sm90(gemv._row_kernel, sig, consts, ALIGNED + ("xp_ptr",), num_stages=stages)
 
 def sass(fmt, bits, BN=128):
@@ -701,6 +701,13 @@ for fmt, bits, pdl in ((gemv.BF16, False, False), (gemv.FP8_ROW, False, True), (
     stores = set(re.findall(r"st\.global\.([\w.]+)", code))
     assert "ex2.approx" in code and re.search(r"cvt\.rn\.bf16(x2)?\.f32", code), (fmt, bits, "no activation")
     assert stores and all(s.endswith("b16") for s in stores), (fmt, bits, stores)
+# EXP_KNOWN (the paired down launch under PDL): the pair's expert read and its first weight steps prefetched into L2
+# before the wait; without it a grouped program waits before any load
+for known in (False, True):
+    code = row_kernel(gemv.FP8_ROW, False, 32, grouped=True, per_row=9, pdl=True, exp_known=known).asm["ptx"]
+    wait = code.index("griddepcontrol.wait")
+    assert ("prefetch.global.L2" in code[:wait] and "ld.global" in code[:wait]) == known, known
+    assert "prefetch.global.L2" not in code[wait:], known
 print("ok")
 """
 
@@ -712,7 +719,8 @@ def test_kernels_compile_for_sm90_as_designed():
     decoded weight, comes from registers (fp8 and int4, fp32 and 16-bit operands); with LOWP 2 an e4m3 wgmma
     takes the weight from shared memory as stored, never decoded. SWIGLU computes the activation and rounds
     it to bf16 to nearest (cvt.rn), without spilling; so does GLU in the gate | up launch's epilogue, storing
-    only the bf16 activation."""
+    only the bf16 activation. A grouped launch under PDL loads nothing before its wait unless its experts are
+    known (EXP_KNOWN), and then prefetches its expert's first weight steps before it."""
     assert run_in_triton_interpreter(_SM90, interpret=False).strip().endswith("ok")
 
 

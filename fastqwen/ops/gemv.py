@@ -442,7 +442,8 @@ if triton is not None:
                     ACC_K: tl.constexpr, STAGES: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr,
                     FIXUP: tl.constexpr = 0, SWIGLU: tl.constexpr = 0, PER_ROW: tl.constexpr = 0,
                     ACT_DTYPE: tl.constexpr = tl.bfloat16, HALF2: tl.constexpr = 0, ASM: tl.constexpr = 1,
-                    TILES: tl.constexpr = 1, TILED: tl.constexpr = 0, GLU: tl.constexpr = 0):
+                    TILES: tl.constexpr = 1, TILED: tl.constexpr = 0, GLU: tl.constexpr = 0,
+                    EXP_KNOWN: tl.constexpr = 0):
         """One row of x (decode at batch 1, or one (token, expert) pair): products accumulate elementwise in
         registers and are summed over K once, at the end (no per-step reduction, no tensor-core layout).
         BITS: the weight is read as int32 words and decoded by bit moves (_fp8_bits, _int4_unit) instead of
@@ -459,19 +460,25 @@ if triton is not None:
         only, launch option): a program computes TILES tiles of BLOCK_N rows one after another, so that one
         prologue serves them all. GLU (grouped mode, one split, 16-bit or e4m3 weights): W is a gate | up
         weight [2I, K] (N = 2I) and y is [P, I] in ACT_DTYPE: the tile's rows 2j and 2j + 1 are gate row j and up
-        row I + j, and the program stores silu(gate)·up of its BLOCK_N / 2 columns (as _swiglu_x rounds it)."""
+        row I + j, and the program stores silu(gate)·up of its BLOCK_N / 2 columns (as _swiglu_x rounds it).
+        EXP_KNOWN (grouped mode with PDL): the pairs' experts (and tok) were written before the previous kernel
+        began (a down launch after its gate | up launch, which waited for the router before it let this one
+        launch), so the program reads its pair's expert and pulls its first weight steps into L2 before it
+        waits, as the linear mode does (_dependent_start); without it a grouped program waits first."""
         n = tl.program_id(0) * TILES * BLOCK_N + tl.arange(0, BLOCK_N)  # (the first tile's rows)
         split = tl.program_id(2)  # split-K: this program sums K columns [split·k_per_split, +k_per_split)
         y0_ptr = y_ptr
         y_ptr += split.to(tl.int64) * tl.num_programs(1) * N
         if GROUPED:
-            if PDL:  # a pair's expert and row are the previous kernel's (the router's) output: wait, then read
-                tl.extra.cuda.gdc_wait()
+            if PDL and not EXP_KNOWN:  # a pair's expert and row are the previous kernel's (the router's) output:
+                tl.extra.cuda.gdc_wait()  # wait, then read
                 tl.extra.cuda.gdc_launch_dependents()
             x_ptr, w_ptr, s_ptr, z_ptr, y_ptr = _pair_pointers(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, tok_ptr, exp_ptr,
                                                                N // (1 + GLU), K, w_estride, s_estride, SWIGLU,
                                                                PER_ROW)
         k_end = tl.minimum(K, (split + 1) * k_per_split)
+        if PDL and GROUPED and EXP_KNOWN:  # (x, the previous kernel's output, is read after the wait)
+            _dependent_start(w_ptr, n, n < N, split * k_per_split, k_end, K, FMT, BITS, BLOCK_K, TILED)
         g_end = k_end // 128  # (HALF2: the end of this split's groups)
         if PDL and not GROUPED:  # int4 lets the next kernel launch only once its sums are stored (at the end)
             _dependent_start(w_ptr, n, n < N, split * k_per_split, k_end, K, FMT, BITS, BLOCK_K, TILED, FMT != 2)
@@ -929,7 +936,7 @@ def linear_splits(fmt: int, N: int, K: int, rows: int) -> int:
 
 
 def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, config=None, partials=False,
-            pdl=False, fixup=False, swiglu=None, glu=None):
+            pdl=False, fixup=False, swiglu=None, glu=None, experts_known=False):
     """fp32 y [rows, out_features]; `pairs` = (tok, exp) int32 [P] switches to grouped mode (rows = P, one x
     row each); `config` overrides gemv_config. Split-K writes per-split partials and sums them (deterministic);
     with `partials` they come back unsummed, [splits, rows, out_features] (split_plan). `fixup` (linear mode):
@@ -941,7 +948,9 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
     row's) x their silu(gate)·up rounded to that dtype, the activations' (_row_kernel SWIGLU; tok unread). `glu`,
     a dtype (grouped mode, BF16 or fp8 formats): w is a gate | up weight [E, 2I, K] and the result is
     silu(gate)·up [rows, I] in that dtype, computed by one split of programs taking paired gate and up rows
-    (_row_kernel GLU)."""
+    (_row_kernel GLU). `experts_known` (grouped mode with pdl): the pairs were written before the previous
+    kernel began, so each program prefetches its expert's first weight steps before it waits (_row_kernel
+    EXP_KNOWN)."""
     K = x.shape[-1] // 2 if swiglu is not None else x.shape[1]
     if K % STEP:
         raise ValueError(f"the weight-streaming kernel needs K divisible by {STEP}; got K={K}")
@@ -1049,8 +1058,8 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
             BLOCK_K=block_k, ACC_K=acc_k, STAGES=stages, BITS=bits, PDL=pdl, FIXUP=fix,
             SWIGLU=x.shape[0] if swiglu is not None else 0, PER_ROW=per_row,
             ACT_DTYPE=_TL_DTYPES.get(swiglu if glu is None else glu, tl.bfloat16), HALF2=half2,
-            ASM=not triton.knobs.runtime.interpret, TILES=tiles, TILED=tiled, GLU=glu is not None, num_warps=warps,
-            launch_pdl=pdl)
+            ASM=not triton.knobs.runtime.interpret, TILES=tiles, TILED=tiled, GLU=glu is not None,
+            EXP_KNOWN=experts_known and grouped and pdl, num_warps=warps, launch_pdl=pdl)
         if half2 == 2 and not triton.knobs.runtime.interpret:
             mma_layout_check(kernel)
     else:
@@ -1218,23 +1227,25 @@ def _(x, fmt, w, scale, zero, act_fp8, out_features, pdl=False, fixup=False):
 @torch.library.custom_op("fastqwen::expert_gemv", mutates_args=())
 def expert_gemv(x: torch.Tensor, tok: torch.Tensor | None, exp: torch.Tensor, fmt: int, w: torch.Tensor,
                 scale: torch.Tensor | None, zero: torch.Tensor | None, out_features: int,
-                act_fp8: bool = False, pdl: bool = False) -> torch.Tensor:
+                act_fp8: bool = False, pdl: bool = False, experts_known: bool = False) -> torch.Tensor:
     """Routed experts: x [T, K], pairs tok / exp [P] int32, expert weights w [E, N, K] (stored format, with
     scale / zero [E, …]) → split-K partial sums [S, P, out_features] fp32 whose sum over dim 0 has row
     p = x[tok[p]] · W[exp[p]]ᵀ (the caller sums, as for wq_linear). tok None: the pairs are token-major, P / T
     of them a token (pair_rows), computed in the kernel: a decode step builds no index tensor (a launch a layer
     inside a compiled step). Kernel on CUDA, the reference (S = 1) elsewhere. pdl: launch with programmatic
-    dependent launch (kernels={"experts": "grouped-pdl"})."""
+    dependent launch (kernels={"experts": "grouped-pdl"}); experts_known (with pdl): tok and exp were written
+    before the previous kernel in the stream began (a down launch right after its gate | up launch), so the
+    kernel pulls its first weight steps into L2 before it waits for that kernel (x)."""
     if tok is None and exp.shape[0] % max(x.shape[0], 1):
         raise ValueError(f"tok None needs P / T pairs a token: {exp.shape[0]} pairs over {x.shape[0]} rows")
     if _on_kernel(x):
         return _launch(x.contiguous(), fmt, w, scale, zero, act_fp8, out_features, exp.shape[0], (tok, exp),
-                       partials=True, pdl=pdl)
+                       partials=True, pdl=pdl, experts_known=experts_known)
     return expert_reference(x, tok, exp, fmt, w, scale, zero, out_features, act_fp8)[None]
 
 
 @expert_gemv.register_fake
-def _(x, tok, exp, fmt, w, scale, zero, out_features, act_fp8=False, pdl=False):
+def _(x, tok, exp, fmt, w, scale, zero, out_features, act_fp8=False, pdl=False, experts_known=False):
     P = exp.shape[0]
     splits = split_plan(x.shape[1], gemv_config(fmt, out_features, x.shape[1], 1, P))[1] if _on_kernel(x) else 1
     return x.new_empty(splits, P, out_features, dtype=torch.float32)

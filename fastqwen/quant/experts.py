@@ -203,7 +203,7 @@ class QuantExperts(nn.Module):
                 if path == "separate":
                     gate, up = parts.sum(0).chunk(2, dim=-1)
                     h = (self.act_fn(gate) * up).to(x.dtype)
-                y = expert_gemv(h, None, pe, fmt, *down, dn.get("zero"), self.hidden, quant_x, pdl)
+                y = expert_gemv(h, None, pe, fmt, *down, dn.get("zero"), self.hidden, quant_x, pdl, path == "paired")
             return y.sum(0).view(N, k, self.hidden).to(x.dtype)
         rows = []
         for p in range(N * k):  # the reference: one pair at a time (CPU, small N·k)
