@@ -40,7 +40,7 @@ KERNELS = {"attention": ("split", "sdpa"), "experts": ("auto", "gather", "groupe
            "projections": ("fused", "separate"), "linears": ("auto", "torch", "gemv"),
            "gdn": ("block", "unrolled", "fla"), "launch": ("auto", "serial", "pdl"),
            "splitk": ("sum", "fixup"), "gdn_norm": ("kernel", "separate", "fused"),
-           "expert_act": ("auto", "separate", "fused", "mlp", "paired"), "route": ("auto", "argmax", "packed", "fused"),
+           "expert_act": ("auto", "separate", "fused", "paired"), "route": ("auto", "argmax", "packed", "fused"),
            "mlp_act": ("separate", "fused"), "conv": ("fused-verify", "fused", "separate"),
            "int4": ("auto", "triton", "cuda"),
            "fp8_weight": ("triton", "cuda"), "reductions": ("persistent", "inductor"),
@@ -101,9 +101,7 @@ def check_kernels(kernels: dict | None, cfg, device, fp8_experts: bool = False) 
     experts' silu(gate)·up as a kernel of inductor's between the gate | up and the down launches ("separate")
     or computed by the down launch from the gate | up partials as it loads them ("fused": a launch less a MoE
     layer; bf16 and fp8 experts, while int4 ones keep the separate kernel; needs "experts" grouped or
-    grouped-pdl and a SiLU MLP), or gate | up, activation and down all in one launch whose down tiles load
-    their weights while the gate | up tiles still run ("mlp": ops/expert_mlp.py; bf16 and fp8-weight experts,
-    fp8 ones as "fused", int4 ones as "separate"), or computed by the gate | up launch in its epilogue, each
+    grouped-pdl and a SiLU MLP), or computed by the gate | up launch in its epilogue, each
     program taking gate rows and the matching up rows, one split, and read by the down launch as its x
     ("paired": ops/gemv.py expert_glu_gemv; no partials and no activation launch, so under PDL the down launch
     follows the gate | up one directly and prefetches its first weight steps before it waits; bf16 and fp8
@@ -118,8 +116,8 @@ def check_kernels(kernels: dict | None, cfg, device, fp8_experts: bool = False) 
     SiLU, else "separate" (fused with packed routing: a 35B-A3B step 2806–2827 µs of device time in two
     processes against 2880 µs with neither, 2026-12-02), but "separate" where the experts are fp8-weight
     (`fp8_experts`: QuantExperts): a 35B-A3B fp8-weight step took 1921, 1961, 1978 and 1953 µs with it, against
-    2000, 2012 and 1989 µs with "mlp" and 2025–2055 µs with "fused" (one process each, two sessions), though
-    "mlp" is the fastest at kernel level (17.0 µs a layer against 20.2 for "fused" with its partials' sum);
+    2025–2055 µs with "fused" (one process each, two sessions, one H200; the one-launch expert MLP, 2000–2012
+    µs though the fastest at kernel level, was removed 2026-12-07);
     "route" "fused" with grouped experts, else "argmax" (the router at kernel level 4.01 against 4.53 µs a
     layer with PDL, 4.96 against 5.21 without; the step's difference lies within the ±3% between processes).
     "mlp_act": a
@@ -182,13 +180,12 @@ def check_kernels(kernels: dict | None, cfg, device, fp8_experts: bool = False) 
     if kernels["expert_act"] == "auto":
         silu = grouped and getattr(cfg, "hidden_act", "silu") == "silu"
         kernels["expert_act"] = "fused" if silu and not fp8_experts else "separate"
-    for op, choice in (("expert_act", "fused"), ("expert_act", "mlp"), ("expert_act", "paired"), ("route", "packed"),
-                       ("route", "fused")):
+    for op, choice in (("expert_act", "fused"), ("expert_act", "paired"), ("route", "packed"), ("route", "fused")):
         if kernels[op] == choice and kernels["experts"] not in ("grouped", "grouped-pdl"):
             raise ValueError(f"kernels[{op!r}]={choice!r} is a grouped-experts kernel: set kernels['experts'] to "
                              f"'grouped' or 'grouped-pdl' (it is {kernels['experts']!r})")
     for op in ("expert_act", "mlp_act"):
-        if kernels[op] in ("fused", "mlp", "paired") and getattr(cfg, "hidden_act", "silu") != "silu":
+        if kernels[op] in ("fused", "paired") and getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"kernels[{op!r}]={kernels[op]!r} computes SiLU; this model's hidden_act is "
                              f"{cfg.hidden_act!r}: use 'separate'")
     if kernels["mlp_act"] == "fused" and (kernels["projections"] != "fused" or kernels["linears"] == "torch"):

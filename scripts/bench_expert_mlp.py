@@ -1,22 +1,18 @@
-"""Kernel-level A/B of a MoE decode layer's kernels: the routed experts' gated MLP in two launches (ops/gemv.py
-expert_gemv, then expert_swiglu_gemv with the activation on load) against one (ops/expert_mlp.py expert_mlp), and
-the two-launch forms with and without PDL: the activation on load ("fused") or in the gate | up launch's epilogue
-(expert_glu_gemv, then expert_gemv: "paired");
-and one token's router matmul and routing in two launches (the weight-streaming kernel's split-K partials, then
-ops/router.py route, packed) against one (router_route), with and without PDL.
+"""Kernel-level A/B of a MoE decode layer's kernels: the routed experts' gated MLP as two launches (ops/gemv.py
+expert_gemv, then expert_swiglu_gemv with the activation on load: "fused") without PDL, the reference form,
+against the same with PDL and against the activation in the gate | up launch's epilogue (expert_glu_gemv, then
+expert_gemv: "paired"), with and without PDL; and one token's router matmul and routing in two launches (the
+weight-streaming kernel's split-K partials, then ops/router.py route, packed) against one (router_route), with
+and without PDL.
 
     python scripts/bench_expert_mlp.py --layers 40
-    python scripts/bench_expert_mlp.py --configs 32:4:4 16:4:4 64:4:4 32:3:4 32:2:4 32:4:8
-
-(--configs: the one launch at other (BLOCK_N, stages, warps) configs too, each a row; ops/expert_mlp.py CONFIG is
-the default's.)
 
 Builds --layers layers of 35B-A3B-shaped experts (257: 256 routed + the shared one stacked as expert 256), random
 and distinct per layer so that every layer's weights are cold, in fp8-weight and bf16; each layer routes one token to
-9 of them (8 random + the shared one). Both forms of all layers are captured in one CUDA graph each and replayed in
-alternating order; prints µs a layer (the minimum over rounds) and the two forms' relative difference. The
-router table likewise: --layers routers of 35B-A3B's shape (257 × 2048 bf16: 256 experts and the stacked shared
-gate), cold, one token; --router-configs (RN:RK:WARPS) times the one launch at other tiles.
+9 of them (8 random + the shared one). Each form's launches for all the layers are captured in one CUDA graph and
+replayed in alternating order; prints µs a layer (the minimum over rounds) and each form's relative difference from
+the reference form. The router table likewise: --layers routers of 35B-A3B's shape (257 × 2048 bf16: 256 experts and
+the stacked shared gate), cold, one token; --router-configs (RN:RK:WARPS) times the one launch at other tiles.
 """
 
 import argparse
@@ -26,7 +22,6 @@ import sys
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from fastqwen.ops.expert_mlp import CONFIG, launch  # noqa: E402
 from fastqwen.linears import Linears  # noqa: E402
 from fastqwen.ops.gemv import BF16, FP8_ROW, expert_gemv, expert_glu_gemv, expert_swiglu_gemv  # noqa: E402
 from fastqwen.ops.router import FUSED_CONFIG, fused_launch, route  # noqa: E402
@@ -99,14 +94,10 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=40)
     p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--configs", nargs="*", default=[], metavar="BLOCK_N:STAGES:WARPS",
-                   help="also time the one launch at these configs")
     p.add_argument("--tables", nargs="+", default=["experts", "router"], choices=["experts", "router"])
     p.add_argument("--router-configs", nargs="*", default=[], metavar="RN:RK:WARPS",
                    help="also time the one-launch router at these tiles")
     args = p.parse_args()
-    asked = [tuple(int(v) for v in c.split(":")) for c in args.configs]
-    configs = [CONFIG] + [c for c in dict.fromkeys(asked) if c != CONFIG]
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     E, H, I, L = 257, 2048, 512, args.layers
@@ -114,9 +105,8 @@ def main():
     x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
     for name, fmt in (("fp8-weight", FP8_ROW), ("bf16", BF16)) if "experts" in args.tables else ():
         if fmt == FP8_ROW:
-            print("| format | one launch's config | two launches µs a layer | one launch µs a layer | one / two | "
-                  "relative difference |")
-            print("|---|---|---|---|---|---|")
+            print("| form | two launches µs a layer | the form's µs a layer | form / two | relative difference |")
+            print("|---|---|---|---|---|")
         layers = []
         for _ in range(L):
             w1 = stored(torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02, fmt)
@@ -129,9 +119,6 @@ def main():
             return [expert_swiglu_gemv(expert_gemv(x, None, exp, fmt, *w1, None, 2 * I), exp, fmt, *w2, H,
                                        torch.bfloat16) for w1, w2, exp in layers]
 
-        def one(config):
-            return lambda: [launch(x, exp, fmt, *w1, *w2, torch.bfloat16, config) for w1, w2, exp in layers]
-
         def fused(pdl):
             return lambda: [expert_swiglu_gemv(expert_gemv(x, None, exp, fmt, *w1, None, 2 * I, False, pdl), exp, fmt,
                                                *w2, H, torch.bfloat16, False, pdl) for w1, w2, exp in layers]
@@ -143,18 +130,13 @@ def main():
         forms = {f"{name} {form}, pdl {pdl}": f(pdl) for form, f in (("fused", fused), ("paired", paired))
                  for pdl in (False, True)}
         forms[f"{name} paired, pdl True, no prefetch"] = paired(True, False)
-        graphs = {"two": captured(two), **{c: captured(one(c)) for c in configs},
-                  **{form: captured(fn) for form, fn in forms.items()}}
+        graphs = {"two": captured(two), **{form: captured(fn) for form, fn in forms.items()}}
         best = timed(graphs, args.rounds)
         a = torch.stack([parts.sum(0) for parts in graphs["two"][1]])
         two_us = best["two"] / L
-        for c in configs:
-            diff = ((torch.stack(graphs[c][1]) - a).norm() / a.norm()).item()
-            one_us = best[c] / L
-            print(f"| {name} | {':'.join(map(str, c))} | {two_us:.2f} | {one_us:.2f} | {one_us / two_us:.3f} | {diff:.1e} |")
-        for form in forms:  # (rows of their own: two launches, the activation on load or in the epilogue)
+        for form in forms:
             diff = ((torch.stack([parts.sum(0) for parts in graphs[form][1]]) - a).norm() / a.norm()).item()
-            print(f"| {form} | — | {two_us:.2f} | {best[form] / L:.2f} | {best[form] / L / two_us:.3f} | {diff:.1e} |")
+            print(f"| {form} | {two_us:.2f} | {best[form] / L:.2f} | {best[form] / L / two_us:.3f} | {diff:.1e} |")
         del layers, graphs
         torch.cuda.empty_cache()
     asked = [tuple(int(v) for v in c.split(":")) for c in args.router_configs]

@@ -20,7 +20,7 @@ def test_grouped_experts_match_the_gathered_ones():
         hf = hf[0] if isinstance(hf, tuple) else hf
         torch.testing.assert_close(routed_moe(mlp, h), hf, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(routed_moe(mlp, h, grouped=True), routed_moe(mlp, h), rtol=1e-5, atol=1e-5)
-        for act in ("fused", "mlp", "paired"):
+        for act in ("fused", "paired"):
             torch.testing.assert_close(routed_moe(mlp, h, grouped=True, expert_act=act), routed_moe(mlp, h),
                                        rtol=1e-5, atol=1e-5)
         for route in ("packed", "fused"):  # (fused: one token's router matmul and routing; more route as packed)
@@ -54,7 +54,6 @@ ALL = {"attention": "sdpa", "experts": "grouped", "projections": "separate", "li
                                                   ("tiny-moe", ALL, False),
                                                   ("tiny-moe", {"experts": "grouped-pdl", "launch": "pdl"}, True),
                                                   ("tiny-moe", {"experts": "grouped", "expert_act": "fused"}, True),
-                                                  ("tiny-moe", {"experts": "grouped", "expert_act": "mlp"}, True),
                                                   ("tiny-moe", {"experts": "grouped", "expert_act": "paired"}, True),
                                                   ("tiny-moe", {"experts": "grouped", "route": "fused"}, True),
                                                   ("tiny-moe", ALL, True)])
@@ -129,8 +128,8 @@ def test_fused_attention_glue_serves_decode_and_verify(monkeypatch):
 
 def test_expert_act_auto_takes_the_separate_activation_for_fp8_weight_experts():
     """kernels["expert_act"] "auto" resolves to "separate" (the activation a kernel of its own) where the
-    grouped experts are fp8-weight (the fastest 35B-A3B fp8 step on the H200 in four processes against three
-    with "mlp"), to "fused" otherwise; an engine tells check_kernels from its QuantExperts' scheme."""
+    grouped experts are fp8-weight (the fastest 35B-A3B fp8 step on the H200 in four processes against two
+    with "fused"), to "fused" otherwise; an engine tells check_kernels from its QuantExperts' scheme."""
     from fastqwen.model import check_kernels
 
     cfg = fresh("tiny-moe").config
@@ -403,15 +402,16 @@ def test_verify_prologue_stores_the_replay_and_is_token_identical(compile, monke
 
 
 def test_quant_experts_kernel_path_per_scheme_and_activation():
-    """QuantExperts.routed's launches on CUDA: the one-launch MLP for fp8-weight experts only, the fused down
-    launch or the paired gate | up launch for fp8 schemes, int4 always separate; an unknown activation is refused
-    by name."""
+    """QuantExperts.routed's launches on CUDA: the fused down launch or the paired gate | up launch for fp8
+    schemes, int4 always separate; an unknown activation (the removed one-launch "mlp" among them) is refused by
+    name."""
     from fastqwen.quant.experts import kernel_path
 
-    want = {("fp8-weight", "mlp"): "mlp", ("fp8-weight", "fused"): "fused", ("fp8-weight", "separate"): "separate",
-            ("fp8", "mlp"): "fused", ("fp8", "fused"): "fused", ("fp8", "separate"): "separate",
-            ("int4", "mlp"): "separate", ("int4", "fused"): "separate", ("int4", "separate"): "separate",
+    want = {("fp8-weight", "fused"): "fused", ("fp8-weight", "separate"): "separate",
+            ("fp8", "fused"): "fused", ("fp8", "separate"): "separate",
+            ("int4", "fused"): "separate", ("int4", "separate"): "separate",
             ("fp8-weight", "paired"): "paired", ("fp8", "paired"): "paired", ("int4", "paired"): "separate"}
     assert {key: kernel_path(*key) for key in want} == want
-    with pytest.raises(ValueError, match="'separate', 'fused', 'mlp' or 'paired'"):
-        kernel_path("fp8-weight", "auto")
+    for act in ("auto", "mlp"):
+        with pytest.raises(ValueError, match="'separate', 'fused' or 'paired'"):
+            kernel_path("fp8-weight", act)

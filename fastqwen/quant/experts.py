@@ -14,8 +14,6 @@ experts, so that `routed` runs it in the same two launches as the routed ones.
 import torch
 from torch import nn
 
-from ..ops.expert_mlp import KERNEL_FORMATS as MLP_FORMATS
-from ..ops.expert_mlp import expert_mlp
 from ..ops.gemv import FORMATS, INT4, STEP, expert_gemv, expert_glu_gemv, expert_swiglu_gemv
 from .formats import dequantize_weight, fake_quantize_fp8_activations, quantize_weight, tile_int4
 
@@ -40,14 +38,11 @@ def _experts_rows(q: torch.Tensor) -> tuple[int, int]:
 
 
 def kernel_path(scheme: str, act: str) -> str:
-    """The launches QuantExperts.routed runs on CUDA for `scheme` and the asked activation `act`: "mlp" (the
-    whole MLP in one launch: fp8-weight), "fused" (the down launch computes the activation: fp8 schemes),
-    "paired" (the gate | up launch computes it in its epilogue: fp8 schemes) or "separate" (int4, and what is
-    asked)."""
-    if act not in ("separate", "fused", "mlp", "paired"):
-        raise ValueError(f"expert activation {act!r}: choose 'separate', 'fused', 'mlp' or 'paired'")
-    if act == "mlp" and FORMATS[scheme] in MLP_FORMATS:
-        return "mlp"
+    """The launches QuantExperts.routed runs on CUDA for `scheme` and the asked activation `act`: "fused" (the
+    down launch computes the activation: fp8 schemes), "paired" (the gate | up launch computes it in its
+    epilogue: fp8 schemes) or "separate" (int4, and what is asked)."""
+    if act not in ("separate", "fused", "paired"):
+        raise ValueError(f"expert activation {act!r}: choose 'separate', 'fused' or 'paired'")
     if FORMATS[scheme] == INT4 or act == "separate":
         return "separate"
     return "paired" if act == "paired" else "fused"
@@ -175,11 +170,9 @@ class QuantExperts(nn.Module):
         """x [N, H], experts [N, k] → each pair's expert output [N, k, H] (unweighted), reading only those experts.
         act (act_fn SiLU; "separate": a kernel of its own): "fused", on CUDA the down launch computes
         silu(gate)·up from the gate | up launch's partials as it loads them (expert_swiglu_gemv), a launch less
-        (fp8 schemes; int4 keeps it separate); "mlp", fp8-weight experts run gate | up, the activation and down
-        in one launch (ops/expert_mlp.py), the fp8 scheme as "fused", int4 as "separate"; "paired" (fp8
-        schemes), the gate | up launch computes it in its epilogue (expert_glu_gemv) and the down launch reads
-        it. pdl (kernels experts "grouped-pdl"): the weight-streaming launches with programmatic dependent launch
-        (not the one-launch MLP)."""
+        (fp8 schemes; int4 keeps it separate); "paired" (fp8 schemes), the gate | up launch computes it in its
+        epilogue (expert_glu_gemv) and the down launch reads it. pdl (kernels experts "grouped-pdl"): the
+        weight-streaming launches with programmatic dependent launch."""
         N, k = experts.shape
         pair_expert = experts.flatten()
         if x.is_cuda and self._kernel_fits():
@@ -187,9 +180,6 @@ class QuantExperts(nn.Module):
             pe = pair_expert.int()  # (token-major pairs, k a token: expert_gemv's tok None)
             gu, dn = self.stored("gate_up"), self.stored("down")
             path = kernel_path(self.scheme, act)
-            if path == "mlp":
-                y = expert_mlp(x, pe, fmt, gu["qweight"], gu.get("scale"), dn["qweight"], dn.get("scale"), x.dtype)
-                return y.view(N, k, self.hidden).to(x.dtype)
             gu_scale = gu.get("scale_inv", gu.get("scale"))
             down = dn["qweight"], dn.get("scale_inv", dn.get("scale"))
             if path == "paired":

@@ -429,13 +429,12 @@ def test_swiglu_linear_matches_reference_real_shape(preset, pdl, fixup):
 @pytest.mark.parametrize("grouped,stacked,pdl,act,route", [
     (False, False, False, "separate", "argmax"), (True, False, False, "separate", "argmax"),
     (True, True, False, "separate", "argmax"), (True, True, True, "separate", "argmax"),
-    (True, True, False, "fused", "argmax"), (True, True, True, "fused", "packed"), (True, True, False, "mlp", "packed"),
-    (True, False, False, "mlp", "argmax"), (True, True, False, "mlp", "fused"), (True, False, True, "fused", "fused"),
+    (True, True, False, "fused", "argmax"), (True, True, True, "fused", "packed"), (True, True, False, "fused", "packed"),
+    (True, True, False, "separate", "fused"), (True, False, True, "fused", "fused"),
     (True, True, True, "paired", "fused"), (True, False, False, "paired", "argmax")],
     ids=["gather", "grouped-kernel", "grouped-with-the-shared-expert-stacked", "grouped-pdl", "grouped-fused-act",
-         "grouped-pdl-fused-act-packed-route", "grouped-mlp-one-launch-packed-route", "grouped-mlp-one-launch",
-         "grouped-mlp-fused-route", "grouped-pdl-fused-act-fused-route", "grouped-pdl-paired-act-fused-route",
-         "grouped-paired-act"])
+         "grouped-pdl-fused-act-packed-route", "grouped-fused-act-packed-route", "grouped-fused-route",
+         "grouped-pdl-fused-act-fused-route", "grouped-pdl-paired-act-fused-route", "grouped-paired-act"])
 def test_routed_moe_matches_transformers_block_real_shape(grouped, stacked, pdl, act, route):
     """35B-A3B's MoE block at 4 tokens and at 1 (a decode step's: the fused route's case) against transformers'."""
     block = moe_block_35b()
