@@ -15,6 +15,18 @@ def pytest_addoption(parser):
                           "(minutes less compile; what scripts/bench.py --no-autotune measures)")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (README's test command: -n 2 --dist loadgroup) on a machine with CUDA, every test that
+    takes the GPU (tests/gpu, tests/benchmarks, tests/test_cuda_kernels.py) runs in one worker, one at a time as
+    without xdist, so that no two share the GPU's memory; the CPU tests spread over the workers."""
+    if not (config.pluginmanager.hasplugin("xdist") and torch.cuda.is_available()):
+        return
+    for item in items:
+        path = item.path
+        if {"gpu", "benchmarks"} & set(path.parts[-2:-1]) or path.name == "test_cuda_kernels.py":
+            item.add_marker(pytest.mark.xdist_group("gpu"))
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
