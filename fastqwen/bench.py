@@ -37,7 +37,6 @@ CANDIDATE_SYSTEMS = {"fastqwen+split-attention": {"attention": "split"},  # (the
                      "fastqwen+fused-gdn-norm": {"gdn_norm": "fused"},
                      "fastqwen+fused-expert-act": {"expert_act": "fused"},  # (the default with grouped: "auto")
                      "fastqwen+separate-expert-act": {"expert_act": "separate"},
-                     "fastqwen+paired-expert-act": {"expert_act": "paired"},
                      "fastqwen+packed-route": {"route": "packed"},
                      "fastqwen+argmax-route": {"route": "argmax"},
                      "fastqwen+fused-route": {"route": "fused"},  # (the default with grouped: "auto")

@@ -40,7 +40,7 @@ KERNELS = {"attention": ("split", "sdpa"), "experts": ("auto", "gather", "groupe
            "projections": ("fused", "separate"), "linears": ("auto", "torch", "gemv"),
            "gdn": ("block", "unrolled", "fla"), "launch": ("auto", "serial", "pdl"),
            "splitk": ("sum", "fixup"), "gdn_norm": ("kernel", "separate", "fused"),
-           "expert_act": ("auto", "separate", "fused", "paired"), "route": ("auto", "argmax", "packed", "fused"),
+           "expert_act": ("auto", "separate", "fused"), "route": ("auto", "argmax", "packed", "fused"),
            "mlp_act": ("separate", "fused"), "conv": ("fused-verify", "fused", "separate"),
            "int4": ("auto", "triton", "cuda"),
            "fp8_weight": ("triton", "cuda"), "reductions": ("persistent", "inductor"),
@@ -101,12 +101,9 @@ def check_kernels(kernels: dict | None, cfg, device, fp8_experts: bool = False) 
     experts' silu(gate)·up as a kernel of inductor's between the gate | up and the down launches ("separate")
     or computed by the down launch from the gate | up partials as it loads them ("fused": a launch less a MoE
     layer; bf16 and fp8 experts, while int4 ones keep the separate kernel; needs "experts" grouped or
-    grouped-pdl and a SiLU MLP), or computed by the gate | up launch in its epilogue, each
-    program taking gate rows and the matching up rows, one split, and read by the down launch as its x
-    ("paired": ops/gemv.py expert_glu_gemv; no partials and no activation launch, so under PDL the down launch
-    follows the gate | up one directly and prefetches its first weight steps before it waits; bf16 and fp8
-    experts, int4 ones as "separate"; a candidate: 0.705× the two launches at kernel level, but the 35B-A3B
-    fp8-weight step 2262 µs against 2180 with "separate", one H100, 2026-12-07).
+    grouped-pdl and a SiLU MLP; the activation in the gate | up launch's epilogue, "paired", 0.705× the two
+    launches at kernel level, made the 35B-A3B fp8-weight step 2262 and 2254 µs against 2180 and 2167 with
+    "separate" in two H100 sessions and was removed, 2026-12-07).
     "route": the grouped experts' routing kernel's k rounds as
     a max then a min over the indices holding it, in 4 warps ("argmax"), or as one max over (logit, index) keys
     packed into an int64, in one warp ("packed": no shared memory, no barrier; same experts and weights;
@@ -180,12 +177,12 @@ def check_kernels(kernels: dict | None, cfg, device, fp8_experts: bool = False) 
     if kernels["expert_act"] == "auto":
         silu = grouped and getattr(cfg, "hidden_act", "silu") == "silu"
         kernels["expert_act"] = "fused" if silu and not fp8_experts else "separate"
-    for op, choice in (("expert_act", "fused"), ("expert_act", "paired"), ("route", "packed"), ("route", "fused")):
+    for op, choice in (("expert_act", "fused"), ("route", "packed"), ("route", "fused")):
         if kernels[op] == choice and kernels["experts"] not in ("grouped", "grouped-pdl"):
             raise ValueError(f"kernels[{op!r}]={choice!r} is a grouped-experts kernel: set kernels['experts'] to "
                              f"'grouped' or 'grouped-pdl' (it is {kernels['experts']!r})")
     for op in ("expert_act", "mlp_act"):
-        if kernels[op] in ("fused", "paired") and getattr(cfg, "hidden_act", "silu") != "silu":
+        if kernels[op] == "fused" and getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"kernels[{op!r}]={kernels[op]!r} computes SiLU; this model's hidden_act is "
                              f"{cfg.hidden_act!r}: use 'separate'")
     if kernels["mlp_act"] == "fused" and (kernels["projections"] != "fused" or kernels["linears"] == "torch"):

@@ -14,7 +14,7 @@ their quantized shared expert the same way (QuantExperts.stack_shared).
 import torch
 
 from .linears import Linears
-from .ops.gemv import BF16, expert_gemv, expert_glu_gemv, expert_swiglu_gemv
+from .ops.gemv import BF16, expert_gemv, expert_swiglu_gemv
 from .ops.router import reference as route_reference
 from .ops.router import route, router_route
 
@@ -101,10 +101,8 @@ def routed_moe(mlp, h: torch.Tensor, grouped: bool = False, lin: Linears | None 
     (with grouped): the routing and the expert launches with programmatic dependent launch. expert_act (with
     grouped, experts whose act_fn is SiLU; "separate": a kernel of its own between the two expert launches):
     "fused", the down launch computes silu(gate)·up from the gate | up launch's partials as it loads them
-    (ops/gemv.py expert_swiglu_gemv); "paired", the gate | up launch computes it in its epilogue, its programs
-    taking gate and up rows in pairs (ops/gemv.py expert_glu_gemv), and the down launch reads it (under pdl
-    pulling its first weight steps into L2 before it waits: its experts are known by then); quantized experts (QuantExperts.routed, their own kernel launches on CUDA) do so in
-    bf16 and fp8, while int4 ones keep a kernel for the activation whatever is asked. route_kernel (with
+    (ops/gemv.py expert_swiglu_gemv); quantized experts (QuantExperts.routed, their own kernel launches on
+    CUDA) do so in bf16 and fp8, while int4 ones keep a kernel for the activation whatever is asked. route_kernel (with
     grouped): the routing kernel's rounds, "argmax" or "packed" (one-warp packed keys), or "fused": one token's
     router matmul and routing in one launch (packed rounds; ops/router.py router_route; more tokens, or a
     router the kernel does not take, as "packed")."""
@@ -129,11 +127,7 @@ def routed_moe(mlp, h: torch.Tensor, grouped: bool = False, lin: Linears | None 
         gate_up, down = (mlp.experts.gate_up_proj, mlp.experts.down_proj) if stacked is None else stacked[:2]
         N, k = experts.shape
         pair_expert = experts.flatten().int()
-        if expert_act == "paired":
-            act = expert_glu_gemv(x, pair_expert, BF16, gate_up, None, x.dtype, pdl=pdl)  # [N·k, I]
-            out = expert_gemv(act, None, pair_expert, BF16, down, None, None, down.shape[1], pdl=pdl,
-                              experts_known=True).sum(0)
-        elif expert_act == "fused":
+        if expert_act == "fused":
             parts = expert_gemv(x, None, pair_expert, BF16, gate_up, None, None, gate_up.shape[1], pdl=pdl)
             out = expert_swiglu_gemv(parts, pair_expert, BF16, down, None, down.shape[1], x.dtype, pdl=pdl).sum(0)
         else:

@@ -1,9 +1,9 @@
 """Kernel-level A/B of a MoE decode layer's kernels: the routed experts' gated MLP as two launches (ops/gemv.py
 expert_gemv, then expert_swiglu_gemv with the activation on load: "fused") without PDL, the reference form,
-against the same with PDL and against the activation in the gate | up launch's epilogue (expert_glu_gemv, then
-expert_gemv: "paired"), with and without PDL; and one token's router matmul and routing in two launches (the
-weight-streaming kernel's split-K partials, then ops/router.py route, packed) against one (router_route), with
-and without PDL.
+against the same with PDL; and one token's router matmul and routing in two launches (the weight-streaming
+kernel's split-K partials, then ops/router.py route, packed) against one (router_route), with and without PDL.
+(The one-launch MLP and the activation in the gate | up launch's epilogue were measured with it and removed:
+both faster here, slower in the step; docs/DESIGN-NOTES.md.)
 
     python scripts/bench_expert_mlp.py --layers 40
 
@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from fastqwen.linears import Linears  # noqa: E402
-from fastqwen.ops.gemv import BF16, FP8_ROW, expert_gemv, expert_glu_gemv, expert_swiglu_gemv  # noqa: E402
+from fastqwen.ops.gemv import BF16, FP8_ROW, expert_gemv, expert_swiglu_gemv  # noqa: E402
 from fastqwen.ops.router import FUSED_CONFIG, fused_launch, route  # noqa: E402
 from fastqwen.quant.formats import quantize_fp8_rows  # noqa: E402
 
@@ -123,13 +123,7 @@ def main():
             return lambda: [expert_swiglu_gemv(expert_gemv(x, None, exp, fmt, *w1, None, 2 * I, False, pdl), exp, fmt,
                                                *w2, H, torch.bfloat16, False, pdl) for w1, w2, exp in layers]
 
-        def paired(pdl, known=True):  # (known: the down launch prefetches its weights before its PDL wait)
-            return lambda: [expert_gemv(expert_glu_gemv(x, exp, fmt, *w1, torch.bfloat16, False, pdl), None, exp, fmt,
-                                        *w2, None, H, False, pdl, known) for w1, w2, exp in layers]
-
-        forms = {f"{name} {form}, pdl {pdl}": f(pdl) for form, f in (("fused", fused), ("paired", paired))
-                 for pdl in (False, True)}
-        forms[f"{name} paired, pdl True, no prefetch"] = paired(True, False)
+        forms = {f"{name} fused, pdl {pdl}": fused(pdl) for pdl in (False, True)}
         graphs = {"two": captured(two), **{form: captured(fn) for form, fn in forms.items()}}
         best = timed(graphs, args.rounds)
         a = torch.stack([parts.sum(0) for parts in graphs["two"][1]])

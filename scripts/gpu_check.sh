@@ -77,11 +77,6 @@
 #            27B's layers and head, alone and then chained with PDL, and each one's line (scripts/gemv_fit.py: fixed
 #            µs + bytes ÷ TB/s; ~1.5 min on an H200); on an H200 it tells whether the load path or the decode's start
 #            and drain holds the rate at ~80% of the read ceiling
-#   paired   the paired expert activation (kernels expert_act "paired", a candidate): its GPU tests, the 35B-A3B
-#            step with it, without it and in bf16, each alone in its process with the fp8 lm_head, then the
-#            kernel-level table (scripts/bench_expert_mlp.py: fused and paired, PDL on and off; 16 layers on a GPU
-#            under 100 GB; last, so that a call cut short still has the step) (~6 min on an H200); PAIRED_SYSTEMS
-#            replaces the three systems
 #   pair     int4's pair kernel (int4_cuda.PAIR, the default past 8 rows): per-layer times at 9 and 16 rows against the
 #            one-strip instance, at TARGET_BLOCKS 2048 and 4096 (the plan counts 16-row strips, so the pair kernel's
 #            grid has half as many blocks), then a 27B int4 verify of 16 positions on the first 16 layers with PAIR off and on, each in a process
@@ -156,17 +151,6 @@ case "$stage" in
         else set -- --models qwen3.5-27b --systems fastqwen fastqwen-fp8-weight fastqwen-int4 --quant-lm-head; fi
         python scripts/bench.py "$@" $a --json "$out/bars_${BARS:-27b}.json" 2>&1 | grep -v "^\[transformers\]" \
           | tee "$out/bars_${BARS:-27b}.log" | grep -E "tok/s|step:|^\|" ;;
-  paired) python -m pytest -q -p no:warnings tests/gpu/test_ops_gpu.py -k "glu_gemv or paired" 2>&1 | tail -2 \
-            | tee "$out/paired_tests.log"
-          python -m pytest -q -p no:warnings tests/gpu/test_quant_gpu.py -k "routed_kernel and paired or stacked" 2>&1 \
-            | tail -2 | tee -a "$out/paired_tests.log"
-          python scripts/bench.py --models qwen3.5-35b-a3b --systems ${PAIRED_SYSTEMS:-fastqwen-fp8-weight+paired-expert-act \
-            fastqwen-fp8-weight fastqwen} --quant-lm-head --isolate --n-long 288 --repeats 2 --no-autotune \
-            --json "$out/paired_35b.json" 2>&1 | grep -v "^\[transformers\]" | tee "$out/paired_35b.log" \
-            | grep -E "tok/s|step:|^\|"
-          mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)  # (last: diagnostic)
-          python scripts/bench_expert_mlp.py --layers $([ "$mib" -lt 100000 ] && echo 16 || echo 40) --tables experts \
-            2>&1 | grep "^|" | tee "$out/paired_kernels.md" ;;
   fit) folds="1$(grep -q CLUSTER_SUM fastqwen/ops/int4_cuda.py && echo ' 3')"
        for pdl in "" --pdl; do
          python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel cuda --cuda-fold $folds \

@@ -10,7 +10,7 @@ import torch
 from conftest import run_in_triton_interpreter
 
 from fastqwen.quant.formats import pack_int4, unpack_int4
-from fastqwen.ops.gemv import (BF16, FP8_BLOCK, FP8_ROW, INT4, expert_gemv, expert_glu_gemv, expert_key, expert_reference,
+from fastqwen.ops.gemv import (BF16, FP8_BLOCK, FP8_ROW, INT4, expert_gemv, expert_key, expert_reference,
                                expert_swiglu_gemv,
                                gemv_beats_cublas, gemv_config, pair_rows, reference, stored_operands, swiglu_linear,
                                swiglu_reference,
@@ -166,85 +166,6 @@ def test_swiglu_linear_is_the_down_projection_of_the_activation():
                                rtol=1e-5, atol=1e-4)
     torch.library.opcheck(swiglu_linear, (parts, w, 24),
                           test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))
-
-
-@pytest.mark.parametrize("fmt,act_fp8", [(BF16, False), (FP8_ROW, False), (FP8_BLOCK, True)])
-def test_expert_glu_gemv_is_the_activation_of_the_gate_up_projection(fmt, act_fp8):
-    """The gate | up projection with the activation in its epilogue, on CPU: swiglu_reference of the per-pair
-    gate | up product (token-major pairs, two a token here), in the experts' format and the activations' dtype;
-    the op passes opcheck; int4 experts and a pair count that is not a multiple of the tokens are refused."""
-    x = torch.randn(2, 256, dtype=torch.bfloat16)
-    exp = torch.tensor([4, 0, 4, 2], dtype=torch.int32)
-    w, s, _ = (torch.randn(5, 48, 256, dtype=torch.bfloat16), None, None) if fmt == BF16 else expert_operands(fmt, 5, 48, 256)
-    h = expert_glu_gemv(x, exp, fmt, w, s, torch.bfloat16, act_fp8)
-    parts = expert_reference(x, None, exp, fmt, w, s, None, 48, act_fp8)
-    gate, up = parts.chunk(2, dim=-1)
-    assert h.shape == (4, 24) and h.dtype == torch.bfloat16
-    assert torch.equal(h, (torch.nn.functional.silu(gate) * up).bfloat16())
-    if fmt == BF16:  # pair 3 is token 1 with expert 2: gate rows 0..23, up rows 24..47
-        g, u = (w[2].float() @ x[1].float()).chunk(2)
-        torch.testing.assert_close(h[3].float(), (g * torch.sigmoid(g) * u).bfloat16().float(), rtol=1e-2, atol=1e-2)
-    torch.library.opcheck(expert_glu_gemv, (x, exp, fmt, w, s, torch.bfloat16, act_fp8),
-                          test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))
-    w4, s4, _ = expert_operands(INT4, 5, 48, 256)
-    with pytest.raises(ValueError, match="int4 experts run the activation separately"):
-        expert_glu_gemv(x, exp, INT4, w4, s4, torch.bfloat16)
-    with pytest.raises(ValueError, match="P / T pairs a token"):
-        expert_glu_gemv(torch.randn(3, 256, dtype=torch.bfloat16), exp, fmt, w, s, torch.bfloat16)
-
-
-_GLU_INTERPRETED = """
-import torch
-from fastqwen.ops.gemv import BF16, FP8_BLOCK, FP8_ROW, INT4, _launch, expert_reference, swiglu_reference
-from test_gemv import expert_operands
-import fastqwen.ops.gemv as gemv
-E, I, K = 5, 72, 384  # (I not a multiple of the tile's BLOCK_N / 2: the last program's columns masked)
-exp = torch.tensor([4, 0, 2, 4, 1, 3], dtype=torch.int32)
-
-def truncated(act):  # the interpreter casts fp32 -> bf16 by dropping the low bits (hardware rounds to nearest even)
-    return (act.float().view(torch.int32) & -65536).view(torch.float32).bfloat16()
-
-
-for x_rows in (1, 2):  # one token's 6 pairs, or 3 pairs each of 2 tokens (pair p reads row p // 3)
-    x = torch.randn(x_rows, K).bfloat16()
-    for fmt in (BF16, FP8_ROW, FP8_BLOCK):
-        w, s, _ = (torch.randn(E, 2 * I, K).bfloat16(), None, None) if fmt == BF16 else expert_operands(fmt, E, 2 * I, K)
-        ref = swiglu_reference(expert_reference(x, None, exp, fmt, w, s, None, 2 * I)[None], torch.float32)
-        configs = [None, (32, 4, 4, 2), (16, 1, 4, 3)]  # (a split asked for is taken as one)
-        if fmt != FP8_BLOCK:
-            configs += [(32, 1, 4, 4, 0, 2)]  # steps of 256 columns
-        if fmt != BF16:
-            configs += [(32, 1, 4, 3, 1)]  # BITS
-        for config in configs:
-            for dtype in (torch.bfloat16, torch.float32):
-                h = _launch(x, fmt, w, s, None, False, 2 * I, len(exp), (None, exp), config=config, glu=dtype)
-                want = truncated(ref) if dtype == torch.bfloat16 else ref
-                assert h.shape == (len(exp), I) and h.dtype == dtype and not h.isnan().any(), (fmt, config)
-                err = ((h.float() - want.float()).norm() / want.float().norm()).item()
-                assert err < 1e-4, (x_rows, fmt, config, dtype, err)
-w, s, z = expert_operands(INT4, E, 2 * I, K)
-x = torch.randn(1, K).bfloat16()
-for bad in (dict(fmt=INT4, w=w, s=s, pairs=(None, exp), n=2 * I, dtype=torch.bfloat16),
-            dict(fmt=BF16, w=w.float(), s=None, pairs=None, n=2 * I, dtype=torch.bfloat16),  # linear mode
-            dict(fmt=BF16, w=torch.randn(E, 2 * I - 1, K), s=None, pairs=(None, exp), n=2 * I - 1,
-                 dtype=torch.bfloat16),  # an odd gate | up width
-            dict(fmt=BF16, w=torch.randn(E, 2 * I, K), s=None, pairs=(None, exp), n=2 * I, dtype=torch.int32)):
-    try:
-        _launch(x, bad["fmt"], bad["w"], bad["s"], z if bad["fmt"] == INT4 else None, False, bad["n"], len(exp),
-                bad["pairs"], glu=bad["dtype"])
-        raise AssertionError("glu took " + str(bad))
-    except ValueError as e:
-        assert "glu takes grouped mode" in str(e), e
-print("glu ok")
-"""
-
-
-def test_glu_epilogue_matches_reference_in_the_triton_interpreter():
-    """_row_kernel GLU: gate | up rows paired in each program and silu(gate)·up stored in its epilogue, for
-    bf16, fp8 per-row and 128-block experts, one or two tokens' pairs, default, narrow, wide-step and BITS
-    configs (a split asked for taken as one), bf16 and fp32 results, the last tile's columns masked; int4,
-    linear mode, an odd width and a dtype Triton cannot round to are refused."""
-    assert run_in_triton_interpreter(_GLU_INTERPRETED).strip().endswith("glu ok")
 
 
 def test_swiglu_on_load_matches_reference_in_the_triton_interpreter():
@@ -538,16 +459,15 @@ def ptx(fmt, lowp, swap, act=False, bits=False, pdl=False, fixup=0):  # the 16-r
                   LOWP=lowp, SWAP=swap, PDL=pdl, FIXUP=fixup)
     return compile_sm90(gemv._gemv_kernel, sig, consts, ALIGNED, num_stages=4).asm["ptx"]
 
-def row_kernel(fmt, bits, BN=128, pdl=False, fixup=0, grouped=False, swiglu=0, per_row=0, half2=0, stages=2, tiles=1,
-               glu=False, exp_known=False):
+def row_kernel(fmt, bits, BN=128, pdl=False, fixup=0, grouped=False, swiglu=0, per_row=0, half2=0, stages=2, tiles=1):
     # one-row kernel, 128-column steps
     sig = dict(x_ptr="*fp32" if swiglu else "*bf16", w_ptr=w_type(fmt, bits), **sz_types(fmt),
-               y_ptr="*bf16" if glu else "*fp32", tok_ptr="*i32", exp_ptr="*i32", N="i32", K="i32", s_stride="i32", g_stride="i32",
+               y_ptr="*fp32", tok_ptr="*i32", exp_ptr="*i32", N="i32", K="i32", s_stride="i32", g_stride="i32",
                w_estride="i32", s_estride="i32", k_per_split="i32", ONE="i32", cnt_ptr="*i32", xp_ptr="*i32")
     acc_k = 128 // (8 if fmt == gemv.INT4 else 4) if bits else 64 if fmt == gemv.INT4 else 128
     consts = dict(FMT=fmt, ACT_FP8=False, GROUPED=grouped, FP8_LIMIT=448.0, BLOCK_N=BN, BLOCK_K=128, ACC_K=acc_k,
                   STAGES=stages, BITS=bits, PDL=pdl, FIXUP=fixup, SWIGLU=swiglu, PER_ROW=per_row,
-                  ACT_DTYPE=tl.bfloat16, HALF2=half2, ASM=1, TILES=tiles, GLU=glu, EXP_KNOWN=exp_known)
+                  ACT_DTYPE=tl.bfloat16, HALF2=half2, ASM=1, TILES=tiles)
     return compile_sm90(gemv._row_kernel, sig, consts, ALIGNED + ("xp_ptr",), num_stages=stages)
 
 def sass(fmt, bits, BN=128):
@@ -692,22 +612,9 @@ for fmt, swiglu, grouped, pdl, fixup in ((gemv.BF16, 0, True, False, 0), (gemv.B
     assert stack_bytes(kernel) == 0, (fmt, swiglu, grouped, "spills")
     rounded = "ex2.approx" in kernel.asm["ptx"] and "cvt.rn.bf16.f32" in kernel.asm["ptx"]
     assert rounded == bool(swiglu), (fmt, swiglu, "the activation is not computed here and rounded to bf16 to nearest")
-# GLU (kernels={"expert_act": "paired"}): the gate | up launch's epilogue computes the activation and stores it in bf16
-# (rounded to nearest), no fp32 output, no spill, with and without PDL
-for fmt, bits, pdl in ((gemv.BF16, False, False), (gemv.FP8_ROW, False, True), (gemv.FP8_ROW, True, True)):
-    kernel = row_kernel(fmt, bits, 32, grouped=True, per_row=9, pdl=pdl, glu=True)
-    code = kernel.asm["ptx"]
-    assert stack_bytes(kernel) == 0, (fmt, bits, "spills")
-    stores = set(re.findall(r"st\.global\.([\w.]+)", code))
-    assert "ex2.approx" in code and re.search(r"cvt\.rn\.bf16(x2)?\.f32", code), (fmt, bits, "no activation")
-    assert stores and all(s.endswith("b16") for s in stores), (fmt, bits, stores)
-# EXP_KNOWN (the paired down launch under PDL): the pair's expert read and its first weight steps prefetched into L2
-# before the wait; without it a grouped program waits before any load
-for known in (False, True):
-    code = row_kernel(gemv.FP8_ROW, False, 32, grouped=True, per_row=9, pdl=True, exp_known=known).asm["ptx"]
-    wait = code.index("griddepcontrol.wait")
-    assert ("prefetch.global.L2" in code[:wait] and "ld.global" in code[:wait]) == known, known
-    assert "prefetch.global.L2" not in code[wait:], known
+# a grouped launch under PDL (its pairs' experts are the router's output) loads and prefetches nothing before it waits
+code = row_kernel(gemv.FP8_ROW, False, 32, grouped=True, per_row=9, pdl=True).asm["ptx"]
+assert "ld.global" not in code[:code.index("griddepcontrol.wait")] and "prefetch.global.L2" not in code
 print("ok")
 """
 
@@ -718,9 +625,7 @@ def test_kernels_compile_for_sm90_as_designed():
     weight with cp.async; without SWAP its dot is an mma.sync, with SWAP a wgmma whose first operand, the
     decoded weight, comes from registers (fp8 and int4, fp32 and 16-bit operands); with LOWP 2 an e4m3 wgmma
     takes the weight from shared memory as stored, never decoded. SWIGLU computes the activation and rounds
-    it to bf16 to nearest (cvt.rn), without spilling; so does GLU in the gate | up launch's epilogue, storing
-    only the bf16 activation. A grouped launch under PDL loads nothing before its wait unless its experts are
-    known (EXP_KNOWN), and then prefetches its expert's first weight steps before it."""
+    it to bf16 to nearest (cvt.rn), without spilling. A grouped launch under PDL loads nothing before its wait."""
     assert run_in_triton_interpreter(_SM90, interpret=False).strip().endswith("ok")
 
 

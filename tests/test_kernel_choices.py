@@ -20,9 +20,8 @@ def test_grouped_experts_match_the_gathered_ones():
         hf = hf[0] if isinstance(hf, tuple) else hf
         torch.testing.assert_close(routed_moe(mlp, h), hf, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(routed_moe(mlp, h, grouped=True), routed_moe(mlp, h), rtol=1e-5, atol=1e-5)
-        for act in ("fused", "paired"):
-            torch.testing.assert_close(routed_moe(mlp, h, grouped=True, expert_act=act), routed_moe(mlp, h),
-                                       rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(routed_moe(mlp, h, grouped=True, expert_act="fused"), routed_moe(mlp, h),
+                                   rtol=1e-5, atol=1e-5)
         for route in ("packed", "fused"):  # (fused: one token's router matmul and routing; more route as packed)
             for t in (h, h[:1, :1]):
                 torch.testing.assert_close(routed_moe(mlp, t, grouped=True, route_kernel=route), routed_moe(mlp, t),
@@ -54,7 +53,6 @@ ALL = {"attention": "sdpa", "experts": "grouped", "projections": "separate", "li
                                                   ("tiny-moe", ALL, False),
                                                   ("tiny-moe", {"experts": "grouped-pdl", "launch": "pdl"}, True),
                                                   ("tiny-moe", {"experts": "grouped", "expert_act": "fused"}, True),
-                                                  ("tiny-moe", {"experts": "grouped", "expert_act": "paired"}, True),
                                                   ("tiny-moe", {"experts": "grouped", "route": "fused"}, True),
                                                   ("tiny-moe", ALL, True)])
 def test_alternative_kernels_give_the_default_tokens(name, kernels, compile):
@@ -239,15 +237,13 @@ def test_bad_kernel_choices():
         fastqwen.optimize(fresh("tiny"), compile=False, kernels={"attention": "flash"})
     with pytest.raises(ValueError, match="applies to MoE models only"):
         fastqwen.optimize(fresh("tiny"), compile=False, kernels={"experts": "grouped"})
-    for op, choice in (("expert_act", "fused"), ("expert_act", "paired"), ("route", "packed"), ("route", "fused")):
+    for op, choice in (("expert_act", "fused"), ("route", "packed"), ("route", "fused")):
         with pytest.raises(ValueError, match=r"set kernels\['experts'\] to 'grouped' or 'grouped-pdl' \(it is 'gather'\)"):
             fastqwen.optimize(fresh("tiny-moe"), compile=False, kernels={op: choice})
     model = fresh("tiny-moe")
     model.config.hidden_act = "gelu"
     with pytest.raises(ValueError, match="hidden_act is 'gelu'"):
         fastqwen.optimize(model, compile=False, kernels={"experts": "grouped", "expert_act": "fused"})
-    with pytest.raises(ValueError, match=r"kernels\['expert_act'\]='paired' computes SiLU"):
-        fastqwen.optimize(model, compile=False, kernels={"experts": "grouped", "expert_act": "paired"})
     with pytest.raises(ValueError, match=r"kernels\['mlp_act'\]='fused' computes SiLU; this model's hidden_act is 'gelu'"):
         fastqwen.optimize(model, compile=False, kernels={"mlp_act": "fused"})
     for other in ({"projections": "separate"}, {"linears": "torch"}):
@@ -402,16 +398,14 @@ def test_verify_prologue_stores_the_replay_and_is_token_identical(compile, monke
 
 
 def test_quant_experts_kernel_path_per_scheme_and_activation():
-    """QuantExperts.routed's launches on CUDA: the fused down launch or the paired gate | up launch for fp8
-    schemes, int4 always separate; an unknown activation (the removed one-launch "mlp" among them) is refused by
-    name."""
+    """QuantExperts.routed's launches on CUDA: the fused down launch for fp8 schemes, int4 always separate; an
+    unknown activation (the removed "mlp" and "paired" among them) is refused by name."""
     from fastqwen.quant.experts import kernel_path
 
     want = {("fp8-weight", "fused"): "fused", ("fp8-weight", "separate"): "separate",
             ("fp8", "fused"): "fused", ("fp8", "separate"): "separate",
-            ("int4", "fused"): "separate", ("int4", "separate"): "separate",
-            ("fp8-weight", "paired"): "paired", ("fp8", "paired"): "paired", ("int4", "paired"): "separate"}
+            ("int4", "fused"): "separate", ("int4", "separate"): "separate"}
     assert {key: kernel_path(*key) for key in want} == want
-    for act in ("auto", "mlp"):
-        with pytest.raises(ValueError, match="'separate', 'fused' or 'paired'"):
+    for act in ("auto", "mlp", "paired"):
+        with pytest.raises(ValueError, match="'separate' or 'fused'"):
             kernel_path("fp8-weight", act)

@@ -442,8 +442,7 @@ if triton is not None:
                     ACC_K: tl.constexpr, STAGES: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr,
                     FIXUP: tl.constexpr = 0, SWIGLU: tl.constexpr = 0, PER_ROW: tl.constexpr = 0,
                     ACT_DTYPE: tl.constexpr = tl.bfloat16, HALF2: tl.constexpr = 0, ASM: tl.constexpr = 1,
-                    TILES: tl.constexpr = 1, TILED: tl.constexpr = 0, GLU: tl.constexpr = 0,
-                    EXP_KNOWN: tl.constexpr = 0):
+                    TILES: tl.constexpr = 1, TILED: tl.constexpr = 0):
         """One row of x (decode at batch 1, or one (token, expert) pair): products accumulate elementwise in
         registers and are summed over K once, at the end (no per-step reduction, no tensor-core layout).
         BITS: the weight is read as int32 words and decoded by bit moves (_fp8_bits, _int4_unit) instead of
@@ -458,27 +457,19 @@ if triton is not None:
         columns of x as scaled fp16 pairs to xp (_half2_prologue), then each word of 8 codes takes 16
         instructions of fp16 pair arithmetic (_int4_half2) and one FFMA by its row's group scale. TILES (HALF2
         only, launch option): a program computes TILES tiles of BLOCK_N rows one after another, so that one
-        prologue serves them all. GLU (grouped mode, one split, 16-bit or e4m3 weights): W is a gate | up
-        weight [2I, K] (N = 2I) and y is [P, I] in ACT_DTYPE: the tile's rows 2j and 2j + 1 are gate row j and up
-        row I + j, and the program stores silu(gate)·up of its BLOCK_N / 2 columns (as _swiglu_x rounds it).
-        EXP_KNOWN (grouped mode with PDL): the pairs' experts (and tok) were written before the previous kernel
-        began (a down launch after its gate | up launch, which waited for the router before it let this one
-        launch), so the program reads its pair's expert and pulls its first weight steps into L2 before it
-        waits, as the linear mode does (_dependent_start); without it a grouped program waits first."""
+        prologue serves them all. Grouped mode with PDL waits first: a pair's expert is the previous kernel's (the
+        router's) output."""
         n = tl.program_id(0) * TILES * BLOCK_N + tl.arange(0, BLOCK_N)  # (the first tile's rows)
         split = tl.program_id(2)  # split-K: this program sums K columns [split·k_per_split, +k_per_split)
         y0_ptr = y_ptr
         y_ptr += split.to(tl.int64) * tl.num_programs(1) * N
         if GROUPED:
-            if PDL and not EXP_KNOWN:  # a pair's expert and row are the previous kernel's (the router's) output:
-                tl.extra.cuda.gdc_wait()  # wait, then read
+            if PDL:  # a pair's expert and row are the previous kernel's (the router's) output: wait, then read
+                tl.extra.cuda.gdc_wait()
                 tl.extra.cuda.gdc_launch_dependents()
             x_ptr, w_ptr, s_ptr, z_ptr, y_ptr = _pair_pointers(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, tok_ptr, exp_ptr,
-                                                               N // (1 + GLU), K, w_estride, s_estride, SWIGLU,
-                                                               PER_ROW)
+                                                               N, K, w_estride, s_estride, SWIGLU, PER_ROW)
         k_end = tl.minimum(K, (split + 1) * k_per_split)
-        if PDL and GROUPED and EXP_KNOWN:  # (x, the previous kernel's output, is read after the wait)
-            _dependent_start(w_ptr, n, n < N, split * k_per_split, k_end, K, FMT, BITS, BLOCK_K, TILED)
         g_end = k_end // 128  # (HALF2: the end of this split's groups)
         if PDL and not GROUPED:  # int4 lets the next kernel launch only once its sums are stored (at the end)
             _dependent_start(w_ptr, n, n < N, split * k_per_split, k_end, K, FMT, BITS, BLOCK_K, TILED, FMT != 2)
@@ -487,10 +478,6 @@ if triton is not None:
         for t in tl.static_range(TILES):  # TILES tiles of BLOCK_N rows, one after another (HALF2: one prologue)
             n = (tl.program_id(0) * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = n < N
-            if GLU:  # rows 2j and 2j + 1 of the tile: gate row j, up row N / 2 + j
-                j = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) // 2
-                n = j + (tl.arange(0, BLOCK_N) % 2) * (N // 2)
-                n_ok = j < N // 2
             if HALF2:
                 ra, rb = _half2_rows(tl.program_id(0) * TILES + t, N, BLOCK_N, HALF2)
             if HALF2 == 2:  # even and odd rows as the mma's two row sets
@@ -611,12 +598,7 @@ if triton is not None:
                 y = y * 1.329227995784916e36  # 2¹²⁰: _fp8_bits' codes were 2⁻¹²⁰ of their values
             if FMT == 0:
                 y = y * tl.load(s_ptr + n, mask=n_ok, other=0.0)
-            if GLU:
-                g, u = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
-                j = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-                tl.store(y_ptr + j, (g / (1.0 + tl.exp(-g)) * u).to(ACT_DTYPE), mask=j < N // 2)
-            else:
-                tl.store(y_ptr + n, y, mask=n_ok)
+            tl.store(y_ptr + n, y, mask=n_ok)
             if FIXUP:  # (linear mode: program_id(1) is x's row)
                 _split_k_fixup(y0_ptr, tl.program_id(1) * N + n, n_ok, cnt_ptr,
                                (tl.program_id(0) * TILES + t) * tl.num_programs(1) + tl.program_id(1),
@@ -936,7 +918,7 @@ def linear_splits(fmt: int, N: int, K: int, rows: int) -> int:
 
 
 def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, config=None, partials=False,
-            pdl=False, fixup=False, swiglu=None, glu=None, experts_known=False):
+            pdl=False, fixup=False, swiglu=None):
     """fp32 y [rows, out_features]; `pairs` = (tok, exp) int32 [P] switches to grouped mode (rows = P, one x
     row each); `config` overrides gemv_config. Split-K writes per-split partials and sums them (deterministic);
     with `partials` they come back unsummed, [splits, rows, out_features] (split_plan). `fixup` (linear mode):
@@ -945,12 +927,7 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
     _dependent_start; grouped mode waits before it reads its pairs, so it prefetches nothing: it only overlaps
     its launch with the previous kernel). `swiglu`, a dtype (BF16 or fp8 formats decoded by conversion; grouped
     mode, or linear mode at one row): x is a gate | up launch's partials [S, rows, 2K] fp32 and pair p's (the
-    row's) x their silu(gate)·up rounded to that dtype, the activations' (_row_kernel SWIGLU; tok unread). `glu`,
-    a dtype (grouped mode, BF16 or fp8 formats): w is a gate | up weight [E, 2I, K] and the result is
-    silu(gate)·up [rows, I] in that dtype, computed by one split of programs taking paired gate and up rows
-    (_row_kernel GLU). `experts_known` (grouped mode with pdl): the pairs were written before the previous
-    kernel began, so each program prefetches its expert's first weight steps before it waits (_row_kernel
-    EXP_KNOWN)."""
+    row's) x their silu(gate)·up rounded to that dtype, the activations' (_row_kernel SWIGLU; tok unread)."""
     K = x.shape[-1] // 2 if swiglu is not None else x.shape[1]
     if K % STEP:
         raise ValueError(f"the weight-streaming kernel needs K divisible by {STEP}; got K={K}")
@@ -961,11 +938,6 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
     config = config or gemv_config(fmt, N, K, M, rows if grouped else 1)
     bn, split, warps, stages, bits, kstep, lowp, swap, tiles = full_config(config)
     bits = bool(bits) and fmt != BF16
-    if glu is not None:
-        if fmt == INT4 or not grouped or swiglu is not None or glu not in _TL_DTYPES or N % 2 or bn % 2:
-            raise ValueError(f"glu takes grouped mode, the BF16 or an fp8 format, a 16-bit or fp32 activation dtype "
-                             f"and an even gate | up width; got format {fmt}, grouped {grouped}, dtype {glu}, N {N}")
-        config = (bn, 1, warps, stages, bits, kstep, lowp, swap, tiles)  # (one split: each program's sums whole)
     if swiglu is not None:
         if (fmt == INT4 or (act_fp8 and fmt == BF16) or swiglu not in _TL_DTYPES or x.dim() != 3
                 or x.shape[1] != rows or (not grouped and rows != 1) or (bits and explicit)):
@@ -1028,8 +1000,7 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
         w = w.view(torch.int32)  # 4 fp8 codes or 8 int4 codes a word, in column order
     block_k = STEP * kstep
     k_per_split, split = split_plan(K, config)
-    y = (torch.empty(split, rows, N, dtype=torch.float32, device=x.device) if glu is None
-         else torch.empty(rows, N // 2, dtype=glu, device=x.device))
+    y = torch.empty(split, rows, N, dtype=torch.float32, device=x.device)
     fix = split if fixup and split > 1 and not grouped else 0  # FIXUP: the number of partials a tile adds
     cnt = tile_counts(x.device, triton.cdiv(N, bn)) if fix else y  # (any pointer when not read)
     one = scale[0] if grouped and scale is not None else scale  # one expert's scales
@@ -1051,15 +1022,13 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
     if M == 1 and lowp != 2 and not pair_dot:
         xp = torch.empty(K // 2, dtype=torch.int32, device=x.device) if half2 else y  # HALF2's x pairs [4, K / 8]
         acc_k = STEP // (8 if fmt == INT4 else 4) if bits else STEP // 2 if fmt == INT4 else block_k
-        tiles_n = triton.cdiv(N // 2, bn // 2) if glu is not None else triton.cdiv(N, bn)
-        kernel = _row_kernel[(triton.cdiv(tiles_n, tiles), rows, split)](
+        kernel = _row_kernel[(triton.cdiv(triton.cdiv(N, bn), tiles), rows, split)](
             x, w, scale, zero, y, tok, exp, N, K, s_stride, g_stride, w_estride, s_estride,
             k_per_split, ONE_BITS, cnt, xp, FMT=fmt, ACT_FP8=act_fp8, GROUPED=grouped, FP8_LIMIT=FP8_MAX, BLOCK_N=bn,
             BLOCK_K=block_k, ACC_K=acc_k, STAGES=stages, BITS=bits, PDL=pdl, FIXUP=fix,
             SWIGLU=x.shape[0] if swiglu is not None else 0, PER_ROW=per_row,
-            ACT_DTYPE=_TL_DTYPES.get(swiglu if glu is None else glu, tl.bfloat16), HALF2=half2,
-            ASM=not triton.knobs.runtime.interpret, TILES=tiles, TILED=tiled, GLU=glu is not None,
-            EXP_KNOWN=experts_known and grouped and pdl, num_warps=warps, launch_pdl=pdl)
+            ACT_DTYPE=_TL_DTYPES.get(swiglu, tl.bfloat16), HALF2=half2,
+            ASM=not triton.knobs.runtime.interpret, TILES=tiles, TILED=tiled, num_warps=warps, launch_pdl=pdl)
         if half2 == 2 and not triton.knobs.runtime.interpret:
             mma_layout_check(kernel)
     else:
@@ -1071,8 +1040,6 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
             TILED=tiled, num_warps=warps, launch_pdl=pdl)
     if fix:
         return y[:1] if partials else y[0]
-    if glu is not None:
-        return y
     return y if partials else y[0] if split == 1 else y.sum(0)
 
 
@@ -1227,25 +1194,23 @@ def _(x, fmt, w, scale, zero, act_fp8, out_features, pdl=False, fixup=False):
 @torch.library.custom_op("fastqwen::expert_gemv", mutates_args=())
 def expert_gemv(x: torch.Tensor, tok: torch.Tensor | None, exp: torch.Tensor, fmt: int, w: torch.Tensor,
                 scale: torch.Tensor | None, zero: torch.Tensor | None, out_features: int,
-                act_fp8: bool = False, pdl: bool = False, experts_known: bool = False) -> torch.Tensor:
+                act_fp8: bool = False, pdl: bool = False) -> torch.Tensor:
     """Routed experts: x [T, K], pairs tok / exp [P] int32, expert weights w [E, N, K] (stored format, with
     scale / zero [E, …]) → split-K partial sums [S, P, out_features] fp32 whose sum over dim 0 has row
     p = x[tok[p]] · W[exp[p]]ᵀ (the caller sums, as for wq_linear). tok None: the pairs are token-major, P / T
     of them a token (pair_rows), computed in the kernel: a decode step builds no index tensor (a launch a layer
     inside a compiled step). Kernel on CUDA, the reference (S = 1) elsewhere. pdl: launch with programmatic
-    dependent launch (kernels={"experts": "grouped-pdl"}); experts_known (with pdl): tok and exp were written
-    before the previous kernel in the stream began (a down launch right after its gate | up launch), so the
-    kernel pulls its first weight steps into L2 before it waits for that kernel (x)."""
+    dependent launch (kernels={"experts": "grouped-pdl"})."""
     if tok is None and exp.shape[0] % max(x.shape[0], 1):
         raise ValueError(f"tok None needs P / T pairs a token: {exp.shape[0]} pairs over {x.shape[0]} rows")
     if _on_kernel(x):
         return _launch(x.contiguous(), fmt, w, scale, zero, act_fp8, out_features, exp.shape[0], (tok, exp),
-                       partials=True, pdl=pdl, experts_known=experts_known)
+                       partials=True, pdl=pdl)
     return expert_reference(x, tok, exp, fmt, w, scale, zero, out_features, act_fp8)[None]
 
 
 @expert_gemv.register_fake
-def _(x, tok, exp, fmt, w, scale, zero, out_features, act_fp8=False, pdl=False, experts_known=False):
+def _(x, tok, exp, fmt, w, scale, zero, out_features, act_fp8=False, pdl=False):
     P = exp.shape[0]
     splits = split_plan(x.shape[1], gemv_config(fmt, out_features, x.shape[1], 1, P))[1] if _on_kernel(x) else 1
     return x.new_empty(splits, P, out_features, dtype=torch.float32)
@@ -1300,28 +1265,3 @@ def _(parts, exp, fmt, w, scale, out_features, act_dtype, act_fp8=False, pdl=Fal
     P, inter = parts.shape[1], parts.shape[2] // 2
     splits = split_plan(inter, gemv_config(fmt, out_features, inter, 1, P))[1] if _on_kernel(parts) else 1
     return parts.new_empty(splits, P, out_features)
-
-
-@torch.library.custom_op("fastqwen::expert_glu_gemv", mutates_args=())
-def expert_glu_gemv(x: torch.Tensor, exp: torch.Tensor, fmt: int, w: torch.Tensor, scale: torch.Tensor | None,
-                    act_dtype: torch.dtype, act_fp8: bool = False, pdl: bool = False) -> torch.Tensor:
-    """Routed experts' gate | up projection with the activation in its epilogue: x [T, K], exp [P] int32 (pairs
-    token-major, P / T a token), w [E, 2I, K] gate rows then up rows in format fmt (BF16, FP8_ROW or FP8_BLOCK,
-    scale [E, …]) → silu(gate)·up [P, I] in act_dtype, i.e. swiglu_reference(expert_gemv(x, None, exp, …),
-    act_dtype).
-    On CUDA one launch whose programs each take BLOCK_N / 2 gate rows and the matching up rows, whole K
-    (_row_kernel GLU): no partials, no activation launch; the down projection reads the result as its x."""
-    if fmt == INT4:
-        raise ValueError("expert_glu_gemv takes bf16 or fp8 experts; int4 experts run the activation separately")
-    if exp.shape[0] % max(x.shape[0], 1):
-        raise ValueError(f"expert_glu_gemv needs P / T pairs a token: {exp.shape[0]} pairs over {x.shape[0]} rows")
-    if _on_kernel(x):
-        return _launch(x.contiguous(), fmt, w, scale, None, act_fp8, w.shape[1], exp.shape[0], (None, exp), pdl=pdl,
-                       glu=act_dtype)
-    parts = expert_reference(x, None, exp, fmt, w, scale, None, w.shape[1], act_fp8)[None]
-    return swiglu_reference(parts, act_dtype)
-
-
-@expert_glu_gemv.register_fake
-def _(x, exp, fmt, w, scale, act_dtype, act_fp8=False, pdl=False):
-    return x.new_empty(exp.shape[0], w.shape[1] // 2, dtype=act_dtype)

@@ -14,7 +14,7 @@ experts, so that `routed` runs it in the same two launches as the routed ones.
 import torch
 from torch import nn
 
-from ..ops.gemv import FORMATS, INT4, STEP, expert_gemv, expert_glu_gemv, expert_swiglu_gemv
+from ..ops.gemv import FORMATS, INT4, STEP, expert_gemv, expert_swiglu_gemv
 from .formats import dequantize_weight, fake_quantize_fp8_activations, quantize_weight, tile_int4
 
 _MATRICES = ("gate_up", "down")
@@ -39,13 +39,10 @@ def _experts_rows(q: torch.Tensor) -> tuple[int, int]:
 
 def kernel_path(scheme: str, act: str) -> str:
     """The launches QuantExperts.routed runs on CUDA for `scheme` and the asked activation `act`: "fused" (the
-    down launch computes the activation: fp8 schemes), "paired" (the gate | up launch computes it in its
-    epilogue: fp8 schemes) or "separate" (int4, and what is asked)."""
-    if act not in ("separate", "fused", "paired"):
-        raise ValueError(f"expert activation {act!r}: choose 'separate', 'fused' or 'paired'")
-    if FORMATS[scheme] == INT4 or act == "separate":
-        return "separate"
-    return "paired" if act == "paired" else "fused"
+    down launch computes the activation: fp8 schemes) or "separate" (int4, and what is asked)."""
+    if act not in ("separate", "fused"):
+        raise ValueError(f"expert activation {act!r}: choose 'separate' or 'fused'")
+    return "separate" if FORMATS[scheme] == INT4 else act
 
 
 class QuantExperts(nn.Module):
@@ -170,9 +167,8 @@ class QuantExperts(nn.Module):
         """x [N, H], experts [N, k] → each pair's expert output [N, k, H] (unweighted), reading only those experts.
         act (act_fn SiLU; "separate": a kernel of its own): "fused", on CUDA the down launch computes
         silu(gate)·up from the gate | up launch's partials as it loads them (expert_swiglu_gemv), a launch less
-        (fp8 schemes; int4 keeps it separate); "paired" (fp8 schemes), the gate | up launch computes it in its
-        epilogue (expert_glu_gemv) and the down launch reads it. pdl (kernels experts "grouped-pdl"): the
-        weight-streaming launches with programmatic dependent launch."""
+        (fp8 schemes; int4 keeps it separate). pdl (kernels experts "grouped-pdl"): the weight-streaming launches
+        with programmatic dependent launch."""
         N, k = experts.shape
         pair_expert = experts.flatten()
         if x.is_cuda and self._kernel_fits():
@@ -182,18 +178,14 @@ class QuantExperts(nn.Module):
             path = kernel_path(self.scheme, act)
             gu_scale = gu.get("scale_inv", gu.get("scale"))
             down = dn["qweight"], dn.get("scale_inv", dn.get("scale"))
-            if path == "paired":
-                h = expert_glu_gemv(x, pe, fmt, gu["qweight"], gu_scale, x.dtype, quant_x, pdl)
-            else:
-                parts = expert_gemv(x, None, pe, fmt, gu["qweight"], gu_scale, gu.get("zero"), 2 * self.inter,
-                                    quant_x, pdl)
+            parts = expert_gemv(x, None, pe, fmt, gu["qweight"], gu_scale, gu.get("zero"), 2 * self.inter, quant_x,
+                                pdl)
             if path == "fused":
                 y = expert_swiglu_gemv(parts, pe, fmt, *down, self.hidden, x.dtype, quant_x, pdl)
             else:
-                if path == "separate":
-                    gate, up = parts.sum(0).chunk(2, dim=-1)
-                    h = (self.act_fn(gate) * up).to(x.dtype)
-                y = expert_gemv(h, None, pe, fmt, *down, dn.get("zero"), self.hidden, quant_x, pdl, path == "paired")
+                gate, up = parts.sum(0).chunk(2, dim=-1)
+                h = (self.act_fn(gate) * up).to(x.dtype)
+                y = expert_gemv(h, None, pe, fmt, *down, dn.get("zero"), self.hidden, quant_x, pdl)
             return y.sum(0).view(N, k, self.hidden).to(x.dtype)
         rows = []
         for p in range(N * k):  # the reference: one pair at a time (CPU, small N·k)

@@ -139,14 +139,12 @@ def test_grouped_expert_kernel_matches_reference_at_35b_shapes(fmt):
             assert err < 2e-3, f"format {fmt} {N}x{K} T={T}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("act", ["separate", "fused", "paired"])
+@pytest.mark.parametrize("act", ["separate", "fused"])
 @pytest.mark.parametrize("scheme", ["fp8-weight", "fp8", "int4"])
 def test_quant_experts_routed_kernel_matches_the_prefill_loop(scheme, act, monkeypatch):
     """QuantExperts at the 35B-A3B expert shape (32 of its 256 experts): decode's grouped kernels, with the
-    activation in a kernel of its own, computed by the down launch ("fused"; fp8 schemes) or computed by the
-    gate | up launch ("paired"; fp8 schemes), vs the
-    dequantize-then-grouped-matmul prefill transformers' contract runs
-    (8 experts dequantized at a time)."""
+    activation in a kernel of its own or computed by the down launch ("fused"; fp8 schemes), vs the
+    dequantize-then-grouped-matmul prefill transformers' contract runs (8 experts dequantized at a time)."""
     from types import SimpleNamespace
 
     import fastqwen.quant.experts as experts_module
@@ -154,13 +152,13 @@ def test_quant_experts_routed_kernel_matches_the_prefill_loop(scheme, act, monke
 
     monkeypatch.setattr(experts_module, "PREFILL_EXPERTS", 8)
     calls = []  # the kernels routed launches: the path asked for must be the one that runs
-    for name in ("expert_swiglu_gemv", "expert_gemv", "expert_glu_gemv"):
+    for name in ("expert_swiglu_gemv", "expert_gemv"):
         def spy(*args, _f=getattr(experts_module, name), _name=name, **kw):
             calls.append(_name)
             return _f(*args, **kw)
         monkeypatch.setattr(experts_module, name, spy)
-    launches = {"fused": ["expert_gemv", "expert_swiglu_gemv"], "separate": ["expert_gemv", "expert_gemv"],
-                "paired": ["expert_glu_gemv", "expert_gemv"]}[experts_module.kernel_path(scheme, act)]
+    launches = {"fused": ["expert_gemv", "expert_swiglu_gemv"],
+                "separate": ["expert_gemv", "expert_gemv"]}[experts_module.kernel_path(scheme, act)]
 
     torch.manual_seed(0)
     E, H, inter = 32, 2048, 512
@@ -201,5 +199,4 @@ def test_quantized_moe_block_with_the_shared_expert_stacked_matches_its_hf_forwa
         f = torch.compile(routed_moe, fullgraph=True)
         assert rel_err(f(block, h, True), ref) < 2e-2
         assert rel_err(f(block, h, True, expert_act="fused"), ref) < 2e-2  # (decode's default: expert_act "fused")
-        assert rel_err(f(block, h, True, pdl=True, expert_act="paired"), ref) < 2e-2
         assert rel_err(f(block, h, True, pdl=True), ref) < 2e-2  # (fp8-weight's default experts: "grouped-pdl")
