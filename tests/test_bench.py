@@ -62,8 +62,8 @@ def test_state_bytes_of_the_tiny_shape():
 
 def test_decode_speed_cancels_prefill_and_makes_the_calls_asked_for():
     """decode_tok_per_s: (n_long − n_short) / (t_long − t_short) of median call times, after a warm-up at each
-    length (the long one skipped when the caller has just made it): a fake generate with a fixed 'prefill'
-    and 2 ms a token reads ~500 tokens/s, whatever its prefill."""
+    length (the long one skipped when the caller has just made it), timed calls in (short, long) pairs: a fake
+    generate with a fixed 'prefill' and 2 ms a token reads ~500 tokens/s, whatever its prefill."""
     import time
 
     calls = []
@@ -75,10 +75,35 @@ def test_decode_speed_cancels_prefill_and_makes_the_calls_asked_for():
 
     ids = torch.zeros(1, 8, dtype=torch.long)
     assert bench.decode_tok_per_s(fake_generate, ids, 4, 40) == pytest.approx(500, rel=0.15)
-    assert calls == [40, 4, 4, 4, 4, 40, 40, 40]
+    assert calls == [40, 4] + [4, 40] * 3
     calls.clear()
     bench.decode_tok_per_s(fake_generate, ids, 4, 40, repeats=1, warmed=True)
     assert calls == [4, 4, 40]
+
+
+def test_decode_speed_outlasts_a_slow_stretch_and_refuses_persistent_noise():
+    """A machine busy through the first round of pairs (short calls stalled: medians read t_long <= t_short)
+    gets more rounds, whose samples join the medians; noise that never clears is an error naming the fix."""
+    import time
+
+    calls = []
+
+    def stalled_at_first(ids, attention_mask, max_new_tokens, **kw):
+        calls.append(max_new_tokens)
+        stall = 0.3 if max_new_tokens == 4 and len(calls) <= 6 else 0.0
+        time.sleep(stall + 0.002 * max_new_tokens)
+        return torch.zeros(ids.shape[0], ids.shape[1] + max_new_tokens)
+
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    assert bench.decode_tok_per_s(stalled_at_first, ids, 4, 40, repeats=2, retries=2) > 0
+    assert len(calls) == 2 + 2 * 2 * 3  # warm-ups, then three rounds: the medians cleared only in the third
+
+    def always_stalled(ids, attention_mask, max_new_tokens, **kw):
+        time.sleep(0.2 if max_new_tokens == 4 else 0.01)
+        return torch.zeros(ids.shape[0], ids.shape[1] + max_new_tokens)
+
+    with pytest.raises(RuntimeError, match="timing noise.*medians of 3 calls each.*longer runs"):
+        bench.decode_tok_per_s(always_stalled, ids, 4, 40, repeats=1, retries=2)
 
 
 def test_plot_draws_a_line_and_a_roofline_per_model_and_prompt(tmp_path):
