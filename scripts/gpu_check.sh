@@ -71,7 +71,8 @@
 #   bars     issue #4's decode bars, each system alone in its process: BARS=27b (default: bf16, fp8-weight and int4,
 #            quantized lm_heads; ~4.5 min on an H100) or BARS=35b (bf16 and fp8-weight, the lm_head fp8 too: until
 #            2026-12-07 it was left bf16 here, unlike the 27B bars and the 1.403× of 2026-12-03); BARS_ARGS adds
-#            bench arguments
+#            bench arguments, BARS_SYSTEMS more systems, each in its own process beside the bars' (e.g.
+#            BARS_SYSTEMS=fastqwen-fp8-weight+fused-expert-act: the fp8 experts' activation A/B in the same call)
 #   fit      int4's one-row GEMV as a fixed part plus a rate (docs/DESIGN-NOTES.md, "The int4 GEMV's time as a fixed part
 #            plus a rate"): the folded kernel, the cluster-summed one (where built) and the loads-only probe on the
 #            27B's layers and head, alone and then chained with PDL, and each one's line (scripts/gemv_fit.py: fixed
@@ -147,8 +148,9 @@ case "$stage" in
   cuda-times-fp8) python scripts/gemv_times.py --format fp8-weight --shapes 27b 27b-head 35b-a3b --kernel triton cuda \
                --cuda-batch 2 4 8 --cuda-blocks 1024 2048 4096 2>&1 | tee "$out/cuda_times_fp8.md" ;;
   bars) a="--isolate --n-long 288 --repeats 2 --no-autotune ${BARS_ARGS:-}"
-        if [ "${BARS:-27b}" = 35b ]; then set -- --models qwen3.5-35b-a3b --systems fastqwen fastqwen-fp8-weight --quant-lm-head
-        else set -- --models qwen3.5-27b --systems fastqwen fastqwen-fp8-weight fastqwen-int4 --quant-lm-head; fi
+        if [ "${BARS:-27b}" = 35b ]; then set -- --models qwen3.5-35b-a3b --systems fastqwen fastqwen-fp8-weight
+        else set -- --models qwen3.5-27b --systems fastqwen fastqwen-fp8-weight fastqwen-int4; fi
+        set -- "$@" ${BARS_SYSTEMS:-} --quant-lm-head
         python scripts/bench.py "$@" $a --json "$out/bars_${BARS:-27b}.json" 2>&1 | grep -v "^\[transformers\]" \
           | tee "$out/bars_${BARS:-27b}.log" | grep -E "tok/s|step:|^\|" ;;
   fit) folds="1$(grep -q CLUSTER_SUM fastqwen/ops/int4_cuda.py && echo ' 3')"
