@@ -73,6 +73,11 @@
 #            2026-12-07 it was left bf16 here, unlike the 27B bars and the 1.403× of 2026-12-03); BARS_ARGS adds
 #            bench arguments, BARS_SYSTEMS more systems, each in its own process beside the bars' (e.g.
 #            BARS_SYSTEMS=fastqwen-fp8-weight+fused-expert-act: the fp8 experts' activation A/B in the same call)
+#   router   one token's router matmul and routing (ops/router.py router_route) at FUSED_CONFIG against the two launches
+#            and at $ROUTER_TILES (RN:RK:WARPS; default the unsplit tiles, one partial for the last program to read and
+#            one warp's shuffles for its rounds: 2:2048:1 1:2048:1 4:1024:1 2:1024:1, and 8:256:1), 40 cold 35B-A3B
+#            routers in a graph (scripts/bench_expert_mlp.py --tables router; ~1 min). A tile that wins here goes
+#            to the step through `ab` (FUSED_CONFIG changed in the tree), as kernel-level wins have lost in the step
 #   fit      int4's one-row GEMV as a fixed part plus a rate (docs/DESIGN-NOTES.md, "The int4 GEMV's time as a fixed part
 #            plus a rate"): the folded kernel, the cluster-summed one (where built) and the loads-only probe on the
 #            27B's layers and head, alone and then chained with PDL, and each one's line (scripts/gemv_fit.py: fixed
@@ -153,6 +158,8 @@ case "$stage" in
         set -- "$@" ${BARS_SYSTEMS:-} --quant-lm-head
         python scripts/bench.py "$@" $a --json "$out/bars_${BARS:-27b}.json" 2>&1 | grep -v "^\[transformers\]" \
           | tee "$out/bars_${BARS:-27b}.log" | grep -E "tok/s|step:|^\|" ;;
+  router) python scripts/bench_expert_mlp.py --tables router --layers 40 --rounds 6 \
+            --router-configs ${ROUTER_TILES:-2:2048:1 1:2048:1 4:1024:1 2:1024:1 8:256:1} 2>&1 | tee "$out/router.md" ;;
   fit) folds="1$(grep -q CLUSTER_SUM fastqwen/ops/int4_cuda.py && echo ' 3')"
        for pdl in "" --pdl; do
          python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel cuda --cuda-fold $folds \
