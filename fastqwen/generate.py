@@ -17,6 +17,7 @@ import os
 import types
 
 import torch
+from transformers.generation.stopping_criteria import MaxTimeCriteria, StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cache import HybridCache
@@ -97,9 +98,9 @@ _UNSUPPORTED = {
     "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None, "diversity_penalty": 0.0,
     "guidance_scale": None, "sequence_bias": None, "suppress_tokens": None, "begin_suppress_tokens": None,
     "forced_bos_token_id": None, "forced_eos_token_id": None, "exponential_decay_length_penalty": None,
-    "watermarking_config": None, "prompt_lookup_num_tokens": None, "stop_strings": None, "dola_layers": None,
+    "watermarking_config": None, "prompt_lookup_num_tokens": None, "dola_layers": None,
     "output_scores": False, "output_logits": False, "output_attentions": False, "output_hidden_states": False,
-    "renormalize_logits": False, "remove_invalid_values": False, "token_healing": False, "max_time": None,
+    "renormalize_logits": False, "remove_invalid_values": False, "token_healing": False,
 }
 # Arguments of GenerationMixin.generate that we do not implement; passing a non-empty value is an error.
 _UNSUPPORTED_ARGS = (
@@ -230,6 +231,7 @@ class Engine:
                                  f"generate (type(model).generate(model, ...)) for it")
         input_ids = kwargs.pop("input_ids", inputs)
         attention_mask = kwargs.pop("attention_mask", None)
+        tokenizer = kwargs.pop("tokenizer", None)  # (stop_strings')
         k = self._speculative_tokens(kwargs.pop("num_speculative_tokens", None))
         kwargs.pop("use_cache", None)
         gen, unused = self.model._prepare_generation_config(generation_config, **kwargs)
@@ -237,6 +239,7 @@ class Engine:
         if unused:
             raise ValueError(f"fastqwen's generate got unsupported arguments: {sorted(unused)}")
         self._check_config(gen)
+        criteria = self._stopping_criteria(gen, stopping_criteria, tokenizer)
         rows, input_ids = self._split_rows(input_ids, attention_mask)
         max_new, min_new = self._lengths(gen, input_ids.shape[1])
         block = self.spec.k + 1 if self.spec else 0
@@ -247,16 +250,13 @@ class Engine:
                 f"rows {too_long}: prompt ({max(len(rows[b]) for b in too_long)} tokens) + max_new_tokens "
                 f"({max_new}){extra} exceeds max_seq_len={self.max_seq_len}; pass a larger max_seq_len to "
                 f"fastqwen.optimize or generate fewer tokens")
-        if self.spec and stopping_criteria:
-            raise ValueError("stopping_criteria are not supported with speculative decoding yet; use "
-                             "eos_token_id / max_new_tokens, or optimize without speculate")
         eos = self._eos_ids(gen)
         pad = gen.pad_token_id if gen.pad_token_id is not None else (eos[0] if eos else 0)
         self._set_params(gen, eos, pad, min_new)
         if streamer is not None:
             streamer.put(input_ids.cpu())
         with torch.compiler.config.patch(cache_key_tag=self.cache_tag):  # (compiles happen in here, if any)
-            sequences = self._decode(rows, max_new, gen.do_sample, streamer, stopping_criteria, input_ids, eos, k)
+            sequences = self._decode(rows, max_new, gen.do_sample, streamer, criteria, input_ids, eos, k)
         sequences = torch.cat([input_ids, sequences], dim=1)
         if streamer is not None:
             streamer.end()
@@ -276,15 +276,16 @@ class Engine:
                              f"optimized for: raise optimize's num_speculative_tokens / block_size), got {k!r}")
         return k
 
-    def _decode(self, rows, max_new, do_sample, streamer, stopping_criteria, input_ids, eos, k=None):
+    def _decode(self, rows, max_new, do_sample, streamer, criteria, input_ids, eos, k=None):
         """Prefill every row, then decode (k drafts a speculative round, default the optimize-time k); returns the
-        new tokens [B, n] (n ≤ max_new), pad after EOS."""
+        new tokens [B, n] (n ≤ max_new), pad after EOS or where `criteria` (a StoppingCriteriaList or None) ended
+        a row."""
         s, B = self.state, len(rows)
         first = self._prefill(rows, do_sample)
-        each = streamer is not None or bool(stopping_criteria)  # the host sees every token anyway
+        each = streamer is not None or criteria is not None  # the host sees every token anyway
         watch = DoneWatch(s["done"][:B], lag=1 if each else 2)
         if self.spec is not None:
-            return self.spec.decode(first, B, max_new, do_sample, streamer, watch, k)
+            return self.spec.decode(first, B, max_new, do_sample, streamer, watch, k, criteria, input_ids)
         out = torch.empty(self.max_batch_size, max_new, dtype=torch.long, device=self.device)
         out[:, 0] = first
         step = self._sample_step if do_sample else self._greedy_step
@@ -292,9 +293,9 @@ class Engine:
         while True:
             if streamer is not None:
                 streamer.put(out[:B, n - 1].cpu())
-            if stopping_criteria:
+            if criteria is not None:
                 seqs = torch.cat([input_ids, out[:B, :n]], dim=1)
-                s["done"][:B] |= stopping_criteria(seqs, None).to(self.device)
+                s["done"][:B] |= criteria(seqs, None).to(self.device)
             watch.launched()
             if n == max_new or watch.finished():
                 break
@@ -360,6 +361,26 @@ class Engine:
                 raise ValueError(f"temperature must be > 0 when do_sample=True, got {gen.temperature}")
             if gen.top_p is not None and not 0 < gen.top_p <= 1:
                 raise ValueError(f"top_p must be in (0, 1], got {gen.top_p}")
+
+    @staticmethod
+    def _stopping_criteria(gen, stopping_criteria, tokenizer):
+        """The call's host-side stopping criteria as one StoppingCriteriaList (None without any): the caller's (a
+        list, or one criterion), then max_time's and stop_strings' as transformers builds them. Max length and
+        EOS stop rows on the device."""
+        if stopping_criteria is None:
+            given = []
+        elif isinstance(stopping_criteria, (list, tuple)):
+            given = list(stopping_criteria)
+        else:
+            given = [stopping_criteria]
+        if gen.max_time is not None:
+            given.append(MaxTimeCriteria(max_time=gen.max_time))
+        if gen.stop_strings is not None:
+            if tokenizer is None:
+                raise ValueError("stop_strings need the model's tokenizer to match decoded text: pass it as "
+                                 "generate(..., stop_strings=..., tokenizer=tokenizer)")
+            given.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=gen.stop_strings))
+        return StoppingCriteriaList(given) if given else None
 
     def _split_rows(self, input_ids, attention_mask):
         """Validate the batch; returns the real tokens of each row (padding removed) and input_ids on device."""

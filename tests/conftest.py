@@ -59,6 +59,21 @@ def hf_generate(model, ids, mask=None, **kw):
     return type(model).generate(model, ids, attention_mask=mask, do_sample=False, **kw)
 
 
+def char_tokenizer(vocab_size: int = 512):
+    """A tokenizer for the tiny presets' vocabulary, built offline: the 26 letters, then their pairs (ids in that
+    order), decoded by concatenation, so that stop strings (which match decoded text) can span tokens."""
+    import itertools
+    import string
+
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = list(string.ascii_lowercase) + ["".join(p) for p in itertools.product(string.ascii_lowercase, repeat=2)]
+    tk = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces[:vocab_size])}, merges=[]))
+    tk.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tk)
+
+
 def left_padded(rows, pad_id=0):
     """input_ids and attention_mask [B, L] for a list of 1-D token tensors, left-padded."""
     L = max(len(r) for r in rows)

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import fresh, hf_generate, left_padded
+from conftest import char_tokenizer, fresh, hf_generate, left_padded
 
 import fastqwen
 from fastqwen.generate import PREFILL_CHUNK_TOKENS, DoneWatch
@@ -146,6 +146,31 @@ def test_stopping_criteria(pair):
     assert out.shape[1] == 14
     out = opt.generate(ids, max_new_tokens=20, do_sample=False, stopping_criteria=StoppingCriteriaList([StopAtLength()]))
     assert torch.equal(out, hf_generate(ref, ids, max_new_tokens=6))
+
+
+def test_stop_strings_and_max_time_match_transformers(pair):
+    """stop_strings (with the tokenizer that decodes the tokens; one string, or a list) end each row where
+    transformers' StopStringCriteria ends it, at different positions in a ragged batch; max_time likewise (a limit
+    already passed at the first token: one new token a row); stop_strings without a tokenizer are refused."""
+    ref, opt = pair
+    tok = char_tokenizer(ref.config.vocab_size)
+    rows = [torch.randint(1, ref.config.vocab_size, (n,)) for n in (40, 9, 23)]
+    ids, mask = left_padded(rows)
+    free = hf_generate(ref, ids, mask, max_new_tokens=16)[:, ids.shape[1]:]
+    stop = tok.decode(free[0, 3:5])  # row 0's 4th and 5th tokens: row 0 ends by its 5th
+    # an EOS none of them emits, so that transformers pads stopped rows (without one it lets them run on)
+    eos = next(t for t in range(ref.config.vocab_size) if t not in free)
+    for stops in (stop, [stop, tok.decode(free[2, 8:10])]):
+        kw = dict(max_new_tokens=16, stop_strings=stops, tokenizer=tok, eos_token_id=eos, pad_token_id=0)
+        expected = hf_generate(ref, ids, mask, **kw)
+        got = opt.generate(ids, attention_mask=mask, do_sample=False, **kw)
+        assert torch.equal(got, expected), stops
+        assert not torch.equal(got[:, ids.shape[1]:], free[:, :got.shape[1] - ids.shape[1]]), "no row was stopped"
+    got = opt.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16, max_time=1e-9)
+    assert torch.equal(got, hf_generate(ref, ids, mask, max_new_tokens=16, max_time=1e-9))
+    assert got.shape[1] == ids.shape[1] + 1
+    with pytest.raises(ValueError, match=r"stop_strings need the model's tokenizer.*tokenizer=tokenizer"):
+        opt.generate(ids, attention_mask=mask, max_new_tokens=4, stop_strings="ab")
 
 
 def test_conditional_generation_class_text_only():

@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from conftest import fresh, left_padded
+from conftest import char_tokenizer, fresh, left_padded
+from transformers.generation.streamers import BaseStreamer
 
 import fastqwen
 from fastqwen.bench import OracleProposer, miss_for_tau
@@ -12,6 +13,19 @@ from fastqwen.spec.verify import accept_sampled
 
 K = 4
 NEW = 40
+
+
+class Collect(BaseStreamer):
+    """A streamer that keeps every chunk it is given, as lists."""
+
+    def __init__(self):
+        self.chunks = []
+
+    def put(self, value):
+        self.chunks.append(value.reshape(-1).tolist())
+
+    def end(self):
+        pass
 
 
 @pytest.fixture(scope="module", params=["tiny", "tiny-moe"])
@@ -162,11 +176,6 @@ def test_speculation_errors(engines):
     spec._fastqwen.enable_speculation(proposer, K)
     with pytest.raises(ValueError, match=r"one speculative block \(5\) exceeds max_seq_len=320"):
         spec.generate(torch.randint(1, 500, (1, 300)), max_new_tokens=16)
-    from transformers import StoppingCriteriaList
-
-    with pytest.raises(ValueError, match="stopping_criteria are not supported with speculative"):
-        spec.generate(torch.randint(1, 500, (1, 5)), max_new_tokens=4,
-                      stopping_criteria=StoppingCriteriaList([lambda i, s, **kw: torch.zeros(1, dtype=torch.bool)]))
 
 
 def chi2_homogeneity(a, b, vocab):
@@ -198,19 +207,42 @@ def test_speculative_sampling_keeps_the_target_distribution(name):
     assert chi2 < dof + 5 * (2 * dof) ** 0.5 + 5, f"chi2 {chi2:.1f} with {dof} dof"
 
 
+@pytest.mark.parametrize("miss", [0.0, 0.35], ids=["perfect", "partial"])
+def test_stopping_criteria_end_rows_where_plain_decoding_ends_them(engines, miss):
+    """Stopping criteria with speculation: checked at every position a round emits, so a row ends at the token
+    where plain decoding's per-token check ends it, and the round's later tokens become pad (rows ending at
+    different positions, one at its first token); likewise stop_strings and max_time. A streamer sees the row up to
+    its end only."""
+    from transformers import StoppingCriteria
+
+    plain, spec = engines
+    rows = [torch.randint(1, 500, (n,)) for n in (70, 9, 33)]
+    ids, mask = left_padded(rows)
+    free = plain.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)[:, ids.shape[1]:]
+    ends = {int(free[0, 5]), int(free[2, 11]), int(free[1, 0])}  # rows 0 and 2 mid-round (or later), row 1 at once
+
+    class StopAtToken(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kw):
+            return torch.isin(input_ids[:, -1], torch.tensor(sorted(ends)))
+
+    tok = char_tokenizer(plain.config.vocab_size)
+    calls = [dict(stopping_criteria=StopAtToken()), dict(stop_strings=[tok.decode(free[b, p:p + 2]) for b, p in ((0, 6), (1, 2), (2, 12))], tokenizer=tok),
+             dict(max_time=1e-9)]
+    for kw in calls:
+        expected = plain.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, **kw)
+        assert expected.shape[1] < ids.shape[1] + NEW, kw  # every row was stopped
+        speculate(spec, free, miss)
+        got = spec.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, **kw)
+        assert torch.equal(got, expected), kw
+
+    streamer = Collect()
+    speculate(spec, free[:1], miss)
+    got = spec.generate(ids[:1, -70:], max_new_tokens=NEW, do_sample=False, stopping_criteria=[StopAtToken()],
+                        streamer=streamer)
+    assert sum(streamer.chunks[1:], []) == got[0, 70:].tolist() == free[0, :6].tolist()
+
+
 def test_streamer_sees_every_token_with_speculation(engines):
-    from transformers.generation.streamers import BaseStreamer
-
-    class Collect(BaseStreamer):
-        def __init__(self):
-            self.chunks = []
-
-        def put(self, value):
-            self.chunks.append(value.reshape(-1).tolist())
-
-        def end(self):
-            pass
-
     plain, spec = engines
     ids = torch.randint(1, 500, (1, 8))
     expected = plain.generate(ids, max_new_tokens=17, do_sample=False)

@@ -88,9 +88,10 @@ class Speculator:
         self.proposer.observe(e, emitted, feats, start, keep)
 
     def decode(self, first: torch.Tensor, rows: int, max_new: int, do_sample: bool, streamer, watch,
-               k: int | None = None):
+               k: int | None = None, criteria=None, prompt: torch.Tensor | None = None):
         """Rounds of k (default self.k) drafts until `watch` (generate.DoneWatch over the first `rows` rows)
-        says every row is done; first [B] are the prefill's tokens.
+        says every row is done; first [B] are the prefill's tokens. criteria (a StoppingCriteriaList, with the
+        left-padded prompt [rows, L] they read): checked at every emitted position (stop_at).
         Returns tokens [rows, n], n ≤ max_new, with each row's tokens after its end set to the engine's pad."""
         s = self.engine.state
         self.out[:, 0] = first
@@ -100,6 +101,7 @@ class Speculator:
         s["done"][:rows] |= max_new <= 1
         self.proposer.start(self.engine)
         step = self.step_for(self.k if k is None else k, do_sample)
+        checked = self.stop_at(criteria, prompt, [0] * rows) if criteria is not None else None
         if streamer is not None:
             streamer.put(first[:1].cpu())
         shown = 1
@@ -108,6 +110,8 @@ class Speculator:
             if watch.finished():
                 break
             step()
+            if criteria is not None:
+                checked = self.stop_at(criteria, prompt, checked)
             if streamer is not None:
                 end = int(self.n_out[0])
                 streamer.put(self.out[0, shown:end].cpu())
@@ -116,6 +120,28 @@ class Speculator:
         new = self.out[:rows, :width].clone()
         cols = torch.arange(width, device=new.device)
         return torch.where(cols[None, :] < self.n_out[:rows, None], new, s["pad"])
+
+    def stop_at(self, criteria, prompt: torch.Tensor, checked: list) -> list:
+        """Run `criteria` at every position p each row emitted after its `checked` count (host ints, one a row), as
+        transformers' per-token check runs them, on the prompt [rows, L] and the first p emitted tokens (every row's,
+        though only rows that emitted p are read); a row they stop at p ends there: its emitted count becomes p (the
+        round's later tokens become pad) and it is done. Returns the rows' emitted counts, all now checked."""
+        rows = len(checked)
+        n = self.n_out[:rows].tolist()
+        stopped = set()
+        for p in range(min(checked) + 1, max(n) + 1):
+            live = [b for b in range(rows) if checked[b] < p <= n[b]]
+            if live:
+                hit = criteria(torch.cat([prompt, self.out[:rows, :p]], dim=1), None).tolist()
+                for b in live:
+                    if hit[b]:
+                        n[b] = p
+                        stopped.add(b)
+        if stopped:
+            at = torch.tensor(sorted(stopped), device=self.n_out.device)
+            self.n_out[at] = torch.tensor([n[b] for b in sorted(stopped)], device=self.n_out.device)
+            self.engine.state["done"][at] = True
+        return n
 
     def acceptance_length(self, rows: int) -> float:
         """Mean tokens emitted per round (τ) over the last generate's first `rows` rows."""
