@@ -92,7 +92,7 @@ class DoneWatch:
 
 # GenerationConfig fields that change the decoding algorithm, with the value that means "off".
 _UNSUPPORTED = {
-    "num_beams": 1, "num_beam_groups": 1, "num_return_sequences": 1, "penalty_alpha": None,
+    "num_beams": 1, "num_beam_groups": 1, "penalty_alpha": None,
     "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
     "encoder_no_repeat_ngram_size": 0, "bad_words_ids": None, "force_words_ids": None, "constraints": None,
     "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None, "diversity_penalty": 0.0,
@@ -240,7 +240,7 @@ class Engine:
             raise ValueError(f"fastqwen's generate got unsupported arguments: {sorted(unused)}")
         self._check_config(gen)
         criteria = self._stopping_criteria(gen, stopping_criteria, tokenizer)
-        rows, input_ids = self._split_rows(input_ids, attention_mask)
+        rows, input_ids = self._split_rows(input_ids, attention_mask, gen.num_return_sequences or 1)
         max_new, min_new = self._lengths(gen, input_ids.shape[1])
         block = self.spec.k + 1 if self.spec else 0
         too_long = [b for b, r in enumerate(rows) if len(r) + max_new + block > self.max_seq_len]
@@ -356,6 +356,9 @@ class Engine:
             if value is not None and value != off and not (off is False and value is None):
                 raise ValueError(f"fastqwen's generate does not support {field}={value!r} "
                                  f"(supported: greedy and sampling with temperature/top_k/top_p/min_p)")
+        copies = gen.num_return_sequences
+        if copies is not None and (not isinstance(copies, int) or isinstance(copies, bool) or copies < 1):
+            raise ValueError(f"num_return_sequences must be an int >= 1, got {copies!r}")
         if gen.do_sample:
             if gen.temperature is None or gen.temperature <= 0:
                 raise ValueError(f"temperature must be > 0 when do_sample=True, got {gen.temperature}")
@@ -382,8 +385,10 @@ class Engine:
             given.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=gen.stop_strings))
         return StoppingCriteriaList(given) if given else None
 
-    def _split_rows(self, input_ids, attention_mask):
-        """Validate the batch; returns the real tokens of each row (padding removed) and input_ids on device."""
+    def _split_rows(self, input_ids, attention_mask, copies: int = 1):
+        """Validate the batch and repeat each row `copies` times in place (num_return_sequences: row b's copies
+        become rows b·copies … b·copies + copies − 1, as transformers orders them); returns the real tokens of each
+        row (padding removed) and input_ids on device."""
         if input_ids is None:
             raise ValueError("generate needs input_ids [batch, length] (a LongTensor of token ids)")
         if not torch.is_tensor(input_ids) or input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int):
@@ -392,8 +397,9 @@ class Engine:
         B, L = input_ids.shape
         if B == 0 or L == 0:
             raise ValueError("empty prompt: input_ids must hold at least one token per row")
-        if B > self.max_batch_size:
-            raise ValueError(f"batch of {B} rows exceeds max_batch_size={self.max_batch_size}; pass a larger "
+        if B * copies > self.max_batch_size:
+            rows = f"{B} rows × num_return_sequences {copies}" if copies > 1 else f"{B} rows"
+            raise ValueError(f"batch of {rows} exceeds max_batch_size={self.max_batch_size}; pass a larger "
                              f"max_batch_size to fastqwen.optimize")
         if attention_mask is None:
             mask = torch.ones_like(input_ids, dtype=torch.bool)
@@ -403,6 +409,8 @@ class Engine:
             mask = attention_mask.to(self.device).bool()
             if not bool((mask[:, 1:] >= mask[:, :-1]).all()):
                 raise ValueError("only left padding is supported: tokenize with padding_side='left'")
+        if copies > 1:
+            input_ids, mask = input_ids.repeat_interleave(copies, dim=0), mask.repeat_interleave(copies, dim=0)
         lengths = mask.sum(1).tolist()
         if min(lengths) == 0:
             raise ValueError(f"empty prompt in rows {[b for b, n in enumerate(lengths) if n == 0]}")

@@ -87,7 +87,7 @@ def test_right_padding_is_refused(opt):
 
 
 @pytest.mark.parametrize("kw", [dict(num_beams=2), dict(repetition_penalty=1.2), dict(output_scores=True),
-                                dict(num_return_sequences=2), dict(no_repeat_ngram_size=3)])
+                                dict(no_repeat_ngram_size=3)])
 def test_unsupported_generation_options(opt, kw):
     with pytest.raises(ValueError, match=next(iter(kw))):
         opt.generate(torch.randint(1, 500, (1, 5)), max_new_tokens=4, **kw)

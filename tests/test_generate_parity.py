@@ -173,6 +173,32 @@ def test_stop_strings_and_max_time_match_transformers(pair):
         opt.generate(ids, attention_mask=mask, max_new_tokens=4, stop_strings="ab")
 
 
+def test_num_return_sequences_samples_each_row_that_many_times(pair):
+    """num_return_sequences=n with sampling: the batch of its rows each repeated n times in place (transformers'
+    order), drawn as that batch would be under the same seed; greedy (transformers' own check), and rows × n over
+    max_batch_size, refused."""
+    ref, opt = pair
+    rows = [torch.randint(1, ref.config.vocab_size, (n,)) for n in (12, 5)]
+    ids, mask = left_padded(rows)
+    kw = dict(do_sample=True, temperature=2.0, max_new_tokens=12)
+    torch.manual_seed(3)
+    got = opt.generate(ids[:1], attention_mask=mask[:1], num_return_sequences=3, **kw)
+    torch.manual_seed(3)
+    assert torch.equal(got, opt.generate(ids[:1].repeat(3, 1), attention_mask=mask[:1].repeat(3, 1), **kw))
+    assert len({tuple(r) for r in got[:, ids.shape[1]:].tolist()}) == 3, "the three copies drew the same tokens"
+    torch.manual_seed(4)
+    got = opt.generate(ids, attention_mask=mask, num_return_sequences=1, **kw)
+    torch.manual_seed(4)
+    assert torch.equal(got, opt.generate(ids, attention_mask=mask, **kw))
+    with pytest.raises(ValueError, match=r"do_sample != True.*num_return_sequences"):  # (transformers' check)
+        opt.generate(ids, attention_mask=mask, num_return_sequences=2, max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"batch of 2 rows × num_return_sequences 2 exceeds max_batch_size=3"):
+        opt.generate(ids, attention_mask=mask, num_return_sequences=2, **kw)
+    for bad in (0, -1, 2.5):
+        with pytest.raises(ValueError, match="num_return_sequences must be an int >= 1"):
+            opt.generate(ids, attention_mask=mask, num_return_sequences=bad, **kw)
+
+
 def test_conditional_generation_class_text_only():
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 

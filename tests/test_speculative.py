@@ -242,6 +242,20 @@ def test_stopping_criteria_end_rows_where_plain_decoding_ends_them(engines, miss
     assert sum(streamer.chunks[1:], []) == got[0, 70:].tolist() == free[0, :6].tolist()
 
 
+def test_num_return_sequences_with_speculation_draws_as_the_repeated_batch(engines):
+    """num_return_sequences with speculative sampling: the rows repeated in place, drawn as that batch would be
+    under the same seed."""
+    plain, spec = engines
+    ids = torch.randint(1, 500, (1, 9))
+    speculate(spec, plain.generate(ids, max_new_tokens=NEW, do_sample=False)[:, 9:].expand(3, -1), 0.35)
+    kw = dict(do_sample=True, temperature=1.5, max_new_tokens=20)
+    torch.manual_seed(5)
+    got = spec.generate(ids, num_return_sequences=3, **kw)
+    torch.manual_seed(5)
+    assert torch.equal(got, spec.generate(ids.repeat(3, 1), **kw))
+    assert got.shape[0] == 3 and len({tuple(r) for r in got[:, 9:].tolist()}) > 1
+
+
 def test_streamer_sees_every_token_with_speculation(engines):
     plain, spec = engines
     ids = torch.randint(1, 500, (1, 8))
