@@ -22,7 +22,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cache import HybridCache
 from .model import Forward
-from .sampling import greedy, sample
+from .sampling import greedy, repetition_penalty, sample
 
 MAX_SPECULATIVE_TOKENS = 32
 # prompt tokens (rows × positions) one prefill forward runs at most: longer prompts prefill in chunks, so a
@@ -93,7 +93,7 @@ class DoneWatch:
 # GenerationConfig fields that change the decoding algorithm, with the value that means "off".
 _UNSUPPORTED = {
     "num_beams": 1, "num_beam_groups": 1, "penalty_alpha": None,
-    "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+    "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
     "encoder_no_repeat_ngram_size": 0, "bad_words_ids": None, "force_words_ids": None, "constraints": None,
     "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None, "diversity_penalty": 0.0,
     "guidance_scale": None, "sequence_bias": None, "suppress_tokens": None, "begin_suppress_tokens": None,
@@ -142,6 +142,8 @@ class Engine:
             "top_k": torch.zeros(B, dtype=torch.long, device=dev),
             "top_p": torch.ones(B, device=dev),
             "min_p": torch.zeros(B, device=dev),
+            "penalty": torch.ones(B, device=dev),  # repetition_penalty (1: off)
+            "seen": torch.zeros(B, self.vocab_size, dtype=torch.bool, device=dev),  # tokens in each row's sequence
         }
         for buf in self.state.values():
             torch._dynamo.mark_static_address(buf)
@@ -164,6 +166,8 @@ class Engine:
                 torch.compiler.load_cache_artifacts(f.read())
         self._greedy_step = self.compile(self._greedy_impl)
         self._sample_step = self.compile(self._sample_impl)
+        self._penalized_steps = {}  # do_sample -> the compiled step with the repetition penalty, built on first use
+        self.penalized = False  # the current call's repetition_penalty is on (_set_params)
         self.spec = None
 
     def compile(self, fn):
@@ -200,16 +204,28 @@ class Engine:
     def _sample_impl(self) -> None:
         self._decode_step(do_sample=True)
 
-    def _decode_step(self, do_sample: bool) -> None:
+    def _decode_step(self, do_sample: bool, penalized: bool = False) -> None:
         """Run each row's last token at its position, append the next token; finished rows emit pad."""
         logits = self.forward.step(self.state["tokens"][:, None])[:, -1]
         advanced = ~self.state["done"]
-        self.state["tokens"].copy_(self._select(logits, do_sample))
+        self.state["tokens"].copy_(self._select(logits, do_sample, penalized))
         self.cache.lengths.add_(advanced.long())
 
-    def _select(self, logits: torch.Tensor, do_sample: bool) -> torch.Tensor:
-        """Next token per row from logits [B, V]; updates `done` and `n_generated` in place."""
+    def _step_for(self, do_sample: bool):
+        """The compiled decode step for this call: plain, or with the repetition penalty (a graph of its own, so
+        that calls without one run no [B, V] penalty work)."""
+        if not self.penalized:
+            return self._sample_step if do_sample else self._greedy_step
+        if do_sample not in self._penalized_steps:
+            self._penalized_steps[do_sample] = self.compile(lambda: self._decode_step(do_sample, penalized=True))
+        return self._penalized_steps[do_sample]
+
+    def _select(self, logits: torch.Tensor, do_sample: bool, penalized: bool = False) -> torch.Tensor:
+        """Next token per row from logits [B, V]; updates `done` and `n_generated` in place (penalized: the
+        repetition penalty over `seen` first, and the chosen tokens marked seen)."""
         s = self.state
+        if penalized:
+            logits = repetition_penalty(logits, s["seen"], s["penalty"])
         blocked = s["eos_mask"] & (s["n_generated"] < s["min_new"])
         logits = logits.masked_fill(blocked, float("-inf"))
         if do_sample:
@@ -217,6 +233,8 @@ class Engine:
         else:
             nxt = greedy(logits)
         nxt = torch.where(s["done"], s["pad"], nxt)
+        if penalized:
+            s["seen"].scatter_(1, nxt[:, None], True)
         s["done"].logical_or_(s["eos_mask"][nxt])
         s["n_generated"].add_(1)
         return nxt
@@ -288,7 +306,7 @@ class Engine:
             return self.spec.decode(first, B, max_new, do_sample, streamer, watch, k, criteria, input_ids)
         out = torch.empty(self.max_batch_size, max_new, dtype=torch.long, device=self.device)
         out[:, 0] = first
-        step = self._sample_step if do_sample else self._greedy_step
+        step = self._step_for(do_sample)
         n = 1
         while True:
             if streamer is not None:
@@ -305,7 +323,9 @@ class Engine:
         return self._trim(out[:B, :n], eos, s["done"][:B])
 
     def _prefill(self, rows, do_sample):
-        """Empty the cache, run every prompt, pick each row's first token; returns it [max_batch_size]."""
+        """Empty the cache, run every prompt, pick each row's first token; returns it [max_batch_size]. With the
+        repetition penalty on, each row's prompt tokens are marked seen first (not its left padding, which
+        transformers' processor skips too: prompt_ignore_length)."""
         s, B = self.state, len(rows)
         self.cache.reset()
         logits = torch.zeros(self.max_batch_size, self.vocab_size, device=self.device)
@@ -327,7 +347,11 @@ class Engine:
         s["done"].fill_(True)
         s["done"][:B] = False
         s["n_generated"].zero_()
-        first = self._select(logits, do_sample)
+        if self.penalized:
+            s["seen"].zero_()
+            for b, row in enumerate(rows):
+                s["seen"][b, row] = True
+        first = self._select(logits, do_sample, self.penalized)
         s["tokens"].copy_(first)
         return first
 
@@ -364,6 +388,9 @@ class Engine:
                 raise ValueError(f"temperature must be > 0 when do_sample=True, got {gen.temperature}")
             if gen.top_p is not None and not 0 < gen.top_p <= 1:
                 raise ValueError(f"top_p must be in (0, 1], got {gen.top_p}")
+        rp = gen.repetition_penalty
+        if rp is not None and not (isinstance(rp, (int, float)) and not isinstance(rp, bool) and rp > 0):
+            raise ValueError(f"repetition_penalty must be a number > 0 (1: off), got {rp!r}")
 
     @staticmethod
     def _stopping_criteria(gen, stopping_criteria, tokenizer):
@@ -450,6 +477,8 @@ class Engine:
         s["top_k"].fill_(gen.top_k or 0)
         s["top_p"].fill_(gen.top_p if gen.top_p is not None else 1.0)
         s["min_p"].fill_(gen.min_p or 0.0)
+        self.penalized = gen.repetition_penalty not in (None, 1, 1.0)
+        s["penalty"].fill_(gen.repetition_penalty if self.penalized else 1.0)
 
     def warmup(self, do_sample: bool = False, progress=None) -> None:
         """Compile (and capture) the decode step with a short dummy generation, so later calls run warm.

@@ -49,6 +49,23 @@ def filter_logits(logits, temperature, top_k, top_p, min_p):
     return sorted_logits.masked_fill(drop, float("-inf")), order
 
 
+def repetition_penalty(logits, seen, penalty):
+    """transformers' RepetitionPenaltyLogitsProcessor over a presence mask: each logit of a token already in the
+    sequence (seen, bool, logits' shape) divided by the row's penalty where positive, multiplied where negative.
+    logits [..., V] fp32; penalty [...] (> 0; 1 leaves the logits as they are)."""
+    p = penalty[..., None]
+    return torch.where(seen, torch.where(logits < 0, logits * p, logits / p), logits)
+
+
+def seen_through(seen, drafts):
+    """[B, k + 1, V]: the tokens in each row's sequence at each position of a verify block [pending, d1 … dk]:
+    seen [B, V] (the pending token included) and, at position j, the drafts d1 … dj too. drafts [B, k] long."""
+    at = [seen]
+    for i in range(drafts.shape[1]):
+        at.append(at[-1].scatter(1, drafts[:, i:i + 1], True))
+    return torch.stack(at, dim=1)
+
+
 def sample(logits, temperature, top_k, top_p, min_p):
     """One token per row [B] drawn from the filtered distribution."""
     sorted_logits, order = filter_logits(logits, temperature, top_k, top_p, min_p)

@@ -134,6 +134,23 @@ print("HITS", counters["inductor"]["fxgraph_cache_hit"], "MISSES", counters["ind
     assert hits > 0 and misses == 0
 
 
+def test_compiled_repetition_penalty_matches_eager():
+    """With repetition_penalty the plain step and the speculative round compile graphs of their own (the default
+    ones take no penalty work) and give the eager tokens."""
+    from fastqwen.bench import OracleProposer
+
+    eager = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=128, compile=False)
+    compiled = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=128, compile=True)
+    ids, mask = left_padded([torch.randint(1, 500, (n,)) for n in (9, 30)])
+    kw = dict(attention_mask=mask, max_new_tokens=20, do_sample=False, repetition_penalty=1.3)
+    expected = eager.generate(ids, **kw)
+    assert torch.equal(compiled.generate(ids, **kw), expected)
+    assert set(compiled._fastqwen._penalized_steps) == {False}
+    compiled._fastqwen.enable_speculation(OracleProposer(expected[:, ids.shape[1]:], 0.35, 512), 3)
+    assert torch.equal(compiled.generate(ids, **kw), expected)
+    assert set(compiled._fastqwen.spec._fewer) == {(3, False, True)}
+
+
 @pytest.mark.parametrize("kernels", [{}, {"conv": "fused"}])
 def test_compiled_speculative_round_matches_eager_decoding(kernels):
     """The speculative round (verify, accept, the stacked-cache commit) compiled into one graph gives the

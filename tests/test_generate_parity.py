@@ -173,6 +173,23 @@ def test_stop_strings_and_max_time_match_transformers(pair):
         opt.generate(ids, attention_mask=mask, max_new_tokens=4, stop_strings="ab")
 
 
+@pytest.mark.parametrize("penalty", [1.3, 0.7])
+def test_repetition_penalty_matches_transformers(pair, penalty):
+    """repetition_penalty (> 1 discourages, < 1 favours the tokens already in a row: its prompt, not its left
+    padding, and what it generated): token-identical to transformers on a ragged batch, and not the unpenalized
+    output; a penalty that is no number > 0 is refused."""
+    ref, opt = pair
+    rows = [torch.randint(1, ref.config.vocab_size, (n,)) for n in (30, 7, 19)]
+    ids, mask = left_padded(rows)
+    expected = hf_generate(ref, ids, mask, max_new_tokens=24, repetition_penalty=penalty)
+    assert not torch.equal(expected, hf_generate(ref, ids, mask, max_new_tokens=24)), "the penalty changed nothing"
+    got = opt.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, repetition_penalty=penalty)
+    assert torch.equal(got, expected)
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError, match="repetition_penalty"):
+            opt.generate(ids, attention_mask=mask, max_new_tokens=4, repetition_penalty=bad)
+
+
 def test_num_return_sequences_samples_each_row_that_many_times(pair):
     """num_return_sequences=n with sampling: the batch of its rows each repeated n times in place (transformers'
     order), drawn as that batch would be under the same seed; greedy (transformers' own check), and rows × n over

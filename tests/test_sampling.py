@@ -5,13 +5,14 @@ import torch
 from conftest import fresh
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
 
 import fastqwen
-from fastqwen.sampling import filter_logits, sample
+from fastqwen.sampling import filter_logits, repetition_penalty, sample, seen_through
 
 
 def hf_filtered(logits, temperature, top_k, top_p, min_p):
@@ -96,3 +97,19 @@ def test_two_stage_argmax_is_torchs_argmax_ties_included(shape):
     x = torch.randn(shape)
     x[..., -1] = x.max() + 1  # the max in the last chunk
     assert torch.equal(argmax_last(x), x.argmax(-1))
+
+
+@pytest.mark.parametrize("penalty", [1.3, 0.7, 1.0])
+def test_repetition_penalty_is_transformers_processor(penalty):
+    """repetition_penalty over a presence mask equals transformers' RepetitionPenaltyLogitsProcessor over the token
+    ids (repeats included), logits of both signs; seen_through adds a verify block's drafts one position at a time."""
+    logits = torch.randn(3, 64) * 4
+    ids = torch.randint(0, 64, (3, 20))
+    seen = torch.zeros(3, 64, dtype=torch.bool).scatter(1, ids, True)
+    want = RepetitionPenaltyLogitsProcessor(penalty)(ids, logits.clone())
+    assert torch.equal(repetition_penalty(logits, seen, torch.full((3,), penalty)), want)
+    drafts = torch.tensor([[5, 9, 5], [1, 2, 3], [63, 0, 7]])
+    at = seen_through(seen, drafts)
+    assert at.shape == (3, 4, 64) and torch.equal(at[:, 0], seen)
+    for j in range(1, 4):
+        assert torch.equal(at[:, j], seen.scatter(1, drafts[:, :j], True)), j

@@ -242,6 +242,21 @@ def test_stopping_criteria_end_rows_where_plain_decoding_ends_them(engines, miss
     assert sum(streamer.chunks[1:], []) == got[0, 70:].tolist() == free[0, :6].tolist()
 
 
+@pytest.mark.parametrize("miss", [0.0, 0.35], ids=["perfect", "partial"])
+def test_repetition_penalty_with_speculation_is_token_identical(engines, miss):
+    """The repetition penalty in a verify block: position j's logits penalize every token emitted so far and the
+    drafts d1 … dj, so greedy speculation gives plain decoding's penalized tokens."""
+    plain, spec = engines
+    rows = [torch.randint(1, 500, (n,)) for n in (70, 9, 33)]
+    ids, mask = left_padded(rows)
+    for penalty in (1.3, 0.7):
+        expected = plain.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                                  repetition_penalty=penalty)
+        speculate(spec, expected[:, ids.shape[1]:], miss)
+        got = spec.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, repetition_penalty=penalty)
+        assert torch.equal(got, expected), penalty
+
+
 def test_num_return_sequences_with_speculation_draws_as_the_repeated_batch(engines):
     """num_return_sequences with speculative sampling: the rows repeated in place, drawn as that batch would be
     under the same seed."""

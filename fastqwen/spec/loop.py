@@ -9,7 +9,7 @@ positions to the cache. Nothing leaves the device, so on CUDA the round is one C
 
 import torch
 
-from ..sampling import filtered_probs
+from ..sampling import filtered_probs, repetition_penalty, seen_through
 from .verify import accept_greedy, accept_sampled, emitted_tokens
 
 
@@ -43,15 +43,17 @@ class Speculator:
         self.sample_round = engine.compile(lambda: self.round(do_sample=True))
         self._fewer = {}  # (k, do_sample) -> compiled round with fewer drafts than self.k, built on first use
 
-    def step_for(self, k: int, do_sample: bool):
-        """The compiled round of k ≤ self.k drafts (a graph per k: shapes are fixed)."""
-        if k == self.k:
+    def step_for(self, k: int, do_sample: bool, penalized: bool = False):
+        """The compiled round of k ≤ self.k drafts (a graph per k: shapes are fixed; and one with the repetition
+        penalty, penalized)."""
+        if k == self.k and not penalized:
             return self.sample_round if do_sample else self.greedy_round
-        if (k, do_sample) not in self._fewer:
-            self._fewer[k, do_sample] = self.engine.compile(lambda: self.round(do_sample=do_sample, k=k))
-        return self._fewer[k, do_sample]
+        if (k, do_sample, penalized) not in self._fewer:
+            self._fewer[k, do_sample, penalized] = self.engine.compile(
+                lambda: self.round(do_sample=do_sample, k=k, penalized=penalized))
+        return self._fewer[k, do_sample, penalized]
 
-    def round(self, do_sample: bool, k: int | None = None) -> None:
+    def round(self, do_sample: bool, k: int | None = None, penalized: bool = False) -> None:
         e, s, k = self.engine, self.engine.state, self.k if k is None else k
         drafts, q = self.proposer.propose(e, k, do_sample)
         block = torch.cat([s["tokens"][:, None], drafts], dim=1)
@@ -61,6 +63,8 @@ class Speculator:
         j = torch.arange(k + 1, device=logits.device)
         blocked = (self.n_out[:, None] + j < s["min_new"])[..., None] & s["eos_mask"]
         logits = logits.masked_fill(blocked, float("-inf"))
+        if penalized:  # position j's sequence: every emitted token (the pending one included), then d1 … dj
+            logits = repetition_penalty(logits, seen_through(s["seen"], drafts), s["penalty"][:, None])
         if do_sample:
             rep = lambda t: t.repeat_interleave(k + 1)  # noqa: E731
             p = filtered_probs(logits.flatten(0, 1), rep(s["temperature"]), rep(s["top_k"]), rep(s["top_p"]),
@@ -78,6 +82,8 @@ class Speculator:
         count = torch.where(s["done"], 0, count)
         cols = torch.where(j < count[:, None], self.n_out[:, None] + j, self.out.shape[1] - 1)
         self.out.scatter_(1, cols, emitted)
+        if penalized:  # (a row emitting none marks its first token: it is done, nothing reads it again)
+            s["seen"].scatter_(1, torch.where(j < count[:, None], emitted, emitted[:, :1]), True)
         keep = torch.where(s["done"], 0, n + 1)
         e.forward.commit(keep)
         finished = (is_eos & (j < count[:, None])).any(1) | (self.n_out + count >= self.max_new)
@@ -100,7 +106,7 @@ class Speculator:
         self.max_new.fill_(max_new)
         s["done"][:rows] |= max_new <= 1
         self.proposer.start(self.engine)
-        step = self.step_for(self.k if k is None else k, do_sample)
+        step = self.step_for(self.k if k is None else k, do_sample, self.engine.penalized)
         checked = self.stop_at(criteria, prompt, [0] * rows) if criteria is not None else None
         if streamer is not None:
             streamer.put(first[:1].cpu())
