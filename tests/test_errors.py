@@ -86,7 +86,7 @@ def test_right_padding_is_refused(opt):
         opt.generate(ids, attention_mask=mask, max_new_tokens=4)
 
 
-@pytest.mark.parametrize("kw", [dict(num_beams=2), dict(repetition_penalty=1.2), dict(output_scores=True),
+@pytest.mark.parametrize("kw", [dict(num_beams=2), dict(typical_p=0.9), dict(output_scores=True),
                                 dict(no_repeat_ngram_size=3)])
 def test_unsupported_generation_options(opt, kw):
     with pytest.raises(ValueError, match=next(iter(kw))):
