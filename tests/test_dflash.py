@@ -105,8 +105,12 @@ def test_dflash_speculative_greedy_is_token_identical(draft_dir, name):
         alone = spec.generate(rows[1][None], max_new_tokens=30, do_sample=False)
         assert torch.equal(alone, plain.generate(rows[1][None], max_new_tokens=30, do_sample=False))
     free = expected[:, ids.shape[1]:]
-    kw = dict(max_new_tokens=30, eos_token_id=int(free[0, 4]), pad_token_id=1, do_sample=False)
-    assert torch.equal(spec.generate(ids, attention_mask=mask, **kw), plain.generate(ids, attention_mask=mask, **kw))
+    stops = torch.tensor(sorted({int(free[0, 3]), int(free[2, 7])}))
+    for kw in (dict(eos_token_id=int(free[0, 4]), pad_token_id=1),
+               dict(stopping_criteria=[lambda i, s, **_: torch.isin(i[:, -1], stops)]), dict(repetition_penalty=1.3)):
+        kw.update(max_new_tokens=30, do_sample=False)
+        expected = plain.generate(ids, attention_mask=mask, **kw)
+        assert torch.equal(spec.generate(ids, attention_mask=mask, **kw), expected), kw
     torch.manual_seed(0)
     sampled = spec.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=12, top_p=0.9)
     assert sampled.shape == (3, ids.shape[1] + 12)

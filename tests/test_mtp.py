@@ -81,9 +81,12 @@ def test_mtp_speculative_greedy_is_token_identical(checkpoint):
     assert torch.equal(spec.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=30), expected)
     assert spec._fastqwen.spec.rounds[:3].min() > 0, "the speculative loop ran"
     free = expected[:, ids.shape[1]:]
-    kw = dict(max_new_tokens=30, eos_token_id=int(free[2, 5]), pad_token_id=1)
-    expected = plain.generate(ids, attention_mask=mask, do_sample=False, **kw)
-    assert torch.equal(spec.generate(ids, attention_mask=mask, do_sample=False, **kw), expected)
+    stops = torch.tensor(sorted({int(free[0, 4]), int(free[2, 9])}))
+    for kw in (dict(max_new_tokens=30, eos_token_id=int(free[2, 5]), pad_token_id=1),
+               dict(max_new_tokens=30, stopping_criteria=[lambda i, s, **_: torch.isin(i[:, -1], stops)]),
+               dict(max_new_tokens=30, repetition_penalty=1.3)):  # (the MTP head's drafts stay unpenalized)
+        expected = plain.generate(ids, attention_mask=mask, do_sample=False, **kw)
+        assert torch.equal(spec.generate(ids, attention_mask=mask, do_sample=False, **kw), expected), kw
     torch.manual_seed(0)
     sampled = spec.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=12, temperature=0.7)
     assert sampled.shape == (3, ids.shape[1] + 12)
