@@ -132,9 +132,9 @@ SWEPT = {"fp8-weight": "FP8_ROW", "int4": "INT4", "bf16": "BF16"}  # formats the
 def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT), lowps=None, ksteps=None,
           row_order=False) -> list[dict]:
     """Time the weight-streaming kernel over its launch configs (BLOCK_N, SPLIT_K, num_warps, num_stages, BITS:
-    conversion instructions or bit moves to decode the weight, KSTEP: 128-column blocks a loop step, LOWP: 1 for
-    16-bit dot operands at M > 1 (int4 with BITS: at any M, its codes decoded in pairs), 2 for e4m3 ones (fp8
-    weights, any M), SWAP: the weight as the dot's first operand; LOWP 3: fp16 operands for e4m3 weights, fp16 pair arithmetic for int4 at one row; LOWP 4: int4's pairs into mma.sync at one row) per layer, format and M (`lowps`: only configs with these
+    conversion instructions or bit moves to decode the weight, KSTEP: 128-column blocks a loop step, LOWP: 3 for
+    the fp16 dot (e4m3 weights, M > 1) and int4's fp16 pair arithmetic at one row, 4 for int4's pairs into
+    mma.sync at one row) per layer, format and M (`lowps`: only configs with these
     LOWP values, beside the config in use; `ksteps` likewise for KSTEP); print the default config's time beside the best one. The best is the
     one cheapest for the step: kernel time plus
     the consumer's read of its fp32 split-K partials. With `table`, merge the best configs into that
@@ -148,25 +148,12 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT), lowp
     from fastqwen.ops import gemv
 
     configs = list(itertools.product((32, 64, 128), (1, 2, 4, 8, 16), (4,), (2, 4), (0, 1), (1,), (0,)))
-    # KSTEP (tiles up to 32K weights: a [128, 512] fp32 accumulator would spill) and LOWP (M > 1 only)
+    # KSTEP (tiles up to 32K weights: a [128, 512] fp32 accumulator would spill; KSTEP > 1 for fp8-weight and bf16)
     wide = [c for c in itertools.product((32, 64, 128), (1, 2, 4, 8), (4,), (2, 4), (0,), (2, 4), (0,))
             if c[0] * 128 * c[5] <= 32768]
-    lowp = [c for c in itertools.product((32, 64, 128), (1, 2, 4, 8), (4,), (2, 4), (0,), (1, 2), (1,))
+    # LOWP 3 (e4m3 weights, M > 1: the fp16 dot)
+    fp16 = [c for c in itertools.product((32, 64, 128), (1, 2, 4, 8), (4,), (2, 3, 4), (0,), (1, 2), (3,))
             if c[0] * 128 * c[5] <= 32768]
-    # SWAP (M > 1, no BITS): 64 or 128 weight rows fill one warpgroup's wgmma as the first operand. LOWP and SWAP
-    # for every format, KSTEP > 1 for fp8-weight and bf16
-    swap = [c for c in itertools.product((64, 128), (1, 2, 4, 8), (4,), (2, 4), (0,), (1, 2), (0, 1), (1,))
-            if c[0] * 128 * c[5] <= 32768]
-    # LOWP 2 (e4m3 weights: the e4m3 dot, any M; with SWAP, so that 64 or 128 weight rows fill a wgmma)
-    e4m3 = [c for c in itertools.product((64, 128), (1, 2, 4, 8), (4,), (2, 3, 4), (0,), (1, 2), (2,), (1,))
-            if c[0] * 128 * c[5] <= 32768]
-    # LOWP 3 (e4m3 weights, M > 1: the fp16 dot), without and with SWAP (64 or 128 rows for a wgmma)
-    fp16 = [c for c in itertools.product((32, 64, 128), (1, 2, 4, 8), (4,), (2, 3, 4), (0,), (1, 2), (3,), (0, 1))
-            if c[0] * 128 * c[5] <= 32768 and (c[0] >= 64 or not c[7])]
-    # int4 decoded two codes at a time into 16-bit dot operands (BITS with LOWP 1: the dot kernel at any M),
-    # without and with SWAP; 256 weight rows with 8 warps (4 would take ~250 registers a thread)
-    pairs = [c for c in itertools.product((64, 128, 256), (1, 2, 4, 8, 16), (4, 8), (2, 3), (1,), (1, 2), (1,), (0, 1))
-             if c[2] == (8 if c[0] == 256 else 4) and (c[5] == 1 or c[3] == 2)]
     # int4 at one row by bit moves in steps of 2 or 4 groups (KSTEP): 256 or 512 columns of a row in flight a step
     int4_wide = list(itertools.product((64, 128), (2, 4, 8, 16), (4,), (2, 3), (1,), (2, 4)))
     # int4 at one row in fp16 pair arithmetic (BITS with LOWP 3), steps of 1 or 2 groups, staged (cp.async) or not
@@ -174,7 +161,7 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT), lowp
     half2 = [c for c in itertools.product((64, 128, 256, 512), (1, 4, 8, 16), (4, 8, 16), (1, 2), (1,), (1, 2), (3,))
              if (c[0] < 256 and c[2] == 4) or (c[0] == 256 and c[2] < 16) or (c[0] == 512 and c[2] > 4)]
     # and 2 or 4 row tiles a program (TILES), its x prologue (an L2 round trip, a reduction, a barrier) paid once
-    half2 += list(itertools.product((128, 256), (4, 8, 16), (4,), (1,), (1,), (1, 2), (3,), (0,), (2, 4)))
+    half2 += list(itertools.product((128, 256), (4, 8, 16), (4,), (1,), (1,), (1, 2), (3,), (2, 4)))
     # the same pairs into mma.sync (LOWP 4): at least 16 rows a warp
     half2 += [c for c in itertools.product((64, 128, 256, 512), (1, 4, 8, 16), (4, 8), (1, 2), (1,), (1, 2), (4,))
               if c[0] >= 16 * c[2] and c[0] // c[2] <= 64]
@@ -199,10 +186,7 @@ def sweep(shapes, ms, bw, table: pathlib.Path | None, formats=tuple(SWEPT), lowp
                     times = {}
                     kstep_ok = lambda c: c[5] == 1 or fmt in (gemv.FP8_ROW, gemv.BF16)  # noqa: E731
                     tried = configs + [c for c in wide if kstep_ok(c)]
-                    tried += [c for c in lowp + swap if m > 1 and kstep_ok(c)]
-                    tried += [c for c in e4m3 if fmt in (gemv.FP8_ROW, gemv.FP8_BLOCK) and kstep_ok(c)]
                     tried += [c for c in fp16 if m > 1 and fmt in (gemv.FP8_ROW, gemv.FP8_BLOCK) and kstep_ok(c)]
-                    tried += [c for c in pairs if fmt == gemv.INT4]
                     tried += [c for c in int4_wide + half2 if fmt == gemv.INT4 and m == 1]
                     if lowps is not None:
                         tried = [c for c in tried if gemv.full_config(c)[6] in lowps]
@@ -336,7 +320,7 @@ def main():
                    "kernel's configs for the 35B-A3B routed experts, at these token counts (9 pairs each; default 1)")
     p.add_argument("--formats", nargs="+", default=list(SWEPT), choices=list(SWEPT), help="with --sweep: these only")
     p.add_argument("--lowp", type=int, nargs="+", help="with --sweep: only configs with these LOWP values (and "
-                   "the config in use), e.g. 3 for the fp16 dot")
+                   "the config in use): 3 for the fp16 dot and int4's fp16 pairs, 4 for int4's pairs into mma.sync")
     p.add_argument("--kstep", type=int, nargs="+", help="with --sweep: only configs with these KSTEP values (and the "
                    "config in use), e.g. 2 4 for the wide steps")
     p.add_argument("--int4-row-order", action="store_true", help="with --sweep: int4 codes in row order (as experts and "

@@ -187,29 +187,23 @@ worst = 0.0
 CONFIGS = (None, (32, 2, 4, 2), (16, 3, 4, 1), (64, 1, 4, 2, 1), (32, 2, 4, 2, 1), (16, 3, 4, 1, 1))
 # steps of 256 columns split in 2 (the second step half masked), one step of 512 (a quarter masked)
 WIDE = ((32, 2, 4, 2, 0, 2), (16, 1, 4, 1, 0, 4))
-LOWP = ((32, 2, 4, 2, 0, 1, 1), (16, 1, 4, 1, 0, 2, 1))  # 16-bit dot operands (M > 1), alone and with KSTEP 2
-SWAP = ((32, 2, 4, 2, 0, 1, 0, 1), (16, 1, 4, 1, 0, 1, 1, 1))  # the weight as the dot's first operand (M > 1)
-SWAP_WIDE = ((16, 1, 4, 1, 0, 2, 1, 1),)  # with 16-bit operands and steps of 256 columns
-# fp16 dot operands (LOWP 3: e4m3 weights, x scaled by a power of 2 into fp16): alone, with KSTEP 2, with SWAP
-FP16 = ((32, 2, 4, 2, 0, 1, 3), (16, 1, 4, 1, 0, 2, 3), (16, 2, 4, 2, 0, 1, 3, 1))
-# int4 decoded two codes at a time into 16-bit dot operands (BITS with LOWP 1, any M): K split in 2, with SWAP
-PAIRS = ((32, 2, 4, 2, 1, 1, 1), (64, 1, 4, 1, 1, 1, 1, 1), (16, 3, 4, 2, 1, 1, 1, 1),
-         (32, 1, 4, 2, 1, 2, 1, 1))  # and steps of two groups (KSTEP 2: the second step half masked)
+# fp16 dot operands (LOWP 3: e4m3 weights, x scaled by a power of 2 into fp16): alone and with KSTEP 2
+FP16 = ((32, 2, 4, 2, 0, 1, 3), (16, 1, 4, 1, 0, 2, 3))
 INT4_WIDE = ((32, 1, 4, 2, 1, 2), (16, 2, 4, 1, 1, 4))  # one row decoded by bit moves, steps of 2 and 4 groups
 # int4 at one row in fp16 pair arithmetic (BITS with LOWP 3): K split in 2 (rows past N: 200 is no multiple of 32),
 # steps of two groups (the second step half masked), three splits unstaged
 HALF2 = ((32, 2, 4, 2, 1, 1, 3), (16, 1, 4, 1, 1, 2, 3), (64, 3, 4, 1, 1, 1, 3),
-         (32, 2, 4, 1, 1, 1, 3, 0, 2), (16, 1, 4, 1, 1, 2, 3, 0, 4))  # and 2 or 4 row tiles a program (TILES)
+         (32, 2, 4, 1, 1, 1, 3, 2), (16, 1, 4, 1, 1, 2, 3, 4))  # and 2 or 4 row tiles a program (TILES)
 # the same pairs into mma.sync (BITS with LOWP 4; BLOCK_N ≥ 16 a warp): K split in 2, steps of two groups, 2 row tiles
-MMA = ((64, 2, 4, 2, 1, 1, 4), (64, 1, 4, 1, 1, 2, 4), (64, 3, 4, 1, 1, 1, 4, 0, 2))
+MMA = ((64, 2, 4, 2, 1, 1, 4), (64, 1, 4, 1, 1, 2, 4), (64, 3, 4, 1, 1, 1, 4, 2))
 HALF2 += MMA
 """
 # linear mode: every format and config against the reference, e4m3 codes, refusals, partials, the fixup
 _INTERPRETED = _INTERPRETED_HEAD + """
-for fmt, act, configs, ms in [(FP8_ROW, False, CONFIGS + WIDE + LOWP + SWAP + SWAP_WIDE + FP16, (1, 3, 16, 20, 40)),
-                              (FP8_BLOCK, False, CONFIGS + LOWP[:1] + SWAP + FP16[::2], (1, 3, 16)),
-                              (INT4, False, CONFIGS + LOWP[:1] + SWAP + PAIRS + INT4_WIDE + HALF2, (1, 3, 16, 33)),
-                              (BF16, False, (None,) + WIDE + LOWP + SWAP + SWAP_WIDE, (1, 3, 16))]:
+for fmt, act, configs, ms in [(FP8_ROW, False, CONFIGS + WIDE + FP16, (1, 3, 16, 20, 40)),
+                              (FP8_BLOCK, False, CONFIGS + FP16[:1], (1, 3, 16)),
+                              (INT4, False, CONFIGS + INT4_WIDE + HALF2, (1, 3, 16, 33)),
+                              (BF16, False, (None,) + WIDE, (1, 3, 16))]:
     for M in ms:  # (20, 33, 40: programs of 32 and 64 rows)
         N, K = 200, 384  # N not a multiple of the program width; K three steps
         w, s, z = operands(fmt, N, K, seed=M)
@@ -217,11 +211,10 @@ for fmt, act, configs, ms in [(FP8_ROW, False, CONFIGS + WIDE + LOWP + SWAP + SW
         for config in configs:
             if (config in INT4_WIDE or config in HALF2) and M > 1:  # (refused: below)
                 continue
-            # LOWP in fp16: the interpreter's bf16 dot multiplies raw bits (tests/gpu covers bf16 on hardware)
-            x16 = x.half() if config and len(config) > 6 and config[6] == 1 else x
+            x16 = x
             if config and len(config) > 6 and config[6] == 3 and M == 3:  # rows far apart in scale (x/s stays exact)
                 x16 = x * torch.tensor([[1e-6], [1.0], [3e4]], dtype=torch.bfloat16)
-            if fmt == BF16:  # the model's dtype, as LOWP needs
+            if fmt == BF16:  # the model's dtype
                 w = w.to(x16.dtype)
             ref = reference(x16.float(), fmt, w, s, z, act, N)
             y = (wq_matmul(x16, fmt, w, s, z, act, N) if config is None
@@ -242,15 +235,12 @@ for M in (1, 2):  # one-hot x: y is each code's value, exactly, whichever way th
         y = _launch(x, FP8_ROW, q, torch.ones(len(codes)), None, False, len(codes), M, config=config)
         assert torch.equal(y[0], q[:, 5].float()), (M, config)
 x3 = torch.randn(3, 256, dtype=torch.bfloat16)
-for fmt, wdtype, xdtype in ((INT4, None, torch.float32), (BF16, torch.float32, torch.bfloat16),
-                            (FP8_ROW, None, torch.float32)):  # LOWP would round: refused
-    w, s, z = operands(fmt, 64, 256)
-    try:
-        _launch(x3.to(xdtype), fmt, w if wdtype is None else w.to(wdtype), s, z, False, 64, 3,
-                config=(32, 1, 4, 2, 0, 1, 1))
-        raise AssertionError(f"format {fmt} with x {xdtype} took LOWP")
-    except ValueError as e:
-        assert "LOWP needs" in str(e)
+w, s, z = operands(FP8_ROW, 64, 256)
+try:  # LOWP takes 0, 3 or 4
+    _launch(x3, FP8_ROW, w, s, z, False, 64, 3, config=(32, 1, 4, 2, 0, 1, 1))
+    raise AssertionError("LOWP 1 was taken")
+except ValueError as e:
+    assert "LOWP 1 is no launch option: LOWP is 0, 3" in str(e) and "or 4" in str(e), e
 for fmt, xdtype in ((INT4, torch.bfloat16), (FP8_ROW, torch.float32)):  # the fp16 dot: e4m3 weights, 16-bit x
     w, s, z = operands(fmt, 64, 256)
     try:
@@ -265,16 +255,10 @@ try:  # int4's fp16 pair arithmetic takes one row
 except ValueError as e:
     assert "takes one row" in str(e)
 try:  # several row tiles a program: the fp16 pair arithmetic's option
-    _launch(x3[:1], INT4, w, s, z, False, 64, 1, config=(32, 1, 4, 2, 1, 1, 0, 0, 2))
+    _launch(x3[:1], INT4, w, s, z, False, 64, 1, config=(32, 1, 4, 2, 1, 1, 0, 2))
     raise AssertionError("TILES without LOWP 3 was taken")
 except ValueError as e:
     assert "TILES 2" in str(e)
-w, s, z = operands(FP8_ROW, 64, 256)
-try:  # SWAP takes the weight decoded by conversion
-    _launch(x3, FP8_ROW, w, s, z, False, 64, 3, config=(32, 1, 4, 2, 1, 1, 0, 1))
-    raise AssertionError("SWAP with BITS was taken")
-except ValueError as e:
-    assert "SWAP" in str(e)
 import fastqwen.ops.gemv as gemv
 for fmt, M, N, K in ((FP8_ROW, 1, 200, 1024), (INT4, 5, 64, 2048), (BF16, 16, 96, 384)):  # wq_linear's partials
     w, s, z = operands(fmt, N, K)
@@ -294,9 +278,15 @@ assert ((parts.sum(0) - ref).norm() / ref.norm()) < 1e-5
 for config, splits in (((32, 3, 4, 1), 3), ((32, 2, 4, 2, 0, 2), 2), ((16, 1, 4, 1, 0, 4), 1), ((16, 8, 4, 1), 3)):
     assert gemv.split_plan(384, config)[1] == splits, config  # (8 asked of 3 steps: 3)
 w, s, z = operands(FP8_ROW, 64, 256)
-gemv.gpu_table = lambda: {gemv.tuned_key(FP8_ROW, 64, 256, 3): [32, 1, 4, 2, 0, 1, 1]}  # measured with bf16 x
-assert gemv.gemv_config(FP8_ROW, 64, 256, 3) == (32, 1, 4, 2, 0, 1, 1)
-y = wq_matmul(x3.float(), FP8_ROW, w, s, None, False, 64)  # fp32 x: the table's LOWP is dropped, not refused
+gemv.gpu_table = lambda: {gemv.tuned_key(FP8_ROW, 64, 256, 3): [32, 1, 4, 2, 0, 1, 1]}  # a LOWP no table holds
+try:
+    wq_matmul(x3, FP8_ROW, w, s, None, False, 64)
+    raise AssertionError("a table's LOWP 1 was taken")
+except ValueError as e:
+    assert "LOWP 1 is no launch option" in str(e), e
+gemv.gpu_table = lambda: {gemv.tuned_key(FP8_ROW, 64, 256, 3): [32, 1, 4, 2, 0, 1, 3]}  # measured with bf16 x
+assert gemv.gemv_config(FP8_ROW, 64, 256, 3) == (32, 1, 4, 2, 0, 1, 3)
+y = wq_matmul(x3.float(), FP8_ROW, w, s, None, False, 64)  # fp32 x: the table's LOWP 3 is dropped, not refused
 assert ((y - reference(x3.float(), FP8_ROW, w, s, None, False, 64)).norm() / y.norm()) < 1e-5
 for fmt, act in ((INT4, False), (FP8_BLOCK, True)):  # a scale inside the step: wide steps are refused
     w, s, z = operands(fmt, 64, 256)
@@ -312,7 +302,7 @@ for M in (1, 3):  # int4's scale and zero group-major (QuantLinear's layout): th
     from fastqwen.ops.gemv import group_major
     sg, zg = group_major(s), group_major(z)
     assert sg.stride() == (1, 200) and torch.equal(sg, s)
-    for config in ((32, 2, 4, 2), (32, 2, 4, 2, 1), (32, 1, 4, 2, 1, 2, 1, 1)) + ((16, 2, 4, 1, 1, 2),) * (M == 1):
+    for config in ((32, 2, 4, 2), (32, 2, 4, 2, 1)) + ((16, 2, 4, 1, 1, 2),) * (M == 1):
         assert torch.equal(_launch(x, INT4, w, sg, zg, False, 200, M, config=config),
                            _launch(x, INT4, w, s, z, False, 200, M, config=config)), (M, config)
 try:  # zero laid out unlike scale
@@ -327,7 +317,7 @@ for config in ((32, 1, 4, 1, 1, 1, 4), (64, 1, 4, 1, 0, 1, 4)):  # mma.sync: 8 r
     except ValueError as e:
         assert "LOWP 4" in str(e), e
 w, s, z = operands(INT4, 64, 256)
-try:  # int4 steps of several groups: one row, or the 16-bit pairs
+try:  # int4 steps of several groups: one row
     _launch(x3, INT4, w, s, z, False, 64, 3, config=(32, 1, 4, 2, 1, 2))
     raise AssertionError("KSTEP 2 with int4 bit moves took 3 rows")
 except ValueError as e:
@@ -353,12 +343,11 @@ wt = tile_int4(w)
 assert wt.shape == (13, 3, 16, 64) and torch.equal(untile_int4(wt), w) and tile_int4(wt) is wt
 for M in (1, 3, 16):
     x = torch.randn(M, 384, dtype=torch.bfloat16)
-    for config in CONFIGS + LOWP[:1] + SWAP + PAIRS + INT4_WIDE + HALF2:
+    for config in CONFIGS + INT4_WIDE + HALF2:
         if (config in INT4_WIDE or config in HALF2) and M > 1:
             continue
-        x16 = x.half() if config and len(config) > 6 and config[6] == 1 else x
-        assert torch.equal(_launch(x16, INT4, wt, s, z, False, 208, M, config=config),
-                           _launch(x16, INT4, w, s, z, False, 208, M, config=config)), (M, config)
+        assert torch.equal(_launch(x, INT4, wt, s, z, False, 208, M, config=config),
+                           _launch(x, INT4, w, s, z, False, 208, M, config=config)), (M, config)
 try:  # tiled codes of another shape
     _launch(x[:1], INT4, wt, s, z, False, 192, 1)
     raise AssertionError("a tiled weight of 208 rows took N = 192")
@@ -451,12 +440,12 @@ def w_type(fmt, bits):
 def sz_types(fmt):  # scale and zero: int4's fp16 and uint8 (formats.INT4_SCALE, INT4_ZERO), the fp8 formats' fp32
     return dict(s_ptr="*fp16", z_ptr="*u8") if fmt == gemv.INT4 else dict(s_ptr="*fp32", z_ptr="*fp32")
 
-def ptx(fmt, lowp, swap, act=False, bits=False, pdl=False, fixup=0):  # the 16-row kernel
+def ptx(fmt, lowp, act=False, bits=False, pdl=False, fixup=0):  # the 16-row kernel
     sig = dict(x_ptr="*bf16", w_ptr=w_type(fmt, bits), **sz_types(fmt),
                y_ptr="*fp32", M="i32", N="i32", K="i32", s_stride="i32", g_stride="i32", k_per_split="i32",
                cnt_ptr="*i32")
     consts = dict(FMT=fmt, ACT_FP8=act, FP8_LIMIT=448.0, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, STAGES=4, BITS=bits,
-                  LOWP=lowp, SWAP=swap, PDL=pdl, FIXUP=fixup)
+                  LOWP=lowp, PDL=pdl, FIXUP=fixup)
     return compile_sm90(gemv._gemv_kernel, sig, consts, ALIGNED, num_stages=4).asm["ptx"]
 
 def row_kernel(fmt, bits, BN=128, pdl=False, fixup=0, grouped=False, swiglu=0, per_row=0, half2=0, stages=2, tiles=1):
@@ -483,49 +472,17 @@ assert count(sass(gemv.INT4, False), "I2F") >= 128  # (the conversion decode, fo
 assert count(sass(gemv.INT4, True), "LOP3") <= 1.25 * 128
 
 for fmt in (gemv.FP8_ROW, gemv.INT4):
-    for lowp in (False, True):
-        plain, swapped = ptx(fmt, lowp, False), ptx(fmt, lowp, True)
-        assert "cp.async" in plain and "cp.async" in swapped, "the weight is not staged asynchronously"
-        assert "wgmma" not in plain and "mma.sync" in plain
-        first = re.search(r"wgmma\\.mma_async\\S* \\{[^}]*\\}, (\\S)", swapped)  # the operand after the accumulators
-        assert first and first.group(1) == "{", "with SWAP the weight should reach wgmma from registers"
+    code = ptx(fmt, 0)
+    assert "cp.async" in code, "the weight is not staged asynchronously"
+    assert "wgmma" not in code and "mma.sync" in code
 
-# LOWP 2: an e4m3 wgmma whose operands both come from shared memory (descriptors), the weight never converted
-for fmt, act in ((gemv.FP8_ROW, False), (gemv.FP8_BLOCK, True), (gemv.FP8_BLOCK, False)):
-    code = ptx(fmt, 2, True, act)
-    assert "cp.async" in code
-    mma = re.findall(r"wgmma\.mma_async\S*e4m3\.e4m3 \{[^}]*\}, (\S)", code)
-    assert mma and all(op != "{" for op in mma), (fmt, act, "the e4m3 weight should reach wgmma from shared memory")
-    # decodes: x's first part for its residual (16 x 128 / 128 threads, 2 a cvt: 8); the weight tile would be 32
-    assert code.count("cvt.rn.f16x2.e4m3x2") <= (0 if act else 8), (fmt, act, "the weight is decoded")
-
-# LOWP 3: fp16 mma, the e4m3 weight decoded by cvt.rn.f16x2.e4m3x2 alone (LOWP 1's bf16 goes on through fp32)
+# LOWP 3: fp16 mma, the e4m3 weight decoded by cvt.rn.f16x2.e4m3x2 alone
 for fmt in (gemv.FP8_ROW, gemv.FP8_BLOCK):
-    for swap in (False, True):
-        code = ptx(fmt, 3, swap)
-        assert re.search(r"mma\S*\.f32\.f16\.f16", code), (fmt, swap, "no fp16 dot")
-        assert "tf32" not in code and "cvt.rn.bf16" not in code, (fmt, swap)  # (x's bf16 → fp32 stays)
-        assert code.count("cvt.rn.f16x2.e4m3x2") >= 32, (fmt, swap)  # [64, 128] weights / 128 threads, 2 a cvt
-        assert "cvt.f32.f16" not in code, (fmt, swap, "the weight goes through fp32")
-
-# int4 decoded in 16-bit pairs (BITS with LOWP 1): no conversion instruction, one packed subtraction (HADD2) and one
-# LOP3 per two weights ([64, 128] weights / 128 threads: 32 each; ~43 more LOP3 do addresses and masks, where one a
-# weight would make them ≥ 107), bf16 dots; with SWAP a wgmma from registers
-for swap in (False, True):
-    consts = dict(FMT=gemv.INT4, ACT_FP8=False, FP8_LIMIT=448.0, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, STAGES=2,
-                  BITS=True, LOWP=1, SWAP=swap, PDL=False, FIXUP=0, ASM=True)
-    sig = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*fp16", z_ptr="*u8", y_ptr="*fp32", M="i32", N="i32", K="i32",
-               s_stride="i32", g_stride="i32", k_per_split="i32", cnt_ptr="*i32")
-    kernel = compile_sm90(gemv._gemv_kernel, sig, consts, ALIGNED, num_stages=2)
-    code = cuobjdump(kernel, "-sass")
-    assert count(code, "I2F") == 0 and count(code, "F2F") <= 8, (swap, "conversions in the pair decode")  # (x's)
-    hadd2 = count(code, "HADD2") - count(code, "HADD2.F32")  # (HADD2.F32: the fp16 scales' conversions to fp32)
-    assert hadd2 == 32 and count(code, "LOP3") < 96, (swap, hadd2, count(code, "LOP3"))
-    ptx_ = kernel.asm["ptx"]
-    assert "sub.rn.bf16x2" in ptx_ and re.search(r"mma\S*\.bf16\.bf16", ptx_), swap
-    if swap:
-        first = re.search(r"wgmma\.mma_async\S* \{[^}]*\}, (\S)", ptx_)
-        assert first and first.group(1) == "{", "with SWAP the decoded pairs should reach wgmma from registers"
+    code = ptx(fmt, 3)
+    assert re.search(r"mma\\S*\\.f32\\.f16\\.f16", code), (fmt, "no fp16 dot")
+    assert "tf32" not in code and "cvt.rn.bf16" not in code, fmt  # (x's bf16 → fp32 stays)
+    assert code.count("cvt.rn.f16x2.e4m3x2") >= 32, fmt  # [64, 128] weights / 128 threads, 2 a cvt
+    assert "cvt.f32.f16" not in code, (fmt, "the weight goes through fp32")
 
 # int4 at one row in fp16 pair arithmetic (HALF2: BITS with LOWP 3), as the 27B sweep ships it (unstaged): 8 codes a
 # word in 4 LOP3, 2 HADD2 and 6 HFMA2 / HMUL2 (128 rows x 16 words / 128 threads: 16 words a thread a step), no
@@ -571,7 +528,7 @@ for half2 in (1, 2):
 # the weight's L2 prefetches before it; each format's weight layout, both kernels
 for fmt, bits, half2 in ((gemv.FP8_ROW, False, 0), (gemv.FP8_ROW, True, 0), (gemv.INT4, False, 0), (gemv.INT4, True, 0),
                          (gemv.BF16, False, 0), (gemv.INT4, True, 1)):
-    for code in (row_kernel(fmt, bits, 32, pdl=True, half2=half2).asm["ptx"], ptx(fmt, 0, False, bits=bits, pdl=True)):
+    for code in (row_kernel(fmt, bits, 32, pdl=True, half2=half2).asm["ptx"], ptx(fmt, 0, bits=bits, pdl=True)):
         wait = code.index("griddepcontrol.wait")
         reads = [m.start() for m in re.finditer(r"ld\\.global|cp\\.async\\.c", code)]
         assert reads and min(reads) > wait, (fmt, bits, "a global read before the wait")
@@ -597,10 +554,10 @@ for fmt in (gemv.BF16, gemv.FP8_ROW):
 
 # split-K summed in the kernel: an acquire-release count at GPU scope after a CTA barrier, reads of the partials
 # from L2 (.cg); without FIXUP no atomic at all
-for code in (row_kernel(gemv.FP8_ROW, False, 32, fixup=4).asm["ptx"], ptx(gemv.FP8_ROW, 0, False, fixup=4)):
+for code in (row_kernel(gemv.FP8_ROW, False, 32, fixup=4).asm["ptx"], ptx(gemv.FP8_ROW, 0, fixup=4)):
     atom = code.index("atom.global.gpu.acq_rel.add")
     assert code.rfind("bar.sync", 0, atom) > 0 and "ld.global.cg" in code[atom:], "fixup's ordering"
-assert "atom." not in row_kernel(gemv.FP8_ROW, False, 32).asm["ptx"] and "atom." not in ptx(gemv.FP8_ROW, 0, False)
+assert "atom." not in row_kernel(gemv.FP8_ROW, False, 32).asm["ptx"] and "atom." not in ptx(gemv.FP8_ROW, 0)
 
 # SWIGLU (kernels={"expert_act": "fused"}, grouped, bf16 and fp8-weight experts; {"mlp_act": "fused"}, linear
 # with PDL and the fixup as decode runs it): the activation from 3 partials at the tile the sweeps took for the
@@ -622,10 +579,9 @@ print("ok")
 def test_kernels_compile_for_sm90_as_designed():
     """Compiled for sm90 here (no GPU: Triton ships ptxas and cuobjdump). The one-row kernel's bit-move
     decoding issues no conversion instruction, and int4's takes one LOP3 a weight. The 16-row kernel stages the
-    weight with cp.async; without SWAP its dot is an mma.sync, with SWAP a wgmma whose first operand, the
-    decoded weight, comes from registers (fp8 and int4, fp32 and 16-bit operands); with LOWP 2 an e4m3 wgmma
-    takes the weight from shared memory as stored, never decoded. SWIGLU computes the activation and rounds
-    it to bf16 to nearest (cvt.rn), without spilling. A grouped launch under PDL loads nothing before its wait."""
+    weight with cp.async and its dot is an mma.sync (fp8 and int4); with LOWP 3 an fp16 one, the e4m3 weight
+    decoded by one conversion per two values. SWIGLU computes the activation and rounds it to bf16 to nearest
+    (cvt.rn), without spilling. A grouped launch under PDL loads nothing before its wait."""
     assert run_in_triton_interpreter(_SM90, interpret=False).strip().endswith("ok")
 
 

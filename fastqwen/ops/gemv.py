@@ -17,22 +17,18 @@ accumulate elementwise in registers, summed over K once at the end. `_gemv_kerne
 program's BLOCK_M: 16, 32 or 64, the fewest that hold them; the weight is still read once) with a
 tensor-core dot per step (fp32 operands, tf32: exact for e4m3 weights and bf16 activations, int4's
 dequantized weights round to 2⁻¹¹ relative; the kernel is bound by weight bytes, not math; with the launch
-config's LOWP 1 the operands are x's own 16-bit dtype, where that is exact: lowp_exact; with LOWP 2 they are
-e4m3, the fp8 weight as stored and x in two e4m3 parts, at any M, one row included: fp8_dot_ok; with LOWP 3
-fp16, the fp8 weight converted by one instruction per two values and x scaled by a power of 2: fp16_dot_ok; with SWAP
-the weight is the dot's first operand, accumulating yᵀ, so that Hopper's wgmma takes it from registers, or
-with LOWP 2 straight from shared memory).
+config's LOWP 3 they are fp16, the fp8 weight converted by one instruction per two values and x scaled by a
+power of 2: fp16_dot_ok).
 Either decodes the weight with conversion instructions or, with the launch config's BITS, by moving bits (fp8: sign,
 exponent and mantissa into fp32's places, a 2⁻¹²⁰-scaled value; int4: in the one-row kernel the code in
-1.0's top mantissa bits, 1 + q/16, one LOP3 and one FFMA a weight; in the dot kernel OR-ed into 2²³'s bits, or
-with LOWP 1 two codes at a time into the mantissas of a bf16 or fp16 pair, q − zero exact in 16 bits, for x's own
-dtype in the dot: _int4_pairs; that form takes the dot kernel at any M, one row included; with LOWP 3, one row on
-the CUDA cores in fp16 pair arithmetic, x scaled by a power of 2 into fp16: _int4_half2, 2 instructions a weight;
-with LOWP 4 the same pairs into warp-wide mma.sync, exact products summed in fp32: _int4_mma, ~1.7 a weight):
+1.0's top mantissa bits, 1 + q/16, one LOP3 and one FFMA a weight; in the dot kernel OR-ed into 2²³'s bits; with
+LOWP 3, one row on the CUDA cores in fp16 pair arithmetic, two codes at a time into the mantissas of an fp16 pair,
+x scaled by a power of 2 into fp16: _int4_half2, 2 instructions a weight; with LOWP 4 the same pairs into
+warp-wide mma.sync, exact products summed in fp32: _int4_mma, ~1.7 a weight):
 conversions run at a fraction of the FMA rate (the M = 1 sweep found bit moves no faster for fp8: 62–76%
 of bandwidth either way). The sweep decides per shape. A program owns BLOCK_N output columns and walks its share of K in
 steps of 128 columns, or KSTEP × 128 (launch option; fp8-weight and bf16 without BITS, whose scales do not change
-inside a step; int4 with BITS, a step of KSTEP groups, at one row or in 16-bit pairs): an fp8 step of 128
+inside a step; int4 with BITS at one row, a step of KSTEP groups): an fp8 step of 128
 columns moves half the bytes of a bf16 one, and the M = 1 sweep found bf16 at 88–97% of bandwidth where fp8
 reached 62–76%. Split-K programs write partial sums that one add combines
 (deterministic, no atomics). Launch
@@ -40,8 +36,8 @@ configs come from gemv_configs.json, measured per GPU by scripts/bench_quant.py 
 takes the nearest measured N with the same K), else from a
 heuristic. Grouped mode (experts): w, scale, zero carry a leading expert dimension; pair p multiplies row
 tok[p] of x by expert exp[p] into row p of y. Both kernels also run in Triton's CPU interpreter, where
-tests/test_gemv.py checks them, all but the e4m3 dot (the interpreter computes e4m3 dots wrongly) and PDL's
-inline PTX: those are pinned by compiling for sm90 on the CPU and checked against the reference on the GPU. `wq_linear` and `expert_gemv` (split-K partials, summed by the caller) are the
+tests/test_gemv.py checks them, all but PDL's inline PTX: that is pinned by compiling for sm90 on the CPU and
+checked against the reference on the GPU. `wq_linear` and `expert_gemv` (split-K partials, summed by the caller) are the
 registered ops: the kernels on CUDA, the torch reference elsewhere. In linear mode either kernel can launch
 with programmatic dependent launch (pdl, Hopper+): it starts while the previous kernel finishes, prefetches its
 first weight steps into L2, and waits for that kernel before it reads x (_dependent_start).
@@ -172,31 +168,6 @@ if triton is not None:
         else:
             m = (u >> (4 * i - 19)) & 0x00780000
         return (m | one).to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _int4_pairs(u2, zz, s: tl.constexpr, dtype: tl.constexpr, ASM: tl.constexpr):
-        """Nibbles s and s + 4 of each int32 word, less the row's zero, as 16-bit pairs of `dtype` (bf16 or fp16):
-        q − zero, integers in −16 … 15, exact in either. u2 [BLOCK_N, 2W] holds each word twice (u2[:, 2j] =
-        u2[:, 2j + 1] = word j): element 2j gets nibble s, element 2j + 1 nibble s + 4. zz (int32): the 16-bit
-        pair B + zero, B = 128 (bf16) or 1024 (fp16), the number whose last mantissa bit is worth 1. With ASM,
-        two codes in three instructions and no conversion: a shift, a LOP3 that ORs both nibbles into B's
-        mantissas ((u >> 4s) & 0x000F000F | B B: the pair B + q) and one packed subtraction of zz. Without ASM
-        (Triton's interpreter runs no inline PTX) the same values by shifts and conversions."""
-        if ASM:
-            if dtype == tl.bfloat16:
-                r = tl.inline_asm_elementwise(
-                    f"{{ .reg .b32 t; shr.u32 t, $1, {4 * s}; lop3.b32 t, t, 0x000F000F, 0x43004300, 0xea; "
-                    "sub.rn.bf16x2 $0, t, $3; }", "=r,r,r,r,r", [u2, zz], dtype=tl.bfloat16, is_pure=True, pack=2)
-            else:
-                r = tl.inline_asm_elementwise(
-                    f"{{ .reg .b32 t; shr.u32 t, $1, {4 * s}; lop3.b32 t, t, 0x000F000F, 0x64006400, 0xea; "
-                    "sub.rn.f16x2 $0, t, $3; }", "=r,r,r,r,r", [u2, zz], dtype=tl.float16, is_pure=True, pack=2)
-        else:
-            odd = (tl.arange(0, u2.shape[1]) % 2)[None, :]
-            base = 128.0 if dtype == tl.bfloat16 else 1024.0
-            z = (zz & 0xFFFF).to(tl.int16).to(dtype, bitcast=True).to(tl.float32) - base
-            r = (((u2 >> (4 * s + 16 * odd)) & 0xF).to(tl.float32) - z).to(dtype)
-        return r
 
     @triton.jit
     def _half2_bits(a, b):
@@ -612,111 +583,39 @@ if triton is not None:
         return ((t.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _dot(x, w, SWAP: tl.constexpr):
-        """x [BLOCK_M, BLOCK_K] · w [BLOCK_N, BLOCK_K]ᵀ: [BLOCK_M, BLOCK_N], or with SWAP its transpose
-        [BLOCK_N, BLOCK_M] = w · xᵀ, the decoded weight as the dot's first operand (see _gemv_kernel)."""
-        if SWAP:
-            y = tl.dot(w, tl.trans(x))
-        else:
-            y = tl.dot(x, tl.trans(w))
-        return y
-
-    @triton.jit
-    def _along_n(v, SWAP: tl.constexpr):
-        """A per-column vector [BLOCK_N] shaped to scale an accumulator of either orientation."""
-        if SWAP:
-            r = v[:, None]
-        else:
-            r = v[None, :]
-        return r
-
-    @triton.jit
-    def _along_m(v, SWAP: tl.constexpr):
-        """A per-row vector [BLOCK_M] shaped to scale an accumulator of either orientation."""
-        if SWAP:
-            r = v[None, :]
-        else:
-            r = v[:, None]
-        return r
-
-    @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, s_stride, g_stride, k_per_split, cnt_ptr,
                      FMT: tl.constexpr,
                      ACT_FP8: tl.constexpr, FP8_LIMIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, STAGES: tl.constexpr, BITS: tl.constexpr, LOWP: tl.constexpr,
-                     SWAP: tl.constexpr, PDL: tl.constexpr, FIXUP: tl.constexpr = 0, ASM: tl.constexpr = 1,
-                     TILED: tl.constexpr = 0):
+                     PDL: tl.constexpr, FIXUP: tl.constexpr = 0, TILED: tl.constexpr = 0):
         """2 … 64 rows of x: a tensor-core dot (fp32 operands, tf32) per 128-column step (BITS: as in
         _row_kernel, one dot per word position; int4's dots take q − zero, exact in tf32, and scale after).
-        LOWP 1 (fp8, int4 and bf16 weights without BITS, x bf16 or fp16): the dot takes x's own 16-bit dtype
-        instead, the weight converted to it exactly (every e4m3 value is a bf16 and an fp16 value; int4 takes
-        q − zero, a small integer, and scales the group's product after the dot); with ACT_FP8 the
-        dot takes the e4m3 codes of x and its per-row scale multiplies the product. The same products, half
-        the tile's registers and the tensor cores' full rate. LOWP 2 (e4m3 weights without BITS: fp8_dot_ok):
-        the dot takes the weight as stored, so with SWAP it goes from global to shared memory to wgmma and
-        never through registers; x goes in as e4m3 too, with ACT_FP8 its codes, else as two e4m3 parts a row
-        and step: x = s·(x₁ + x₂/16) with s the least power of 2 ≥ max|x|/448 (so x/s is exact), x₁ = e4m3(x/s)
-        its top 4 significant bits and x₂ = e4m3(16·(x/s − x₁)) the next 4. A bf16 x is then exact wherever
-        |x| ≥ 2⁻¹³·⁸ of its row's step maximum, and within 2⁻²¹·⁸ of that maximum elsewhere. The products are
-        exact; the tensor cores sum e4m3 products inside a step with fewer bits than fp32 (~14 per
-        DeepSeek-V3's measurement), ~10⁻⁴ relative: well below bf16's rounding of y, not the tf32 dot's
-        exactness. LOWP 3 (e4m3 weights without BITS: fp16_dot_ok): fp16 operands, the weight converted by
-        one instruction per two values (e4m3 → bf16, LOWP 1's, takes three) and x scaled per row and step by s,
-        the least power of 2 ≥ max|x|/2¹⁵, so that x/s is exact in fp16 down to 2⁻²⁹ of the row's maximum
-        (below, within 2⁻³⁹ of it); with ACT_FP8 x's e4m3 codes, exact in fp16. Half the tf32 dot's
-        tensor-core instructions (at M = 16 the tf32 mma.sync alone needs about as long as the weight bytes).
-        SWAP (without BITS) accumulates yᵀ [BLOCK_N, BLOCK_M] = W · xᵀ: the weight becomes the
-        dot's first operand, which Hopper's wgmma takes from registers (decoded) or shared memory (LOWP 2);
-        x, the small one, is the staged second operand."""
+        LOWP 3 (e4m3 weights without BITS: fp16_dot_ok): fp16 operands, the weight converted by one instruction
+        per two values (e4m3 → bf16 takes three) and x scaled per row and step by s, the least power of
+        2 ≥ max|x|/2¹⁵, so that x/s is exact in fp16 down to 2⁻²⁹ of the row's maximum (below, within 2⁻³⁹ of
+        it); with ACT_FP8 x's e4m3 codes, exact in fp16, and its per-row scale multiplies the product. Half the
+        tf32 dot's tensor-core instructions (at M = 16 the tf32 mma.sync alone needs about as long as the weight
+        bytes)."""
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
         split = tl.program_id(2)
         y0_ptr = y_ptr
         y_ptr += split.to(tl.int64) * M * N
         n_ok, m_ok = n < N, m < M
-        if SWAP:
-            acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         k_end = tl.minimum(K, (split + 1) * k_per_split)
         if PDL:
             _dependent_start(w_ptr, n, n_ok, split * k_per_split, k_end, K, FMT, BITS, BLOCK_K, TILED)
         for k0 in tl.range(split * k_per_split, k_end, BLOCK_K, num_stages=STAGES):
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = k < k_end
-            x16 = tl.load(x_ptr + m[:, None] * K + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            x = x16.to(tl.float32)
+            x = tl.load(x_ptr + m[:, None] * K + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                        other=0.0).to(tl.float32)
             if ACT_FP8:
                 xs = tl.maximum(tl.max(tl.abs(x), axis=1) / FP8_LIMIT, 1e-12)
                 xq = (x / xs[:, None]).to(tl.float8e4nv)
                 x = xq.to(tl.float32) * xs[:, None]
-                if LOWP == 1:
-                    x16 = xq.to(x_ptr.dtype.element_ty)
-            if BITS and FMT == 2 and LOWP:  # 16-bit dots of q − zero (_int4_pairs) and x as it is
-                dt: tl.constexpr = x_ptr.dtype.element_ty
-                c = tl.arange(0, 32)  # dot column c of a group: word c // 2, nibble s + 4 · (c % 2)
-                for sub in tl.static_range(BLOCK_K // 128):  # KSTEP groups of 128 columns, each with its scale
-                    g = k0 // 128 + sub
-                    wd = 16 * g + tl.arange(0, 16)
-                    wd_ok = wd < k_end // 8
-                    u = tl.load(w_ptr + _int4_at(n[:, None], wd[None, :], K, 16, TILED),
-                                mask=n_ok[:, None] & wd_ok[None, :], other=0)
-                    u2 = tl.join(u, u).reshape(BLOCK_N, 32)
-                    g_ok = n_ok & (g < k_end // 128)
-                    # the 16-bit pattern of 128 + zero (bf16) or 1024 + zero (fp16): the zero, an integer in 0 … 16, in
-                    # the mantissa's low bits (a step of 1 at 128 in bf16, at 1024 in fp16)
-                    zb = (tl.load(z_ptr + n * s_stride + g * g_stride, mask=g_ok, other=0).to(tl.int32)
-                          + (0x4300 if dt == tl.bfloat16 else 0x6400))
-                    zz = (zb | (zb << 16))[:, None]
-                    c_ok = (16 * g + c // 2) < k_end // 8
-                    part = tl.zeros(acc.shape, tl.float32)
-                    for sh in tl.static_range(4):
-                        col = 128 * g + 8 * (c // 2) + sh + 4 * (c % 2)
-                        xs_ = tl.load(x_ptr + m[:, None] * K + col[None, :], mask=m_ok[:, None] & c_ok[None, :],
-                                      other=0.0)
-                        part += _dot(xs_, _int4_pairs(u2, zz, sh, dt, ASM), SWAP)
-                    acc += part * _along_n(tl.load(s_ptr + n * s_stride + g * g_stride, mask=g_ok, other=0.0), SWAP)
-            elif BITS and FMT == 2:
+            if BITS and FMT == 2:
                 wd = k0 // 128 * 16 + tl.arange(0, BLOCK_K // 8)  # (BLOCK_K 128)
                 wd_ok = wd < k_end // 8
                 u = tl.load(w_ptr + _int4_at(n[:, None], wd[None, :], K, 16, TILED), mask=n_ok[:, None] & wd_ok[None, :],
@@ -753,45 +652,25 @@ if triton is not None:
                 g = k0 // BLOCK_K
                 scale = tl.load(s_ptr + n * s_stride + g * g_stride, mask=n_ok, other=0.0)
                 zero = tl.load(z_ptr + n * s_stride + g * g_stride, mask=n_ok, other=0.0)
-                if LOWP:  # q − zero: integers in −16 … 15, exact in 16 bits; the group's scale after the dot
-                    part = _dot(x16, (q - zero[:, None]).to(x_ptr.dtype.element_ty), SWAP)
-                    acc += part * _along_n(scale, SWAP)
-                else:
-                    acc += _dot(x, (q - zero[:, None]) * scale[:, None], SWAP)
+                acc += tl.dot(x, tl.trans((q - zero[:, None]) * scale[:, None]))
             else:
                 w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                if LOWP == 2:  # e4m3 weights as stored: x in e4m3 (ACT_FP8) or as two e4m3 parts (docstring)
+                if LOWP == 3:  # fp16 operands: e4m3 → fp16 is one exact conversion per 2 weights (docstring)
                     if ACT_FP8:
-                        part = _dot(xq, w, SWAP) * _along_m(xs, SWAP)
-                    else:
-                        s8 = _pow2_at_least(tl.maximum(tl.max(tl.abs(x), axis=1) / FP8_LIMIT, 1e-30))
-                        r = x * (1.0 / s8)[:, None]  # exact: a power of 2
-                        x1 = r.to(tl.float8e4nv)
-                        x2 = ((r - x1.to(tl.float32)) * 16.0).to(tl.float8e4nv)
-                        part = (_dot(x1, w, SWAP) + _dot(x2, w, SWAP) * 0.0625) * _along_m(s8, SWAP)
-                elif LOWP == 3:  # fp16 operands: e4m3 → fp16 is one exact conversion per 2 weights (docstring)
-                    if ACT_FP8:
-                        part = _dot(xq.to(tl.float16), w.to(tl.float16), SWAP) * _along_m(xs, SWAP)
+                        part = tl.dot(xq.to(tl.float16), tl.trans(w.to(tl.float16))) * xs[:, None]
                     else:
                         s16 = _pow2_at_least(tl.maximum(tl.max(tl.abs(x), axis=1) / 32768.0, 1e-30))
                         xh = (x * (1.0 / s16)[:, None]).to(tl.float16)  # exact: a power of 2, |x/s16| ≤ 2¹⁵
-                        part = _dot(xh, w.to(tl.float16), SWAP) * _along_m(s16, SWAP)
-                elif LOWP:
-                    part = _dot(x16, w.to(x_ptr.dtype.element_ty), SWAP)
-                    if ACT_FP8:
-                        part = part * _along_m(xs, SWAP)
+                        part = tl.dot(xh, tl.trans(w.to(tl.float16))) * s16[:, None]
                 else:
-                    part = _dot(x, w.to(tl.float32), SWAP)
+                    part = tl.dot(x, tl.trans(w.to(tl.float32)))
                 if FMT == 1:
-                    part = part * _along_n(tl.load(s_ptr + (n // BLOCK_K) * s_stride + (k0 // BLOCK_K) * g_stride,
-                                                   mask=n_ok, other=0.0), SWAP)
+                    part = part * tl.load(s_ptr + (n // BLOCK_K) * s_stride + (k0 // BLOCK_K) * g_stride, mask=n_ok,
+                                          other=0.0)[None, :]
                 acc += part
         if FMT == 0:
-            acc = acc * _along_n(tl.load(s_ptr + n, mask=n_ok, other=0.0), SWAP)
-        if SWAP:
-            offs, ok = m[None, :] * N + n[:, None], m_ok[None, :] & n_ok[:, None]
-        else:
-            offs, ok = m[:, None] * N + n[None, :], m_ok[:, None] & n_ok[None, :]
+            acc = acc * tl.load(s_ptr + n, mask=n_ok, other=0.0)[None, :]
+        offs, ok = m[:, None] * N + n[None, :], m_ok[:, None] & n_ok[None, :]
         tl.store(y_ptr + offs, acc, mask=ok)
         if FIXUP:
             _split_k_fixup(y0_ptr, offs, ok, cnt_ptr, tl.program_id(0), M * N, FIXUP)
@@ -843,7 +722,7 @@ def gpu_table() -> dict:
 
 
 def gemv_config(fmt: int, N: int, K: int, rows: int, columns: int = 1) -> tuple[int, ...]:
-    """(BLOCK_N, SPLIT_K, num_warps, num_stages[, BITS[, KSTEP[, LOWP[, SWAP[, TILES]]]]]) for `rows` rows of an
+    """(BLOCK_N, SPLIT_K, num_warps, num_stages[, BITS[, KSTEP[, LOWP[, TILES]]]]) for `rows` rows of an
     [N, K] weight in format `fmt`, with `columns` independent copies of the grid (expert pairs in grouped mode). Both modes take
     scripts/bench_quant.py --sweep's measured best for this GPU when gemv_configs.json has it (grouped mode: per
     pair-count bucket, expert_key); otherwise enough programs that short K walks keep many loads in flight: BLOCK_N 64 (128 for int4, whose
@@ -851,12 +730,10 @@ def gemv_config(fmt: int, N: int, K: int, rows: int, columns: int = 1) -> tuple[
     steps. One row of fp8 per-row weights (linear mode) takes what the H200 sweep found best on every 27B shape:
     BLOCK_N 32, 4 stages, steps of 256 columns (KSTEP 2). BITS (default 0) decodes the
     weight by bit moves instead of conversion instructions (see _fp8_bits); KSTEP (default 1) widens each step
-    to KSTEP × 128 columns (FP8_ROW and BF16 without BITS; int4 with BITS, at one row or with LOWP 1); LOWP
-    (default 0) has the M > 1 kernel's dot take 16-bit operands (1: lowp_exact; int4 with BITS at any M), e4m3 ones (2: fp8_dot_ok; at M = 1 too, in the dot kernel) or fp16
-    ones (3: fp16_dot_ok; fp8 weights, x scaled by a power of 2; int4 at one row: fp16 pair arithmetic; 4: int4 at one
-    row, its pairs into mma.sync); SWAP
-    (default 0) has it take the weight as its first operand (without BITS); TILES (default 1) is int4's one-row pair
-    kernels' (_row_kernel); the sweep tries them all."""
+    to KSTEP × 128 columns (FP8_ROW and BF16 without BITS; int4 with BITS at one row); LOWP (default 0): 3, fp16
+    operands for the M > 1 kernel's dot (fp16_dot_ok: fp8 weights, x scaled by a power of 2) and fp16 pair
+    arithmetic for int4 at one row; 4, int4 at one row with its pairs into mma.sync; TILES (default 1) is int4's
+    one-row pair kernels' (_row_kernel); the sweep tries them all."""
     tuned = (tuned_config(gpu_table(), fmt, N, K, rows) if columns == 1
              else gpu_table().get(expert_key(fmt, N, K, columns)))
     if tuned:
@@ -873,27 +750,8 @@ def gemv_config(fmt: int, N: int, K: int, rows: int, columns: int = 1) -> tuple[
 
 def full_config(config) -> tuple[int, ...]:
     """A launch config with its optional elements filled in: (BLOCK_N, SPLIT_K, num_warps, num_stages, BITS = 0,
-    KSTEP = 1, LOWP = 0, SWAP = 0, TILES = 1)."""
-    return (*config, *(0, 1, 0, 0, 1)[len(config) - 4:])
-
-
-def lowp_exact(fmt: int, x_dtype, w_dtype, bits: bool) -> bool:
-    """Whether the dot kernel can take x's 16-bit dtype with no rounding (launch option LOWP 1): fp8 weights
-    (exact in bf16 and fp16), int4 codes less their zero (integers in −16 … 15: every producer of int4 zeros,
-    quantize_int4 and the GPTQ / AWQ loaders, stores integers) or weights already in x's dtype, decoded by
-    conversion (not BITS); int4 with BITS too, decoded two codes at a time by bit moves (_int4_pairs), then
-    at any M, one row included."""
-    sixteen = x_dtype in (torch.bfloat16, torch.float16)
-    if fmt == INT4:
-        return sixteen
-    return sixteen and not bits and (fmt in (FP8_ROW, FP8_BLOCK) or (fmt == BF16 and w_dtype == x_dtype))
-
-
-def fp8_dot_ok(fmt: int, x_dtype, bits: bool, act_fp8: bool, grouped: bool = False) -> bool:
-    """Whether the dot kernel can take e4m3 operands (launch option LOWP 2): e4m3 weights decoded by
-    conversion (not BITS) in linear mode, with x in bf16 (as two e4m3 parts: see _gemv_kernel) or rounded to
-    e4m3 by the fp8 scheme itself (ACT_FP8)."""
-    return fmt in (FP8_ROW, FP8_BLOCK) and not bits and not grouped and (act_fp8 or x_dtype == torch.bfloat16)
+    KSTEP = 1, LOWP = 0, TILES = 1)."""
+    return (*config, *(0, 1, 0, 1)[len(config) - 4:])
 
 
 def fp16_dot_ok(fmt: int, x_dtype, bits: bool) -> bool:
@@ -936,8 +794,11 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
     M = 1 if grouped else rows
     explicit = config is not None
     config = config or gemv_config(fmt, N, K, M, rows if grouped else 1)
-    bn, split, warps, stages, bits, kstep, lowp, swap, tiles = full_config(config)
+    bn, split, warps, stages, bits, kstep, lowp, tiles = full_config(config)
     bits = bool(bits) and fmt != BF16
+    if lowp not in (0, 3, 4):
+        raise ValueError(f"LOWP {lowp} is no launch option: LOWP is 0, 3 (the fp16 dot for e4m3 weights at more than "
+                         "one row; int4's fp16 pairs at one row) or 4 (int4's pairs into mma.sync at one row)")
     if swiglu is not None:
         if (fmt == INT4 or (act_fp8 and fmt == BF16) or swiglu not in _TL_DTYPES or x.dim() != 3
                 or x.shape[1] != rows or (not grouped and rows != 1) or (bits and explicit)):
@@ -949,12 +810,6 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
     if kstep != 1 and not (fmt == INT4 and bits) and (fmt not in (FP8_ROW, BF16) or bits or act_fp8):
         raise ValueError(f"KSTEP {kstep} needs a format with no scale inside a step (FP8_ROW or BF16) and no BITS or "
                          "fp8 activations, or int4 with BITS (a step of KSTEP groups)")
-    if lowp == 2 and not fp8_dot_ok(fmt, x.dtype, bits, act_fp8, grouped):
-        if explicit:
-            raise ValueError(f"LOWP 2 (the e4m3 dot) needs e4m3 weights (fp8-weight or fp8) decoded by conversion (no "
-                             f"BITS), bf16 or e4m3 activations and the linear mode; got format {fmt}, x {x.dtype}, "
-                             f"BITS {int(bits)}, fp8 activations {act_fp8}, grouped {grouped}")
-        lowp = 0
     # int4 at one row (_row_kernel HALF2): LOWP 3 fp16 pair arithmetic, LOWP 4 the pairs into mma.sync (_int4_mma)
     half2 = {3: 1, 4: 2}.get(lowp, 0) if fmt == INT4 and bits else 0
     if lowp == 4 and not half2 and explicit:
@@ -963,8 +818,7 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
     if half2 and (M != 1 or grouped or (half2 == 2 and bn < 16 * warps)):
         if explicit:
             raise ValueError(f"LOWP {lowp} with int4 and BITS (fp16 pairs) takes one row in linear mode (LOWP 4: "
-                             f"BLOCK_N ≥ 16 a warp); got {M} rows, grouped {grouped}, BLOCK_N {bn}, {warps} warps: use "
-                             "LOWP 1 for int4 pairs at more rows")
+                             f"BLOCK_N ≥ 16 a warp); got {M} rows, grouped {grouped}, BLOCK_N {bn}, {warps} warps")
         half2, lowp = 0, 0
     lowp = 0 if lowp == 4 else lowp
     if tiles != 1 and not half2:
@@ -977,20 +831,8 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
             raise ValueError(f"LOWP 3 (the fp16 dot) needs e4m3 weights (fp8-weight or fp8) decoded by conversion (no "
                              f"BITS) and 16-bit activations; got format {fmt}, x {x.dtype}, BITS {int(bits)}")
         lowp = 0
-    if lowp == 1 and not lowp_exact(fmt, x.dtype, w.dtype, bits):
-        if explicit:
-            raise ValueError(f"LOWP needs 16-bit activations and fp8 (without BITS), int4 or same-dtype 16-bit "
-                             f"weights; got format {fmt}, x {x.dtype}, w {w.dtype}, BITS {int(bits)}")
-        lowp = 0  # a measured config for bf16 activations, here given others: the fp32 dot, exact for any
-    if swap and bits and not (fmt == INT4 and lowp == 1):
-        if explicit:
-            raise ValueError("SWAP takes the weight decoded by conversion or int4's 16-bit pairs (BITS with LOWP 1): "
-                             f"a config cannot set both SWAP and BITS for format {fmt} at LOWP {lowp}")
-        swap = 0  # (a table entry the sweep cannot write; the default operand order is exact for any)
-    pair_dot = bits and fmt == INT4 and lowp == 1 and not grouped  # (the dot kernel, at any M)
-    if kstep != 1 and fmt == INT4 and M > 1 and not pair_dot:
-        raise ValueError(f"KSTEP {kstep} with int4 takes one row or the 16-bit pairs (BITS with LOWP 1); got {M} rows, "
-                         f"LOWP {lowp}")
+    if kstep != 1 and fmt == INT4 and M > 1:
+        raise ValueError(f"KSTEP {kstep} with int4 takes one row; got {M} rows")
     tiled = fmt == INT4 and w.dim() == 4 + grouped  # tile_int4's layout ([E, …] in grouped mode)
     if tiled and (tuple(w.shape[grouped:]) != (N // TILE_ROWS, K // STEP, TILE_ROWS, STEP // 2) or N % TILE_ROWS
                   or not (w[0] if grouped else w).is_contiguous()):
@@ -1019,7 +861,7 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
         per_row, tok = max(rows // max(x.shape[0], 1), 1), exp
     scale = w if scale is None else scale  # BF16 reads no scale; any pointer does
     zero = scale if zero is None else zero  # only INT4 reads a zero
-    if M == 1 and lowp != 2 and not pair_dot:
+    if M == 1:
         xp = torch.empty(K // 2, dtype=torch.int32, device=x.device) if half2 else y  # HALF2's x pairs [4, K / 8]
         acc_k = STEP // (8 if fmt == INT4 else 4) if bits else STEP // 2 if fmt == INT4 else block_k
         kernel = _row_kernel[(triton.cdiv(triton.cdiv(N, bn), tiles), rows, split)](
@@ -1036,8 +878,7 @@ def _launch(x, fmt, w, scale, zero, act_fp8, out_features, rows, pairs=None, con
             x, w, scale, zero, y, M, N, K, s_stride, g_stride, k_per_split, cnt, FMT=fmt,
             ACT_FP8=act_fp8, FP8_LIMIT=FP8_MAX, BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=bn,
             BLOCK_K=block_k, STAGES=stages,
-            BITS=bits, LOWP=lowp, SWAP=bool(swap), PDL=pdl, FIXUP=fix, ASM=not triton.knobs.runtime.interpret,
-            TILED=tiled, num_warps=warps, launch_pdl=pdl)
+            BITS=bits, LOWP=lowp, PDL=pdl, FIXUP=fix, TILED=tiled, num_warps=warps, launch_pdl=pdl)
     if fix:
         return y[:1] if partials else y[0]
     return y if partials else y[0] if split == 1 else y.sum(0)

@@ -18,43 +18,34 @@ FORMATS = [("fp8-weight", FP8_ROW, False), ("fp8", FP8_BLOCK, True), ("int4", IN
 
 @pytest.mark.parametrize("N,K", SHAPES)
 @pytest.mark.parametrize("name,fmt,act", FORMATS)
-# the shipped config; forced conversion / bit-move decoding; steps of 256 columns (KSTEP 2); bf16 dot operands;
-# the weight as the dot's first operand (SWAP), with fp32 and with bf16 operands; the e4m3 dot (LOWP 2, fp8 only);
-# the shipped config with programmatic dependent launch, then with split-K summed in the kernel (fixup) as well;
-# the fp16 dot (LOWP 3, fp8 only), alone, with SWAP, with KSTEP 2; int4 decoded in 16-bit pairs (BITS with LOWP 1)
-# for bf16 x, for fp16 x, with SWAP under programmatic dependent launch, with steps of two groups (KSTEP 2); int4
-# by bit moves at one row in steps of two groups; int4's scale and zero row-major (stored_operands gives them
-# group-major, QuantLinear's layout) with the shipped config; int4 at one row in fp16 pair arithmetic (BITS with
-# LOWP 3), alone, in steps of two groups under programmatic dependent launch, and two row tiles a program (TILES);
-# the same three with the pairs into mma.sync (LOWP 4: exact products, fp32 sums)
-@pytest.mark.parametrize("bits", [None, 0, 1, "wide", "lowp", "swap", "swap-lowp", "e4m3", "e4m3-wide", "pdl",
-                                  "pdl-fixup", "fp16", "fp16-swap", "fp16-wide", "pairs", "pairs-fp16",
-                                  "pairs-swap-pdl", "pairs-wide", "bits-wide", "row-major", "half2",
-                                  "half2-wide-pdl", "half2-tiles", "mma", "mma-wide-pdl", "mma-tiles"])
+# the shipped config; forced conversion / bit-move decoding; steps of 256 columns (KSTEP 2); the shipped config
+# with programmatic dependent launch, then with split-K summed in the kernel (fixup) as well; the fp16 dot (LOWP 3,
+# fp8 only), alone and with KSTEP 2; int4 by bit moves at one row in steps of two groups; int4's scale and zero
+# row-major (stored_operands gives them group-major, QuantLinear's layout) with the shipped config; int4 at one row
+# in fp16 pair arithmetic (BITS with LOWP 3), alone, in steps of two groups under programmatic dependent launch,
+# and two row tiles a program (TILES); the same three with the pairs into mma.sync (LOWP 4: exact products, fp32
+# sums)
+@pytest.mark.parametrize("bits", [None, 0, 1, "wide", "pdl", "pdl-fixup", "fp16", "fp16-wide", "bits-wide",
+                                  "row-major", "half2", "half2-wide-pdl", "half2-tiles", "mma", "mma-wide-pdl",
+                                  "mma-tiles"])
 def test_kernel_matches_fp32_reference(N, K, name, fmt, act, bits):
-    if bits in ("wide", "e4m3-wide", "fp16-wide") and fmt not in (FP8_ROW, BF16):
+    if bits in ("wide", "fp16-wide") and fmt not in (FP8_ROW, BF16):
         pytest.skip("KSTEP > 1 is for formats with no scale inside a step")
-    if bits in ("e4m3", "e4m3-wide", "fp16", "fp16-swap", "fp16-wide") and fmt not in (FP8_ROW, FP8_BLOCK):
-        pytest.skip("the e4m3 and fp16 dots take e4m3 weights")
-    if str(bits).startswith(("pairs", "bits-", "row-", "half2", "mma")) and fmt != INT4:
+    if bits in ("fp16", "fp16-wide") and fmt not in (FP8_ROW, FP8_BLOCK):
+        pytest.skip("the fp16 dot takes e4m3 weights")
+    if str(bits).startswith(("bits-", "row-", "half2", "mma")) and fmt != INT4:
         pytest.skip("16-bit pairs are int4's decode")
     w = torch.randn(N, K, device="cuda") * 0.02
-    q, s, z = stored_operands(fmt, w.bfloat16() if fmt == BF16 and bits in ("lowp", "swap-lowp") else w)
+    q, s, z = stored_operands(fmt, w)
     if bits == "row-major":  # (and the codes in row order: a shape whose rows are no multiple of 16)
         q, s, z = (untile_int4(q) if fmt == INT4 else q), s.contiguous(), z.contiguous()
     for M in (1, 2, 4, 8, 16, 32, 64) if not str(bits).startswith(("bits-wide", "half2", "mma")) else (1,):  # 32, 64: verify of 2 or 4 rows x 16 positions
-        x = torch.randn(M, K, device="cuda", dtype=torch.float16 if bits == "pairs-fp16" else torch.bfloat16)
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         poison_allocator((M, N), dtype=torch.float32)
-        extra = {"wide": (0, 2), "lowp": (0, 1, 1), "swap": (0, 1, 0, 1), "swap-lowp": (0, 1, 1, 1), "e4m3": (0, 1, 2, 1),
-                 "e4m3-wide": (0, 2, 2, 1), "fp16": (0, 1, 3), "fp16-swap": (0, 1, 3, 1),
-                 "fp16-wide": (0, 2, 3), "pairs": (1, 1, 1), "pairs-fp16": (1, 1, 1),
-                 "pairs-swap-pdl": (1, 1, 1, 1), "pairs-wide": (1, 2, 1, 1), "bits-wide": (1, 2), "half2": (1, 1, 3),
-                 "half2-wide-pdl": (1, 2, 3), "half2-tiles": (1, 1, 3, 0, 2), "mma": (1, 1, 4),
-                 "mma-wide-pdl": (1, 2, 4), "mma-tiles": (1, 1, 4, 0, 2)}.get(bits, (bits,))
+        extra = {"wide": (0, 2), "fp16": (0, 1, 3), "fp16-wide": (0, 2, 3), "bits-wide": (1, 2), "half2": (1, 1, 3),
+                 "half2-wide-pdl": (1, 2, 3), "half2-tiles": (1, 1, 3, 2), "mma": (1, 1, 4),
+                 "mma-wide-pdl": (1, 2, 4), "mma-tiles": (1, 1, 4, 2)}.get(bits, (bits,))
         config = None if bits in (None, "pdl", "pdl-fixup", "row-major") else (*gemv_config(fmt, N, K, M)[:4], *extra)
-        if bits in ("e4m3", "e4m3-wide", "pairs-swap-pdl", "pairs-wide"):  # (M = 1 too: LOWP 2 and int4 pairs take the dot
-            # kernel) 64 weight rows fill a wgmma
-            config = (max(64, config[0]), *config[1:])
         if str(bits).startswith("mma"):  # 8 rows a warp of each of the mma's two row sets
             config = (max(16 * config[2], config[0]), *config[1:])
         y = (wq_matmul(x, fmt, q, s, z, act, N, pdl=str(bits).startswith("pdl"), fixup=bits == "pdl-fixup")
@@ -62,7 +53,7 @@ def test_kernel_matches_fp32_reference(N, K, name, fmt, act, bits):
         assert not y.isnan().any(), f"{name} M={M}: unwritten outputs"
         err = rel_err(y, reference(x.float(), fmt, q, s, z, act, N))
         # (fp16 products of exact operands leave fp32 sums only; the fp8 scheme's own x rounding may tie-break apart)
-        bound = 1e-4 if str(bits).startswith(("fp16", "pairs", "mma")) and not act else 2e-3
+        bound = 1e-4 if str(bits).startswith(("fp16", "mma")) and not act else 2e-3
         assert err < bound, f"{name} {N}x{K} M={M} config {config}: relative error {err:.2e}"
 
 
@@ -85,17 +76,6 @@ def test_lm_head_shapes_match_the_fp32_reference(K, name, fmt, pdl):
     assert not y.isnan().any(), f"{name} {N}x{K}: unwritten outputs"
     err = rel_err(y, reference(x.float(), fmt, q, s, z, False, N))
     assert err < 2e-3, f"{name} {N}x{K} config {gemv_config(fmt, N, K, 1)}: relative error {err:.2e}"
-
-
-def test_e4m3_dot_refuses_what_it_cannot_take():
-    """LOWP 2 takes e4m3 weights and bf16 (or the fp8 scheme's e4m3) activations only: an explicit config for
-    anything else is an error, a table entry falls back to the exact dot."""
-    w = torch.randn(256, 512, device="cuda") * 0.02
-    for fmt, x_dtype in ((INT4, torch.bfloat16), (BF16, torch.bfloat16), (FP8_ROW, torch.float16)):
-        q, s, z = stored_operands(fmt, w.to(x_dtype) if fmt == BF16 else w)
-        x = torch.randn(4, 512, device="cuda", dtype=x_dtype)
-        with pytest.raises(ValueError, match="LOWP 2"):
-            _launch(x, fmt, q, s, z, False, 256, 4, config=(64, 1, 4, 2, 0, 1, 2, 1))
 
 
 @pytest.mark.parametrize("scheme", ["fp8-weight", "fp8", "int4"])
