@@ -9,6 +9,21 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fastqwen import presets  # noqa: E402
 
 
+def _share_the_cores():
+    """Under pytest-xdist each worker is a process whose torch takes one intra-op thread a core: README's 2 workers
+    on CI's 2 cores ran 4 threads, and small ops spun waiting on each other (tests/test_speculative.py took 159 s
+    with them, 48 s with one thread a worker; 2026-12-07). Each worker takes its share of the cores, and so do
+    the processes it starts. A user's OMP_NUM_THREADS is left as it is."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        threads = max(1, torch.get_num_threads() // workers)  # (torch's default: the cores it may use)
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+_share_the_cores()
+
+
 def pytest_addoption(parser):
     parser.addoption("--no-autotune", action="store_true",
                      help="tests/benchmarks: compile with default inductor + CUDA graphs instead of max-autotune "
