@@ -84,11 +84,66 @@ def test_gptq_checkpoint_reproduces_the_reference_weights_exactly(tmp_path, act_
         reference[key] = scales.float()[g_idx, cols] * (q.t().float() - zeros[g_idx, cols].float())
     qc = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act_order, "sym": False,
           "checkpoint_format": "gptq"}
-    loaded = from_pretrained(write(tmp_path / "gptq", model, tensors, qc), dtype=torch.float32)
+    with pytest.warns(UserWarning, match=f"{len(reference)} int4 layers have no small-M kernel"):  # (group 32)
+        loaded = from_pretrained(write(tmp_path / "gptq", model, tensors, qc), dtype=torch.float32)
     for key, want in reference.items():
         assert torch.equal(loaded.get_submodule(key).dequantized(), want)
     fastqwen.optimize(loaded, compile=False, max_seq_len=64)
     assert loaded.generate(torch.randint(1, 500, (1, 9)), max_new_tokens=8, do_sample=False).shape == (1, 17)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_per_channel_gptq_takes_the_kernels_groups_where_in_features_allow(tmp_path, act_order):
+    """group_size -1 (one scale and zero a row): layers whose in_features are a multiple of 128 load as 128-column
+    groups (the scales and zeros repeated: exact), which the weight-streaming kernels take; the others keep their
+    one group, exactly, and the load's one warning lists them and only them."""
+    from fastqwen.ops.gemv import STEP
+
+    model = fresh("tiny")
+    tensors = dict(model.state_dict())
+    reference = {}
+    for seed, (name, lin) in enumerate(quantizable(model)):
+        key = f"model.layers.{name}"
+        N, K = lin.weight.shape
+        del tensors[f"{key}.weight"]
+        t, reference[key] = gptq_tensors(N, K, K, seed, act_order)
+        tensors.update({f"{key}.{k}": v for k, v in t.items()})
+    qc = {"quant_method": "gptq", "bits": 4, "group_size": -1, "desc_act": act_order, "sym": False}
+    narrow = [key for key in reference if model.get_submodule(key).in_features % STEP]  # (in module order)
+    assert narrow and len(narrow) < len(reference)  # (both kinds of layer in the tiny model)
+    with pytest.warns(UserWarning, match=f"{len(narrow)} int4 layers have no small-M kernel") as caught:
+        loaded = from_pretrained(write(tmp_path / "gptq", model, tensors, qc), dtype=torch.float32)
+    listed = str(caught[0].message)
+    for key, want in reference.items():
+        layer = loaded.get_submodule(key)
+        assert torch.equal(layer.dequantized(), want), key
+        assert layer.group == (layer.in_features if key in narrow else STEP), key
+        assert key in narrow or f"{key} (group" not in listed, key  # (the message lists the first 8)
+    assert f"{narrow[0]} (group" in listed
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+@pytest.mark.parametrize("group", [256, -1])
+def test_int4_groups_of_a_multiple_of_128_become_128_column_groups_exactly(method, group):
+    """A layer of 512 inputs in groups of 256 or one group: the loaded QuantLinear has 128-column groups, the
+    weight streaming kernel's, and dequantizes to the checkpoint's weight exactly."""
+    from fastqwen.quant.checkpoints import _quant_linear
+    from test_quant_formats import pack_awq
+
+    N, K = 64, 512
+    g = K if group == -1 else group
+    if method == "gptq":
+        t, want = gptq_tensors(N, K, g, seed=3)
+    else:
+        gen = torch.Generator().manual_seed(3)
+        q, zeros = torch.randint(0, 16, (K, N), generator=gen), torch.randint(0, 16, (K // g, N), generator=gen)
+        scales = (torch.rand(K // g, N, generator=gen) * 0.02 + 0.005).to(torch.float16)
+        t = {"qweight": pack_awq(q), "qzeros": pack_awq(zeros), "scales": scales}
+        groups = torch.arange(K) // g
+        want = scales.float()[groups].t() * (q.t().float() - zeros[groups].t().float())
+    layer = _quant_linear(method, {"group_size": group}, t, "layer", (N, K))
+    assert layer.group == 128 and layer.scale.shape == (N, K // 128)
+    assert torch.equal(layer.dequantized(), want)
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-moe"])

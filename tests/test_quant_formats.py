@@ -94,21 +94,22 @@ def test_gptq_converts_exactly(act_order):
     assert torch.equal(dequantize_int4(codes, scale, zero, g, perm), reference)
 
 
+def pack_awq(t):
+    """Reference AWQ GEMM packer from the format's description: nibble i of word c holds column 8c + order[i]."""
+    order = (0, 2, 4, 6, 1, 3, 5, 7)
+    out = torch.zeros(t.shape[0], t.shape[1] // 8, dtype=torch.int64)
+    for c in range(t.shape[1] // 8):
+        for i, col in enumerate(order):
+            out[:, c] |= t[:, 8 * c + col].long() << (4 * i)
+    return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
+
+
 def test_awq_converts_exactly():
     K, N, g = 128, 32, 32
     q = torch.randint(0, 16, (K, N))
     zeros = torch.randint(0, 16, (K // g, N))
     scales = torch.rand(K // g, N, dtype=torch.float16) * 0.01 + 1e-3
-    order = (0, 2, 4, 6, 1, 3, 5, 7)
-
-    def pack(t):  # nibble i of word c holds column 8c + order[i]
-        out = torch.zeros(t.shape[0], t.shape[1] // 8, dtype=torch.int64)
-        for c in range(t.shape[1] // 8):
-            for i, col in enumerate(order):
-                out[:, c] |= t[:, 8 * c + col].long() << (4 * i)
-        return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
-
-    codes, scale, zero, perm = from_awq(pack(q), pack(zeros), scales, group=g)
+    codes, scale, zero, perm = from_awq(pack_awq(q), pack_awq(zeros), scales, group=g)
     groups = torch.arange(K) // g
     reference = scales.float()[groups].t() * (q.t().float() - zeros[groups].t().float())
     assert perm is None and torch.equal(dequantize_int4(codes, scale, zero, g), reference)

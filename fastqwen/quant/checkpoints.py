@@ -3,7 +3,10 @@
 Supported `quantization_config`s: Qwen's FP8 (`quant_method: fp8`, `weight_block_size: [128, 128]`: fp8
 `weight` + `weight_scale_inv`, kept as they are), GPTQ (`quant_method: gptq`, 4 bits, act-order or not,
 "gptq" or "gptq_v2" format) and AWQ (`quant_method: awq`, 4 bits, GEMM layout), converted exactly to our int4
-layout. Nothing is fetched from a hub: transformers' own loaders for these formats want kernels from there.
+layout. Int4 groups of a multiple of 128 columns (per-channel `group_size: -1` too) become 128-column groups, their
+scales and zeros repeated, which is exact and what the weight-streaming kernels take; other group sizes load
+exactly too but decode through the reference (dequantize, then matmul), and a warning lists those layers.
+Nothing is fetched from a hub: transformers' own loaders for these formats want kernels from there.
 
 Checkpoints are read as Qwen publishes them: the multimodal layout's text weights (`model.language_model.*`)
 under the text model's names, its vision tower (`model.visual.*`) and MTP head (`mtp.*`, see spec/mtp.py) left
@@ -16,8 +19,12 @@ import json
 import re
 from pathlib import Path
 
+import warnings
+
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
+
+from ..ops.gemv import STEP
 
 from .experts import QuantExperts
 from .formats import pack_int4
@@ -78,6 +85,9 @@ def _quant_linear(method: str, qc: dict, t: dict, prefix: str, shape) -> QuantLi
                                              zero_offset=offset)
     else:
         codes, scale, zero, perm = from_awq(t["qweight"], t["qzeros"], t["scales"], group=group)
+    if group != STEP and group % STEP == 0:  # column k's scale and zero stay group k // group's: exact
+        scale, zero = (v.repeat_interleave(group // STEP, dim=1) for v in (scale, zero))
+        group = STEP
     tensors = {"qweight": pack_int4(codes), "scale": scale, "zero": zero}
     if perm is not None:
         tensors["perm"] = perm
@@ -185,4 +195,21 @@ def from_pretrained(path, *, dtype=torch.bfloat16, device="cpu"):
     if config.tie_word_embeddings:
         model.tie_weights()
     model.name_or_path = str(root)
+    _warn_reference_layers(model)
     return model.eval()
+
+
+def _warn_reference_layers(model) -> None:
+    """One warning listing the int4 layers no weight-streaming kernel takes (groups other than 128 columns or a
+    multiple of them, or in_features not a multiple of 128): they decode through the dequantize-then-matmul
+    reference, many times slower than bf16."""
+    slow = [f"{name} (group {m.group}, in_features {m.in_features})" for name, m in model.named_modules()
+            if isinstance(m, QuantLinear) and m.scheme == "int4" and (m.group != STEP or m.in_features % STEP)]
+    slow += [f"{name} (group {m.group}, sizes {m.hidden}, {m.inter})" for name, m in model.named_modules()
+             if isinstance(m, QuantExperts) and m.scheme == "int4" and not m.kernel_fits()]
+    if slow:
+        warnings.warn(f"{len(slow)} int4 layers have no small-M kernel (it takes groups of {STEP} columns or a "
+                      f"multiple of {STEP}, and in_features divisible by {STEP}); they decode through the slower "
+                      f"dequantize-then-matmul reference: " + "; ".join(slow[:8]) + (" …" if len(slow) > 8 else "")
+                      + f". Quantize with group_size {STEP} for speed, or load the bf16 checkpoint and "
+                      "optimize(model, quant='int4')", stacklevel=2)

@@ -160,7 +160,9 @@ class QuantExperts(nn.Module):
         stored = {key: t[lo:hi] for key, t in self.stored(m).items()}
         return dequantize_weight(self.scheme, stored, self.group).to(dtype)
 
-    def _kernel_fits(self) -> bool:
+    def kernel_fits(self) -> bool:
+        """Whether the grouped weight-streaming kernel takes these experts (on CUDA): sizes divisible by 128 and,
+        for int4, groups of 128."""
         return self.hidden % STEP == 0 and self.inter % STEP == 0 and (self.scheme != "int4" or self.group == STEP)
 
     def routed(self, x: torch.Tensor, experts: torch.Tensor, act: str = "separate", pdl: bool = False) -> torch.Tensor:
@@ -171,7 +173,7 @@ class QuantExperts(nn.Module):
         with programmatic dependent launch."""
         N, k = experts.shape
         pair_expert = experts.flatten()
-        if x.is_cuda and self._kernel_fits():
+        if x.is_cuda and self.kernel_fits():
             fmt, quant_x = FORMATS[self.scheme], self.scheme == "fp8"  # (fp8: activations rounded to e4m3 too)
             pe = pair_expert.int()  # (token-major pairs, k a token: expert_gemv's tok None)
             gu, dn = self.stored("gate_up"), self.stored("down")
