@@ -117,7 +117,7 @@ def test_per_channel_gptq_takes_the_kernels_groups_where_in_features_allow(tmp_p
     for key, want in reference.items():
         layer = loaded.get_submodule(key)
         assert torch.equal(layer.dequantized(), want), key
-        assert layer.group == (layer.in_features if key in narrow else STEP), key
+        assert (layer.group, layer.stored_group()) == (layer.in_features, layer.in_features if key in narrow else STEP), key
         assert key in narrow or f"{key} (group" not in listed, key  # (the message lists the first 8)
     assert f"{narrow[0]} (group" in listed
 
@@ -125,8 +125,8 @@ def test_per_channel_gptq_takes_the_kernels_groups_where_in_features_allow(tmp_p
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 @pytest.mark.parametrize("group", [256, -1])
 def test_int4_groups_of_a_multiple_of_128_become_128_column_groups_exactly(method, group):
-    """A layer of 512 inputs in groups of 256 or one group: the loaded QuantLinear has 128-column groups, the
-    weight streaming kernel's, and dequantizes to the checkpoint's weight exactly."""
+    """A layer of 512 inputs in groups of 256 or one group: the loaded QuantLinear keeps the checkpoint's group and
+    stores 128-column groups, the weight streaming kernel's, dequantizing to the checkpoint's weight exactly."""
     from fastqwen.quant.checkpoints import _quant_linear
     from test_quant_formats import pack_awq
 
@@ -142,8 +142,41 @@ def test_int4_groups_of_a_multiple_of_128_become_128_column_groups_exactly(metho
         groups = torch.arange(K) // g
         want = scales.float()[groups].t() * (q.t().float() - zeros[groups].t().float())
     layer = _quant_linear(method, {"group_size": group}, t, "layer", (N, K))
-    assert layer.group == 128 and layer.scale.shape == (N, K // 128)
+    assert layer.group == g and layer.stored_group() == 128 and layer.scale.shape == (N, K // 128)
     assert torch.equal(layer.dequantized(), want)
+
+
+class _Experts(torch.nn.Module):
+    """transformers' routed-experts parameters: gate_up_proj [E, 2I, H], down_proj [E, H, I], act_fn."""
+
+    def __init__(self, E: int, H: int, I: int):
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(E, 2 * I, H) * 0.05)
+        self.down_proj = torch.nn.Parameter(torch.randn(E, H, I) * 0.05)
+        self.act_fn = torch.nn.SiLU()
+
+
+def test_quantize_in_groups_of_a_multiple_of_128_stores_the_kernels_groups():
+    """quantize's int4 in groups of 256: each linear and expert stack is quantized over 256 columns (the group it
+    reports, and what a second call compares) and stored in the 128-column groups the weight-streaming kernels
+    take, dequantizing exactly to the 256-group quantization; groups of 64 stay 64 (no kernel takes them)."""
+    from fastqwen.quant.formats import dequantize_int4, quantize_int4
+    from fastqwen.quant.linear import quantize_modules
+
+    root = torch.nn.ModuleDict({"proj": torch.nn.Linear(512, 64, bias=False), "experts": _Experts(3, 256, 256)})
+    weight, gate_up = root.proj.weight.detach().clone(), root.experts.gate_up_proj.detach().clone()
+    quantize_modules(root, "int4", group_size=256)
+    layer, experts = root.proj, root.experts
+    assert (layer.group, layer.stored_group(), tuple(layer.scale.shape)) == (256, 128, (64, 4))
+    assert "group=256" in repr(layer)
+    assert torch.equal(layer.dequantized(), dequantize_int4(*quantize_int4(weight, 256)))
+    assert experts.group == 256 and experts.kernel_fits()
+    assert torch.equal(experts.weight("gate_up", 2), dequantize_int4(*quantize_int4(gate_up[2], 256)))
+    quantize_modules(root, "int4", group_size=256)  # the same quantization again: nothing to do
+    with pytest.raises(ValueError, match=r"already quantized \(2 modules, e.g. proj as 'int4', group 256\)"):
+        quantize_modules(root, "int4", group_size=128)
+    fine = quantize_modules(torch.nn.ModuleDict({"experts": _Experts(2, 256, 256)}), "int4", group_size=64)
+    assert (fine.experts.group, fine.experts.kernel_fits()) == (64, False)
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
@@ -268,7 +301,7 @@ def test_quantization_errors(tmp_path):
     with pytest.warns(UserWarning, match=r"kept .*in_features 64 not divisible by 48"):
         quantize(fresh("tiny"), "int4", group_size=48)
     for first, again, others in (("fp8-weight", ("fp8-weight", 64), [("int4", 128), ("fp8", 128)]),
-                                 ("int4", ("int4", 128), [("int4", 64), ("fp8-weight", 128)])):
+                                 ("int4", ("int4", 128), [("int4", 64), ("int4", 256), ("fp8-weight", 128)])):
         done = quantize(fresh("tiny-moe"), first)
         quantize(done, again[0], group_size=again[1])  # the same layout again: nothing to do
         for scheme, group in others:

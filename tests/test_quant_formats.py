@@ -41,9 +41,9 @@ def test_int4_round_trip_within_half_a_step():
     q, scale, zero = quantize_int4(w, group=128)
     assert q.dtype == torch.uint8 and int(q.max()) <= 15
     assert scale.dtype == torch.float16 and zero.dtype == torch.uint8 and bool((scale > 0).all())
-    err = (dequantize_int4(q, scale, zero, 128) - w).abs()
+    err = (dequantize_int4(q, scale, zero) - w).abs()
     assert (err <= scale.float().repeat_interleave(128, 1) * 0.5 * (1 + 1e-6)).all()
-    assert not dequantize_int4(q, scale, zero, 128)[5].any()
+    assert not dequantize_int4(q, scale, zero)[5].any()
 
 
 def test_int4_scales_are_stored_in_fp16_and_zeros_in_uint8():
@@ -91,7 +91,7 @@ def test_gptq_converts_exactly(act_order):
     codes, scale, zero, perm = from_gptq(qweight, qzeros, scales, g_idx.int(), group=g)
     assert (perm is not None) == act_order
     reference = scales.float()[g_idx, torch.arange(N)[:, None]] * (q.t().float() - zeros[g_idx, torch.arange(N)[:, None]].float())
-    assert torch.equal(dequantize_int4(codes, scale, zero, g, perm), reference)
+    assert torch.equal(dequantize_int4(codes, scale, zero, perm), reference)
 
 
 def pack_awq(t):
@@ -112,7 +112,7 @@ def test_awq_converts_exactly():
     codes, scale, zero, perm = from_awq(pack_awq(q), pack_awq(zeros), scales, group=g)
     groups = torch.arange(K) // g
     reference = scales.float()[groups].t() * (q.t().float() - zeros[groups].t().float())
-    assert perm is None and torch.equal(dequantize_int4(codes, scale, zero, g), reference)
+    assert perm is None and torch.equal(dequantize_int4(codes, scale, zero), reference)
 
 
 def test_gptq_irregular_groups_are_refused():

@@ -54,6 +54,7 @@ from ..quant.formats import (
     FP8_MAX,
     INT4_SCALE,
     INT4_ZERO,
+    KERNEL_GROUP,
     TILE_ROWS,
     dequantize_fp8_block,
     dequantize_fp8_rows,
@@ -81,7 +82,7 @@ FORMATS = {"fp8-weight": FP8_ROW, "fp8": FP8_BLOCK, "int4": INT4}
 MAX_ROWS = 64  # the linear mode's largest BLOCK_M; more rows take the reference path (prefill: dequantize, GEMM)
 ROW_BUCKETS = (1, 4, 16, 64)  # launch configs are measured per bucket: the fewest rows of these that hold M
 PAIR_BUCKETS = (16, 64, 128, 256)  # grouped-mode configs per bucket of (token, expert) pairs: 9 a token on 35B-A3B
-STEP = 128  # BLOCK_K: one fp8 scale block or one int4 group per step
+STEP = KERNEL_GROUP  # BLOCK_K: one fp8 scale block or one int4 group per step
 # 1.0f's bits, passed to the row kernel as a run-time value: held in a register, int4's mask-and-or decode
 # (_int4_unit) compiles to one LOP3 instead of two (a LOP3 takes one immediate)
 ONE_BITS = 0x3F800000

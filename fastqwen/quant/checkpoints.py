@@ -27,7 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from ..ops.gemv import STEP
 
 from .experts import QuantExperts
-from .formats import pack_int4
+from .formats import int4_kernel_groups, pack_int4
 from .gptq import from_awq, from_gptq
 from .linear import QuantLinear
 
@@ -85,9 +85,7 @@ def _quant_linear(method: str, qc: dict, t: dict, prefix: str, shape) -> QuantLi
                                              zero_offset=offset)
     else:
         codes, scale, zero, perm = from_awq(t["qweight"], t["qzeros"], t["scales"], group=group)
-    if group != STEP and group % STEP == 0:  # column k's scale and zero stay group k // group's: exact
-        scale, zero = (v.repeat_interleave(group // STEP, dim=1) for v in (scale, zero))
-        group = STEP
+    scale, zero = int4_kernel_groups(scale, zero, group)
     tensors = {"qweight": pack_int4(codes), "scale": scale, "zero": zero}
     if perm is not None:
         tensors["perm"] = perm
@@ -204,7 +202,7 @@ def _warn_reference_layers(model) -> None:
     multiple of them, or in_features not a multiple of 128): they decode through the dequantize-then-matmul
     reference, many times slower than bf16."""
     slow = [f"{name} (group {m.group}, in_features {m.in_features})" for name, m in model.named_modules()
-            if isinstance(m, QuantLinear) and m.scheme == "int4" and (m.group != STEP or m.in_features % STEP)]
+            if isinstance(m, QuantLinear) and m.scheme == "int4" and (m.stored_group() != STEP or m.in_features % STEP)]
     slow += [f"{name} (group {m.group}, sizes {m.hidden}, {m.inter})" for name, m in model.named_modules()
              if isinstance(m, QuantExperts) and m.scheme == "int4" and not m.kernel_fits()]
     if slow:

@@ -126,7 +126,7 @@ class QuantExperts(nn.Module):
 
     def weight(self, m: str, e) -> torch.Tensor:
         """Expert e's matrix m, dequantized (fp32)."""
-        return dequantize_weight(self.scheme, self.stored(m, e), self.group)
+        return dequantize_weight(self.scheme, self.stored(m, e))
 
     def _inputs(self, x):
         """x as the matmul sees it: rounded to fp8 per 128 columns under the "fp8" scheme."""
@@ -158,12 +158,13 @@ class QuantExperts(nn.Module):
     def _dequantized(self, m: str, lo: int, hi: int, dtype) -> torch.Tensor:
         """Experts lo … hi-1 of matrix m, dequantized to dtype [hi-lo, N, K]."""
         stored = {key: t[lo:hi] for key, t in self.stored(m).items()}
-        return dequantize_weight(self.scheme, stored, self.group).to(dtype)
+        return dequantize_weight(self.scheme, stored).to(dtype)
 
     def kernel_fits(self) -> bool:
         """Whether the grouped weight-streaming kernel takes these experts (on CUDA): sizes divisible by 128 and,
-        for int4, groups of 128."""
-        return self.hidden % STEP == 0 and self.inter % STEP == 0 and (self.scheme != "int4" or self.group == STEP)
+        for int4, stored groups of 128 (quantized in groups of a multiple of 128: formats.int4_kernel_groups)."""
+        return self.hidden % STEP == 0 and self.inter % STEP == 0 and (
+            self.scheme != "int4" or self.hidden // self.gate_up_scale.shape[-1] == STEP)
 
     def routed(self, x: torch.Tensor, experts: torch.Tensor, act: str = "separate", pdl: bool = False) -> torch.Tensor:
         """x [N, H], experts [N, k] → each pair's expert output [N, k, H] (unweighted), reading only those experts.

@@ -6,6 +6,8 @@ fp8-row: e4m3 weight [N, K] and fp32 scale [N].
 int4: codes [N, K] uint8 in 0…15, scale [N, K/g] fp16 and zero [N, K/g] uint8 (an integer: INT4_SCALE,
     INT4_ZERO): w ≈ (q − zero) · scale per group of g consecutive input columns; an optional input permutation
     `perm` (act-order checkpoints) means the stored columns are the original columns perm[0], perm[1], …
+    Groups of a multiple of 128 columns are stored as 128-column groups (`int4_kernel_groups`: each scale and
+    zero repeated, exact), the group the weight-streaming kernels take; the stored group is K / scale's columns.
     QuantLinear stores the codes packed two a byte (`pack_int4`: low nibble = even column), so a step reads half
     a byte per weight and 3 bytes per group of its row (0.52 bytes a weight at g = 128; fp32 scale and zero
     were 8 bytes, 0.56).
@@ -13,6 +15,7 @@ int4: codes [N, K] uint8 in 0…15, scale [N, K/g] fp16 and zero [N, K/g] uint8 
 
 import torch
 
+KERNEL_GROUP = 128  # the int4 group (and fp8 block) width the weight-streaming kernels step by
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
 
@@ -84,9 +87,20 @@ def quantize_int4(w: torch.Tensor, group: int = 128):
     return q.view(N, K).to(torch.uint8), scale, zero.to(INT4_ZERO)
 
 
-def dequantize_int4(q, scale, zero, group: int, perm=None) -> torch.Tensor:
-    """The weight [..., N, K] (codes q [..., N, K]) in the original column order (perm: 2-D q only)."""
+def int4_kernel_groups(scale: torch.Tensor, zero: torch.Tensor, group: int):
+    """(scale, zero) [..., N, K/group] of groups of a multiple of KERNEL_GROUP columns as KERNEL_GROUP-column
+    groups [..., N, K/KERNEL_GROUP]: group j's values repeated, so column k keeps group k // group's (exact);
+    other groups are returned as they are."""
+    if group % KERNEL_GROUP or group == KERNEL_GROUP:
+        return scale, zero
+    return tuple(v.repeat_interleave(group // KERNEL_GROUP, dim=-1) for v in (scale, zero))
+
+
+def dequantize_int4(q, scale, zero, perm=None) -> torch.Tensor:
+    """The weight [..., N, K] (codes q [..., N, K]; its group K / scale's columns) in the original column order
+    (perm: 2-D q only)."""
     N, K = q.shape[-2:]
+    group = K // scale.shape[-1]
     v = q.float().view(*q.shape[:-1], K // group, group)
     w = ((v - zero.float()[..., None]) * scale.float()[..., None]).view(q.shape)
     if perm is not None:
@@ -116,7 +130,8 @@ def fake_quantize_fp8_activations(x: torch.Tensor, group: int = 128) -> torch.Te
 
 
 def quantize_weight(w: torch.Tensor, scheme: str, group: int = 128) -> dict:
-    """A weight [N, K] in `scheme`'s stored layout: {"qweight", and "scale_inv" | "scale" (+ "zero")}."""
+    """A weight [N, K] in `scheme`'s stored layout: {"qweight", and "scale_inv" | "scale" (+ "zero")}; int4
+    quantized in groups of `group` columns, stored as int4_kernel_groups gives them."""
     if scheme == "fp8":
         q, s = quantize_fp8_block(w, (128, 128))
         return {"qweight": q, "scale_inv": s}
@@ -124,6 +139,7 @@ def quantize_weight(w: torch.Tensor, scheme: str, group: int = 128) -> dict:
         q, s = quantize_fp8_rows(w)
         return {"qweight": q, "scale": s}
     q, s, z = quantize_int4(w, group)
+    s, z = int4_kernel_groups(s, z, group)
     return {"qweight": pack_int4(q), "scale": s, "zero": z}
 
 
@@ -151,11 +167,11 @@ def untile_int4(q: torch.Tensor) -> torch.Tensor:
     return q.transpose(-3, -2).reshape(*lead, tiles * rows, groups * half)
 
 
-def dequantize_weight(scheme: str, t: dict, group: int = 128) -> torch.Tensor:
+def dequantize_weight(scheme: str, t: dict) -> torch.Tensor:
     """The fp32 weight [N, K] of stored tensors `t` (as quantize_weight returns them, optionally "perm"), or
     [E, N, K] of a stack of them (QuantExperts)."""
     if scheme == "fp8":
         return dequantize_fp8_block(t["qweight"], t["scale_inv"], (128, 128))
     if scheme == "fp8-weight":
         return dequantize_fp8_rows(t["qweight"], t["scale"])
-    return dequantize_int4(unpack_int4(untile_int4(t["qweight"])), t["scale"], t["zero"], group, t.get("perm"))
+    return dequantize_int4(unpack_int4(untile_int4(t["qweight"])), t["scale"], t["zero"], t.get("perm"))

@@ -2,7 +2,8 @@
 
 Schemes: "fp8" (e4m3 weights in 128×128 blocks, activations rounded as dynamic per-token 1×128 fp8),
 "fp8-weight" (e4m3 weights with one scale per output row, activations unchanged), "int4" (asymmetric
-group-wise codes packed two a byte, group 128 by default). On CUDA, inputs of at most 64 rows (decode and
+group-wise codes packed two a byte, group 128 by default; groups of a multiple of 128 stored as 128-column
+groups, formats.int4_kernel_groups). On CUDA, inputs of at most 64 rows (decode and
 verify steps, up to 4 rows of a 16-token block) go through the small-M kernel (ops/gemv.py: the weight
 streamed in its stored format); larger inputs (prefill) and CPU use the torch reference: dequantize, then
 matmul in the input dtype.
@@ -29,7 +30,9 @@ class QuantLinear(nn.Module):
     """y = x·Wᵀ (+ b) with W held in `scheme`'s format (see formats.py; int4 codes packed by `pack_int4` and, where
     out_features is a multiple of 16, tiled by 16 rows × a group (ops/gemv.py tile_int4: the kernels stream
     whole KBs), its scale in fp16 and zero in uint8 whatever dtype they come in (int4_scale), an act-order
-    permutation in the `perm` buffer); buffers keep the state dict."""
+    permutation in the `perm` buffer); buffers keep the state dict. `group` is the group the weight was quantized
+    in (the scheme's choice or the checkpoint's); int4's stored group, K / scale's columns, is 128 where that is
+    a multiple of 128 (stored_group)."""
 
     def __init__(self, scheme: str, in_features: int, out_features: int, tensors: dict, bias=None, group: int = 128):
         super().__init__()
@@ -63,7 +66,11 @@ class QuantLinear(nn.Module):
         tensors = {n: getattr(self, n) for n in names if hasattr(self, n)}
         if self.scheme == "int4":
             tensors["qweight"] = untile_int4(tensors["qweight"])
-        return dequantize_weight(self.scheme, tensors, self.group)
+        return dequantize_weight(self.scheme, tensors)
+
+    def stored_group(self) -> int | None:
+        """int4's stored group (its scale's columns a group: 128 for any group of a multiple of 128), else None."""
+        return self.in_features // self.scale.shape[-1] if self.scheme == "int4" else None
 
     def forward(self, x: torch.Tensor, pdl: bool = False, fixup: bool = False, cuda: tuple = ()) -> torch.Tensor:
         """x [..., in_features] → [..., out_features]; pdl: the kernel with programmatic dependent launch;
@@ -88,7 +95,7 @@ class QuantLinear(nn.Module):
         split); anything else to ops/gemv.py's kernel."""
         rows = x.shape[:-in_dims].numel()
         if not (x.is_cuda and rows <= MAX_ROWS and self.in_features % STEP == 0 and (
-                self.scheme != "int4" or self.group == STEP)):
+                self.scheme != "int4" or self.stored_group() == STEP)):
             return None
         x2 = x.reshape(rows, *x.shape[-in_dims:])
         if getattr(self, "perm", None) is not None:
@@ -111,7 +118,8 @@ class QuantLinear(nn.Module):
         return None
 
     def extra_repr(self) -> str:
-        return f"{self.scheme}, in_features={self.in_features}, out_features={self.out_features}"
+        group = f", group={self.group}" if self.scheme == "int4" else ""
+        return f"{self.scheme}, in_features={self.in_features}, out_features={self.out_features}{group}"
 
 
 def quantize(model, scheme: str, *, group_size: int = 128, lm_head: bool = False):
@@ -183,11 +191,11 @@ def _quantize_slots(slots: list, scheme: str, group_size: int) -> None:
                 kept.append(f"{full} (in_features {child.in_features} not divisible by {group_size})")
             else:
                 setattr(parent, name, QuantLinear.from_linear(child, scheme, group_size))
-                if cuda and (child.in_features % STEP or (scheme == "int4" and group_size != STEP)):
+                if cuda and (child.in_features % STEP or (scheme == "int4" and group_size % STEP)):
                     slow.append(f"{full} (in_features {child.in_features}, group {group_size})")
     if slow:
         warnings.warn(f"quantize({scheme!r}): no small-M kernel for {len(slow)} layers (it needs in_features "
-                      f"divisible by {STEP} and int4 groups of {STEP}); they decode through the slower "
+                      f"divisible by {STEP} and int4 groups of a multiple of {STEP}); they decode through the slower "
                       f"dequantize-then-matmul reference: " + "; ".join(slow[:12]) + (" …" if len(slow) > 12 else ""),
                       stacklevel=3)
     if kept:

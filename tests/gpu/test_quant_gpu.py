@@ -100,6 +100,21 @@ def test_compiled_quant_linear_matches_eager(scheme, pdl):
     assert rel_err(layer(big), big.float() @ layer.dequantized().t()) < 2e-2
 
 
+@pytest.mark.parametrize("group", [256, 5120])  # a GPTQ/AWQ group of 256 and one group a row (group_size -1)
+def test_int4_groups_of_a_multiple_of_128_take_the_kernels(group):
+    """int4 quantized in groups of a multiple of 128 (stored as 128-column groups) streams through the kernels at
+    1 … 16 rows, matching the fp32 product with its dequantized weight."""
+    linear = torch.nn.Linear(5120, 17408, bias=False, device="cuda", dtype=torch.bfloat16)
+    torch.nn.init.normal_(linear.weight, std=0.02)
+    layer = QuantLinear.from_linear(linear, "int4", group)
+    assert (layer.group, layer.stored_group()) == (group, 128)
+    w = layer.dequantized()
+    for rows in (1, 2, 4, 8, 16):
+        x = torch.randn(rows, 5120, device="cuda", dtype=torch.bfloat16)
+        assert layer.partials(x) is not None
+        assert rel_err(layer(x), x.float() @ w.t()) < 1e-2, rows
+
+
 @pytest.mark.parametrize("fmt", [BF16, FP8_ROW, INT4])
 def test_grouped_expert_kernel_matches_reference_at_35b_shapes(fmt):
     """Routed experts of 35B-A3B: 256 experts, gate_up [2·512, 2048] and down [2048, 512]; 1 and 4 tokens × top-8."""
