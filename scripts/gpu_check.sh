@@ -43,6 +43,11 @@
 #   ncu      Nsight Compute on one weight-streaming launch (scripts/gemv_once.py; $NCU_ARGS, default the 27B
 #            int4 gate | up at one row, e.g. NCU_ARGS="--format int4 --shape 5120 17408 --row-major"): throughput,
 #            memory workload and warp stall sections, stall reasons per issue, pipe use and instructions executed, to $OUT/ncu.txt (needs a machine whose ncu reads counters)
+#   ncu-int4 the same sections for the CUDA int4 kernels on the 27B's gate | up at one row: the folded kernel
+#            (int4_gemv_fold) and its loads-only probe (int4_gemv_rows, at the fold's 7 blocks an SM), one launch each
+#            (scripts/gemv_times.py under ncu, to $OUT/ncu_fold.txt and ncu_rows.txt; ~1 min): on the H200 the probe
+#            reads at 4.20 TB/s and the fold at 3.52 (2026-12-07), and their stall reasons say whether the fold's
+#            decode, with no load of its own in flight, is what is left (DESIGN-NOTES, session f)
 #   sweep-gemv scripts/bench_quant.py --sweep: the weight-streaming kernel's launch configs (BITS decoding too) per
 #            layer of $SWEEP_SHAPES (default 27b; 35b-a3b; the lm_heads, bf16 and fp8: 9b-head 35b-a3b-head
 #            27b-head) and row bucket ($SWEEP_M, default 1 4 16), formats
@@ -226,6 +231,16 @@ case "$stage" in
            --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active,smsp__inst_executed.sum,dram__bytes_read.sum" \
            python scripts/gemv_once.py ${NCU_ARGS:-} > "$out/ncu.txt" 2>&1
          grep -E "Throughput|Duration|config|inst_executed.sum|dram__bytes|stalled_(long|wait|math|lg|short|mio|not_sel|selected|barrier|dispatch|no_inst)|pipe_(alu|fma|lsu|fp16|uniform|xu|tensor).*pct" "$out/ncu.txt" | head -60 ;;
+  ncu-int4) for k in fold rows; do
+              timeout 120 ncu --clock-control none --kernel-name regex:int4_gemv_$k --launch-skip 5 --launch-count 1 \
+                --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
+                --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active,smsp__inst_executed.sum,dram__bytes_read.sum" \
+                python scripts/gemv_times.py --format int4 --shapes 27b --kernel cuda --cuda-fold 1 --cuda-loads-only \
+                --rows 1 --repeats 1 > "$out/ncu_$k.txt" 2>&1
+              echo "== int4_gemv_$k"
+              grep -E "Duration|DRAM Throughput|Achieved Occupancy|Issued Warp|No Eligible|inst_executed.sum|stalled_(long|wait|math|lg|short|mio|not_sel|selected|barrier|dispatch|no_inst|tex|drain|imc|branch)[a-z_]*_per|pipe_(alu|fma|lsu|fp16|uniform|tensor)[a-z_.]*pct" \
+                "$out/ncu_$k.txt" | awk '{$1=$1};1' | head -30
+            done ;;
   sweep-gemv) t=${SWEEP_TAG:+_$SWEEP_TAG}; table=fastqwen/ops/gemv_configs$t.json
          [ -z "$t" ] || rm -f "$table"  # a tagged table holds only this sweep's results
          python scripts/bench_quant.py --sweep --shapes ${SWEEP_SHAPES:-27b} --m ${SWEEP_M:-1 4 16} \
