@@ -173,21 +173,26 @@ def test_int4_pair_kernel_gives_the_one_strip_instances_bits(N, K, monkeypatch):
 
 @pytest.mark.parametrize("N,K", [(34816, 5120), (5120, 17408), (14336, 5120), (16480, 5120), (5120, 6144),
                                  (12352, 2048)])
-def test_int4_folded_kernel_matches_the_reference(N, K, monkeypatch):
+@pytest.mark.parametrize("fold", [1, 2])
+def test_int4_folded_kernel_matches_the_reference(N, K, fold, monkeypatch):
     """int4_cuda.FOLD (the default; bf16 x, up to 8 rows; fp16 x and 11 rows keep the plain instance): within a
     relative 3e-5 of the reference, the plain kernel's ~1e-7 widened by its fp32 sums of (128 + q) x, ~128 times the
     result's size (1.4e-6 to 3.9e-6 at the 27B's shapes, 2026-12-05); with PDL, one split and the plan's, every
-    output written (NaN-poisoned), the same in a CUDA graph replayed on a new x."""
-    monkeypatch.setattr(int4_cuda, "FOLD", True)
+    output written (NaN-poisoned), the same in a CUDA graph replayed on a new x. FOLD 2 (rotating loads): the
+    same bits as FOLD 1."""
     kernel, ops = KERNELS["int4"], weight("int4", N, K)
     for dtype, M, one_split in ((torch.bfloat16, 1, False), (torch.bfloat16, 3, True), (torch.bfloat16, 8, False),
                                 (torch.float16, 5, False), (torch.bfloat16, 11, False)):
         x = torch.randn(M, K, device="cuda", dtype=dtype)
         want = kernel.expected(x, ops, N, one_split)
+        monkeypatch.setattr(int4_cuda, "FOLD", 1)
+        folded = kernel.call(x, ops, N, True, one_split)
+        monkeypatch.setattr(int4_cuda, "FOLD", fold)
         poison_allocator(tuple(want.shape), dtype=torch.float32)
         got = kernel.call(x, ops, N, True, one_split)
         bound = 3e-5 if dtype == torch.bfloat16 and M <= 8 else 1e-5
         assert got.shape == want.shape and rel_err(got, want) < bound, (N, K, M, one_split, rel_err(got, want))
+        assert torch.equal(got, folded), (N, K, M, one_split)
     assert graph_error(kernel, torch.randn(1, K, device="cuda", dtype=torch.bfloat16), ops, N) < 3e-5
 
 

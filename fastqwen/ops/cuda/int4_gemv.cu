@@ -301,6 +301,23 @@ struct FoldWalk {
     }
   }
 
+  // The rotating fold's loads (one strip, int4_gemv_fold<NB, true>): slot t takes group g0 + (2 ahead + t) WARPS
+  // of the batch at g0 (ahead 0: this batch, 1: the next), where it is below g_end; its scales stay fp16 (ha, hb:
+  // converted where used, so that no conversion waits on a load issued a batch ahead)
+  __half ha[2], hb[2];
+  __device__ __forceinline__ void load_slot(int t, int ahead, int g0) {
+    static_assert(STRIPS == 1);
+    const int k = 2 * ahead + t;
+    if (g0 + k * WARPS < g_end) {
+      ta[0][t] = load_weights(tile + k * WARPS * 64);
+      tb[0][t] = load_weights(tile + k * WARPS * 64 + 32);
+      ha[t] = sc[k * step];
+      hb[t] = sc[k * step + 8];
+      z[0][t][0] = ze[k * step];
+      z[0][t][1] = ze[k * step + 8];
+    }
+  }
+
   // -(MAGIC + z) in fp32 (MAGIC = 128 = 0x43000000, z < 16 in the mantissa's top bits) of row l/4 (b: l/4 + 8)
   __device__ __forceinline__ float neg_a(int s, int t) const {
     return __uint_as_float(0xC3000000u | z[s][t][0] << 16);
@@ -424,8 +441,13 @@ __device__ __forceinline__ void group_fold(float (&c)[NB][4], float (&xsum)[NB][
 // zero folded out of the decode, sum (q - z) x = sum (MAGIC + q) x - (MAGIC + z) sum x (group_fold; fp32 sums ~128x
 // the result's size, so a few 1e-6 of relative error where the plain kernel has ~1e-7), and its position walked as
 // pointers stepped once a batch (each load a pointer plus a constant) instead of indices recomputed at each load.
-// Same grid, split plan and group order as int4_gemv_rows.
-template <int NB>
+// Same grid, split plan and group order as int4_gemv_rows. ROTATE (int4_cuda.FOLD 2, a candidate): each group's
+// registers take the next batch's group in their slot as soon as the group is decoded (FoldWalk::load_slot), so a
+// warp always has a group's loads in flight while it decodes the other, in the same registers; unrotated, a warp
+// decodes its batch with no load of its own in flight (on an H200 the fold reads at 3.52 TB/s where its loads-only
+// probe, at the same 7 blocks an SM, reads at 4.20: docs/DESIGN-NOTES.md, 2026-12-07 session f). The same
+// arithmetic in the same order: the same bits.
+template <int NB, bool ROTATE = false>
 __global__ void __launch_bounds__(WARPS * 32, 7) int4_gemv_fold(const uint16_t* x, const uint4* __restrict__ w,
                                                                 const __half* scale, const uint8_t* zero,
                                                                 float* __restrict__ out, int M, int N, int K,
@@ -439,11 +461,16 @@ __global__ void __launch_bounds__(WARPS * 32, 7) int4_gemv_fold(const uint16_t* 
   strip_gemv::x_columns<NB, 4>(x, M, K, lane, has_x, xcols);
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) xcols[nb] += (size_t)g_begin * 16;
-  wk.load(g_begin);  // (weights: before the wait)
+  if constexpr (ROTATE) {  // (weights: before the wait)
+    wk.load_slot(0, 0, g_begin);
+    wk.load_slot(1, 0, g_begin);
+  } else {
+    wk.load(g_begin);
+  }
   asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the previous kernel's output (PDL)
   float sums[NB][4] = {};
   for (int g0 = g_begin; g0 < g_end; g0 += 2 * WARPS) {
-    if (g0 != g_begin) wk.load(g0);
+    if (!ROTATE && g0 != g_begin) wk.load(g0);
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
       if (g0 + t * WARPS < g_end) {
@@ -457,13 +484,16 @@ __global__ void __launch_bounds__(WARPS * 32, 7) int4_gemv_fold(const uint16_t* 
         group_fold<NB>(c, xsum, wk.ta[0][t], wk.tb[0][t], xs, magic);
         // -(MAGIC + z) in fp32: MAGIC = 128 = 0x43000000, z < 16 in the mantissa's top bits
         const float neg_a = wk.neg_a(0, t), neg_b = wk.neg_b(0, t);
+        const float sa = ROTATE ? __half2float(wk.ha[t]) : wk.sa[0][t];
+        const float sb = ROTATE ? __half2float(wk.hb[t]) : wk.sb[0][t];
 #pragma unroll
         for (int nb = 0; nb < NB; ++nb) {
-          sums[nb][0] = fmaf(wk.sa[0][t], fmaf(neg_a, xsum[nb][0], c[nb][0]), sums[nb][0]);
-          sums[nb][1] = fmaf(wk.sa[0][t], fmaf(neg_a, xsum[nb][1], c[nb][1]), sums[nb][1]);
-          sums[nb][2] = fmaf(wk.sb[0][t], fmaf(neg_b, xsum[nb][0], c[nb][2]), sums[nb][2]);
-          sums[nb][3] = fmaf(wk.sb[0][t], fmaf(neg_b, xsum[nb][1], c[nb][3]), sums[nb][3]);
+          sums[nb][0] = fmaf(sa, fmaf(neg_a, xsum[nb][0], c[nb][0]), sums[nb][0]);
+          sums[nb][1] = fmaf(sa, fmaf(neg_a, xsum[nb][1], c[nb][1]), sums[nb][1]);
+          sums[nb][2] = fmaf(sb, fmaf(neg_b, xsum[nb][0], c[nb][2]), sums[nb][2]);
+          sums[nb][3] = fmaf(sb, fmaf(neg_b, xsum[nb][1], c[nb][3]), sums[nb][3]);
         }
+        if constexpr (ROTATE) wk.load_slot(t, 1, g0);  // (this slot's group decoded: the next batch's in its place)
       }
     }
     wk.next();
@@ -487,17 +517,17 @@ cudaError_t launch(const cudaLaunchConfig_t& config, const void* x, const void* 
 
 // The instance for M rows, (batch, pipe), the loads-only probe and the fold as one key: one column block of 8 x
 // rows (M <= 8) or two (M <= 16, BATCH 2 or 4 unpipelined: the others would spill); the probe and the folded
-// kernel (fold 1: int4_gemv_fold; bf16 x only) with BATCH 2 unpipelined at one column block
-// only; pair: two column blocks' BATCH 2 instance as int4_gemv_pair (two strips a block); -1 where there is none.
+// kernel (fold 1: int4_gemv_fold; fold 2: its rotating loads; bf16 x only) with BATCH 2 unpipelined at one column
+// block only; pair: two column blocks' BATCH 2 instance as int4_gemv_pair (two strips a block); -1 where there is none.
 static int variant_key(int M, int batch, int pipe, int probe, int fold, int bf16, int pair) {
   const int key = (M > 8) * 100 + batch * 2 + (pipe != 0);
-  if (fold < 0 || fold > 1 || ((probe || fold) && (key != 4 || (probe && fold) || (fold && !bf16))) ||
+  if (fold < 0 || fold > 2 || ((probe || fold) && (key != 4 || (probe && fold) || (fold && !bf16))) ||
       (pair && key != 104))
     return -1;
   switch (key) {
     case 104: return pair ? 32104 : key;
     case 4: case 5: case 8: case 16: case 108:
-      return key + (fold == 1) * 4000 + (probe != 0) * 8000;
+      return key + (fold == 1) * 4000 + (fold == 2) * 16000 + (probe != 0) * 8000;
     default: return -1;
   }
 }
@@ -518,12 +548,12 @@ cudaError_t launch_variant(int key, const cudaLaunchConfig_t& config, const void
                                 static_cast<const uint4*>(w), static_cast<const __half*>(scale),
                                 static_cast<const uint8_t*>(zero), out, M, N, K, groups_per_split, Pairs<BF16>::MAGIC);
     case 8004: return launch<BF16, 2, false, 1, true>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
-    case 4004:  // (the folded kernel: bf16 x only, variant_key)
+    case 4004: case 16004:  // (the folded kernel, 16004 with rotating loads: bf16 x only, variant_key)
       if constexpr (BF16)
-        return cudaLaunchKernelEx(&config, int4_gemv_fold<1>, static_cast<const uint16_t*>(x),
-                                  static_cast<const uint4*>(w), static_cast<const __half*>(scale),
-                                  static_cast<const uint8_t*>(zero), out, M, N, K, groups_per_split,
-                                  Pairs<true>::MAGIC);
+        return cudaLaunchKernelEx(&config, key == 4004 ? int4_gemv_fold<1> : int4_gemv_fold<1, true>,
+                                  static_cast<const uint16_t*>(x), static_cast<const uint4*>(w),
+                                  static_cast<const __half*>(scale), static_cast<const uint8_t*>(zero), out, M, N,
+                                  K, groups_per_split, Pairs<true>::MAGIC);
       return cudaErrorInvalidValue;
     default: return cudaErrorInvalidValue;
   }
@@ -537,8 +567,8 @@ constexpr size_t PROBE_BYTES = 30 * 1024 - WARPS * 8 * 16 * sizeof(float);  // (
 // Launches the kernel on `stream` of GPU `device`; returns the cudaError_t, cudaErrorInvalidValue (1) before
 // touching the GPU where the arguments are out of the kernel's range: N % 16, K % 128, a split plan that leaves a
 // split empty or a group out, M outside 1 .. 16, a (batch, pipe) with no instance for M (batch 2, 4 or 8, only 2 or
-// 4 past 8 rows; pipe only with batch 2 and M <= 8). fold (0 or 1): 1 the folded kernel instead (int4_gemv_fold:
-// BATCH 2 unpipelined, up to 8 rows of bf16 x). loads_only: the register kernel's probe of its load path (BATCH 2
+// 4 past 8 rows; pipe only with batch 2 and M <= 8). fold (0, 1 or 2): 1 the folded kernel instead (int4_gemv_fold:
+// BATCH 2 unpipelined, up to 8 rows of bf16 x), 2 the same with rotating loads (its ROTATE instance). loads_only: the register kernel's probe of its load path (BATCH 2
 // unpipelined, up to 8 rows; out all zeros). pdl: programmatic dependent launch (the kernel waits before reading x).
 // pair: two strips a block (int4_gemv_pair: 9 … 16 rows, BATCH 2 unpipelined, N % 32 == 0; a grid of N / 32 blocks
 // by splits).
