@@ -48,9 +48,9 @@ def main():
                    help="the CUDA kernel's BATCH (groups loaded before any decode), each timed")
     p.add_argument("--cuda-pipelined", nargs="+", type=int, default=[int(int4_cuda.PIPELINED)], choices=[0, 1],
                    help="the CUDA int4 kernel with the next batch's loads in flight while one decodes (BATCH 2 only)")
-    p.add_argument("--cuda-fold", nargs="+", type=int, default=[int(int4_cuda.FOLD)], choices=[0, 1, 2],
+    p.add_argument("--cuda-fold", nargs="+", type=int, default=[int(int4_cuda.FOLD)], choices=[0, 1, 2, 3],
                    help="the CUDA int4 kernel with the zero folded out of its decode (int4_cuda.FOLD: BATCH 2 "
-                   "unpipelined, bf16 x up to 8 rows; 2: with rotating loads), each timed")
+                   "unpipelined, bf16 x up to 8 rows; 2 and 3: with rotating loads over 2 and 3 slots), each timed")
     p.add_argument("--cuda-pair", nargs="+", type=int, default=[int(int4_cuda.PAIR)], choices=[0, 1],
                    help="the CUDA int4 kernel's 9 … 16-row instance as the pair kernel (int4_cuda.PAIR: two strips a "
                    "block), each timed at rows over 8")
@@ -118,7 +118,8 @@ def main():
                            (lambda x, q, s, z: int4_cuda.int4_gemv(x, q, s, z, N, args.pdl)))
                 else:
                     run = lambda x, q, s, z: fp8_cuda.fp8_gemv(x, q, s, args.pdl)  # noqa: E731
-                config = (f"cuda batch {batch}{' pipelined' * pipelined}{' folded' * (fold > 0 and M <= 8)}{' rotating' * (fold == 2 and M <= 8)}"
+                config = (f"cuda batch {batch}{' pipelined' * pipelined}{' folded' * (fold > 0 and M <= 8)}"
+                          f"{f' rotating {fold} slots' * (fold > 1 and M <= 8)}"
                           f"{' pair' * (int4 and int4_cuda.paired(N, M))} {splits}"
                           f"{' LOADS ONLY' * probe}")
             if args.check and not (kernel != "triton" and kernel[3]):  # (not a loads-only probe)

@@ -88,10 +88,12 @@
 #            27B's layers and head, alone and then chained with PDL, and each one's line (scripts/gemv_fit.py: fixed
 #            µs + bytes ÷ TB/s; ~1.5 min on an H200); on an H200 it tells whether the load path or the decode's start
 #            and drain holds the rate at ~80% of the read ceiling
-#   rotate   the folded int4 kernel with rotating loads (int4_cuda.FOLD 2, a candidate) against the fold and the
-#            loads-only probe: per-layer times and fit lines on the 27B's layers and head at one row (--check: its
-#            error), then a 27B int4 decode (int4 lm_head) with FOLD 1 and 2, each in a process of its own (~6 min);
-#            its GPU test: tests/gpu/test_cuda_kernels_gpu.py -k folded (the same bits as FOLD 1)
+#   rotate   the folded int4 kernel with rotating loads over 2 and 3 slots (int4_cuda.FOLD 2 and 3, candidates)
+#            against the fold (FOLD 1) and the loads-only probe: per-layer times and fit lines on the 27B's layers and
+#            head at one row (--check: their error), then a 27B int4 decode (int4 lm_head) with each FOLD of
+#            $ROTATE_FOLDS (default "1 2 3"), each in a process of its own (~2 min each; ~8 min in all on an H100);
+#            their GPU test: tests/gpu/test_cuda_kernels_gpu.py -k folded (the same bits as FOLD 1). On an H100
+#            (2026-12-07) FOLD 2 was 0.984x FOLD 1's step: the H200 is the question
 #   pair     int4's pair kernel (int4_cuda.PAIR, the default past 8 rows): per-layer times at 9 and 16 rows against the
 #            one-strip instance, at TARGET_BLOCKS 2048 and 4096 (the plan counts 16-row strips, so the pair kernel's
 #            grid has half as many blocks), then a 27B int4 verify of 16 positions on the first 16 layers with PAIR off and on, each in a process
@@ -176,10 +178,10 @@ case "$stage" in
            | tee "$out/fit${pdl:+_pdl}.md" | cut -c1-140
        done
        python scripts/gemv_fit.py "$out"/fit.md "$out"/fit_pdl.md | tee "$out/fit_lines.md" ;;
-  rotate) python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel cuda --cuda-fold 1 2 \
+  rotate) python scripts/gemv_times.py --format int4 --shapes 27b 27b-head --kernel cuda --cuda-fold 1 2 3 \
             --cuda-loads-only --rows 1 --check 2>&1 | grep "^|" | tee "$out/rotate_times.md" | cut -c1-150
           python scripts/gemv_fit.py "$out/rotate_times.md" | tee "$out/rotate_lines.md"
-          for f in 1 2; do  # (a module flag: one process a setting)
+          for f in ${ROTATE_FOLDS:-1 2 3}; do  # (a module flag: one process a setting)
             python -c "import runpy, sys; import fastqwen.ops.int4_cuda as m; m.FOLD = $f; sys.argv[0] = 'bench'; \
               runpy.run_path('scripts/bench.py', run_name='__main__')" --models qwen3.5-27b --systems fastqwen-int4 \
               --quant-lm-head --n-long 288 --repeats 2 --no-autotune --json "$out/rotate_step_$f.json" 2>&1 \

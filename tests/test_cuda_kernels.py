@@ -365,7 +365,7 @@ def _template_args(mangled: str, kernel: str) -> list[int]:
 
 
 @NVCC
-@pytest.mark.parametrize("name,instances", [("int4_gemv", 18), ("fp8_gemv", 10)])
+@pytest.mark.parametrize("name,instances", [("int4_gemv", 19), ("fp8_gemv", 10)])
 def test_kernels_build_for_sm90_without_spills(name, instances, tmp_path):
     """nvcc -Xptxas -v for sm_90: every instance ≤ 128 registers (4 blocks of 128 threads a multiprocessor), no
     spills, static shared memory under the 48 KB limit."""
@@ -466,20 +466,22 @@ def test_folded_kernel_keeps_the_register_kernels_loads_with_a_shorter_decode(tm
     longest = lambda k: max(hi - lo + 1 for lo, hi in _loops(k))  # noqa: E731 (the loop over the batches)
     assert longest(fold) <= 0.9 * longest(plain), (longest(fold), longest(plain))
     line = next(r for e, r in zip([e for e in report.splitlines() if "Compiling entry function" in e],
-                                  [r for r in report.splitlines() if "Used " in r]) if "int4_gemv_foldILi1ELb0" in e)
+                                  [r for r in report.splitlines() if "Used " in r]) if "int4_gemv_foldILi1ELi0E" in e)
     assert int(line.split("Used ")[1].split()[0]) <= 72, line
 
 
 @NVCC
-def test_rotating_fold_loads_the_next_batch_while_it_decodes(tmp_path):
-    """int4_gemv_fold's ROTATE instance (int4_cuda.FOLD 2): the first batch's four 16-byte weight loads before the
-    PDL wait, x after it; in the loop over the batches, each group's two weight loads for the next batch come after
-    that group's x loads and MMAs have begun and before the other group's x loads (so a group's loads are in flight
-    while the other decodes), where the unrotated fold issues all four at the loop's top; the same MMAs (32), a loop
-    no longer than the fold's, ≤ 72 registers (7 blocks a multiprocessor) and no spill."""
+@pytest.mark.parametrize("slots,registers", [(2, 72), (3, 80)])
+def test_rotating_fold_loads_the_next_batch_while_it_decodes(slots, registers, tmp_path):
+    """int4_gemv_fold's rotating instances (int4_cuda.FOLD 2 and 3: SLOTS 2 and 3): the first batch's 2 SLOTS
+    16-byte weight loads before the PDL wait, x after it; in the loop over the batches, each group's two weight
+    loads for the next batch come after that group's x loads and MMAs have begun and before the next group's x
+    loads (so the other slots' loads are in flight while one decodes), where the unrotated fold issues all four at
+    the loop's top; 16 MMAs a group, a loop no longer a group than the fold's, and the registers of 7
+    blocks a multiprocessor (72, as the fold) with 2 slots, of 6 (80) with 3."""
     report, lib = _build_sm90("int4_gemv", tmp_path)
     kinds = {tuple(_template_args(k.split("\n")[0], "int4_gemv_fold")): k for k in _sass_functions(lib, "int4_gemv_fold")}
-    rotating, fold = kinds[(1, 1)], kinds[(1, 0)]
+    rotating, fold = kinds[(1, slots)], kinds[(1, 0)]
 
     def loop_marks(k):  # the loop's weight loads (W), x loads (x) and MMAs (m), in order
         ops = _sass_ops(k)
@@ -491,14 +493,14 @@ def test_rotating_fold_loads_the_next_batch_while_it_decodes(tmp_path):
     wait = ops.index("ACQBULK")
     weights = [i for i, o in enumerate(ops) if o == "LDG.E.NA.128"]
     xs = [i for i, o in enumerate(ops) if o == "LDG.E.128"]
-    assert len(weights) == 8 and weights[3] < wait < min(xs + weights[4:]), (weights, wait, xs)
-    assert sum(o == "HMMA.16816.F32.BF16" for o in ops) == 32
+    assert len(weights) == 4 * slots and weights[2 * slots - 1] < wait < min(xs + weights[2 * slots:]), (weights, wait)
+    assert sum(o == "HMMA.16816.F32.BF16" for o in ops) == 16 * slots
     marks, length = loop_marks(rotating)
-    assert marks.replace("m", "") == "xxxxWWxxxxWW" and marks.index("W") > marks.index("m"), marks
-    assert loop_marks(fold)[0].replace("m", "").startswith("WWWW") and length <= loop_marks(fold)[1], marks
+    assert marks.replace("m", "") == "xxxxWW" * slots and marks.index("W") > marks.index("m"), marks
+    assert loop_marks(fold)[0].replace("m", "").startswith("WWWW") and length / slots <= loop_marks(fold)[1] / 2, marks
     used = [r for e, r in zip([e for e in report.splitlines() if "Compiling entry function" in e],
-                              [r for r in report.splitlines() if "Used " in r]) if "int4_gemv_foldILi1ELb1" in e]
-    assert len(used) == 1 and int(used[0].split("Used ")[1].split()[0]) <= 72, used
+                              [r for r in report.splitlines() if "Used " in r]) if f"int4_gemv_foldILi1ELi{slots}E" in e]
+    assert len(used) == 1 and int(used[0].split("Used ")[1].split()[0]) <= registers, used  # (spills: above)
 
 
 def test_the_launch_asks_the_library_for_the_fold_up_to_8_bf16_rows(monkeypatch):
@@ -523,8 +525,9 @@ def test_the_launch_asks_the_library_for_the_fold_up_to_8_bf16_rows(monkeypatch)
 
     assert fold_sent(1) == fold_sent(2) == fold_sent(8) == 1
     assert fold_sent(9) == fold_sent(16) == 0 and fold_sent(1, torch.float16) == 0
-    monkeypatch.setattr(int4_cuda, "FOLD", 2)  # the rotating candidate: the same rows, fold 2
-    assert fold_sent(1) == fold_sent(8) == 2 and fold_sent(9) == fold_sent(1, torch.float16) == 0
+    for fold in (2, 3):  # the rotating candidates: the same rows
+        monkeypatch.setattr(int4_cuda, "FOLD", fold)
+        assert fold_sent(1) == fold_sent(8) == fold and fold_sent(9) == fold_sent(1, torch.float16) == 0
 
 
 def test_the_fold_takes_the_place_of_one_instance_only(monkeypatch):
@@ -532,9 +535,10 @@ def test_the_fold_takes_the_place_of_one_instance_only(monkeypatch):
     else keeps its instance unfolded, and FOLD off keeps it too."""
     assert int4_cuda.variant(1) == int4_cuda.variant(8) == (2, False, 1)
     assert int4_cuda.variant(9) == (2, False, 0) and int4_cuda.variant(1, bf16=False) == (2, False, 0)
-    with monkeypatch.context() as m:
-        m.setattr(int4_cuda, "FOLD", 2)
-        assert int4_cuda.variant(1) == (2, False, 2) and int4_cuda.variant(9) == (2, False, 0)
+    for fold in (2, 3):
+        with monkeypatch.context() as m:
+            m.setattr(int4_cuda, "FOLD", fold)
+            assert int4_cuda.variant(1) == (2, False, fold) and int4_cuda.variant(9) == (2, False, 0)
     for name, value in (("BATCH", 4), ("PIPELINED", True), ("FOLD", 0)):
         with monkeypatch.context() as m:
             m.setattr(int4_cuda, name, value)
@@ -593,8 +597,10 @@ def test_built_libraries_refuse_arguments_out_of_range_before_touching_the_gpu(t
                     {"loads_only": 1, "batch": 4}, {"loads_only": 1, "M": 9, "batch": 2},
                     {"loads_only": 1, "batch": 2, "pipe": 1}, {"fold": 1, "batch": 4}, {"fold": 1, "batch": 2, "bf16": 0},
                     {"fold": 1, "batch": 2, "M": 9}, {"fold": 1, "batch": 2, "pipe": 1},
-                    {"fold": 1, "batch": 2, "loads_only": 1}, {"fold": 3, "batch": 2}, {"fold": -1, "batch": 2},
+                    {"fold": 1, "batch": 2, "loads_only": 1}, {"fold": 4, "batch": 2}, {"fold": -1, "batch": 2},
                     {"fold": 2, "batch": 2, "bf16": 0}, {"fold": 2, "batch": 2, "M": 9}, {"fold": 2, "batch": 4},
+                    {"fold": 3, "batch": 2, "bf16": 0}, {"fold": 3, "batch": 2, "M": 9}, {"fold": 3, "batch": 4},
+                    {"fold": 3, "batch": 2, "loads_only": 1},
                     {"M": 8, "batch": 2, "pair": 1}, {"M": 16, "batch": 4, "pair": 1},
                     {"M": 16, "batch": 2, "pair": 1, "N": 48}, {"M": 16, "batch": 2, "pair": 1, "loads_only": 1}):
             assert call4(**bad) == 1, bad
@@ -606,7 +612,7 @@ def test_built_libraries_refuse_arguments_out_of_range_before_touching_the_gpu(t
         if not torch.cuda.is_available():
             for ok in (call4(), call4(M=16), call4(M=16, batch=2, pair=1),
                        call4(batch=2, pipe=1),
-                       call4(loads_only=1, batch=2, bf16=0), call4(fold=1, batch=2, M=8), call4(fold=2, batch=2),
+                       call4(loads_only=1, batch=2, bf16=0), call4(fold=1, batch=2, M=8), call4(fold=2, batch=2), call4(fold=3, batch=2, M=8),
                        call8(), call8(M=12, batch=2)):
                 assert ok not in (0, 1)  # (no GPU: the runtime's error, e.g. 35)
     finally:

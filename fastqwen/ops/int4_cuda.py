@@ -38,10 +38,11 @@ BATCH = 2  # groups whose weight loads a warp issues before it decodes them (2, 
 PIPELINED = False  # the next batch's loads in flight while a batch decodes (an instance with BATCH 2 only)
 FOLD = 1  # the folded kernel in place of BATCH 2 unpipelined for bf16 x up to 8 rows: the zero out of the decode
 # (sum (128 + q) x - (128 + z) sum x; 287 SASS instructions a 2-group loop against 333, 72 registers), relative
-# error a few 1e-6 against ~1e-7; a 27B int4 step 6997 µs against 7185 (one H100, 2026-12-05). 0: off; 2 (a
-# candidate, not yet timed): the folded kernel with rotating loads, each group's registers taking the next batch's
-# group as soon as it is decoded (int4_gemv_fold's ROTATE: the same bits, 71 registers; aimed at the H200, where the
-# fold reads at 3.52 TB/s and its loads alone at 4.20)
+# error a few 1e-6 against ~1e-7; a 27B int4 step 6997 µs against 7185 (one H100, 2026-12-05). 0: off; 2 and 3
+# (candidates): the folded kernel with rotating loads over 2 and 3 slots, each slot's registers taking the next
+# batch's group as soon as its group is decoded (int4_gemv_fold's SLOTS: the same bits; 71 registers, 7 blocks an SM,
+# and 80, 6). Aimed at the H200, where the fold reads at 3.52 TB/s and its loads alone at 4.20; on an H100, where the
+# two read alike, 2 took a 27B int4 step 0.984x as fast as 1 (2026-12-07); 3 is not yet timed
 PAIR = True  # 9 … 16 rows by int4_gemv_pair (two strips a block: each load of x serves both, where past 8 rows x's
 # loads outweigh the weights'), where N % 32 == 0; the same bits as the one-strip instance at one split. At 16 rows
 # on an H100 (2026-12-06) 6-30% faster on every 27B shape (gate | up 50.4 vs 64.6 µs, lm_head 317.1 vs 449.9), a
@@ -58,7 +59,7 @@ def library(arch: str):
 
 def variant(rows: int, bf16: bool = True) -> tuple[int, bool, bool]:
     """(BATCH, PIPELINED, fold) of the kernel instance for `rows` rows of x: the module's, but for 9 … 16 rows (two
-    column blocks) BATCH ≤ 4 unpipelined (the instances that do not spill), and FOLD (1 or 2, else 0) only with
+    column blocks) BATCH ≤ 4 unpipelined (the instances that do not spill), and FOLD (1, 2 or 3, else 0) only with
     BATCH 2 unpipelined at up to 8 rows of bf16 x (the folded kernel's instances)."""
     if rows > 8:
         return min(BATCH, 4), False, 0

@@ -173,13 +173,13 @@ def test_int4_pair_kernel_gives_the_one_strip_instances_bits(N, K, monkeypatch):
 
 @pytest.mark.parametrize("N,K", [(34816, 5120), (5120, 17408), (14336, 5120), (16480, 5120), (5120, 6144),
                                  (12352, 2048)])
-@pytest.mark.parametrize("fold", [1, 2])
+@pytest.mark.parametrize("fold", [1, 2, 3])
 def test_int4_folded_kernel_matches_the_reference(N, K, fold, monkeypatch):
     """int4_cuda.FOLD (the default; bf16 x, up to 8 rows; fp16 x and 11 rows keep the plain instance): within a
     relative 3e-5 of the reference, the plain kernel's ~1e-7 widened by its fp32 sums of (128 + q) x, ~128 times the
     result's size (1.4e-6 to 3.9e-6 at the 27B's shapes, 2026-12-05); with PDL, one split and the plan's, every
-    output written (NaN-poisoned), the same in a CUDA graph replayed on a new x. FOLD 2 (rotating loads): the
-    same bits as FOLD 1."""
+    output written (NaN-poisoned), the same in a CUDA graph replayed on a new x. FOLD 2 and 3 (rotating loads over 2
+    and 3 slots): the same bits as FOLD 1."""
     kernel, ops = KERNELS["int4"], weight("int4", N, K)
     for dtype, M, one_split in ((torch.bfloat16, 1, False), (torch.bfloat16, 3, True), (torch.bfloat16, 8, False),
                                 (torch.float16, 5, False), (torch.bfloat16, 11, False)):

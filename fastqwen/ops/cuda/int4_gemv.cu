@@ -254,9 +254,10 @@ __global__ void __launch_bounds__(WARPS * 32, 4) int4_gemv_rows(const uint16_t* 
 
 // A walk over a warp's groups (int4_gemv_fold; int4_gemv_pair with STRIPS 2): at the current
 // group g, the lane's words of the tile of each of STRIPS consecutive strips and the scales and zeros of (row l/4,
-// g) and (row l/4 + 8, g) of each; load(g0) takes groups g0 and g0 + WARPS (those < g_end) into registers, next()
-// steps the walk by 2 WARPS groups (pointers, not indices; strip s at a fixed offset from the first).
-template <int STRIPS = 1>
+// g) and (row l/4 + 8, g) of each, in SLOTS slots; load(g0) takes groups g0 and g0 + WARPS (those < g_end) into
+// slots 0 and 1, next() steps the walk by SLOTS WARPS groups (pointers, not indices; strip s at a fixed offset from
+// the first).
+template <int STRIPS = 1, int SLOTS = 2>
 struct FoldWalk {
   const uint4* tile;
   const __half* sc;
@@ -264,12 +265,12 @@ struct FoldWalk {
   size_t step;
   int strip_tiles;  // (G 64 < 2^31)
   int g_end;
-  uint4 ta[STRIPS][2], tb[STRIPS][2];
-  float sa[STRIPS][2], sb[STRIPS][2];
+  uint4 ta[STRIPS][SLOTS], tb[STRIPS][SLOTS];
+  float sa[STRIPS][SLOTS], sb[STRIPS][SLOTS];
   // the zeros of rows l/4 and l/4 + 8: z[s][t][0] and [1] (one strip), or z_a | z_b << 16 in z[s][t][0] (PACKED:
   // one register a tile, so that the pair kernel fits 128 registers; the folded kernels keep the two: no permutes)
   static constexpr bool PACKED = STRIPS > 1;
-  uint32_t z[STRIPS][2][PACKED ? 1 : 2];
+  uint32_t z[STRIPS][SLOTS][PACKED ? 1 : 2];
 
   __device__ __forceinline__ FoldWalk(const uint4* w, const __half* scale, const uint8_t* zero, int N, int G,
                                       int strip, int lane, int g_begin, int g_end_)
@@ -301,13 +302,13 @@ struct FoldWalk {
     }
   }
 
-  // The rotating fold's loads (one strip, int4_gemv_fold<NB, true>): slot t takes group g0 + (2 ahead + t) WARPS
-  // of the batch at g0 (ahead 0: this batch, 1: the next), where it is below g_end; its scales stay fp16 (ha, hb:
-  // converted where used, so that no conversion waits on a load issued a batch ahead)
-  __half ha[2], hb[2];
+  // The rotating fold's loads (one strip, int4_gemv_fold<NB, SLOTS>): slot t takes group g0 + (SLOTS ahead + t)
+  // WARPS of the batch at g0 (ahead 0: this batch, 1: the next), where it is below g_end; its scales stay fp16 (ha,
+  // hb: converted where used, so that no conversion waits on a load issued a batch ahead)
+  __half ha[SLOTS], hb[SLOTS];
   __device__ __forceinline__ void load_slot(int t, int ahead, int g0) {
     static_assert(STRIPS == 1);
-    const int k = 2 * ahead + t;
+    const int k = SLOTS * ahead + t;
     if (g0 + k * WARPS < g_end) {
       ta[0][t] = load_weights(tile + k * WARPS * 64);
       tb[0][t] = load_weights(tile + k * WARPS * 64 + 32);
@@ -335,9 +336,9 @@ struct FoldWalk {
   }
 
   __device__ __forceinline__ void next() {
-    tile += 2 * WARPS * 64;
-    sc += 2 * step;
-    ze += 2 * step;
+    tile += SLOTS * WARPS * 64;
+    sc += SLOTS * step;
+    ze += SLOTS * step;
   }
 };
 
@@ -441,38 +442,47 @@ __device__ __forceinline__ void group_fold(float (&c)[NB][4], float (&xsum)[NB][
 // zero folded out of the decode, sum (q - z) x = sum (MAGIC + q) x - (MAGIC + z) sum x (group_fold; fp32 sums ~128x
 // the result's size, so a few 1e-6 of relative error where the plain kernel has ~1e-7), and its position walked as
 // pointers stepped once a batch (each load a pointer plus a constant) instead of indices recomputed at each load.
-// Same grid, split plan and group order as int4_gemv_rows. ROTATE (int4_cuda.FOLD 2, a candidate): each group's
-// registers take the next batch's group in their slot as soon as the group is decoded (FoldWalk::load_slot), so a
-// warp always has a group's loads in flight while it decodes the other, in the same registers; unrotated, a warp
-// decodes its batch with no load of its own in flight (on an H200 the fold reads at 3.52 TB/s where its loads-only
-// probe, at the same 7 blocks an SM, reads at 4.20: docs/DESIGN-NOTES.md, 2026-12-07 session f). The same
-// arithmetic in the same order: the same bits.
-template <int NB, bool ROTATE = false>
-__global__ void __launch_bounds__(WARPS * 32, 7) int4_gemv_fold(const uint16_t* x, const uint4* __restrict__ w,
-                                                                const __half* scale, const uint8_t* zero,
-                                                                float* __restrict__ out, int M, int N, int K,
-                                                                int groups_per_split, uint32_t magic) {
+// Same grid, split plan and group order as int4_gemv_rows. SLOTS 0: batches of 2 groups, each loaded, then decoded.
+// SLOTS 2 or 3 (int4_cuda.FOLD 2 and 3, candidates): rotating loads, batches of SLOTS groups whose registers each
+// take the next batch's group in their slot as soon as their group is decoded (FoldWalk::load_slot), so a warp always
+// has SLOTS - 1 groups' loads in flight while it decodes one, in the same registers; unrotated, a warp decodes its
+// batch with no load of its own in flight (on an H200 the fold reads at 3.52 TB/s where its loads-only probe, at
+// the same 7 blocks an SM, reads at 4.20: docs/DESIGN-NOTES.md, 2026-12-07 session f). SLOTS 3 holds a third group's
+// registers at 6 blocks an SM (80 registers) where the others keep 7 (72). The same arithmetic in the same order,
+// whatever SLOTS: the same bits.
+template <int NB, int SLOTS = 0>
+__global__ void __launch_bounds__(WARPS * 32, SLOTS == 3 ? 6 : 7) int4_gemv_fold(const uint16_t* x,
+                                                                                const uint4* __restrict__ w,
+                                                                                const __half* scale,
+                                                                                const uint8_t* zero,
+                                                                                float* __restrict__ out, int M,
+                                                                                int N, int K,
+                                                                                int groups_per_split,
+                                                                                uint32_t magic) {
+  static_assert(SLOTS == 0 || SLOTS == 2 || SLOTS == 3);
+  constexpr bool ROTATE = SLOTS > 0;
+  constexpr int S = ROTATE ? SLOTS : 2;  // groups a batch
   const int G = K / 128, strip = blockIdx.x, split = blockIdx.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g_begin = split * groups_per_split + warp, g_end = min(G, (split + 1) * groups_per_split);
-  FoldWalk<> wk(w, scale, zero, N, G, strip, lane, g_begin, g_end);
+  FoldWalk<1, S> wk(w, scale, zero, N, G, strip, lane, g_begin, g_end);
   bool has_x[NB];
   const uint4* xcols[NB];
   strip_gemv::x_columns<NB, 4>(x, M, K, lane, has_x, xcols);
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) xcols[nb] += (size_t)g_begin * 16;
   if constexpr (ROTATE) {  // (weights: before the wait)
-    wk.load_slot(0, 0, g_begin);
-    wk.load_slot(1, 0, g_begin);
+#pragma unroll
+    for (int t = 0; t < S; ++t) wk.load_slot(t, 0, g_begin);
   } else {
     wk.load(g_begin);
   }
   asm volatile("griddepcontrol.wait;" ::: "memory");  // x is the previous kernel's output (PDL)
   float sums[NB][4] = {};
-  for (int g0 = g_begin; g0 < g_end; g0 += 2 * WARPS) {
+  for (int g0 = g_begin; g0 < g_end; g0 += S * WARPS) {
     if (!ROTATE && g0 != g_begin) wk.load(g0);
 #pragma unroll
-    for (int t = 0; t < 2; ++t) {
+    for (int t = 0; t < S; ++t) {
       if (g0 + t * WARPS < g_end) {
         uint4 xs[NB][4];
 #pragma unroll
@@ -498,7 +508,7 @@ __global__ void __launch_bounds__(WARPS * 32, 7) int4_gemv_fold(const uint16_t* 
     }
     wk.next();
 #pragma unroll
-    for (int nb = 0; nb < NB; ++nb) xcols[nb] += 2 * WARPS * 16;
+    for (int nb = 0; nb < NB; ++nb) xcols[nb] += S * WARPS * 16;
   }
   strip_gemv::write_partials<NB>(sums, 1.f, 1.f, out, M, N, strip, split);  // (the groups' scales: applied)
 }
@@ -517,17 +527,18 @@ cudaError_t launch(const cudaLaunchConfig_t& config, const void* x, const void* 
 
 // The instance for M rows, (batch, pipe), the loads-only probe and the fold as one key: one column block of 8 x
 // rows (M <= 8) or two (M <= 16, BATCH 2 or 4 unpipelined: the others would spill); the probe and the folded
-// kernel (fold 1: int4_gemv_fold; fold 2: its rotating loads; bf16 x only) with BATCH 2 unpipelined at one column
-// block only; pair: two column blocks' BATCH 2 instance as int4_gemv_pair (two strips a block); -1 where there is none.
+// kernel (fold 1: int4_gemv_fold; fold 2 and 3: its rotating loads over 2 and 3 slots; bf16 x only) with BATCH 2
+// unpipelined at one column block only; pair: two column blocks' BATCH 2 instance as int4_gemv_pair (two strips a
+// block); -1 where there is none.
 static int variant_key(int M, int batch, int pipe, int probe, int fold, int bf16, int pair) {
   const int key = (M > 8) * 100 + batch * 2 + (pipe != 0);
-  if (fold < 0 || fold > 2 || ((probe || fold) && (key != 4 || (probe && fold) || (fold && !bf16))) ||
+  if (fold < 0 || fold > 3 || ((probe || fold) && (key != 4 || (probe && fold) || (fold && !bf16))) ||
       (pair && key != 104))
     return -1;
   switch (key) {
     case 104: return pair ? 32104 : key;
     case 4: case 5: case 8: case 16: case 108:
-      return key + (fold == 1) * 4000 + (fold == 2) * 16000 + (probe != 0) * 8000;
+      return key + (fold == 1) * 4000 + (fold == 2) * 16000 + (fold == 3) * 20000 + (probe != 0) * 8000;
     default: return -1;
   }
 }
@@ -548,9 +559,11 @@ cudaError_t launch_variant(int key, const cudaLaunchConfig_t& config, const void
                                 static_cast<const uint4*>(w), static_cast<const __half*>(scale),
                                 static_cast<const uint8_t*>(zero), out, M, N, K, groups_per_split, Pairs<BF16>::MAGIC);
     case 8004: return launch<BF16, 2, false, 1, true>(config, x, w, scale, zero, out, M, N, K, groups_per_split);
-    case 4004: case 16004:  // (the folded kernel, 16004 with rotating loads: bf16 x only, variant_key)
+    case 4004: case 16004: case 20004:  // (the folded kernel, 16004 / 20004 rotating over 2 / 3 slots: bf16 x only)
       if constexpr (BF16)
-        return cudaLaunchKernelEx(&config, key == 4004 ? int4_gemv_fold<1> : int4_gemv_fold<1, true>,
+        return cudaLaunchKernelEx(&config, key == 4004    ? int4_gemv_fold<1>
+                                           : key == 16004 ? int4_gemv_fold<1, 2>
+                                                          : int4_gemv_fold<1, 3>,
                                   static_cast<const uint16_t*>(x), static_cast<const uint4*>(w),
                                   static_cast<const __half*>(scale), static_cast<const uint8_t*>(zero), out, M, N,
                                   K, groups_per_split, Pairs<true>::MAGIC);
@@ -567,8 +580,8 @@ constexpr size_t PROBE_BYTES = 30 * 1024 - WARPS * 8 * 16 * sizeof(float);  // (
 // Launches the kernel on `stream` of GPU `device`; returns the cudaError_t, cudaErrorInvalidValue (1) before
 // touching the GPU where the arguments are out of the kernel's range: N % 16, K % 128, a split plan that leaves a
 // split empty or a group out, M outside 1 .. 16, a (batch, pipe) with no instance for M (batch 2, 4 or 8, only 2 or
-// 4 past 8 rows; pipe only with batch 2 and M <= 8). fold (0, 1 or 2): 1 the folded kernel instead (int4_gemv_fold:
-// BATCH 2 unpipelined, up to 8 rows of bf16 x), 2 the same with rotating loads (its ROTATE instance). loads_only: the register kernel's probe of its load path (BATCH 2
+// 4 past 8 rows; pipe only with batch 2 and M <= 8). fold (0 … 3): 1 the folded kernel instead (int4_gemv_fold:
+// BATCH 2 unpipelined, up to 8 rows of bf16 x), 2 and 3 the same with rotating loads over 2 and 3 slots. loads_only: the register kernel's probe of its load path (BATCH 2
 // unpipelined, up to 8 rows; out all zeros). pdl: programmatic dependent launch (the kernel waits before reading x).
 // pair: two strips a block (int4_gemv_pair: 9 … 16 rows, BATCH 2 unpipelined, N % 32 == 0; a grid of N / 32 blocks
 // by splits).
