@@ -2,6 +2,7 @@
 reference weights, and generate."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -45,6 +46,21 @@ def fp8_checkpoint(request, tmp_path):
         reference[key] = (lin.weight.detach().clone(), dequantize_fp8_block(q, s))
     qc = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic", "fmt": "e4m3"}
     return write(tmp_path / "fp8", model, tensors, qc), reference
+
+
+def test_fp8_checkpoint_with_static_activation_scales_warns_that_they_are_ignored(fp8_checkpoint, tmp_path):
+    """activation_scheme "static" (a per-layer input_scale): loads, with a warning that activations are rounded
+    dynamically instead; the weights are the dynamic checkpoint's."""
+    path, reference = fp8_checkpoint
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["activation_scheme"] = "static"
+    static = tmp_path / "static"
+    shutil.copytree(path, static)
+    (static / "config.json").write_text(json.dumps(config))
+    with pytest.warns(UserWarning, match="activation_scheme='static': its input_scale tensors are ignored"):
+        model = from_pretrained(static, dtype=torch.float32)
+    key, (_, dequant) = next(iter(reference.items()))
+    assert torch.equal(model.get_submodule(key).dequantized(), dequant)
 
 
 def test_fp8_checkpoint_loads_quantized_and_generates(fp8_checkpoint):
@@ -313,9 +329,96 @@ def test_quantization_errors(tmp_path):
     for i, (qc, message) in enumerate(bad):
         with pytest.raises(ValueError, match=message):
             from_pretrained(write(tmp_path / str(i), model, dict(model.state_dict()), qc), dtype=torch.float32)
-    with pytest.raises(ValueError, match="has no quantization_config"):
+    with pytest.raises(ValueError, match="has no quantization_config.*save it before quantizing"):
         model.save_pretrained(tmp_path / "plain")
         from_pretrained(tmp_path / "plain")
+    with pytest.raises(ValueError, match="group_size must be a positive int, got True"):
+        quantize(fresh("tiny"), "int4", group_size=True)
+
+
+def _checkpoint(method, model, group=32):
+    """model's quantizable decoder linears as a `method` checkpoint's tensors (fp8: Qwen's weight + weight_scale_inv;
+    gptq / awq: random codes, g_idx stored), its other tensors as they are."""
+    from test_quant_formats import pack_awq
+
+    tensors = dict(model.state_dict())
+    for seed, (name, lin) in enumerate(quantizable(model)):
+        key, (N, K) = f"model.layers.{name}", lin.weight.shape
+        del tensors[f"{key}.weight"]
+        if method == "fp8":
+            t = dict(zip(("weight", "weight_scale_inv"), quantize_fp8_block(lin.weight.detach())))
+        elif method == "gptq":
+            t = gptq_tensors(N, K, group, seed)[0]
+        else:
+            t = {"qweight": pack_awq(torch.randint(0, 16, (K, N))),
+                 "qzeros": pack_awq(torch.randint(0, 16, (K // group, N))),
+                 "scales": torch.rand(K // group, N, dtype=torch.float16) * 0.02 + 0.005}
+        tensors.update({f"{key}.{k}": v for k, v in t.items()})
+    return tensors
+
+
+def test_checkpoint_tensors_that_do_not_fit_their_layer_are_refused_by_name(tmp_path):
+    """A layer whose stored tensors are missing, of another dtype or of shapes its config does not give, and
+    quantization_configs whose codes we cannot read, are errors naming the layer or the setting; never a weight
+    loaded unscaled, in the wrong column order or broadcast from a mismatched scale."""
+    model = fresh("tiny")
+    key = "model.layers.0.mlp.down_proj"  # [64, 128]
+    fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    gptq = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False}
+    awq = {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm", "zero_point": True}
+    e5m2 = lambda t: t.float().to(torch.float8_e5m2)  # noqa: E731
+    cases = [
+        (fp8, {f"{key}.weight_scale_inv": None}, rf"{key}.weight is stored in fp8 \(torch.float8_e4m3fn\) "
+                                                     "without a scale"),
+        (fp8, {f"{key}.weight": None}, rf"{key}: the fp8 checkpoint holds no weight for this layer"),
+        (fp8, {f"{key}.weight": e5m2}, rf"{key}: fp8 qweight .*float8_e5m2.*expected .*float8_e4m3fn"),
+        (fp8, {f"{key}.weight_scale_inv": lambda t: torch.ones(3, 1)}, rf"{key}: fp8 scale_inv of shape \[3, 1\] .*"
+                                                                       r"expected \[1, 1\]"),
+        (fp8, {f"{key}.weight_scale_inv": lambda t: torch.tensor(0.01)}, rf"{key}: fp8 scale_inv of shape \[\]"),
+        (fp8, {f"{key}.weight": lambda t: t.t().contiguous()}, rf"{key}: fp8 qweight of shape \[128, 64\].*"
+                                                               r"in_features=128, out_features=64"),
+        ({**gptq, "desc_act": True}, {f"{key}.g_idx": None}, rf"{key}: the gptq checkpoint holds no g_idx"),
+        (gptq, {f"{key}.qzeros": None}, rf"{key}: the gptq checkpoint holds no qzeros"),
+        (gptq, {f"{key}.scales": lambda t: t[:, :32]}, rf"{key}: int4 scale of shape \[32, 4\]"),
+        (gptq, {f"{key}.qweight": lambda t: t[:, :32]}, rf"{key}: int4 qweight of shape \[32, 64\]"),
+        ({**gptq, "group_size": 0}, {}, "gptq checkpoint with group_size=0: expected a positive int, or -1"),
+        ({**gptq, "group_size": "32"}, {}, "gptq checkpoint with group_size='32'"),
+        ({**awq, "zero_point": False}, {}, "AWQ checkpoint with zero_point=False"),
+        (awq, {f"{key}.scales": lambda t: t[:, :32]}, rf"{key}: int4 scale of shape \[32, 4\]"),
+    ]
+    for i, (qc, edits, message) in enumerate(cases):
+        tensors = _checkpoint(qc["quant_method"], model)
+        for k, edit in edits.items():
+            if edit is None:
+                del tensors[k]
+            else:
+                tensors[k] = edit(tensors[k])
+        with pytest.raises(ValueError, match=message):
+            from_pretrained(write(tmp_path / str(i), model, tensors, qc), dtype=torch.float32)
+
+
+def test_quant_linear_refuses_tensors_that_do_not_fit_its_sizes():
+    """QuantLinear checks its scheme and each stored tensor's shape (and fp8's and int4 codes' dtype) against
+    in_features and out_features: a mismatched scale would broadcast into a wrong weight."""
+    fp8 = QuantLinear.from_linear(torch.nn.Linear(256, 256, bias=False), "fp8").state_dict()
+    QuantLinear("fp8", 256, 256, fp8)  # (its own tensors fit)
+    with pytest.raises(ValueError, match="unknown quantization scheme 'nf4'"):
+        QuantLinear("nf4", 256, 256, fp8)
+    with pytest.raises(ValueError, match=r"fp8 scale_inv of shape \[1, 1\] .*expected \[2, 2\]"):
+        QuantLinear("fp8", 256, 256, {**fp8, "scale_inv": fp8["scale_inv"][:1, :1]})
+    with pytest.raises(ValueError, match=r"fp8 qweight .*torch.bfloat16.*expected .*float8_e4m3fn"):
+        QuantLinear("fp8", 256, 256, {**fp8, "qweight": fp8["qweight"].to(torch.bfloat16)})
+    row = QuantLinear.from_linear(torch.nn.Linear(128, 32, bias=False), "fp8-weight").state_dict()
+    with pytest.raises(ValueError, match=r"fp8-weight scale of shape \[16\] .*expected \[32\]"):
+        QuantLinear("fp8-weight", 128, 32, {**row, "scale": row["scale"][:16]})
+    int4 = QuantLinear.from_linear(torch.nn.Linear(128, 32, bias=False), "int4", 32).state_dict()  # (tiled codes)
+    QuantLinear("int4", 128, 32, int4, group=32)
+    with pytest.raises(ValueError, match=r"int4 qweight .*in_features=256, out_features=32.*expected \[32, 128\]"):
+        QuantLinear("int4", 256, 32, int4)
+    with pytest.raises(ValueError, match=r"int4 zero of shape \[32, 3\] .*expected \[32, 4\]"):
+        QuantLinear("int4", 128, 32, {**int4, "zero": int4["zero"][:, :3]}, group=32)
+    with pytest.raises(ValueError, match=r"int4 scale of shape \[32, 3\] .*groups that divide in_features"):
+        QuantLinear("int4", 128, 32, {**int4, "scale": int4["scale"][:, :3], "zero": int4["zero"][:, :3]})
 
 
 @pytest.mark.parametrize("prefill_experts", [32, 3])

@@ -7,6 +7,8 @@ layout. Int4 groups of a multiple of 128 columns (per-channel `group_size: -1` t
 scales and zeros repeated, which is exact and what the weight-streaming kernels take; other group sizes load
 exactly too but decode through the reference (dequantize, then matmul), and a warning lists those layers.
 Nothing is fetched from a hub: transformers' own loaders for these formats want kernels from there.
+A quantized layer whose tensors are missing, or of shapes and dtypes its config's sizes do not give, and an fp8
+tensor without its scale, are errors naming the layer: never a weight loaded unscaled or broadcast wrongly.
 
 Checkpoints are read as Qwen publishes them: the multimodal layout's text weights (`model.language_model.*`)
 under the text model's names, its vision tower (`model.visual.*`) and MTP head (`mtp.*`, see spec/mtp.py) left
@@ -57,6 +59,10 @@ def _check_config(qc: dict) -> str:
         if list(qc.get("weight_block_size") or []) != [128, 128]:
             raise ValueError(f"FP8 checkpoint with weight_block_size={qc.get('weight_block_size')}: only "
                              f"[128, 128] block scales are supported")
+        if qc.get("activation_scheme", "dynamic") != "dynamic":  # (its per-layer input_scale is not read)
+            warnings.warn(f"FP8 checkpoint with activation_scheme={qc.get('activation_scheme')!r}: its input_scale "
+                          f"tensors are ignored and activations are rounded to fp8 dynamically, per token and "
+                          f"128 columns, as for Qwen's dynamic checkpoints", stacklevel=3)
     elif method in ("gptq", "awq"):
         if qc.get("bits", 4) != 4:
             raise ValueError(f"{method} checkpoint with bits={qc.get('bits')}: only 4-bit is supported")
@@ -64,14 +70,40 @@ def _check_config(qc: dict) -> str:
             raise ValueError(f"AWQ version {qc.get('version')!r}: only the GEMM layout is supported")
         if method == "gptq" and qc.get("checkpoint_format", "gptq") not in ("gptq", "gptq_v2"):
             raise ValueError(f"GPTQ checkpoint_format {qc.get('checkpoint_format')!r} is not supported")
+        if method == "awq" and qc.get("zero_point", True) is not True:  # (AWQ's GEMM layout stores zeros)
+            raise ValueError(f"AWQ checkpoint with zero_point={qc.get('zero_point')!r}: only AWQ's asymmetric GEMM "
+                             f"layout (zero_point: true) is supported; load the bf16 checkpoint and "
+                             f"optimize(model, quant='int4')")
+        group = qc.get("group_size", 128)
+        if group not in (-1, None) and (not isinstance(group, int) or isinstance(group, bool) or group < 1):
+            raise ValueError(f"{method} checkpoint with group_size={group!r}: expected a positive int, or -1 (one "
+                             f"group a row); fix its config.json's quantization_config")
     else:
         raise ValueError(f"unsupported quantization_config quant_method={method!r}; supported: fp8 (128×128 "
                          f"blocks), gptq (4-bit), awq (4-bit GEMM)")
     return method
 
 
+_STORED = {"fp8": ("weight", "weight_scale_inv"), "gptq": ("qweight", "qzeros", "scales"),
+           "awq": ("qweight", "qzeros", "scales")}  # each quantized layer's tensors, by quant_method
+
+
 def _quant_linear(method: str, qc: dict, t: dict, prefix: str, shape) -> QuantLinear:
-    """The QuantLinear of module `prefix` from its checkpoint tensors `t` (keys without the prefix)."""
+    """The QuantLinear of module `prefix` [out_features, in_features] = `shape` from its checkpoint tensors `t`
+    (keys without the prefix); a ValueError naming `prefix` where they are missing or do not fit `shape`."""
+    need = _STORED[method] + (("g_idx",) if method == "gptq" and qc.get("desc_act") else ())  # (act-order's columns)
+    missing = [k for k in need if k not in t]
+    if missing:
+        raise ValueError(f"{prefix}: the {method} checkpoint holds no {', '.join(missing)} for this layer (it "
+                         f"holds {sorted(t)}; each {method} layer stores {', '.join(need)}): the checkpoint is "
+                         f"incomplete or in another format")
+    try:
+        return _convert(method, qc, t, shape)
+    except ValueError as err:
+        raise ValueError(f"{prefix}: {err}") from None
+
+
+def _convert(method: str, qc: dict, t: dict, shape) -> QuantLinear:
     out_features, in_features = shape
     if method == "fp8":
         return QuantLinear("fp8", in_features, out_features,
@@ -150,7 +182,9 @@ def from_pretrained(path, *, dtype=torch.bfloat16, device="cpu"):
     config = AutoConfig.from_pretrained(root)
     qc = getattr(config, "quantization_config", None)
     if qc is None:
-        raise ValueError(f"{path} has no quantization_config; load it with transformers' from_pretrained")
+        raise ValueError(f"{path} has no quantization_config, so it is no FP8, GPTQ or AWQ checkpoint: a bf16 one "
+                         f"loads with transformers' from_pretrained (then fastqwen.optimize(model, quant=...)). A "
+                         f"model saved after fastqwen.quant.quantize has no loader: save it before quantizing")
     qc = qc if isinstance(qc, dict) else qc.to_dict()
     method = _check_config(qc)
     del config.quantization_config
@@ -177,6 +211,12 @@ def from_pretrained(path, *, dtype=torch.bfloat16, device="cpu"):
         own = {k[len(prefix) + 1:]: tensors.pop(k) for k in list(tensors) if k.startswith(prefix + ".")}
         layer = _quant_linear(method, qc, own, prefix, (linear.out_features, linear.in_features))
         setattr(parent, name, layer.to(device))
+    unscaled = [k for k, v in tensors.items() if v.is_floating_point() and v.element_size() == 1]
+    if unscaled:  # (as plain weights they would load as their codes, unscaled)
+        names = ", ".join(unscaled[:4]) + (" …" if len(unscaled) > 4 else "")
+        raise ValueError(f"{path}: {names} {'is' if len(unscaled) == 1 else 'are'} stored in fp8 "
+                         f"({tensors[unscaled[0]].dtype}) without a scale (weight_scale_inv) beside "
+                         f"{'it' if len(unscaled) == 1 else 'them'}: the checkpoint is incomplete; download it again")
     plain = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     missing, unexpected = model.load_state_dict(plain, strict=False, assign=True)
     missing = [m for m in missing if not m.endswith("inv_freq") and m.rsplit(".", 1)[0] not in done]

@@ -20,7 +20,7 @@ from ..ops import fp8_cuda, int4_cuda
 from ..ops.gemv import (FORMATS, MAX_ROWS, STEP, add_splits, group_major, tile_int4, untile_int4,
                         wq_linear)
 from .experts import QuantExperts
-from .formats import INT4_ZERO, dequantize_weight, fake_quantize_fp8_activations, int4_scale, quantize_weight
+from .formats import FP8, INT4_ZERO, dequantize_weight, fake_quantize_fp8_activations, int4_scale, quantize_weight
 
 SCHEMES = ("fp8", "fp8-weight", "int4")
 _MIN_OUT_FEATURES = 16  # tiny projections (shared-expert gate: 1 row) stay in the model dtype
@@ -36,6 +36,7 @@ class QuantLinear(nn.Module):
 
     def __init__(self, scheme: str, in_features: int, out_features: int, tensors: dict, bias=None, group: int = 128):
         super().__init__()
+        _check_stored(scheme, in_features, out_features, tensors)
         self.scheme, self.in_features, self.out_features, self.group = scheme, in_features, out_features, group
         zero = tensors.get("zero")
         if scheme == "int4" and zero is not None and zero.numel() and not zero.is_meta and not (
@@ -122,6 +123,38 @@ class QuantLinear(nn.Module):
         return f"{self.scheme}, in_features={self.in_features}, out_features={self.out_features}{group}"
 
 
+def _check_stored(scheme: str, K: int, N: int, tensors: dict) -> None:
+    """A ValueError naming the tensor unless `tensors` are `scheme`'s stored layout for a layer of K inputs and N
+    outputs: fp8 qweight [N, K] e4m3 + scale_inv [⌈N/128⌉, ⌈K/128⌉]; fp8-weight qweight [N, K] e4m3 + scale [N];
+    int4 codes packed [N, K/2] uint8 (or tiled, tile_int4) + scale and zero [N, G] with G dividing K, perm [K].
+    A mismatched scale would otherwise broadcast into a wrong weight, or fail deep inside a matmul."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown quantization scheme {scheme!r}; supported: {', '.join(SCHEMES)}")
+    blocks = (-(-N // STEP), -(-K // STEP))
+    groups = tensors["scale"].shape[-1] if scheme == "int4" and tensors.get("scale") is not None else 1
+    want = {"fp8": {"qweight": ((N, K), FP8), "scale_inv": (blocks, None)},
+            "fp8-weight": {"qweight": ((N, K), FP8), "scale": ((N,), None)},
+            "int4": {"qweight": ((N, K // 2), torch.uint8), "scale": ((N, groups), None), "zero": ((N, groups), None),
+                     "perm": ((K,), None)}}[scheme]
+    layer = f"a layer of in_features={K}, out_features={N}"
+    for name, (shape, dtype) in want.items():
+        t = tensors.get(name)
+        if t is None:
+            if name != "perm":
+                raise ValueError(f"{scheme} layer without its {name!r} tensor ({layer}): expected {list(shape)}")
+            continue
+        got = tuple(t.shape)
+        if name == "qweight" and scheme == "int4" and t.dim() == 4:  # (tile_int4's [N/16, K/128, 16, 64]: no copy)
+            got = (got[0] * got[2], got[1] * got[3])
+        if got != shape or (dtype is not None and t.dtype != dtype):
+            raise ValueError(f"{scheme} {name} of shape {list(got)} ({t.dtype}) does not fit {layer}: expected "
+                             f"{list(shape)}{f' {dtype}' if dtype else ''} (formats.py's stored layout); the tensors "
+                             f"and the config's sizes disagree (transposed, or another layer's?)")
+    if scheme == "int4" and K % groups:
+        raise ValueError(f"int4 scale of shape {list(tensors['scale'].shape)} does not fit {layer}: its {groups} "
+                         f"columns must be groups that divide in_features")
+
+
 def quantize(model, scheme: str, *, group_size: int = 128, lm_head: bool = False):
     """Replace the decoder's nn.Linear layers (and lm_head if asked) by QuantLinear in `scheme`, in place.
 
@@ -147,7 +180,7 @@ def quantize_modules(root: nn.Module, scheme: str, *, group_size: int = 128, pre
 def _check(scheme, group_size):
     if scheme not in SCHEMES:
         raise ValueError(f"unknown quantization scheme {scheme!r}; supported: {', '.join(SCHEMES)}")
-    if not isinstance(group_size, int) or group_size < 1:
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")
 
 
