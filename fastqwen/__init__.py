@@ -5,7 +5,7 @@
 """
 
 from .optimize import optimize
-from .quant.checkpoints import from_pretrained
+from .quant.checkpoints import from_pretrained, save_pretrained
 
 __version__ = "0.1.0"
-__all__ = ["optimize", "from_pretrained", "__version__"]
+__all__ = ["optimize", "from_pretrained", "save_pretrained", "__version__"]

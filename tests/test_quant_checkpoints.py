@@ -3,6 +3,7 @@ reference weights, and generate."""
 
 import json
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -329,7 +330,7 @@ def test_quantization_errors(tmp_path):
     for i, (qc, message) in enumerate(bad):
         with pytest.raises(ValueError, match=message):
             from_pretrained(write(tmp_path / str(i), model, dict(model.state_dict()), qc), dtype=torch.float32)
-    with pytest.raises(ValueError, match="has no quantization_config.*save it before quantizing"):
+    with pytest.raises(ValueError, match="has no quantization_config.*with fastqwen.save_pretrained"):
         model.save_pretrained(tmp_path / "plain")
         from_pretrained(tmp_path / "plain")
     with pytest.raises(ValueError, match="group_size must be a positive int, got True"):
@@ -622,3 +623,115 @@ def test_moe_checkpoint_errors(tmp_path):
     plain = {k: v for k, v in small.state_dict().items() if ".mlp.experts." not in k}
     with pytest.raises(ValueError, match="intermediate size 32 .not a multiple of 128"):
         from_pretrained(write(tmp_path / "narrow", small, {**plain, **narrow}, qc), dtype=torch.float32)
+
+
+def _same_stored(a, b):
+    """Every quantized layer of models a and b holds the same stored tensors, and every other tensor is equal."""
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sorted(sa) == sorted(sb)
+    for k in sa:
+        assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k].float(), sb[k].float()), k
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
+@pytest.mark.parametrize("scheme", ["fp8", "int4"])
+def test_a_quantized_model_saves_and_loads_back_to_the_same_tensors_and_tokens(tmp_path, scheme, name):
+    """quantize → save_pretrained (Qwen's FP8 / GPTQ, routed experts one module each) → from_pretrained: the same
+    stored tensors (codes, scales, zeros, plain weights) and the same greedy tokens. (FP8 experts are written in
+    128-row blocks a projection: an intermediate size of 128.)"""
+    model = quantize(fresh(name, **({"moe_intermediate_size": 128} if name == "tiny-moe" else {})), scheme)
+    path = fastqwen.save_pretrained(model, tmp_path / "q", shard_bytes=1 << 16)
+    qc = json.loads((path / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == ("fp8" if scheme == "fp8" else "gptq")
+    assert len(list(path.glob("*.safetensors"))) > 1 and (path / "model.safetensors.index.json").exists()
+    loaded = from_pretrained(path, dtype=torch.float32)
+    _same_stored(model, loaded)
+    ids = torch.randint(1, 500, (1, 12))
+    expected = type(model).generate(model, ids, max_new_tokens=10, do_sample=False)
+    assert torch.equal(type(loaded).generate(loaded, ids, max_new_tokens=10, do_sample=False), expected)
+
+
+def test_save_pretrained_keeps_act_order_group_sizes_zeros_and_a_quantized_tied_head(tmp_path):
+    """An act-order GPTQ checkpoint (zeros 1…16, the "gptq" format) loads, saves and loads back to the same
+    tensors, its g_idx as it was; zeros of 0 go to "gptq_v2"; per-channel int4 (group -1) and group 256 keep
+    their group; a quantized lm_head of a tied model is written untied and comes back quantized."""
+    model, group = fresh("tiny"), 32
+    tensors = dict(model.state_dict())
+    for seed, (name, lin) in enumerate(quantizable(model)):
+        del tensors[f"model.layers.{name}.weight"]
+        t, _ = gptq_tensors(*lin.weight.shape, group, seed, act_order=True)
+        tensors.update({f"model.layers.{name}.{k}": v for k, v in t.items()})
+    qc = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": True}
+    loaded = from_pretrained(write(tmp_path / "act", model, tensors, qc), dtype=torch.float32)
+    again = from_pretrained(fastqwen.save_pretrained(loaded, tmp_path / "act-saved"), dtype=torch.float32)
+    _same_stored(loaded, again)
+    saved = json.loads((tmp_path / "act-saved" / "config.json").read_text())["quantization_config"]
+    assert saved["checkpoint_format"] == "gptq" and saved["desc_act"] and saved["group_size"] == group
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "act-saved" / "model.safetensors"), "pt") as f:
+        name = quantizable(model)[0][0]
+        assert torch.equal(f.get_tensor(f"model.layers.{name}.g_idx"), tensors[f"model.layers.{name}.g_idx"])
+
+    for format, group, model in (("gptq_v2", 32, fresh("tiny")), ("gptq", 32, fresh("tiny")),
+                                 ("gptq", 256, fresh("tiny", intermediate_size=256))):  # (256: stored as 128s)
+        if format == "gptq_v2":
+            with torch.no_grad():
+                model.model.layers[0].mlp.down_proj.weight.abs_()  # (groups whose minimum is ≥ 0: zero 0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (group 256: the layers of 64 inputs stay float32, with a warning)
+            quantize(model, "int4", group_size=group)
+        path = fastqwen.save_pretrained(model, tmp_path / f"{format}-{group}")
+        qc = json.loads((path / "config.json").read_text())["quantization_config"]
+        assert (qc["checkpoint_format"], qc["group_size"], qc["desc_act"]) == (format, group, False)
+        _same_stored(model, from_pretrained(path, dtype=torch.float32))
+    model = fresh("tiny")  # per-channel (group_size -1) GPTQ, loaded, saved, loaded
+    channels = dict(model.state_dict())
+    for seed, (name, lin) in enumerate(quantizable(model)):
+        del channels[f"model.layers.{name}.weight"]
+        t, _ = gptq_tensors(*lin.weight.shape, lin.in_features, seed)
+        channels.update({f"model.layers.{name}.{k}": v for k, v in t.items()})
+    qc = {"quant_method": "gptq", "bits": 4, "group_size": -1, "desc_act": False}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (groups of 64 columns: the reference path's warning)
+        loaded = from_pretrained(write(tmp_path / "pc", model, channels, qc), dtype=torch.float32)
+        path = fastqwen.save_pretrained(loaded, tmp_path / "pc-saved")
+        assert json.loads((path / "config.json").read_text())["quantization_config"]["group_size"] == -1
+        _same_stored(loaded, from_pretrained(path, dtype=torch.float32))
+
+    tied = quantize(fresh("tiny", tie_word_embeddings=True), "int4", group_size=32, lm_head=True)
+    back = from_pretrained(fastqwen.save_pretrained(tied, tmp_path / "tied"), dtype=torch.float32)
+    assert isinstance(back.lm_head, QuantLinear) and not back.config.tie_word_embeddings
+    _same_stored(tied, back)
+    tied = quantize(fresh("tiny", tie_word_embeddings=True), "int4", group_size=32)  # (a plain head: tied again)
+    back = from_pretrained(fastqwen.save_pretrained(tied, tmp_path / "tied-plain"), dtype=torch.float32)
+    assert back.lm_head.weight is back.model.embed_tokens.weight
+    _same_stored(tied, back)
+
+
+def test_save_pretrained_refuses_what_no_checkpoint_format_holds(tmp_path):
+    with pytest.raises(ValueError, match="fp8-weight's per-row scales have no checkpoint format"):
+        fastqwen.save_pretrained(quantize(fresh("tiny"), "fp8-weight"), tmp_path / "a")
+    with pytest.raises(ValueError, match="a model quantized in one scheme; got none"):
+        fastqwen.save_pretrained(fresh("tiny"), tmp_path / "b")
+    model = fastqwen.optimize(quantize(fresh("tiny"), "int4"), compile=False, max_seq_len=64)
+    with pytest.raises(ValueError, match="before fastqwen.optimize"):
+        fastqwen.save_pretrained(model, tmp_path / "c")
+
+
+def test_a_quantized_multimodal_model_saves_in_qwens_layout_and_loads_as_its_text_model(tmp_path):
+    """Qwen3_5ForConditionalGeneration quantized: written with its multimodal config, text weights under
+    `model.language_model.` and its vision tower; from_pretrained reads back the text model's same tensors."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    config = Qwen3_5Config(text_config=fresh("tiny").config.to_dict(),
+                           vision_config={"depth": 1, "hidden_size": 16, "num_heads": 2, "out_hidden_size": 64,
+                                          "intermediate_size": 32})
+    torch.manual_seed(0)
+    model = quantize(Qwen3_5ForConditionalGeneration(config).float(), "int4", group_size=32)
+    path = fastqwen.save_pretrained(model, tmp_path / "mm")
+    assert "text_config" in json.loads((path / "config.json").read_text())
+    loaded = from_pretrained(path, dtype=torch.float32)
+    text = {k.replace("model.language_model.", "model.", 1): v for k, v in model.state_dict().items()
+            if not k.startswith("model.visual.")}
+    assert sorted(text) == sorted(loaded.state_dict())
+    assert all(torch.equal(v.float(), text[k].float()) for k, v in loaded.state_dict().items())

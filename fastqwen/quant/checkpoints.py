@@ -15,6 +15,10 @@ under the text model's names, its vision tower (`model.visual.*`) and MTP head (
 out, and a MoE layer's experts stored one module each (`mlp.experts.<e>.{gate,up,down}_proj`): quantized ones
 become a QuantExperts holding their tensors as stored, plain ones are stacked into transformers' 3-D
 `gate_up_proj` / `down_proj`.
+
+`save_pretrained` writes a model quantized here (quantize, or from_pretrained) back in those formats: fp8 as Qwen's
+FP8, int4 as GPTQ; loading it again gives the same stored tensors. fp8-weight's per-row scales have no such
+format.
 """
 
 import json
@@ -29,8 +33,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from ..ops.gemv import STEP
 
 from .experts import QuantExperts
-from .formats import int4_kernel_groups, pack_int4
-from .gptq import from_awq, from_gptq
+from .formats import int4_kernel_groups, pack_int4, unpack_int4, untile_int4
+from .gptq import from_awq, from_gptq, to_gptq
 from .linear import QuantLinear
 
 _TEXT_PREFIX = "model.language_model."
@@ -183,8 +187,8 @@ def from_pretrained(path, *, dtype=torch.bfloat16, device="cpu"):
     qc = getattr(config, "quantization_config", None)
     if qc is None:
         raise ValueError(f"{path} has no quantization_config, so it is no FP8, GPTQ or AWQ checkpoint: a bf16 one "
-                         f"loads with transformers' from_pretrained (then fastqwen.optimize(model, quant=...)). A "
-                         f"model saved after fastqwen.quant.quantize has no loader: save it before quantizing")
+                         f"loads with transformers' from_pretrained (then fastqwen.optimize(model, quant=...)); a "
+                         f"model quantized by fastqwen saves in a format this reads with fastqwen.save_pretrained")
     qc = qc if isinstance(qc, dict) else qc.to_dict()
     method = _check_config(qc)
     del config.quantization_config
@@ -219,19 +223,21 @@ def from_pretrained(path, *, dtype=torch.bfloat16, device="cpu"):
                          f"{'it' if len(unscaled) == 1 else 'them'}: the checkpoint is incomplete; download it again")
     plain = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     missing, unexpected = model.load_state_dict(plain, strict=False, assign=True)
-    missing = [m for m in missing if not m.endswith("inv_freq") and m.rsplit(".", 1)[0] not in done]
+    tied = config.get_text_config().tie_word_embeddings  # (lm_head.weight: the embedding's, not stored)
+    missing = [m for m in missing if not m.endswith("inv_freq") and m.rsplit(".", 1)[0] not in done
+               and not (tied and m == "lm_head.weight")]
     if missing or unexpected:
         raise ValueError(f"{path} does not match its config: missing {missing[:6]}, unexpected {unexpected[:6]}")
     for module in model.modules():  # rotary tables are not in checkpoints: rebuild them off the meta device
         if module.__class__.__name__.endswith("RotaryEmbedding"):
             fresh = type(module)(module.config)
             module.inv_freq, module.original_inv_freq = fresh.inv_freq, fresh.original_inv_freq
+    if tied:
+        model.tie_weights()
     still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if still_meta:
         raise ValueError(f"{path}: no values for {still_meta[:6]}")
     model.to(device)
-    if config.tie_word_embeddings:
-        model.tie_weights()
     model.name_or_path = str(root)
     _warn_reference_layers(model)
     return model.eval()
@@ -251,3 +257,130 @@ def _warn_reference_layers(model) -> None:
                       f"dequantize-then-matmul reference: " + "; ".join(slow[:8]) + (" …" if len(slow) > 8 else "")
                       + f". Quantize with group_size {STEP} for speed, or load the bf16 checkpoint and "
                       "optimize(model, quant='int4')", stacklevel=2)
+
+
+SHARD_BYTES = 5 << 30  # save_pretrained's largest safetensors file
+
+
+def save_pretrained(model, path, *, shard_bytes: int = SHARD_BYTES) -> Path:
+    """Write `model`, quantized by fastqwen.quant.quantize or loaded by from_pretrained (and not yet optimized),
+    as a checkpoint from_pretrained reads back to the same stored tensors: fp8 layers as Qwen's FP8 (`weight` e4m3
+    + `weight_scale_inv` per 128×128 block), int4 as GPTQ (4 bits, the layers' group or -1 for per-channel,
+    act-order as g_idx, the "gptq" format, which stores zero − 1, unless a zero is 0: then "gptq_v2"). Routed
+    experts are written one module each (`mlp.experts.<e>.{gate,up,down}_proj`), as Qwen publishes them; the rest
+    of the state dict as it is (a multimodal model's vision tower too), in safetensors files of at most
+    `shard_bytes` (an index beside them when several). An MTP head is not part of a transformers model, so not
+    written: copy the original checkpoint's `mtp.*` tensors for speculate="mtp". Returns the directory."""
+    from safetensors.torch import save_file
+
+    if getattr(model, "_fastqwen", None) is not None:
+        raise ValueError("save_pretrained takes the model before fastqwen.optimize (optimize fuses projections and "
+                         "stacks shared experts, which are no checkpoint's layout): quantize, save, then optimize")
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, (QuantLinear, QuantExperts))}
+    schemes = {m.scheme for m in layers.values()}
+    if len(schemes) != 1:
+        raise ValueError(f"save_pretrained writes a model quantized in one scheme; got {sorted(schemes) or 'none'} "
+                         f"(a model with no quantized layer saves with its own save_pretrained)")
+    scheme = schemes.pop()
+    if scheme == "fp8-weight":
+        raise ValueError("fp8-weight's per-row scales have no checkpoint format that from_pretrained reads: save the "
+                         "bf16 model and quantize after loading, or quantize in 'fp8' (128×128 blocks) or 'int4'")
+    if any(getattr(m, "stacks", None) for m in layers.values()):
+        raise ValueError("a shared expert is stacked into its routed experts (optimize's layout): save before optimize")
+    matrices = {f"{n}.{e}.{proj}" if isinstance(m, QuantExperts) else n: t
+                for n, m in layers.items() for (e, proj), t in _stored_matrices(m).items()}
+    if scheme == "fp8":
+        qc = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic", "fmt": "e4m3"}
+        written = {f"{k}.{new}": t[old] for k, t in matrices.items()
+                   for old, new in (("qweight", "weight"), ("scale_inv", "weight_scale_inv"))}
+    else:
+        group = _gptq_group(matrices, {m.group for m in layers.values()})
+        offset = 1 if min(t["zero"].min().item() for t in matrices.values()) >= 1 else 0
+        qc = {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": False,
+              "desc_act": any(t.get("perm") is not None for t in matrices.values()),
+              "checkpoint_format": "gptq" if offset else "gptq_v2"}
+        written = {}
+        for k, t in matrices.items():
+            K = t["codes"].shape[1]
+            g = K if group == -1 else group
+            step = g // (K // t["scale"].shape[-1])  # (stored scale columns a group: checked by _gptq_group)
+            gptq = to_gptq(t["codes"], t["scale"][:, ::step].float(), t["zero"][:, ::step].float(), t.get("perm"),
+                           group=g, zero_offset=offset)
+            written.update({f"{k}.{name}": v for name, v in gptq.items()})
+    biases = {f"{n}.bias": m.bias for n, m in layers.items() if getattr(m, "bias", None) is not None}
+    state = {k: v for k, v in model.state_dict().items() if not any(k.startswith(n + ".") for n in layers)}
+    config = model.config.to_dict()
+    if "lm_head" in layers:  # (a quantized head is no longer the embedding's transpose)
+        for c in (config, config.get("text_config") or {}):
+            c["tie_word_embeddings"] = False
+    elif model.config.get_text_config().tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # (the embedding's storage: tied again on load)
+    config["quantization_config"] = qc
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(config, indent=2))
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in {**state, **written, **biases}.items()}
+    shards, size = [{}], 0
+    for k, v in tensors.items():
+        if shards[-1] and size + v.nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v
+        size += v.nbytes
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    for name, shard in zip(names, shards):
+        save_file(shard, str(root / name), metadata={"format": "pt"})
+    if len(shards) > 1:
+        weight_map = {k: name for name, shard in zip(names, shards) for k in shard}
+        (root / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())}, "weight_map": weight_map}, indent=2))
+    return root
+
+
+def _stored_matrices(m) -> dict:
+    """{(expert, projection) or (None, None): tensors} of a QuantLinear or QuantExperts: fp8 {qweight [N, K],
+    scale_inv [N/128, K/128]}; int4 {codes [N, K] uint8, scale and zero [N, K / stored group], perm [K] or None}."""
+    if isinstance(m, QuantLinear):
+        if m.scheme == "fp8":
+            return {(None, None): {"qweight": m.qweight, "scale_inv": m.scale_inv}}
+        return {(None, None): {"codes": unpack_int4(untile_int4(m.qweight)), "scale": m.scale, "zero": m.zero,
+                               "perm": getattr(m, "perm", None)}}
+    I, out = m.inter, {}
+    for e in range(m.num_experts):
+        gate_up, down = m.stored("gate_up", e), m.stored("down", e)
+        if m.scheme == "fp8":
+            if I % 128:
+                raise ValueError(f"FP8 experts of intermediate size {I} (no multiple of 128) have no per-expert "
+                                 f"128×128 blocks to write")
+            halves = {k: (v[:I // 128 if k == "scale_inv" else I], v[I // 128 if k == "scale_inv" else I:])
+                      for k, v in gate_up.items()}
+            parts = {"gate_proj": {k: v[0] for k, v in halves.items()},
+                     "up_proj": {k: v[1] for k, v in halves.items()}, "down_proj": down}
+        else:
+            codes = {name: unpack_int4(untile_int4(t["qweight"][None]))[0] for name, t in (("gu", gate_up), ("dn", down))}
+            parts = {"gate_proj": {"codes": codes["gu"][:I], "scale": gate_up["scale"][:I], "zero": gate_up["zero"][:I]},
+                     "up_proj": {"codes": codes["gu"][I:], "scale": gate_up["scale"][I:], "zero": gate_up["zero"][I:]},
+                     "down_proj": {"codes": codes["dn"], "scale": down["scale"], "zero": down["zero"]}}
+        out.update({(e, proj): t for proj, t in parts.items()})
+    return out
+
+
+def _gptq_group(matrices: dict, groups: set) -> int:
+    """GPTQ's one group_size for int4 `matrices` (_stored_matrices): the layers' `groups` where they are one and it
+    holds each matrix's stored scales and zeros exactly, else -1 where every row has one scale and zero (a
+    per-channel checkpoint's layers, each loaded with its in_features as its group)."""
+    def runs(t, g):  # whether scale and zero are constant over runs of g columns
+        K = t["codes"].shape[1]
+        stored = K // t["scale"].shape[-1]
+        if K % g or g % stored:
+            return False
+        return all(bool((v.reshape(v.shape[0], K // g, g // stored) == v[:, ::g // stored, None]).all())
+                   for v in (t["scale"], t["zero"]))
+
+    if len(groups) == 1 and all(runs(t, next(iter(groups))) for t in matrices.values()):
+        return groups.pop()
+    if all(runs(t, t["codes"].shape[1]) for t in matrices.values()):
+        return -1
+    raise ValueError(f"GPTQ holds one group_size for every layer; these int4 layers were quantized in groups "
+                     f"{sorted(groups)}: quantize the model in one group size to save it")

@@ -1,4 +1,4 @@
-"""GPTQ and AWQ int4 checkpoints → our int4 layout (formats.py), exactly.
+"""GPTQ and AWQ int4 checkpoints → our int4 layout (formats.py), exactly; and our int4 layout → GPTQ (to_gptq).
 
 GPTQ (`quant_method: gptq`): qweight int32 [K/8, N] packs 8 input rows per int32 (row k in bits 4·(k % 8));
 qzeros int32 [G, N/8] packs 8 output columns per int32; scales [G, N]; g_idx [K] the group of each input
@@ -48,3 +48,29 @@ def from_awq(qweight, qzeros, scales, *, group: int):
     if codes.shape[1] % group or scales.shape[0] != codes.shape[1] // group:
         raise ValueError(f"AWQ layer with K={codes.shape[1]}, {scales.shape[0]} groups does not match group_size={group}")
     return codes, scales.float().t().contiguous(), columns(qzeros).float().t().contiguous(), None
+
+
+def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., M, 8] (0…15) → int32 [..., M], nibble i of each word from codes[..., i] (_nibbles' inverse)."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=codes.device)
+    return (codes.to(torch.int32) << shifts).sum(-1, dtype=torch.int32)
+
+
+def to_gptq(codes, scale, zero, perm, *, group: int, zero_offset: int = 1) -> dict:
+    """GPTQ tensors {qweight [K/8, N], qzeros [G, N/8] int32, scales [G, N] fp16, g_idx [K] int32} of codes
+    [N, K] (in stored column order: original column perm[j] at j, or in order where perm is None), scale and
+    zero [N, K/group]; from_gptq's exact inverse. zero_offset 1 (the "gptq" format) stores zero − 1, so every zero
+    must be 1…16; 0 ("gptq_v2") stores the zero, 0…15. N and K multiples of 8."""
+    N, K = codes.shape
+    stored = zero.round().to(torch.int32) - zero_offset
+    if N % 8 or K % 8 or stored.min() < 0 or stored.max() > 15:
+        raise ValueError(f"GPTQ packs 8 codes an int32 and stores zero − {zero_offset} in 4 bits: N={N} and K={K} must "
+                         f"be multiples of 8 and zeros {zero_offset}…{15 + zero_offset}; got zeros "
+                         f"{zero.min().item():g}…{zero.max().item():g}")
+    order = torch.arange(K, device=codes.device) if perm is None else perm.long()
+    q = torch.empty_like(codes).index_copy_(1, order, codes).t()  # [K, N], original column order
+    g_idx = torch.empty(K, dtype=torch.int32, device=codes.device).index_copy_(
+        0, order, (torch.arange(K, device=codes.device) // group).to(torch.int32))
+    return {"qweight": _pack_nibbles(q.reshape(K // 8, 8, N).transpose(1, 2)),
+            "qzeros": _pack_nibbles(stored.t().reshape(K // group, N // 8, 8)),
+            "scales": scale.t().to(torch.float16).contiguous(), "g_idx": g_idx}
