@@ -1,5 +1,7 @@
 """`optimize(model)`: check the model, build the cache and engine, bind our `generate`."""
 
+import warnings
+
 import torch
 from transformers import (
     Qwen3_5ForCausalLM,
@@ -85,6 +87,10 @@ def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile
         raise ValueError("quant_lm_head=True quantizes lm_head in quant's scheme; pass quant='fp8-weight', 'fp8' "
                          "or 'int4' too")
     draft_quant = draft_quant or quant
+    if quant_group_size != 128 and "int4" not in (quant, draft_quant, draft_lm_head):
+        warnings.warn(f"quant_group_size={quant_group_size} sets int4's group and is ignored: no int4 is asked "
+                      f"(quant={quant!r}, draft_quant={draft_quant!r}, draft_lm_head={draft_lm_head!r}; fp8's scales "
+                      f"are per 128×128 block, fp8-weight's per row)", stacklevel=2)
     if quant is not None:
         from .quant import quantize
 

@@ -311,6 +311,8 @@ def test_quantization_errors(tmp_path):
         fastqwen.optimize(model, compile=False, quant="nf4")
     with pytest.raises(ValueError, match="quant_lm_head=True quantizes lm_head in quant's scheme"):
         fastqwen.optimize(model, compile=False, quant_lm_head=True)
+    with pytest.warns(UserWarning, match="quant_group_size=256 sets int4's group and is ignored: no int4 is asked"):
+        fastqwen.optimize(fresh("tiny"), compile=False, max_seq_len=64, quant="fp8", quant_group_size=256)
     tensors = QuantLinear.from_linear(torch.nn.Linear(128, 32, bias=False), "int4").state_dict()
     for zero, message in ((0.5, "not all integers"), (-1.0, "from -1"), (17.0, "to 17")):  # the kernels' exact decode
         with pytest.raises(ValueError, match=rf"int4 zeros must be integers in 0…16.*{message}"):
