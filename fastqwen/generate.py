@@ -102,12 +102,19 @@ _UNSUPPORTED = {
     "output_scores": False, "output_logits": False, "output_attentions": False, "output_hidden_states": False,
     "renormalize_logits": False, "remove_invalid_values": False, "token_healing": False,
 }
-# Arguments of GenerationMixin.generate that we do not implement; passing a non-empty value is an error.
+# Arguments of GenerationMixin.generate that we do not implement; passing a value that asks for something (not None,
+# False or an empty list) is an error.
 _UNSUPPORTED_ARGS = (
     "logits_processor", "prefix_allowed_tokens_fn", "synced_gpus", "assistant_model", "negative_prompt_ids",
     "negative_prompt_attention_mask", "custom_generate", "inputs_embeds", "past_key_values", "cache",
     "pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "position_ids",
 )
+
+
+def _asks_for_something(value) -> bool:
+    """Whether an unsupported generate argument's value changes anything: None, False (synced_gpus) and an empty
+    list (an empty LogitsProcessorList, as some callers pass by default) do not."""
+    return value is not None and value is not False and not (isinstance(value, (list, tuple)) and not value)
 
 
 def check_num_speculative_tokens(k) -> None:
@@ -241,10 +248,16 @@ class Engine:
 
     # ----- generate -----------------------------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, inputs=None, generation_config=None, stopping_criteria=None, streamer=None, **kwargs):
-        """transformers' `generate` contract for greedy and sampled decoding; see README for what is supported."""
+    def generate(self, inputs=None, generation_config=None, logits_processor=None, stopping_criteria=None,
+                 prefix_allowed_tokens_fn=None, synced_gpus=None, assistant_model=None, streamer=None,
+                 negative_prompt_ids=None, negative_prompt_attention_mask=None, custom_generate=None, **kwargs):
+        """transformers' `generate` contract for greedy and sampled decoding, with its parameters in its positional
+        order (so that a positional call binds as it does there); see README for what is supported."""
+        named = dict(logits_processor=logits_processor, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
+                     synced_gpus=synced_gpus, assistant_model=assistant_model, negative_prompt_ids=negative_prompt_ids,
+                     negative_prompt_attention_mask=negative_prompt_attention_mask, custom_generate=custom_generate)
         for name in _UNSUPPORTED_ARGS:
-            if kwargs.pop(name, None) is not None:
+            if _asks_for_something(named[name] if name in named else kwargs.pop(name, None)):
                 raise ValueError(f"fastqwen's generate does not support `{name}`; call the model's original "
                                  f"generate (type(model).generate(model, ...)) for it")
         input_ids = kwargs.pop("input_ids", inputs)
@@ -252,14 +265,20 @@ class Engine:
         tokenizer = kwargs.pop("tokenizer", None)  # (stop_strings')
         k = self._speculative_tokens(kwargs.pop("num_speculative_tokens", None))
         kwargs.pop("use_cache", None)
+        default_max_length = (kwargs.get("max_length") is None and getattr(generation_config, "max_length", None)
+                              is None and self.model.generation_config.max_length is None)  # (as transformers)
         gen, unused = self.model._prepare_generation_config(generation_config, **kwargs)
         unused = {k: v for k, v in unused.items() if v is not None}
         if unused:
             raise ValueError(f"fastqwen's generate got unsupported arguments: {sorted(unused)}")
         self._check_config(gen)
         criteria = self._stopping_criteria(gen, stopping_criteria, tokenizer)
-        rows, input_ids = self._split_rows(input_ids, attention_mask, gen.num_return_sequences or 1)
-        max_new, min_new = self._lengths(gen, input_ids.shape[1])
+        eos = self._eos_ids(gen)
+        # without an attention_mask, transformers takes pad_token_id (where it is no EOS) for padding
+        pad_is_padding = gen.pad_token_id if gen.pad_token_id is not None and gen.pad_token_id not in eos else None
+        rows, input_ids = self._split_rows(input_ids, attention_mask, gen.num_return_sequences or 1, pad_is_padding)
+        max_new, min_new = self._lengths(gen, input_ids.shape[1], default_max_length,
+                                         getattr(self.model.config, "max_position_embeddings", None))
         block = self.spec.k + 1 if self.spec else 0
         too_long = [b for b, r in enumerate(rows) if len(r) + max_new + block > self.max_seq_len]
         if too_long:
@@ -268,7 +287,6 @@ class Engine:
                 f"rows {too_long}: prompt ({max(len(rows[b]) for b in too_long)} tokens) + max_new_tokens "
                 f"({max_new}){extra} exceeds max_seq_len={self.max_seq_len}; pass a larger max_seq_len to "
                 f"fastqwen.optimize or generate fewer tokens")
-        eos = self._eos_ids(gen)
         pad = gen.pad_token_id if gen.pad_token_id is not None else (eos[0] if eos else 0)
         self._set_params(gen, eos, pad, min_new)
         if streamer is not None:
@@ -388,6 +406,11 @@ class Engine:
                 raise ValueError(f"temperature must be > 0 when do_sample=True, got {gen.temperature}")
             if gen.top_p is not None and not 0 < gen.top_p <= 1:
                 raise ValueError(f"top_p must be in (0, 1], got {gen.top_p}")
+            k = gen.top_k
+            if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
+                raise ValueError(f"top_k must be an int >= 0 (0: off), got {k!r}")
+            if gen.min_p is not None and not 0 <= gen.min_p <= 1:
+                raise ValueError(f"min_p must be in [0, 1] (0: off), got {gen.min_p}")
         rp = gen.repetition_penalty
         if rp is not None and not (isinstance(rp, (int, float)) and not isinstance(rp, bool) and rp > 0):
             raise ValueError(f"repetition_penalty must be a number > 0 (1: off), got {rp!r}")
@@ -412,10 +435,11 @@ class Engine:
             given.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=gen.stop_strings))
         return StoppingCriteriaList(given) if given else None
 
-    def _split_rows(self, input_ids, attention_mask, copies: int = 1):
+    def _split_rows(self, input_ids, attention_mask, copies: int = 1, pad_id: int | None = None):
         """Validate the batch and repeat each row `copies` times in place (num_return_sequences: row b's copies
         become rows b·copies … b·copies + copies − 1, as transformers orders them); returns the real tokens of each
-        row (padding removed) and input_ids on device."""
+        row (padding removed) and input_ids on device. Without an attention_mask, tokens equal to pad_id (if given)
+        are padding, as transformers infers its mask."""
         if input_ids is None:
             raise ValueError("generate needs input_ids [batch, length] (a LongTensor of token ids)")
         if not torch.is_tensor(input_ids) or input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int):
@@ -429,7 +453,11 @@ class Engine:
             raise ValueError(f"batch of {rows} exceeds max_batch_size={self.max_batch_size}; pass a larger "
                              f"max_batch_size to fastqwen.optimize")
         if attention_mask is None:
-            mask = torch.ones_like(input_ids, dtype=torch.bool)
+            mask = input_ids != pad_id if pad_id is not None else torch.ones_like(input_ids, dtype=torch.bool)
+            if pad_id is not None and not bool((mask[:, 1:] >= mask[:, :-1]).all()):
+                raise ValueError(f"input_ids hold pad_token_id={pad_id} inside a prompt, not only as left padding; "
+                                 f"transformers would mask those tokens out: pass an attention_mask (and left "
+                                 f"padding), or a pad_token_id that the prompts do not use")
         else:
             if attention_mask.shape != input_ids.shape:
                 raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must match input_ids {(B, L)}")
@@ -446,15 +474,24 @@ class Engine:
         return [input_ids[b, L - n:] for b, n in enumerate(lengths)], input_ids
 
     @staticmethod
-    def _lengths(gen, input_len: int):
+    def _lengths(gen, input_len: int, default_max_length: bool = False, max_positions: int | None = None):
+        """(max_new, min_new) tokens for prompts of input_len positions, as transformers' _prepare_generated_length
+        reads them: max_new_tokens over max_length; a max_length that nobody set (default_max_length: transformers'
+        20) counts new tokens, within max_positions; min_new_tokens over min_length."""
         if gen.max_new_tokens is not None:
             max_new = gen.max_new_tokens
+        elif default_max_length:
+            total = gen.max_length + input_len
+            max_new = (total if max_positions is None else min(total, max_positions)) - input_len
         else:
             max_new = gen.max_length - input_len
         if max_new < 1:
             raise ValueError(f"nothing to generate: max_new_tokens={max_new} (max_length={gen.max_length}, "
                              f"prompt length {input_len}); pass max_new_tokens >= 1")
-        min_new = max(gen.min_new_tokens or 0, (gen.min_length or 0) - input_len)
+        if gen.min_new_tokens is not None:
+            min_new = gen.min_new_tokens
+        else:
+            min_new = max(0, (gen.min_length or 0) - input_len)
         return max_new, min_new
 
     @staticmethod
@@ -492,7 +529,8 @@ class Engine:
             progress(f"compiling the decode step{slow}…")
         ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
         n = min(4, self.max_seq_len - 1 - (self.spec.k + 1 if self.spec else 0))
-        self.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=do_sample)
+        # (the mask: a generation_config pad_token_id of 0 would otherwise make the dummy prompt padding)
+        self.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=do_sample)
         if self.compiled and self.compile_cache is not None:
             artifacts = torch.compiler.save_cache_artifacts()
             if artifacts is not None:

@@ -103,6 +103,16 @@ def test_unsupported_arguments(opt):
         opt.generate(ids, max_new_tokens=4, do_sample=True, temperature=0.0)
 
 
+@pytest.mark.parametrize("kw, match", [(dict(top_k=-1), "top_k must be an int >= 0"),
+                                       (dict(top_k=2.5), "top_k must be an int >= 0"),
+                                       (dict(min_p=1.5), r"min_p must be in \[0, 1\]"),
+                                       (dict(min_p=-0.1), r"min_p must be in \[0, 1\]")])
+def test_bad_sampling_parameters(opt, kw, match):
+    """transformers' warpers refuse these; silently treating them as "off" would sample from another distribution."""
+    with pytest.raises(ValueError, match=match):
+        opt.generate(torch.randint(1, 500, (1, 5)), max_new_tokens=4, do_sample=True, **kw)
+
+
 def test_malformed_input_ids(opt):
     with pytest.raises(ValueError, match="2-D integer tensor"):
         opt.generate(torch.randint(1, 500, (5,)), max_new_tokens=4)

@@ -102,6 +102,79 @@ def test_min_new_tokens_and_max_length(pair):
     assert torch.equal(got, hf_generate(ref, ids, max_length=17))
 
 
+def test_default_length_is_twenty_new_tokens_as_in_transformers(pair):
+    """With no max_new_tokens / max_length anywhere (Qwen's generation_config sets neither), transformers generates
+    its default 20 *new* tokens whatever the prompt's length; a max_length that the model's generation_config sets
+    is a total length."""
+    ref, opt = pair
+    ids = torch.randint(1, ref.config.vocab_size, (1, 25))  # longer than 20
+    expected = hf_generate(ref, ids)
+    assert expected.shape == (1, 45)
+    assert torch.equal(opt.generate(ids, do_sample=False), expected)
+    for m in (ref, opt):
+        m.generation_config.max_length = 30
+    try:
+        expected = hf_generate(ref, ids)
+        assert expected.shape == (1, 30)
+        assert torch.equal(opt.generate(ids, do_sample=False), expected)
+    finally:
+        for m in (ref, opt):
+            m.generation_config.max_length = None
+
+
+def test_min_new_tokens_takes_precedence_over_min_length(pair):
+    ref, opt = pair
+    ids = torch.randint(1, ref.config.vocab_size, (1, 10))
+    eos = int(opt.generate(ids, max_new_tokens=5, do_sample=False)[0, 12])  # the third token
+    kw = dict(max_new_tokens=12, min_new_tokens=1, min_length=18, eos_token_id=eos)
+    expected = hf_generate(ref, ids, **kw)
+    assert expected.shape == (1, 13), "transformers stops at the EOS: min_new_tokens replaces min_length"
+    assert torch.equal(opt.generate(ids, do_sample=False, **kw), expected)
+
+
+def test_pad_token_id_masks_left_padding_without_attention_mask(pair):
+    """Without an attention_mask transformers infers one from pad_token_id (where that is no EOS): the pad tokens
+    of a left-padded batch are padding, not prompt."""
+    ref, opt = pair
+    rows = [torch.randint(1, ref.config.vocab_size, (n,)) for n in (7, 12, 4)]
+    ids, mask = left_padded(rows, pad_id=0)
+    kw = dict(max_new_tokens=10, pad_token_id=0)
+    expected = hf_generate(ref, ids, **kw)
+    assert torch.equal(expected, hf_generate(ref, ids, mask, **kw))
+    assert torch.equal(opt.generate(ids, do_sample=False, **kw), expected)
+    # a pad_token_id that is also an EOS infers nothing: every token is prompt, as in transformers
+    kw = dict(max_new_tokens=10, pad_token_id=0, eos_token_id=0)
+    assert torch.equal(opt.generate(ids, do_sample=False, **kw), hf_generate(ref, ids, **kw))
+    # a pad token inside a prompt: transformers masks it out, which fastqwen cannot; the error names the fix
+    holed = ids.clone()
+    holed[1, -3] = 0
+    with pytest.raises(ValueError, match=r"pad_token_id=0 inside a prompt.*attention_mask"):
+        opt.generate(holed, max_new_tokens=4, pad_token_id=0)
+
+
+def test_transformers_positional_arguments(pair):
+    """generate's positional parameters are transformers' own, in its order: (inputs, generation_config,
+    logits_processor, stopping_criteria, …, streamer, …)."""
+    from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+
+    class StopAtLength(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kw):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= 14, dtype=torch.bool)
+
+    ref, opt = pair
+    ids = torch.randint(1, ref.config.vocab_size, (1, 8))
+    cfg = GenerationConfig(max_new_tokens=20, do_sample=False)
+    args = (ids, cfg, None, StoppingCriteriaList([StopAtLength()]))
+    assert torch.equal(opt.generate(*args), type(ref).generate(ref, *args))
+    with pytest.raises(ValueError, match="does not support `logits_processor`"):
+        opt.generate(ids, cfg, LogitsProcessorList([lambda i, s: s]))
+    # values that ask for nothing (an empty list, synced_gpus=False) are accepted
+    expected = hf_generate(ref, ids, max_new_tokens=6)
+    got = opt.generate(ids, max_new_tokens=6, do_sample=False, logits_processor=LogitsProcessorList(),
+                       synced_gpus=False)
+    assert torch.equal(got, expected)
+
+
 def test_return_dict_and_generation_config(pair):
     from transformers import GenerationConfig
 
