@@ -260,6 +260,8 @@ class Engine:
             if _asks_for_something(named[name] if name in named else kwargs.pop(name, None)):
                 raise ValueError(f"fastqwen's generate does not support `{name}`; call the model's original "
                                  f"generate (type(model).generate(model, ...)) for it")
+        if inputs is not None and kwargs.get("input_ids") is not None:
+            raise ValueError("generate got both `inputs` and `input_ids`: pass the prompt once")
         input_ids = kwargs.pop("input_ids", inputs)
         attention_mask = kwargs.pop("attention_mask", None)
         tokenizer = kwargs.pop("tokenizer", None)  # (stop_strings')
@@ -287,7 +289,8 @@ class Engine:
                 f"rows {too_long}: prompt ({max(len(rows[b]) for b in too_long)} tokens) + max_new_tokens "
                 f"({max_new}){extra} exceeds max_seq_len={self.max_seq_len}; pass a larger max_seq_len to "
                 f"fastqwen.optimize or generate fewer tokens")
-        pad = gen.pad_token_id if gen.pad_token_id is not None else (eos[0] if eos else 0)
+        vocab = self.state["eos_mask"].numel()
+        pad = gen.pad_token_id if gen.pad_token_id is not None else next((e for e in eos if 0 <= e < vocab), 0)
         self._set_params(gen, eos, pad, min_new)
         if streamer is not None:
             streamer.put(input_ids.cpu())
@@ -396,8 +399,9 @@ class Engine:
         for field, off in _UNSUPPORTED.items():
             value = getattr(gen, field, None)
             if value is not None and value != off and not (off is False and value is None):
-                raise ValueError(f"fastqwen's generate does not support {field}={value!r} "
-                                 f"(supported: greedy and sampling with temperature/top_k/top_p/min_p)")
+                raise ValueError(f"fastqwen's generate does not support {field}={value!r} (supported: greedy and "
+                                 f"sampling with temperature/top_k/top_p/min_p); leave it unset, or call the model's "
+                                 f"original generate (type(model).generate(model, ...)) for it")
         copies = gen.num_return_sequences
         if copies is not None and (not isinstance(copies, int) or isinstance(copies, bool) or copies < 1):
             raise ValueError(f"num_return_sequences must be an int >= 1, got {copies!r}")
@@ -506,8 +510,13 @@ class Engine:
     def _set_params(self, gen, eos, pad, min_new) -> None:
         s = self.state
         s["eos_mask"].zero_()
+        vocab = s["eos_mask"].numel()
+        eos = [e for e in eos if 0 <= e < vocab]  # (an id past the vocabulary is never sampled, as in transformers)
         if eos:
             s["eos_mask"][torch.tensor(eos, device=self.device)] = True
+        if not 0 <= pad < vocab:
+            raise ValueError(f"pad_token_id={pad} is no token id (0 … {vocab - 1}): finished rows are fed it; pass "
+                             f"a pad_token_id in the vocabulary")
         s["pad"].fill_(pad)
         s["min_new"].fill_(min_new)
         s["temperature"].fill_(gen.temperature if gen.do_sample else 1.0)

@@ -101,6 +101,12 @@ def test_unsupported_arguments(opt):
         opt.generate(ids, max_new_tokens=4, foo=1)
     with pytest.raises(ValueError, match="temperature must be > 0"):
         opt.generate(ids, max_new_tokens=4, do_sample=True, temperature=0.0)
+    with pytest.raises(ValueError, match=r"num_beams=2 .*type\(model\).generate\(model, ...\)"):
+        opt.generate(ids, max_new_tokens=4, num_beams=2)
+    with pytest.raises(ValueError, match="both `inputs` and `input_ids`"):
+        opt.generate(ids, input_ids=ids, max_new_tokens=4)
+    with pytest.raises(ValueError, match="pad_token_id=-1 is no token id"):
+        opt.generate(ids, max_new_tokens=4, pad_token_id=-1)
 
 
 @pytest.mark.parametrize("kw, match", [(dict(top_k=-1), "top_k must be an int >= 0"),

@@ -122,6 +122,14 @@ def test_default_length_is_twenty_new_tokens_as_in_transformers(pair):
             m.generation_config.max_length = None
 
 
+def test_an_eos_id_past_the_vocabulary_never_matches(pair):
+    """transformers never generates an eos_token_id outside the vocabulary; it is no error there either."""
+    ref, opt = pair
+    ids = torch.randint(1, ref.config.vocab_size, (1, 9))
+    kw = dict(max_new_tokens=6, eos_token_id=[ref.config.vocab_size + 5])
+    assert torch.equal(opt.generate(ids, do_sample=False, **kw), hf_generate(ref, ids, **kw))
+
+
 def test_min_new_tokens_takes_precedence_over_min_length(pair):
     ref, opt = pair
     ids = torch.randint(1, ref.config.vocab_size, (1, 10))
