@@ -12,6 +12,7 @@ accepted prefix by replaying the stashed per-position inputs.
 """
 
 import warnings
+from collections.abc import Mapping
 
 import torch
 
@@ -153,6 +154,8 @@ def check_kernels(kernels: dict | None, cfg, device, fp8_experts: bool = False) 
     ops/attention_prep.py, and decode_attention.py's merge_gated_op, which reads only splits holding keys, with
     "attention" "split"; the default since 2026-12-05: with "gdn_norm" "kernel" a 27B int4 step took 6921 µs
     against 7010 on one H100, and all three defaults of that day 6614 against 6886 on another)."""
+    if kernels is not None and not isinstance(kernels, Mapping):
+        raise ValueError(f"kernels must be a dict of op name to kernel, e.g. {{'attention': 'sdpa'}}; got {kernels!r}")
     kernels = dict(kernels or {})
     unknown = set(kernels) - set(KERNELS)
     if unknown:

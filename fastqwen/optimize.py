@@ -22,11 +22,11 @@ SPECULATE = ("mtp", "dflash")
 
 
 def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile: bool = True,
-             compile_options: dict | None = None, speculate: str | None = None, num_speculative_tokens: int = 3,
-             draft=None, block_size: int | None = None, quant: str | None = None, quant_group_size: int = 128,
-             quant_lm_head: bool = False, draft_lm_head: str | None = None, draft_vocab=None, compile_cache=None,
-             kernels: dict | None = None, draft_quant: str | None = None,
-             prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS):
+             compile_options: dict | None = None, speculate: str | None = None,
+             num_speculative_tokens: int | None = None, draft=None, block_size: int | None = None,
+             quant: str | None = None, quant_group_size: int = 128, quant_lm_head: bool = False,
+             draft_lm_head: str | None = None, draft_vocab=None, compile_cache=None, kernels: dict | None = None,
+             draft_quant: str | None = None, prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS):
     """Make `model.generate` run on fastqwen's static hybrid cache and compiled decode step.
 
     model: a transformers Qwen3.5 / Qwen3.6 model (dense or MoE; CausalLM or ConditionalGeneration, text-only
@@ -48,6 +48,9 @@ def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile
     target (half the draft's bytes a round; the target verifies in bf16, so the output is unchanged).
     prefill_chunk_tokens: the most prompt tokens (rows × positions) one prefill forward runs; longer prompts
     prefill in chunks (same output), which bounds prefill's activation memory (lower it on a smaller GPU).
+    num_speculative_tokens: with speculate="mtp", the tokens drafted a round (default 3); block_size: with
+    speculate="dflash", the verify block (drafts + the pending token; default the draft's own). Either one given
+    for the other speculate mode, or draft= without speculate, is an error (never silently dropped).
     Returns the same model object; its weights and module tree are untouched, and the original generate
     stays reachable as `type(model).generate(model, ...)`.
     """
@@ -64,6 +67,10 @@ def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile
     if len(devices) != 1:
         raise ValueError(f"fastqwen.optimize needs the model on one device; its parameters are on {devices}")
     device = devices.pop()
+    if device.type == "meta":
+        raise ValueError("fastqwen.optimize got a model on the meta device (its weights were never loaded): load its "
+                         "weights (e.g. from_pretrained without a meta device map, or to_empty() then "
+                         "load_state_dict) before fastqwen.optimize")
     dtype = model.get_input_embeddings().weight.dtype
     if dtype not in _DTYPES:
         raise ValueError(f"unsupported model dtype {dtype}; load the model in bfloat16, float16 or float32")
@@ -75,6 +82,7 @@ def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile
     check_kernels(kernels, model.config.get_text_config(), device)
     if speculate is not None and speculate not in SPECULATE:
         raise ValueError(f"unknown speculate={speculate!r}; supported: None, {', '.join(map(repr, SPECULATE))}")
+    check_speculation_options(speculate, draft, num_speculative_tokens, block_size)
     for name, value in (("draft_lm_head", draft_lm_head), ("draft_vocab", draft_vocab), ("draft_quant", draft_quant)):
         if value is not None and speculate is None:
             raise ValueError(f"{name} only applies to speculative decoding; pass speculate='mtp' or 'dflash'")
@@ -99,6 +107,7 @@ def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile
     if speculate == "mtp":
         from .spec.mtp import MTPHead, MTPProposer, read_mtp_tensors
 
+        num_speculative_tokens = 3 if num_speculative_tokens is None else num_speculative_tokens
         check_num_speculative_tokens(num_speculative_tokens)
         source = draft or getattr(model, "name_or_path", "") or model.config._name_or_path
         if not source:
@@ -131,6 +140,26 @@ def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile
     model.generate = model._fastqwen.generate
     return model
 
+
+def check_speculation_options(speculate, draft, num_speculative_tokens, block_size) -> None:
+    """Each speculation option belongs to one speculate mode; given without it, it would be silently dropped."""
+    if speculate is None and draft is not None:
+        raise ValueError("draft= only applies to speculative decoding; pass speculate='dflash' (a DFlash draft "
+                         "checkpoint) or speculate='mtp' (a checkpoint with the MTP head), or drop draft=")
+    if speculate != "dflash" and block_size is not None:
+        fix = (f"with speculate='mtp' pass num_speculative_tokens={block_size - 1} (the drafts a round)"
+               if speculate == "mtp" and isinstance(block_size, int) and block_size >= 2 else
+               "pass speculate='dflash' with draft=<DFlash checkpoint directory>, or drop block_size")
+        raise ValueError(f"block_size= sets a DFlash draft's block; {fix}")
+    if speculate != "mtp" and num_speculative_tokens is not None:
+        if speculate == "dflash":
+            fix = (f"pass block_size={num_speculative_tokens + 1} ({num_speculative_tokens} drafts and the pending "
+                   f"token)" if isinstance(num_speculative_tokens, int) and num_speculative_tokens >= 1 else
+                   "pass block_size (drafts + 1)")
+            raise ValueError(f"num_speculative_tokens= sets the MTP head's drafts (speculate='mtp'); with "
+                             f"speculate='dflash' {fix}")
+        raise ValueError("num_speculative_tokens= only applies to speculative decoding; pass speculate='mtp' "
+                         "(or speculate='dflash' with block_size)")
 
 
 def quantize_draft(draft, quant: str | None, group_size: int):

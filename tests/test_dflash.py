@@ -134,6 +134,15 @@ def test_dflash_errors(tmp_path, draft_dir):
         fastqwen.optimize(model, compile=False, speculate="dflash")
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         fastqwen.optimize(model, compile=False, speculate="dflash", draft=tmp_path / "nowhere")
+    # options of the other speculation mode (or of none) are refused, never silently dropped
+    with pytest.raises(ValueError, match=r"draft= only applies to speculative decoding; pass speculate='dflash'"):
+        fastqwen.optimize(model, compile=False, draft=draft_dir)
+    with pytest.raises(ValueError, match=r"block_size= sets a DFlash draft's block; pass speculate='dflash'"):
+        fastqwen.optimize(model, compile=False, block_size=4)
+    with pytest.raises(ValueError, match=r"num_speculative_tokens= sets the MTP head's drafts \(speculate='mtp'\); "
+                                         r"with speculate='dflash' pass block_size=5 \(4 drafts and the pending "
+                                         r"token\)"):
+        fastqwen.optimize(model, compile=False, speculate="dflash", draft=draft_dir, num_speculative_tokens=4)
 
 
 def test_compiled_dflash_round_matches_eager(draft_dir):

@@ -32,6 +32,12 @@ def test_bad_optimize_options():
         fastqwen.optimize(fresh("tiny"), max_seq_len=1)
     with pytest.raises(TypeError):
         fastqwen.optimize(fresh("tiny"), paged_cache=True)
+    from transformers import Qwen3_5ForCausalLM
+
+    with torch.device("meta"):  # weights never loaded: optimize would pass and generate fail on "no data"
+        empty = Qwen3_5ForCausalLM._from_config(fresh("tiny").config, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"on the meta device.*load its weights.*before fastqwen.optimize"):
+        fastqwen.optimize(empty, compile=False)
 
 
 def test_bad_optimize_options_prefill_chunk():

@@ -229,6 +229,9 @@ def test_auto_experts_take_the_grouped_kernel_on_cuda_where_the_shapes_fit():
 
 
 def test_bad_kernel_choices():
+    with pytest.raises(ValueError, match=r"kernels must be a dict of op name to kernel, e.g. "
+                                         r"\{'attention': 'sdpa'\}; got 'sdpa'"):
+        fastqwen.optimize(fresh("tiny"), compile=False, kernels="sdpa")
     with pytest.raises(ValueError, match=r"unknown kernels \['mlp'\]"):
         fastqwen.optimize(fresh("tiny"), compile=False, kernels={"mlp": "fused"})
     with pytest.raises(ValueError, match=r"kernels\['gdn'\]='chunk'; choose from block, unrolled, fla"):

@@ -146,6 +146,12 @@ def test_mtp_errors(tmp_path):
         fastqwen.optimize(model, compile=False, speculate="mtp", num_speculative_tokens=0, draft=other)
     with pytest.raises(FileNotFoundError, match="draft=<local checkpoint directory>"):
         fastqwen.optimize(model, compile=False, speculate="mtp", draft=tmp_path / "missing")
+    with pytest.raises(ValueError, match="num_speculative_tokens= only applies to speculative decoding; "
+                                         "pass speculate='mtp'"):
+        fastqwen.optimize(model, compile=False, num_speculative_tokens=5)
+    with pytest.raises(ValueError, match=r"block_size= sets a DFlash draft's block; with speculate='mtp' pass "
+                                         r"num_speculative_tokens=3"):
+        fastqwen.optimize(model, compile=False, speculate="mtp", draft=other, block_size=4)
 
 
 def test_compiled_speculative_round_matches_eager_without_recompiling(tmp_path):
