@@ -83,6 +83,10 @@ def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile
     if speculate is not None and speculate not in SPECULATE:
         raise ValueError(f"unknown speculate={speculate!r}; supported: None, {', '.join(map(repr, SPECULATE))}")
     check_speculation_options(speculate, draft, num_speculative_tokens, block_size)
+    if not compile and (compile_options or compile_cache is not None):
+        warnings.warn(f"compile_options and compile_cache apply to the compiled decode step; with compile=False they "
+                      f"are ignored (got compile_options={compile_options!r}, compile_cache={compile_cache!r})",
+                      stacklevel=2)
     for name, value in (("draft_lm_head", draft_lm_head), ("draft_vocab", draft_vocab), ("draft_quant", draft_quant)):
         if value is not None and speculate is None:
             raise ValueError(f"{name} only applies to speculative decoding; pass speculate='mtp' or 'dflash'")

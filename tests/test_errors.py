@@ -40,6 +40,11 @@ def test_bad_optimize_options():
         fastqwen.optimize(empty, compile=False)
 
 
+def test_compile_options_without_compile_warn_that_they_are_ignored():
+    with pytest.warns(UserWarning, match="with compile=False they are ignored"):
+        fastqwen.optimize(fresh("tiny"), compile=False, max_seq_len=64, compile_options={"max_autotune": False})
+
+
 def test_bad_optimize_options_prefill_chunk():
     with pytest.raises(ValueError, match="prefill_chunk_tokens must be a positive int"):
         fastqwen.optimize(fresh("tiny"), compile=False, prefill_chunk_tokens=0)
