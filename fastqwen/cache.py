@@ -14,6 +14,7 @@ without copies.
 """
 
 import math
+import os
 
 import torch
 from torch import nn
@@ -56,19 +57,25 @@ def _free_bytes(device) -> int:
     return torch.cuda.mem_get_info(device)[0] + cached
 
 
+def _ram_bytes() -> int:
+    """The machine's physical memory: more than this can never be allocated on the CPU."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 class HybridCache(nn.Module):
     def __init__(self, cfg, max_batch_size: int, max_seq_len: int, dtype: torch.dtype, device, block: int = 0):
-        """Allocates every buffer now; on CUDA, first checks that they fit in the free memory (a clear error
-        naming max_seq_len and max_batch_size rather than an out-of-memory one partway)."""
+        """Allocates every buffer now; first checks that they fit in the free memory on CUDA, in the machine's
+        memory on the CPU (a clear error naming max_seq_len and max_batch_size rather than the allocator's)."""
         super().__init__()
         self.max_batch_size, self.max_seq_len, self.block = max_batch_size, max_seq_len, block
         bufs = layout(cfg, max_batch_size, max_seq_len, dtype, block)
-        if torch.device(device).type == "cuda":
-            need, free = layout_bytes(bufs), _free_bytes(device)
-            if need > free:
-                raise ValueError(f"the static cache for max_batch_size={max_batch_size} x max_seq_len={max_seq_len} "
-                                 f"needs {need / 2**30:.1f} GiB, but {device} has {free / 2**30:.1f} GiB free: lower "
-                                 "max_seq_len or max_batch_size")
+        need, on = layout_bytes(bufs), torch.device(device).type
+        room = _free_bytes(device) if on == "cuda" else _ram_bytes() if on == "cpu" else need  # (others: unchecked)
+        if need > room:
+            where = (f"{device} has {room / 2**30:.1f} GiB free" if on == "cuda" else
+                     f"this machine has {room / 2**30:.1f} GiB of memory")
+            raise ValueError(f"the static cache for max_batch_size={max_batch_size} x max_seq_len={max_seq_len} "
+                             f"needs {need / 2**30:.1f} GiB, but {where}: lower max_seq_len or max_batch_size")
         for name, (shape, dt) in bufs.items():
             self.register_buffer(name, torch.zeros(shape, dtype=dt, device=device))
         gdn = [i for i, kind in enumerate(cfg.layer_types) if kind == "linear_attention"]

@@ -3,6 +3,7 @@
 import warnings
 
 import torch
+from torch import nn
 from transformers import (
     Qwen3_5ForCausalLM,
     Qwen3_5ForConditionalGeneration,
@@ -11,7 +12,7 @@ from transformers import (
 )
 
 from .generate import PREFILL_CHUNK_TOKENS, Engine, check_num_speculative_tokens
-from .model import check_kernels
+from .model import check_kernels, text_model
 
 SUPPORTED = (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5ForConditionalGeneration,
              Qwen3_5MoeForConditionalGeneration)
@@ -74,6 +75,7 @@ def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile
     dtype = model.get_input_embeddings().weight.dtype
     if dtype not in _DTYPES:
         raise ValueError(f"unsupported model dtype {dtype}; load the model in bfloat16, float16 or float32")
+    check_one_dtype(model, dtype)
     if device.type == "cuda":
         try:
             import fla.ops.gated_delta_rule  # noqa: F401
@@ -164,6 +166,22 @@ def check_speculation_options(speculate, draft, num_speculative_tokens, block_si
                              f"speculate='dflash' {fix}")
         raise ValueError("num_speculative_tokens= only applies to speculative decoding; pass speculate='mtp' "
                          "(or speculate='dflash' with block_size)")
+
+
+def check_one_dtype(model, dtype) -> None:
+    """Every matmul weight of the text model and lm_head (a parameter of two dims or more but the conv's) in the
+    model dtype: one in another dtype (e.g. an lm_head left in bf16 on an fp32 model) would fail inside generate's
+    first matmul. Norms, A_log, dt_bias and the conv run in any float dtype; quantized layers hold buffers."""
+    convs = {id(m.weight) for m in model.modules() if isinstance(m, nn.Conv1d)}
+    ours = {id(p) for m in (text_model(model), model.lm_head) for p in m.parameters()
+            if p.dim() >= 2 and id(p) not in convs}
+    mixed = [(name, p.dtype) for name, p in model.named_parameters()
+             if id(p) in ours and p.is_floating_point() and p.dtype != dtype]
+    if mixed:
+        (name, other), more = mixed[0], f" (and {len(mixed) - 1} more weights)" if len(mixed) > 1 else ""
+        raise ValueError(f"fastqwen runs the matmuls in one dtype, the embeddings' {dtype}, but {name} is {other}{more}:"
+                         f" cast them before fastqwen.optimize, e.g. model.get_submodule({name.rpartition('.')[0]!r})"
+                         f".to({dtype}), or load the whole model in {dtype}")
 
 
 def quantize_draft(draft, quant: str | None, group_size: int):

@@ -145,6 +145,14 @@ def test_dflash_errors(tmp_path, draft_dir):
         fastqwen.optimize(model, compile=False, speculate="dflash", draft=draft_dir, num_speculative_tokens=4)
 
 
+def test_draft_with_no_target_layer_ids_is_refused(tmp_path):
+    """Empty ids loaded and failed in generate's first round (a cat of no features)."""
+    config = {**CONFIG, "dflash_config": {"mask_token_id": 500, "target_layer_ids": []}}
+    with pytest.raises(ValueError, match="target_layer_ids is empty: .*set dflash_config.target_layer_ids in its "
+                                         "config.json"):
+        fastqwen.optimize(fresh("tiny"), compile=False, speculate="dflash", draft=write_draft(tmp_path, config))
+
+
 def test_compiled_dflash_round_matches_eager(draft_dir):
     eager = fastqwen.optimize(fresh("tiny"), max_batch_size=2, max_seq_len=128, compile=False, speculate="dflash",
                               draft=draft_dir, block_size=4)

@@ -68,6 +68,38 @@ def test_a_cache_larger_than_the_free_gpu_memory_is_refused_before_allocating(mo
         cache.HybridCache(cfg, 8, 2**20, torch.bfloat16, "cuda")
 
 
+def test_a_cache_larger_than_the_machine_memory_is_refused_before_allocating():
+    """On the CPU the bound is the machine's memory (max_seq_len=2**40 was the allocator's raw error)."""
+    with pytest.raises(ValueError, match=r"max_batch_size=1 x max_seq_len=1099511627776 needs [0-9.]+ GiB, but this "
+                                         r"machine has [0-9.]+ GiB of memory: lower max_seq_len or max_batch_size"):
+        fastqwen.optimize(fresh("tiny"), max_seq_len=2**40, compile=False)
+
+
+def test_parameters_in_another_dtype_than_the_model_are_refused():
+    """An lm_head (or any linear) left in bf16 on an fp32 model passed optimize and failed in generate's first
+    matmul; a quantized lm_head holds its weight in buffers of its own format, and runs in any model dtype, as do
+    norms, A_log and the conv."""
+    model = fresh("tiny")
+    model.lm_head.to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"one dtype, the embeddings' torch.float32, but lm_head.weight is "
+                                         r"torch.bfloat16: cast them before fastqwen.optimize, e.g. "
+                                         r"model.get_submodule\('lm_head'\).to\(torch.float32\)"):
+        fastqwen.optimize(model, compile=False, max_seq_len=64)
+    model.model.layers[0].mlp.to(torch.float16)
+    with pytest.raises(ValueError, match=r"but model.layers.0.mlp.gate_proj.weight is torch.float16 \(and 3 more "
+                                         r"weights\).*get_submodule\('model.layers.0.mlp.gate_proj'\)"):
+        fastqwen.optimize(model, compile=False, max_seq_len=64)
+    model.to(torch.float32)
+    gdn = next(layer.linear_attn for layer in model.model.layers if hasattr(layer, "linear_attn"))
+    gdn.conv1d.to(torch.bfloat16), gdn.norm.to(torch.bfloat16)
+    gdn.A_log.data = gdn.A_log.data.double()
+    from fastqwen.quant import quantize
+
+    quantize(model, "fp8-weight", lm_head=True)
+    opt = fastqwen.optimize(model, compile=False, max_seq_len=64)
+    assert opt.generate(torch.randint(1, 500, (1, 5)), max_new_tokens=3).shape == (1, 8)
+
+
 def test_prompt_longer_than_cache(opt):
     with pytest.raises(ValueError, match="exceeds max_seq_len=64.*larger max_seq_len"):
         opt.generate(torch.randint(1, 500, (1, 70)), max_new_tokens=4)

@@ -91,9 +91,13 @@ class DFlashDraft(nn.Module):
             problems.append(f"hidden size {cfg.hidden_size} != target's {target.hidden_size}")
         if "vocab_size" in cfg.to_dict() and cfg.vocab_size != target.vocab_size:
             problems.append(f"vocab {cfg.vocab_size} != target's {target.vocab_size}")
-        bad = [i for i in self.target_layer_ids if not 0 <= i < target.num_hidden_layers]
+        ids = self.target_layer_ids
+        bad = [i for i in ids if not 0 <= i < target.num_hidden_layers]
         if bad:
             problems.append(f"target_layer_ids {bad} outside the target's {target.num_hidden_layers} layers")
+        if not ids:
+            problems.append("target_layer_ids is empty: the draft reads the outputs of target layers, at least one; set "
+                            "dflash_config.target_layer_ids in its config.json to the layers it was trained on")
         if not 0 <= self.mask_token_id < target.vocab_size:
             problems.append(f"mask_token_id {self.mask_token_id} outside the target's vocab")
         fc = tensors.get("fc.weight")
