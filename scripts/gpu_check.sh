@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call of the GPU plan: `bash scripts/gpu_check.sh STAGE` on the H200 (logs and JSON go to $OUT).
-#   tests    tests/gpu but the quant tests (default inductor + CUDA graphs) as parallel pytest processes: on
-#            nvidia-h200-x2 (the way to run it) five at once, the candidates' test included; on one GPU four, two
-#            at a time, without the candidates'; TESTS_GROUPS picks some of them (0 generate, 1 MTP, 2 DFlash + oracle,
+#   tests    tests/gpu but the quant tests and the CUDA kernels' (default inductor + CUDA graphs) as parallel pytest
+#            processes: on nvidia-h200-x2 (the way to run it) five at once, the candidates' test included; on one GPU
+#            four, two at a time, without the candidates'; TESTS_GROUPS picks some of them (0 generate, 1 MTP +
+#            stopping criteria, 2 DFlash + oracle,
 #            3 ops + attention, 4 candidates; on one H200 all four took more than one 10-minute call on 2026-12-05:
 #            TESTS_GROUPS="0 1" then "2 3"; a GPU under 100 GB runs 0 and 1 one at a time, as two 9B processes ran out
 #            of an H100's 80 GB: there "0", "1" and "2 3" are a call each, ~290, ~220 and ~240 s on 2026-12-05;
@@ -140,7 +141,7 @@ case "$stage" in
          if [ "$mib" -lt 100000 ]; then  # (the MoE test's 35B-A3B width OOMs beside the session's 9B on 80 GB)
            group 0 0 tests/gpu/test_generate_gpu.py -k "not moe"; group 0b 0 tests/gpu/test_generate_gpu.py -k moe
          else group 0 0 tests/gpu/test_generate_gpu.py & fi
-         group 1 1 tests/gpu/test_speculative_gpu.py -k mtp &
+         group 1 1 tests/gpu/test_speculative_gpu.py -k "mtp or stopping" &
          if [ "$ngpu" -lt 2 ]; then wait; fi
          group 2 1 tests/gpu/test_speculative_gpu.py -k "dflash or oracle" &
          group 3 0 tests/gpu/test_ops_gpu.py tests/gpu/test_attention_gpu.py &  # (no 9B model: a few GB)
