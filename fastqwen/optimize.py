@@ -111,11 +111,11 @@ def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile
         quantize(model, quant, group_size=quant_group_size, lm_head=quant_lm_head)
     proposer_for = None  # (engine, draft lm_head) -> proposer; built after the engine, loaded and checked before it
     if speculate == "mtp":
-        from .spec.mtp import MTPHead, MTPProposer, read_mtp_tensors
+        from .spec.mtp import MTPHead, MTPProposer, checkpoint_source, read_mtp_tensors
 
         num_speculative_tokens = 3 if num_speculative_tokens is None else num_speculative_tokens
         check_num_speculative_tokens(num_speculative_tokens)
-        source = draft or getattr(model, "name_or_path", "") or model.config._name_or_path
+        source = draft or checkpoint_source(model)
         if not source:
             raise ValueError("speculate='mtp' needs the checkpoint the model was loaded from; pass draft=<dir>")
         head = quantize_draft(MTPHead(model, read_mtp_tensors(source)), draft_quant, quant_group_size)

@@ -17,6 +17,7 @@ from fastqwen.quant import QuantLinear, quantize
 from fastqwen.quant.experts import QuantExperts
 from fastqwen.quant.checkpoints import from_pretrained
 from fastqwen.quant.formats import dequantize_fp8_block, quantize_fp8_block
+from fastqwen.spec.mtp import stored_mtp_tensors
 
 
 def quantizable(model):
@@ -708,6 +709,50 @@ def test_save_pretrained_keeps_act_order_group_sizes_zeros_and_a_quantized_tied_
     back = from_pretrained(fastqwen.save_pretrained(tied, tmp_path / "tied-plain"), dtype=torch.float32)
     assert back.lm_head.weight is back.model.embed_tokens.weight
     _same_stored(tied, back)
+
+
+def test_save_pretrained_carries_the_mtp_head(tmp_path):
+    """The MTP head (no part of a transformers model) is copied as stored (fp8 with its scales) from the checkpoint
+    the model was loaded from, or from mtp_from: speculate="mtp" on the saved checkpoint drafts with the same head.
+    mtp_from=False writes none; an mtp_from without a head is refused; a source that is no local path warns."""
+    model = fresh("tiny")
+    tensors = dict(model.state_dict())
+    for name, lin in quantizable(model):
+        key = f"model.layers.{name}.weight"
+        tensors[key], tensors[f"{key}_scale_inv"] = quantize_fp8_block(lin.weight.detach())
+    mtp = {}
+    for key, w in presets.random_mtp_tensors(model).items():
+        if w.dim() == 2 and w.shape[0] >= 16:
+            mtp[key], mtp[f"{key}_scale_inv"] = quantize_fp8_block(w)
+        else:
+            mtp[key] = w
+    qc = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+    source = write(tmp_path / "source", model, {**tensors, **mtp}, qc)
+    saved = fastqwen.save_pretrained(from_pretrained(source, dtype=torch.float32), tmp_path / "saved")
+    written = stored_mtp_tensors(saved)
+    assert written.keys() == mtp.keys() and any(t.dtype == torch.float8_e4m3fn for t in written.values())
+    assert all(torch.equal(written[k].view(torch.uint8), mtp[k].view(torch.uint8)) for k in mtp)
+    again = from_pretrained(saved, dtype=torch.float32)
+    ids = torch.randint(1, 500, (1, 12))
+    expected = type(again).generate(again, ids, max_new_tokens=10, do_sample=False)
+    fastqwen.optimize(again, compile=False, max_seq_len=64, speculate="mtp")
+    assert torch.equal(again._fastqwen.spec.proposer.head.fc.weight,
+                       dequantize_fp8_block(mtp["mtp.fc.weight"], mtp["mtp.fc.weight_scale_inv"]))
+    assert torch.equal(again.generate(ids, max_new_tokens=10, do_sample=False), expected)
+
+    bare = fastqwen.save_pretrained(from_pretrained(source, dtype=torch.float32), tmp_path / "bare", mtp_from=False)
+    assert stored_mtp_tensors(bare) == {}
+    built = quantize(fresh("tiny"), "int4", group_size=32)  # (built from a config: no source, so no head and no warning)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert stored_mtp_tensors(fastqwen.save_pretrained(built, tmp_path / "built")) == {}
+    assert stored_mtp_tensors(fastqwen.save_pretrained(built, tmp_path / "given", mtp_from=source)).keys() == mtp.keys()
+    with pytest.raises(ValueError, match=r"mtp_from='.*bare' has no mtp.\* tensors: pass the checkpoint that ships"):
+        fastqwen.save_pretrained(built, tmp_path / "x", mtp_from=bare)
+    built.name_or_path = built.config._name_or_path = "Qwen/Qwen3.5-27B"
+    with pytest.warns(UserWarning, match="MTP head is not written: .*'Qwen/Qwen3.5-27B' is no local checkpoint; pass "
+                                         "mtp_from="):
+        fastqwen.save_pretrained(built, tmp_path / "hub")
 
 
 def test_save_pretrained_refuses_what_no_checkpoint_format_holds(tmp_path):

@@ -262,16 +262,19 @@ def _warn_reference_layers(model) -> None:
 SHARD_BYTES = 5 << 30  # save_pretrained's largest safetensors file
 
 
-def save_pretrained(model, path, *, shard_bytes: int = SHARD_BYTES) -> Path:
+def save_pretrained(model, path, *, mtp_from=None, shard_bytes: int = SHARD_BYTES) -> Path:
     """Write `model`, quantized by fastqwen.quant.quantize or loaded by from_pretrained (and not yet optimized),
     as a checkpoint from_pretrained reads back to the same stored tensors: fp8 layers as Qwen's FP8 (`weight` e4m3
     + `weight_scale_inv` per 128×128 block), int4 as GPTQ (4 bits, the layers' group or -1 for per-channel,
     act-order as g_idx, the "gptq" format, which stores zero − 1, unless a zero is 0: then "gptq_v2"). Routed
     experts are written one module each (`mlp.experts.<e>.{gate,up,down}_proj`), as Qwen publishes them; the rest
     of the state dict as it is (a multimodal model's vision tower too), in safetensors files of at most
-    `shard_bytes` (an index beside them when several). An MTP head is not part of a transformers model, so not
-    written: copy the original checkpoint's `mtp.*` tensors for speculate="mtp". Returns the directory."""
+    `shard_bytes` (an index beside them when several). The MTP head (`mtp.*`, for speculate="mtp") is no part of a
+    transformers model: it is copied as stored from `mtp_from`, by default the local checkpoint the model was
+    loaded from when it has one (False: none). Returns the directory."""
     from safetensors.torch import save_file
+
+    from ..spec.mtp import checkpoint_source, stored_mtp_tensors
 
     if getattr(model, "_fastqwen", None) is not None:
         raise ValueError("save_pretrained takes the model before fastqwen.optimize (optimize fuses projections and "
@@ -316,10 +319,23 @@ def save_pretrained(model, path, *, shard_bytes: int = SHARD_BYTES) -> Path:
     elif model.config.get_text_config().tie_word_embeddings:
         state.pop("lm_head.weight", None)  # (the embedding's storage: tied again on load)
     config["quantization_config"] = qc
+    mtp = {}
+    if mtp_from is None:
+        source = checkpoint_source(model)
+        if source and Path(source).exists():
+            mtp = stored_mtp_tensors(source)
+        elif source:
+            warnings.warn(f"the MTP head is not written: the model's source {source!r} is no local checkpoint; pass "
+                          f"mtp_from=<the checkpoint's directory> for speculate='mtp' on the saved one", stacklevel=2)
+    elif mtp_from is not False:
+        mtp = stored_mtp_tensors(mtp_from)
+        if not mtp:
+            raise ValueError(f"mtp_from={str(mtp_from)!r} has no mtp.* tensors: pass the checkpoint that ships the MTP "
+                             f"head, or mtp_from=False")
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(config, indent=2))
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in {**state, **written, **biases}.items()}
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in {**state, **written, **biases, **mtp}.items()}
     shards, size = [{}], 0
     for k, v in tensors.items():
         if shards[-1] and size + v.nbytes > shard_bytes:

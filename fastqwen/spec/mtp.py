@@ -25,9 +25,24 @@ from ..ops.norm import rms_norm
 from ..sampling import argmax_last, filtered_probs, sample_probs
 
 
+def checkpoint_source(model) -> str:
+    """The path (or hub id) the model was loaded from, "" for one built from a config."""
+    return getattr(model, "name_or_path", "") or model.config._name_or_path or ""
+
+
 def read_mtp_tensors(path) -> dict:
-    """The `mtp.*` tensors of a safetensors checkpoint (a directory with or without an index, or one file),
-    keyed without the `mtp.` prefix."""
+    """The MTP head of a safetensors checkpoint (a directory with or without an index, or one file) in full
+    precision with fused experts, keyed without the `mtp.` prefix."""
+    tensors = {key[len("mtp."):]: t for key, t in stored_mtp_tensors(path).items()}
+    if not tensors:
+        raise ValueError(f"{path} has no mtp.* tensors: this checkpoint ships no MTP head; use a checkpoint "
+                         f"that has one (draft=...) or another speculate option")
+    return _fuse_experts(_dequantize_fp8(tensors))
+
+
+def stored_mtp_tensors(path) -> dict:
+    """The `mtp.*` tensors of a safetensors checkpoint as stored (fp8 ones with their scales), under their
+    names; {} when it has none."""
     from safetensors import safe_open
 
     root = Path(path)
@@ -46,13 +61,8 @@ def read_mtp_tensors(path) -> dict:
     tensors = {}
     for f in files:
         with safe_open(str(f), framework="pt") as fh:
-            for key in fh.keys():
-                if key.startswith("mtp."):
-                    tensors[key[len("mtp."):]] = fh.get_tensor(key)
-    if not tensors:
-        raise ValueError(f"{path} has no mtp.* tensors: this checkpoint ships no MTP head; use a checkpoint "
-                         f"that has one (draft=...) or another speculate option")
-    return _fuse_experts(_dequantize_fp8(tensors))
+            tensors.update({key: fh.get_tensor(key) for key in fh.keys() if key.startswith("mtp.")})
+    return tensors
 
 
 def _dequantize_fp8(tensors: dict) -> dict:
