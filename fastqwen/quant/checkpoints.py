@@ -3,9 +3,10 @@
 Supported `quantization_config`s: Qwen's FP8 (`quant_method: fp8`, `weight_block_size: [128, 128]`: fp8
 `weight` + `weight_scale_inv`, kept as they are), GPTQ (`quant_method: gptq`, 4 bits, act-order or not,
 "gptq" or "gptq_v2" format) and AWQ (`quant_method: awq`, 4 bits, GEMM layout), converted exactly to our int4
-layout. Int4 groups of a multiple of 128 columns (per-channel `group_size: -1` too) become 128-column groups, their
-scales and zeros repeated, which is exact and what the weight-streaming kernels take; other group sizes load
-exactly too but decode through the reference (dequantize, then matmul), and a warning lists those layers.
+layout; compressed-tensors (llm-compressor's FP8 per row, tensor or 128×128 block, and W4A16 int4, compressed.py).
+Int4 groups of a multiple of 128 columns (per-channel `group_size: -1` too) become 128-column groups, their scales
+and zeros repeated, which is exact and what the weight-streaming kernels take; other group sizes load exactly too
+but decode through the reference (dequantize, then matmul), and a warning lists those layers.
 Nothing is fetched from a hub: transformers' own loaders for these formats want kernels from there.
 A quantized layer whose tensors are missing, or of shapes and dtypes its config's sizes do not give, and an fp8
 tensor without its scale, are errors naming the layer: never a weight loaded unscaled or broadcast wrongly.
@@ -17,8 +18,8 @@ become a QuantExperts holding their tensors as stored, plain ones are stacked in
 `gate_up_proj` / `down_proj`.
 
 `save_pretrained` writes a model quantized here (quantize, or from_pretrained) back in those formats: fp8 as Qwen's
-FP8, int4 as GPTQ; loading it again gives the same stored tensors. fp8-weight's per-row scales have no such
-format.
+FP8, int4 as GPTQ, fp8-weight as compressed-tensors' FP8 per channel; loading it again gives the same stored
+tensors.
 """
 
 import json
@@ -32,6 +33,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from ..ops.gemv import STEP
 
+from . import compressed
 from .experts import QuantExperts
 from .formats import int4_kernel_groups, pack_int4, unpack_int4, untile_int4
 from .gptq import from_awq, from_gptq, to_gptq
@@ -82,9 +84,11 @@ def _check_config(qc: dict) -> str:
         if group not in (-1, None) and (not isinstance(group, int) or isinstance(group, bool) or group < 1):
             raise ValueError(f"{method} checkpoint with group_size={group!r}: expected a positive int, or -1 (one "
                              f"group a row); fix its config.json's quantization_config")
+    elif method == "compressed-tensors":
+        compressed.check_config(qc)
     else:
         raise ValueError(f"unsupported quantization_config quant_method={method!r}; supported: fp8 (128×128 "
-                         f"blocks), gptq (4-bit), awq (4-bit GEMM)")
+                         f"blocks), gptq (4-bit), awq (4-bit GEMM), compressed-tensors (fp8, int4)")
     return method
 
 
@@ -95,7 +99,8 @@ _STORED = {"fp8": ("weight", "weight_scale_inv"), "gptq": ("qweight", "qzeros", 
 def _quant_linear(method: str, qc: dict, t: dict, prefix: str, shape) -> QuantLinear:
     """The QuantLinear of module `prefix` [out_features, in_features] = `shape` from its checkpoint tensors `t`
     (keys without the prefix); a ValueError naming `prefix` where they are missing or do not fit `shape`."""
-    need = _STORED[method] + (("g_idx",) if method == "gptq" and qc.get("desc_act") else ())  # (act-order's columns)
+    need = (compressed.stored_names(compressed.weight_args(qc)) if method == "compressed-tensors" else
+            _STORED[method] + (("g_idx",) if method == "gptq" and qc.get("desc_act") else ()))  # (act-order's columns)
     missing = [k for k in need if k not in t]
     if missing:
         raise ValueError(f"{prefix}: the {method} checkpoint holds no {', '.join(missing)} for this layer (it "
@@ -112,6 +117,12 @@ def _convert(method: str, qc: dict, t: dict, shape) -> QuantLinear:
     if method == "fp8":
         return QuantLinear("fp8", in_features, out_features,
                            {"qweight": t["weight"], "scale_inv": t["weight_scale_inv"].float()}, t.get("bias"))
+    if method == "compressed-tensors":
+        scheme, tensors, group = compressed.to_ours(compressed.weight_args(qc), t, shape)
+        if scheme != "int4":
+            return QuantLinear(scheme, in_features, out_features, tensors, t.get("bias"))
+        return _int4_linear(tensors["codes"], tensors["scale"], tensors["zero"], tensors.get("perm"), group, shape,
+                            t.get("bias"))
     group = qc.get("group_size", 128)
     group = in_features if group in (-1, None) else group
     if method == "gptq":
@@ -121,11 +132,17 @@ def _convert(method: str, qc: dict, t: dict, shape) -> QuantLinear:
                                              zero_offset=offset)
     else:
         codes, scale, zero, perm = from_awq(t["qweight"], t["qzeros"], t["scales"], group=group)
+    return _int4_linear(codes, scale, zero, perm, group, shape, t.get("bias"))
+
+
+def _int4_linear(codes, scale, zero, perm, group: int, shape, bias) -> QuantLinear:
+    """The int4 QuantLinear [N, K] = `shape` of codes [N, K] (stored column order), scale and zero [N, K / group],
+    perm [K] or None: groups of a multiple of 128 as 128-column ones (exact), codes packed."""
     scale, zero = int4_kernel_groups(scale, zero, group)
     tensors = {"qweight": pack_int4(codes), "scale": scale, "zero": zero}
     if perm is not None:
         tensors["perm"] = perm
-    return QuantLinear("int4", in_features, out_features, tensors, t.get("bias"), group)
+    return QuantLinear("int4", shape[1], shape[0], tensors, bias, group)
 
 
 def _text_tensors(tensors: dict) -> dict:
@@ -164,7 +181,7 @@ def _experts(method: str, qc: dict, prefix: str, meta, per_expert: dict, marker:
     layers = [{p: _quant_linear(method, qc, per_expert[e][p], f"{prefix}.{e}.{p}", shapes[p]) for p in shapes}
               for e in range(E)]
     first = layers[0]["down_proj"]
-    if method == "fp8" and I % 128:
+    if first.scheme == "fp8" and I % 128:
         raise ValueError(f"{prefix}: FP8 experts of intermediate size {I} (not a multiple of 128) cannot share one "
                          f"gate | up matrix of 128-row scale blocks")
     if any(getattr(lin, "perm", None) is not None for experts in layers for lin in experts.values()):
@@ -186,14 +203,15 @@ def from_pretrained(path, *, dtype=torch.bfloat16, device="cpu"):
     config = AutoConfig.from_pretrained(root)
     qc = getattr(config, "quantization_config", None)
     if qc is None:
-        raise ValueError(f"{path} has no quantization_config, so it is no FP8, GPTQ or AWQ checkpoint: a bf16 one "
-                         f"loads with transformers' from_pretrained (then fastqwen.optimize(model, quant=...)); a "
-                         f"model quantized by fastqwen saves in a format this reads with fastqwen.save_pretrained")
+        raise ValueError(f"{path} has no quantization_config, so it is no FP8, GPTQ, AWQ or compressed-tensors "
+                         f"checkpoint: a bf16 one loads with transformers' from_pretrained (then "
+                         f"fastqwen.optimize(model, quant=...)); a model quantized by fastqwen saves in a format this "
+                         f"reads with fastqwen.save_pretrained")
     qc = qc if isinstance(qc, dict) else qc.to_dict()
     method = _check_config(qc)
     del config.quantization_config
     tensors = _text_tensors(_read_safetensors(root))
-    marker = "weight_scale_inv" if method == "fp8" else "qweight"
+    marker = {"fp8": "weight_scale_inv", "compressed-tensors": "weight_scale"}.get(method, "qweight")
     per_expert = _pop_experts(tensors)
     quantized = sorted({k.rsplit(".", 1)[0] for k in tensors if k.endswith("." + marker)})
     with torch.device("meta"):
@@ -266,7 +284,8 @@ def save_pretrained(model, path, *, mtp_from=None, shard_bytes: int = SHARD_BYTE
     """Write `model`, quantized by fastqwen.quant.quantize or loaded by from_pretrained (and not yet optimized),
     as a checkpoint from_pretrained reads back to the same stored tensors: fp8 layers as Qwen's FP8 (`weight` e4m3
     + `weight_scale_inv` per 128×128 block), int4 as GPTQ (4 bits, the layers' group or -1 for per-channel,
-    act-order as g_idx, the "gptq" format, which stores zero − 1, unless a zero is 0: then "gptq_v2"). Routed
+    act-order as g_idx, the "gptq" format, which stores zero − 1, unless a zero is 0: then "gptq_v2"), fp8-weight
+    as compressed-tensors' FP8 channel scheme (`weight` e4m3 × `weight_scale` [N, 1], other Linears `ignore`d). Routed
     experts are written one module each (`mlp.experts.<e>.{gate,up,down}_proj`), as Qwen publishes them; the rest
     of the state dict as it is (a multimodal model's vision tower too), in safetensors files of at most
     `shard_bytes` (an index beside them when several). The MTP head (`mtp.*`, for speculate="mtp") is no part of a
@@ -285,9 +304,6 @@ def save_pretrained(model, path, *, mtp_from=None, shard_bytes: int = SHARD_BYTE
         raise ValueError(f"save_pretrained writes a model quantized in one scheme; got {sorted(schemes) or 'none'} "
                          f"(a model with no quantized layer saves with its own save_pretrained)")
     scheme = schemes.pop()
-    if scheme == "fp8-weight":
-        raise ValueError("fp8-weight's per-row scales have no checkpoint format that from_pretrained reads: save the "
-                         "bf16 model and quantize after loading, or quantize in 'fp8' (128×128 blocks) or 'int4'")
     if any(getattr(m, "stacks", None) for m in layers.values()):
         raise ValueError("a shared expert is stacked into its routed experts (optimize's layout): save before optimize")
     matrices = {f"{n}.{e}.{proj}" if isinstance(m, QuantExperts) else n: t
@@ -296,6 +312,10 @@ def save_pretrained(model, path, *, mtp_from=None, shard_bytes: int = SHARD_BYTE
         qc = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic", "fmt": "e4m3"}
         written = {f"{k}.{new}": t[old] for k, t in matrices.items()
                    for old, new in (("qweight", "weight"), ("scale_inv", "weight_scale_inv"))}
+    elif scheme == "fp8-weight":
+        qc = compressed.fp8_rows_config([n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)])
+        written = {f"{k}.{name}": v for k, t in matrices.items()
+                   for name, v in compressed.fp8_rows_tensors(t["qweight"], t["scale"]).items()}
     else:
         group = _gptq_group(matrices, {m.group for m in layers.values()})
         offset = 1 if min(t["zero"].min().item() for t in matrices.values()) >= 1 else 0
@@ -356,17 +376,20 @@ def save_pretrained(model, path, *, mtp_from=None, shard_bytes: int = SHARD_BYTE
 
 def _stored_matrices(m) -> dict:
     """{(expert, projection) or (None, None): tensors} of a QuantLinear or QuantExperts: fp8 {qweight [N, K],
-    scale_inv [N/128, K/128]}; int4 {codes [N, K] uint8, scale and zero [N, K / stored group], perm [K] or None}."""
+    scale_inv [N/128, K/128]}; fp8-weight {qweight [N, K], scale [N]}; int4 {codes [N, K] uint8, scale and zero
+    [N, K / stored group], perm [K] or None}."""
     if isinstance(m, QuantLinear):
         if m.scheme == "fp8":
             return {(None, None): {"qweight": m.qweight, "scale_inv": m.scale_inv}}
+        if m.scheme == "fp8-weight":
+            return {(None, None): {"qweight": m.qweight, "scale": m.scale}}
         return {(None, None): {"codes": unpack_int4(untile_int4(m.qweight)), "scale": m.scale, "zero": m.zero,
                                "perm": getattr(m, "perm", None)}}
     I, out = m.inter, {}
     for e in range(m.num_experts):
         gate_up, down = m.stored("gate_up", e), m.stored("down", e)
-        if m.scheme == "fp8":
-            if I % 128:
+        if m.scheme in ("fp8", "fp8-weight"):
+            if I % 128 and m.scheme == "fp8":
                 raise ValueError(f"FP8 experts of intermediate size {I} (no multiple of 128) have no per-expert "
                                  f"128×128 blocks to write")
             halves = {k: (v[:I // 128 if k == "scale_inv" else I], v[I // 128 if k == "scale_inv" else I:])

@@ -25,15 +25,21 @@ def from_gptq(qweight, qzeros, scales, g_idx, *, group: int, zero_offset: int = 
     K = qweight.shape[0] * 8
     q = _nibbles(qweight).permute(0, 2, 1).reshape(K, -1)  # [K, N]
     zeros = _nibbles(qzeros).reshape(qzeros.shape[0], -1).float() + zero_offset  # [G, N]
-    g_idx = g_idx.long()
     if K % group or scales.shape[0] != K // group:
         raise ValueError(f"GPTQ layer with K={K}, {scales.shape[0]} groups does not match group_size={group}")
+    perm = group_order(g_idx, K, group)
+    codes = (q if perm is None else q[perm]).t().contiguous()
+    return codes, scales.float().t().contiguous(), zeros.t().contiguous(), perm
+
+
+def group_order(g_idx: torch.Tensor, K: int, group: int) -> torch.Tensor | None:
+    """The column order [K] that makes act-order groups contiguous (g_idx [K]: each column's group), None when
+    they already are; a ValueError unless every group has `group` columns."""
+    g_idx = g_idx.long()
     perm = torch.argsort(g_idx, stable=True)
-    if not torch.equal(g_idx[perm], torch.arange(K, device=g_idx.device) // group):
-        raise ValueError("GPTQ g_idx does not assign group_size columns to every group; cannot convert exactly")
-    ordered = torch.equal(perm, torch.arange(K, device=perm.device))
-    codes = q[perm].t().contiguous()
-    return codes, scales.float().t().contiguous(), zeros.t().contiguous(), None if ordered else perm
+    if g_idx.shape != (K,) or not torch.equal(g_idx[perm], torch.arange(K, device=g_idx.device) // group):
+        raise ValueError("g_idx does not assign group_size columns to every group; cannot convert exactly")
+    return None if torch.equal(perm, torch.arange(K, device=perm.device)) else perm
 
 
 def from_awq(qweight, qzeros, scales, *, group: int):
