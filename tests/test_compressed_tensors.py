@@ -30,6 +30,14 @@ def ct_pack(values: torch.Tensor, dim: int) -> torch.Tensor:
     return packed if dim == 1 else packed.t().contiguous()
 
 
+def test_the_writer_packs_as_compressed_tensors_does():
+    """pack_to_int32's known answer: signed values 1…7, 0 along a row (or, for zero points, down a column) are the
+    nibbles 9…15, 8, first value lowest: the word 0x8FEDCBA9, read as a signed int32."""
+    row = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 0]], dtype=torch.int8)
+    assert ct_pack(row, 1).tolist() == [[0x8FEDCBA9 - 2**32]] and ct_pack(row.t(), 0).tolist() == [[0x8FEDCBA9 - 2**32]]
+    assert ct_pack(row[:, :5], 1).tolist() == [[0xDCBA9]]  # (padded with −8: nibble 0)
+
+
 def fp8_layer(w: torch.Tensor, strategy: str):
     """compressed-tensors' FP8 weight of w [N, K] per `strategy` (scale = absmax / 448 in bf16, the model dtype):
     ({weight, weight_scale}, the weight its dequantization gives)."""
