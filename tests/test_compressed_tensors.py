@@ -186,6 +186,20 @@ def test_int4_checkpoints_load_to_their_dequantized_weights(tmp_path, name, symm
     assert bool(perms) == act_order
 
 
+@pytest.mark.parametrize("packed_zero", [True, False])
+def test_zero_points_stored_under_a_symmetric_config_are_the_weights(tmp_path, packed_zero):
+    """A symmetric int4 config whose layers store weight_zero_point all the same (packed, or older writers'
+    unpacked int8, which compressed-tensors' dequantize subtracts): the weights are (q − zp) · scale, not the
+    q · scale that the config alone gives."""
+    model = fresh("tiny")
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
+    path, reference = write_ct(tmp_path / "ckpt", model, lambda w, seed: int4_layer(w, 32, False, False, packed_zero),
+                               ct_config(weights, "pack-quantized"))
+    loaded = from_pretrained(path, dtype=torch.float32)
+    for module, ref in reference.items():
+        assert torch.equal(loaded_weight(loaded, module), ref), module
+
+
 def test_a_per_channel_int4_checkpoint_of_a_real_width_takes_the_kernel_group(tmp_path):
     """strategy "channel" (one scale a row) on in_features 256: stored as 128-column groups, the kernels' layout."""
     model = fresh("tiny", hidden_size=256, intermediate_size=256)
@@ -259,4 +273,22 @@ def test_errors(tmp_path):
                                                                "dynamic": False}
     path, _ = write_ct(tmp_path / "st", model, lambda w, seed: fp8_layer(w, "channel"), static)
     with pytest.warns(UserWarning, match="static input activations: its input_scale tensors are ignored"):
+        from_pretrained(path)
+
+
+def test_a_quantized_router_is_refused_by_name(tmp_path):
+    """model_free_ptq quantizes every 2-D weight that its ignore list does not name: a MoE router stored quantized
+    (in transformers no Linear, so no QuantLinear's place) is refused by name, not an AttributeError."""
+    from safetensors.torch import load_file
+
+    model = fresh("tiny-moe", moe_intermediate_size=128)
+    fp8 = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"}
+    path, _ = write_ct(tmp_path / "ckpt", model, lambda w, seed: fp8_layer(w, "channel"),
+                       ct_config(fp8, "float-quantized"))
+    tensors = load_file(str(path / "model.safetensors"))
+    router = tensors.pop("model.layers.0.mlp.gate.weight")
+    tensors.update({f"model.layers.0.mlp.gate.{k}": v for k, v in fp8_layer(router.float(), "channel")[0].items()})
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.gate is stored quantized, but it is a \w+Router, no "
+                                         r"Linear: only Linear layers load quantized"):
         from_pretrained(path)

@@ -749,10 +749,33 @@ def test_save_pretrained_carries_the_mtp_head(tmp_path):
     assert stored_mtp_tensors(fastqwen.save_pretrained(built, tmp_path / "given", mtp_from=source)).keys() == mtp.keys()
     with pytest.raises(ValueError, match=r"mtp_from='.*bare' has no mtp.\* tensors: pass the checkpoint that ships"):
         fastqwen.save_pretrained(built, tmp_path / "x", mtp_from=bare)
+    with pytest.raises(FileNotFoundError, match=r"mtp_from='.*nowhere' does not exist: pass the checkpoint directory"):
+        fastqwen.save_pretrained(built, tmp_path / "x", mtp_from=tmp_path / "nowhere")
     built.name_or_path = built.config._name_or_path = "Qwen/Qwen3.5-27B"
     with pytest.warns(UserWarning, match="MTP head is not written: .*'Qwen/Qwen3.5-27B' is no local checkpoint; pass "
                                          "mtp_from="):
         fastqwen.save_pretrained(built, tmp_path / "hub")
+
+
+def test_save_pretrained_over_a_checkpoint_removes_its_weight_files(tmp_path):
+    """Saving into a directory that holds a checkpoint (an earlier save in other shards, or the one the model was
+    loaded from): its index and shards are removed, so the directory loads as the model just saved (a stale index
+    was read in place of a new single file: the old weights under the new config), and the MTP head copied from
+    that directory itself is read before anything is written."""
+    path, mtp = tmp_path / "q", presets.random_mtp_tensors(fresh("tiny"))
+    save_file(mtp, str(tmp_path / "mtp.safetensors"))
+    fastqwen.save_pretrained(quantize(fresh("tiny"), "fp8-weight"), path, shard_bytes=1 << 16,
+                             mtp_from=tmp_path / "mtp.safetensors")
+    other = quantize(fresh("tiny", seed=1), "fp8-weight")
+    fastqwen.save_pretrained(other, path, mtp_from=path)
+    assert sorted(p.name for p in path.iterdir()) == ["config.json", "model.safetensors"]
+    loaded = from_pretrained(path, dtype=torch.float32)
+    _same_stored(other, loaded)
+    assert stored_mtp_tensors(path).keys() == mtp.keys()
+    fastqwen.save_pretrained(loaded, path, shard_bytes=1 << 16)  # (into the directory it was loaded from)
+    assert "model.safetensors" not in {p.name for p in path.iterdir()}
+    _same_stored(other, from_pretrained(path, dtype=torch.float32))
+    assert stored_mtp_tensors(path).keys() == mtp.keys()
 
 
 def test_save_pretrained_refuses_what_no_checkpoint_format_holds(tmp_path):

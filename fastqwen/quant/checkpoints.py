@@ -230,6 +230,10 @@ def from_pretrained(path, *, dtype=torch.bfloat16, device="cpu"):
         parent_name, _, name = prefix.rpartition(".")
         parent = model.get_submodule(parent_name)
         linear = getattr(parent, name)
+        if not isinstance(linear, torch.nn.Linear):  # (e.g. a MoE router that the quantization recipe did not ignore)
+            raise ValueError(f"{path}: {prefix} is stored quantized, but it is a {type(linear).__name__}, no Linear: "
+                             f"only Linear layers load quantized; load the bf16 checkpoint and "
+                             f"optimize(model, quant=...), or quantize it again with {prefix} left unquantized")
         own = {k[len(prefix) + 1:]: tensors.pop(k) for k in list(tensors) if k.startswith(prefix + ".")}
         layer = _quant_linear(method, qc, own, prefix, (linear.out_features, linear.in_features))
         setattr(parent, name, layer.to(device))
@@ -278,6 +282,7 @@ def _warn_reference_layers(model) -> None:
 
 
 SHARD_BYTES = 5 << 30  # save_pretrained's largest safetensors file
+_WEIGHT_FILE = re.compile(r"model(-\d+-of-\d+)?\.safetensors(\.index\.json)?")  # what save_pretrained writes
 
 
 def save_pretrained(model, path, *, mtp_from=None, shard_bytes: int = SHARD_BYTES) -> Path:
@@ -288,9 +293,11 @@ def save_pretrained(model, path, *, mtp_from=None, shard_bytes: int = SHARD_BYTE
     as compressed-tensors' FP8 channel scheme (`weight` e4m3 × `weight_scale` [N, 1], other Linears `ignore`d). Routed
     experts are written one module each (`mlp.experts.<e>.{gate,up,down}_proj`), as Qwen publishes them; the rest
     of the state dict as it is (a multimodal model's vision tower too), in safetensors files of at most
-    `shard_bytes` (an index beside them when several). The MTP head (`mtp.*`, for speculate="mtp") is no part of a
+    `shard_bytes` (an index beside them when several; an earlier checkpoint's weight files in `path` are removed,
+    so that none is read in place of these). The MTP head (`mtp.*`, for speculate="mtp") is no part of a
     transformers model: it is copied as stored from `mtp_from`, by default the local checkpoint the model was
-    loaded from when it has one (False: none). Returns the directory."""
+    loaded from when it has one (False: none; read before anything is written, so `path` may be that checkpoint).
+    Returns the directory."""
     from safetensors.torch import save_file
 
     from ..spec.mtp import checkpoint_source, stored_mtp_tensors
@@ -348,6 +355,9 @@ def save_pretrained(model, path, *, mtp_from=None, shard_bytes: int = SHARD_BYTE
             warnings.warn(f"the MTP head is not written: the model's source {source!r} is no local checkpoint; pass "
                           f"mtp_from=<the checkpoint's directory> for speculate='mtp' on the saved one", stacklevel=2)
     elif mtp_from is not False:
+        if not Path(mtp_from).exists():
+            raise FileNotFoundError(f"mtp_from={str(mtp_from)!r} does not exist: pass the checkpoint directory (or "
+                                    f"safetensors file) that ships the MTP head, or mtp_from=False")
         mtp = stored_mtp_tensors(mtp_from)
         if not mtp:
             raise ValueError(f"mtp_from={str(mtp_from)!r} has no mtp.* tensors: pass the checkpoint that ships the MTP "
@@ -371,6 +381,10 @@ def save_pretrained(model, path, *, mtp_from=None, shard_bytes: int = SHARD_BYTE
         weight_map = {k: name for name, shard in zip(names, shards) for k in shard}
         (root / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())}, "weight_map": weight_map}, indent=2))
+        names.append("model.safetensors.index.json")
+    for stale in root.iterdir():  # an earlier checkpoint's index or shards there would be read in place of these
+        if stale.name not in names and _WEIGHT_FILE.fullmatch(stale.name):
+            stale.unlink()
     return root
 
 

@@ -9,7 +9,8 @@ pack-quantized (int4, W4A16): `weight_packed` int32 [N, ⌈K/8⌉] holds q + 8 (
 nibble j of word w; `weight_scale` [N, G] (group 128 or any dividing K; "channel": G = 1); symmetric: w =
 q · scale, so our zero is 8; asymmetric: `weight_zero_point` int32 [⌈N/8⌉, G] packs zp + 8 of row 8r + j in
 nibble j (older writers: int8 [N, G] unpacked), w = (q − zp) · scale, so our zero is zp + 8 and our codes are the
-stored nibbles; `weight_g_idx` [K] (act-order) the group of each column, as GPTQ's g_idx. `weight_shape` = [N, K].
+stored nibbles (a zero point stored under a symmetric config counts too, as in compressed-tensors' dequantize);
+`weight_g_idx` [K] (act-order) the group of each column, as GPTQ's g_idx. `weight_shape` = [N, K].
 """
 
 import warnings
@@ -103,7 +104,7 @@ def to_ours(args: dict, t: dict, shape) -> tuple:
         raise ValueError(f"weight_scale {list(scale.shape)} does not give {args['strategy']} groups of "
                          f"{args.get('group_size') if args['strategy'] == 'group' else K} columns over in_features {K}")
     codes = _nibbles(packed).reshape(N, -1)[:, :K]
-    if args.get("symmetric", True):
+    if "weight_zero_point" not in t:  # (symmetric)
         zero = torch.full((N, G), 8.0)
     else:
         zp = t["weight_zero_point"]
