@@ -292,3 +292,39 @@ def test_a_quantized_router_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match=r"model.layers.0.mlp.gate is stored quantized, but it is a \w+Router, no "
                                          r"Linear: only Linear layers load quantized"):
         from_pretrained(path)
+
+
+@pytest.mark.parametrize("strategy", ["channel", "block"])
+def test_an_mtp_head_in_compressed_tensors_fp8_drafts_with_its_dequantized_weights(tmp_path, strategy):
+    """llm-compressor's model-free FP8 quantizes the `mtp.*` linears too (weight × weight_scale): speculate="mtp"
+    reads them back to fp8 × scale, and speculative greedy equals plain greedy."""
+    from fastqwen import presets
+
+    model = fresh("tiny")
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy,
+               "block_structure": [128, 128] if strategy == "block" else None}
+    path, _ = write_ct(tmp_path / "ckpt", model, lambda w, seed: fp8_layer(w, strategy),
+                       ct_config(weights, "float-quantized"))
+    mtp, reference = {}, {}
+    for key, w in presets.random_mtp_tensors(model).items():
+        if w.dim() == 2 and w.shape[0] >= 16:
+            t, reference[key] = fp8_layer(w.float(), strategy)
+            mtp.update({key: t["weight"], f"{key.removesuffix('.weight')}.weight_scale": t["weight_scale"]})
+        else:
+            mtp[key] = w
+    save_file({k: v.contiguous() for k, v in mtp.items()}, str(path / "model-mtp.safetensors"))
+    loaded = from_pretrained(path, dtype=torch.float32)
+    ids = torch.randint(1, 500, (1, 12))
+    expected = type(loaded).generate(loaded, ids, max_new_tokens=10, do_sample=False)
+    fastqwen.optimize(loaded, compile=False, max_seq_len=64, speculate="mtp")
+    assert torch.equal(loaded._fastqwen.spec.proposer.head.fc.weight, reference["mtp.fc.weight"])
+    assert torch.equal(loaded.generate(ids, max_new_tokens=10, do_sample=False), expected)
+
+
+def test_an_int4_mtp_head_is_refused_with_the_fix(tmp_path):
+    from fastqwen.spec.mtp import read_mtp_tensors
+
+    t, _ = int4_layer(torch.randn(64, 128) * 0.02, 32, True, False)
+    save_file({f"mtp.fc.{k}": v for k, v in t.items()}, str(tmp_path / "mtp.safetensors"))
+    with pytest.raises(ValueError, match="MTP head is stored in int4.*draft_quant='int4'"):
+        read_mtp_tensors(tmp_path / "mtp.safetensors")

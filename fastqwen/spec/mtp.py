@@ -66,13 +66,26 @@ def stored_mtp_tensors(path) -> dict:
 
 
 def _dequantize_fp8(tensors: dict) -> dict:
-    """An FP8 checkpoint's head (e4m3 `weight` + `weight_scale_inv` per 128×128 block) in full precision: the
-    head is read like a bf16 one, and optimize's draft_quant quantizes it again if asked."""
-    from ..quant.formats import dequantize_fp8_block
+    """An FP8 checkpoint's head in full precision: e4m3 `weight` × `weight_scale_inv` per 128×128 block (Qwen's),
+    or × `weight_scale` per row, tensor or 128×128 block (compressed-tensors'). The head is read like a bf16 one,
+    and optimize's draft_quant quantizes it again if asked."""
+    from ..quant.formats import FP8, dequantize_fp8_block
 
-    for key in [k for k in tensors if k.endswith(".weight_scale_inv")]:
-        weight = key.removesuffix("_scale_inv")
-        tensors[weight] = dequantize_fp8_block(tensors[weight], tensors.pop(key))
+    if any(k.endswith(".weight_packed") for k in tensors):
+        raise ValueError("the MTP head is stored in int4 (compressed-tensors' weight_packed), which its reader does not "
+                         "take: use a checkpoint whose mtp.* tensors are bf16 or fp8 (draft=...), then "
+                         "optimize(..., draft_quant='int4') to quantize the head")
+    for key in [k for k in tensors if k.endswith((".weight_scale_inv", ".weight_scale"))]:
+        weight = key.rsplit(".", 1)[0] + ".weight"
+        q, scale = tensors[weight], tensors.pop(key).float()
+        N, K = q.shape
+        if key.endswith("_inv") or tuple(scale.shape) == (-(-N // 128), -(-K // 128)) and scale.numel() > 1:
+            tensors[weight] = dequantize_fp8_block(q, scale)
+        elif q.dtype == FP8 and (scale.numel() == 1 or tuple(scale.shape) == (N, 1)):
+            tensors[weight] = q.float() * scale.reshape(-1, 1)
+        else:
+            raise ValueError(f"mtp.{key} of shape {list(scale.shape)} scales no fp8 weight [{N}, {K}] "
+                             f"({q.dtype}) by row, tensor or 128×128 block: the checkpoint's MTP head is damaged")
     return tensors
 
 
