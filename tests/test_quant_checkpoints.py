@@ -705,6 +705,12 @@ def test_save_pretrained_keeps_act_order_group_sizes_zeros_and_a_quantized_tied_
     back = from_pretrained(fastqwen.save_pretrained(tied, tmp_path / "tied"), dtype=torch.float32)
     assert isinstance(back.lm_head, QuantLinear) and not back.config.tie_word_embeddings
     _same_stored(tied, back)
+    config = json.loads((tmp_path / "tied" / "config.json").read_text())
+    config["tie_word_embeddings"] = True  # (as a writer that kept the original config would: the head is stored)
+    (tmp_path / "tied" / "config.json").write_text(json.dumps(config))
+    again = from_pretrained(tmp_path / "tied", dtype=torch.float32)
+    assert not again.config.get_text_config().tie_word_embeddings and "lm_head.weight" not in again.state_dict()
+    _same_stored(tied, again)
     tied = quantize(fresh("tiny", tie_word_embeddings=True), "int4", group_size=32)  # (a plain head: tied again)
     back = from_pretrained(fastqwen.save_pretrained(tied, tmp_path / "tied-plain"), dtype=torch.float32)
     assert back.lm_head.weight is back.model.embed_tokens.weight

@@ -246,6 +246,10 @@ def from_pretrained(path, *, dtype=torch.bfloat16, device="cpu"):
     plain = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     missing, unexpected = model.load_state_dict(plain, strict=False, assign=True)
     tied = config.get_text_config().tie_word_embeddings  # (lm_head.weight: the embedding's, not stored)
+    if tied and "lm_head" in done:  # a quantized head of its own: the embedding no longer is its weight
+        tied = False
+        for c in (model.config, model.config.get_text_config()):
+            c.tie_word_embeddings = False
     missing = [m for m in missing if not m.endswith("inv_freq") and m.rsplit(".", 1)[0] not in done
                and not (tied and m == "lm_head.weight")]
     if missing or unexpected:
