@@ -218,6 +218,7 @@ def test_fp8_weight_saves_as_compressed_tensors_and_loads_back(tmp_path):
     qc = json.loads((path / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "float-quantized"
     assert qc["config_groups"]["group_0"]["weights"]["strategy"] == "channel" and "lm_head" in qc["ignore"]
+    assert "model.layers.0.mlp.gate" in qc["ignore"]  # (the router: unquantized, a Linear to vLLM)
     loaded = from_pretrained(path, dtype=torch.float32)
     sa, sb = model.state_dict(), loaded.state_dict()
     assert sorted(sa) == sorted(sb)

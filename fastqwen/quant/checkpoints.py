@@ -324,7 +324,8 @@ def save_pretrained(model, path, *, mtp_from=None, shard_bytes: int = SHARD_BYTE
         written = {f"{k}.{new}": t[old] for k, t in matrices.items()
                    for old, new in (("qweight", "weight"), ("scale_inv", "weight_scale_inv"))}
     elif scheme == "fp8-weight":
-        qc = compressed.fp8_rows_config([n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)])
+        qc = compressed.fp8_rows_config([n for n, m in model.named_modules()  # (routers: Linears to other readers)
+                                         if isinstance(m, torch.nn.Linear) or type(m).__name__.endswith("Router")])
         written = {f"{k}.{name}": v for k, t in matrices.items()
                    for name, v in compressed.fp8_rows_tensors(t["qweight"], t["scale"]).items()}
     else:
