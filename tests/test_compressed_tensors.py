@@ -213,9 +213,14 @@ def test_a_per_channel_int4_checkpoint_of_a_real_width_takes_the_kernel_group(tm
 def test_fp8_weight_saves_as_compressed_tensors_and_loads_back(tmp_path):
     """save_pretrained writes fp8-weight (no Qwen format holds per-row scales) as compressed-tensors' FP8 channel
     scheme, unquantized Linears in `ignore`; it loads back to the same stored tensors and tokens."""
+    from fastqwen import presets
+
     model = quantize(fresh("tiny-moe", moe_intermediate_size=128), "fp8-weight")
-    path = fastqwen.save_pretrained(model, tmp_path / "q")
+    head = tmp_path / "mtp.safetensors"  # (a bf16 MTP head: named in `ignore`, or other readers take it for fp8)
+    save_file({k: v.contiguous() for k, v in presets.random_mtp_tensors(model).items()}, str(head))
+    path = fastqwen.save_pretrained(model, tmp_path / "q", mtp_from=head)
     qc = json.loads((path / "config.json").read_text())["quantization_config"]
+    assert "mtp.fc" in qc["ignore"] and "mtp.layers.0.self_attn.q_proj" in qc["ignore"]
     assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "float-quantized"
     assert qc["config_groups"]["group_0"]["weights"]["strategy"] == "channel" and "lm_head" in qc["ignore"]
     assert "model.layers.0.mlp.gate" in qc["ignore"]  # (the router: unquantized, a Linear to vLLM)

@@ -644,8 +644,15 @@ def test_a_quantized_model_saves_and_loads_back_to_the_same_tensors_and_tokens(t
     128-row blocks a projection: an intermediate size of 128.)"""
     model = quantize(fresh(name, **({"moe_intermediate_size": 128} if name == "tiny-moe" else {})), scheme)
     path = fastqwen.save_pretrained(model, tmp_path / "q", shard_bytes=1 << 16)
-    qc = json.loads((path / "config.json").read_text())["quantization_config"]
+    config = json.loads((path / "config.json").read_text())
+    qc = config["quantization_config"]
     assert qc["quant_method"] == ("fp8" if scheme == "fp8" else "gptq")
+    assert config["architectures"] == [type(model).__name__]  # (what other readers pick the model class by)
+    if scheme == "fp8":  # (the Linears left in the model dtype, by name: other readers quantize the rest)
+        assert "lm_head" in qc["modules_to_not_convert"] and "model.layers.0.mlp.down_proj" not in qc[
+            "modules_to_not_convert"]
+    else:
+        assert qc["lm_head"] is False
     assert len(list(path.glob("*.safetensors"))) > 1 and (path / "model.safetensors.index.json").exists()
     loaded = from_pretrained(path, dtype=torch.float32)
     _same_stored(model, loaded)
@@ -737,6 +744,8 @@ def test_save_pretrained_carries_the_mtp_head(tmp_path):
     saved = fastqwen.save_pretrained(from_pretrained(source, dtype=torch.float32), tmp_path / "saved")
     written = stored_mtp_tensors(saved)
     assert written.keys() == mtp.keys() and any(t.dtype == torch.float8_e4m3fn for t in written.values())
+    skipped = json.loads((saved / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
+    assert "mtp.fc" not in skipped and "lm_head" in skipped  # (the head is fp8 with its scales, as the checkpoint)
     assert all(torch.equal(written[k].view(torch.uint8), mtp[k].view(torch.uint8)) for k in mtp)
     again = from_pretrained(saved, dtype=torch.float32)
     ids = torch.randint(1, 500, (1, 12))

@@ -301,6 +301,9 @@ def save_pretrained(model, path, *, mtp_from=None, shard_bytes: int = SHARD_BYTE
     so that none is read in place of these). The MTP head (`mtp.*`, for speculate="mtp") is no part of a
     transformers model: it is copied as stored from `mtp_from`, by default the local checkpoint the model was
     loaded from when it has one (False: none; read before anything is written, so `path` may be that checkpoint).
+    For other readers (vLLM, transformers) the config names the model class (`architectures`) and what stays in
+    the model dtype: fp8's `modules_to_not_convert` and compressed-tensors' `ignore` list the plain Linears and
+    routers (and an MTP head copied unquantized), GPTQ's `lm_head` says whether the head is quantized.
     Returns the directory."""
     from safetensors.torch import save_file
 
@@ -319,19 +322,21 @@ def save_pretrained(model, path, *, mtp_from=None, shard_bytes: int = SHARD_BYTE
         raise ValueError("a shared expert is stacked into its routed experts (optimize's layout): save before optimize")
     matrices = {f"{n}.{e}.{proj}" if isinstance(m, QuantExperts) else n: t
                 for n, m in layers.items() for (e, proj), t in _stored_matrices(m).items()}
+    plain = [n for n, m in model.named_modules()  # (other readers quantize what these lists do not name; routers
+             if isinstance(m, torch.nn.Linear) or type(m).__name__.endswith("Router")]  # are Linears to them)
     if scheme == "fp8":
-        qc = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic", "fmt": "e4m3"}
+        qc = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic", "fmt": "e4m3",
+              "modules_to_not_convert": plain}
         written = {f"{k}.{new}": t[old] for k, t in matrices.items()
                    for old, new in (("qweight", "weight"), ("scale_inv", "weight_scale_inv"))}
     elif scheme == "fp8-weight":
-        qc = compressed.fp8_rows_config([n for n, m in model.named_modules()  # (routers: Linears to other readers)
-                                         if isinstance(m, torch.nn.Linear) or type(m).__name__.endswith("Router")])
+        qc = compressed.fp8_rows_config(plain)
         written = {f"{k}.{name}": v for k, t in matrices.items()
                    for name, v in compressed.fp8_rows_tensors(t["qweight"], t["scale"]).items()}
     else:
         group = _gptq_group(matrices, {m.group for m in layers.values()})
         offset = 1 if min(t["zero"].min().item() for t in matrices.values()) >= 1 else 0
-        qc = {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": False,
+        qc = {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": False, "lm_head": "lm_head" in layers,
               "desc_act": any(t.get("perm") is not None for t in matrices.values()),
               "checkpoint_format": "gptq" if offset else "gptq_v2"}
         written = {}
@@ -350,6 +355,7 @@ def save_pretrained(model, path, *, mtp_from=None, shard_bytes: int = SHARD_BYTE
             c["tie_word_embeddings"] = False
     elif model.config.get_text_config().tie_word_embeddings:
         state.pop("lm_head.weight", None)  # (the embedding's storage: tied again on load)
+    config["architectures"] = [type(model).__name__]  # (transformers leaves it None: other readers need it)
     config["quantization_config"] = qc
     mtp = {}
     if mtp_from is None:
@@ -367,6 +373,12 @@ def save_pretrained(model, path, *, mtp_from=None, shard_bytes: int = SHARD_BYTE
         if not mtp:
             raise ValueError(f"mtp_from={str(mtp_from)!r} has no mtp.* tensors: pass the checkpoint that ships the MTP "
                              f"head, or mtp_from=False")
+    unscaled = sorted({k.rsplit(".", 1)[0] for k, v in mtp.items() if k.endswith(".weight") and v.dim() == 2} -
+                      {k.rsplit(".", 1)[0] for k in mtp if k.endswith((".weight_scale_inv", ".weight_scale"))})
+    if scheme == "fp8":  # (an MTP head copied unquantized: other readers would take its weights for fp8 codes)
+        qc["modules_to_not_convert"] += unscaled
+    elif scheme == "fp8-weight":
+        qc["ignore"] += unscaled
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(config, indent=2))
