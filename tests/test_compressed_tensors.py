@@ -210,6 +210,17 @@ def test_a_per_channel_int4_checkpoint_of_a_real_width_takes_the_kernel_group(tm
     assert loaded.model.layers[0].mlp.down_proj.stored_group() == 128
 
 
+def loads_back_the_same(model, path):
+    """from_pretrained(path) holds `model`'s state dict (same dtypes and values) and gives its greedy tokens."""
+    loaded = from_pretrained(path, dtype=torch.float32)
+    sa, sb = model.state_dict(), loaded.state_dict()
+    assert sorted(sa) == sorted(sb)
+    assert all(sa[k].dtype == sb[k].dtype and torch.equal(sa[k].float(), sb[k].float()) for k in sa)
+    ids = torch.randint(1, 500, (1, 12))
+    assert torch.equal(type(loaded).generate(loaded, ids, max_new_tokens=8, do_sample=False),
+                       type(model).generate(model, ids, max_new_tokens=8, do_sample=False))
+
+
 def test_fp8_weight_saves_as_compressed_tensors_and_loads_back(tmp_path):
     """save_pretrained writes fp8-weight (no Qwen format holds per-row scales) as compressed-tensors' FP8 channel
     scheme, unquantized Linears in `ignore`; it loads back to the same stored tensors and tokens."""
@@ -224,13 +235,7 @@ def test_fp8_weight_saves_as_compressed_tensors_and_loads_back(tmp_path):
     assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "float-quantized"
     assert qc["config_groups"]["group_0"]["weights"]["strategy"] == "channel" and "lm_head" in qc["ignore"]
     assert "model.layers.0.mlp.gate" in qc["ignore"]  # (the router: unquantized, a Linear to vLLM)
-    loaded = from_pretrained(path, dtype=torch.float32)
-    sa, sb = model.state_dict(), loaded.state_dict()
-    assert sorted(sa) == sorted(sb)
-    assert all(sa[k].dtype == sb[k].dtype and torch.equal(sa[k].float(), sb[k].float()) for k in sa)
-    ids = torch.randint(1, 500, (1, 12))
-    assert torch.equal(type(loaded).generate(loaded, ids, max_new_tokens=8, do_sample=False),
-                       type(model).generate(model, ids, max_new_tokens=8, do_sample=False))
+    loads_back_the_same(model, path)
 
 
 def test_errors(tmp_path):
@@ -334,3 +339,57 @@ def test_an_int4_mtp_head_is_refused_with_the_fix(tmp_path):
     save_file({f"mtp.fc.{k}": v for k, v in t.items()}, str(tmp_path / "mtp.safetensors"))
     with pytest.raises(ValueError, match="MTP head is stored in int4.*draft_quant='int4'"):
         read_mtp_tensors(tmp_path / "mtp.safetensors")
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-moe"])
+def test_int4_saves_as_compressed_tensors_and_loads_back(tmp_path, name):
+    """save_pretrained(int4_format="compressed-tensors"): asymmetric W4A16 (what vLLM serves; it refuses GPTQ's
+    asymmetric form), routed experts one module each; it loads back to the same stored tensors and tokens, and its
+    packing is compressed-tensors' (the tests' writer gives the same words for the dequantized codes)."""
+    model = quantize(fresh(name, **({"moe_intermediate_size": 128} if name == "tiny-moe" else {})), "int4",
+                     group_size=32)
+    path = fastqwen.save_pretrained(model, tmp_path / "q", int4_format="compressed-tensors")
+    qc = json.loads((path / "config.json").read_text())["quantization_config"]
+    weights = qc["config_groups"]["group_0"]["weights"]
+    assert (qc["format"], weights["strategy"], weights["group_size"], weights["symmetric"]) == (
+        "pack-quantized", "group", 32, False)
+    loads_back_the_same(model, path)
+    from safetensors import safe_open
+
+    layer = model.model.layers[0].mlp.down_proj if name == "tiny" else model.model.layers[0].mlp.shared_expert.down_proj
+    key = "model.layers.0.mlp." + ("down_proj" if name == "tiny" else "shared_expert.down_proj")
+    from fastqwen.quant.formats import unpack_int4, untile_int4
+
+    codes = unpack_int4(untile_int4(layer.qweight)).to(torch.int8) - 8  # (q, signed, as compressed-tensors holds it)
+    zp = layer.zero.to(torch.int8) - 8  # (group 32 < 128: stored one a group)
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        assert torch.equal(f.get_tensor(f"{key}.weight_packed"), ct_pack(codes, 1))
+        assert torch.equal(f.get_tensor(f"{key}.weight_zero_point"), ct_pack(zp, 0))
+
+
+def test_act_order_int4_saves_as_compressed_tensors_with_its_g_idx(tmp_path):
+    """An act-order W4A16 checkpoint loads, saves as compressed-tensors and loads back to the same tensors, its
+    weight_g_idx as it was; a zero of 16 (GPTQ's v1 can hold it) and an unknown int4_format are refused."""
+    model = fresh("tiny")
+    weights = {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group", "group_size": 32,
+               "actorder": "group"}
+    path, _ = write_ct(tmp_path / "ckpt", model, lambda w, seed: int4_layer(w, 32, False, True, seed=seed),
+                       ct_config(weights, "pack-quantized"))
+    loaded = from_pretrained(path, dtype=torch.float32)
+    saved = fastqwen.save_pretrained(loaded, tmp_path / "saved", int4_format="compressed-tensors")
+    assert json.loads((saved / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"][
+        "weights"]["actorder"] == "group"
+    again = from_pretrained(saved, dtype=torch.float32)
+    sa, sb = loaded.state_dict(), again.state_dict()
+    assert sorted(sa) == sorted(sb) and all(torch.equal(sa[k].float(), sb[k].float()) for k in sa)
+    from safetensors import safe_open
+
+    key = "model.layers.0.mlp.down_proj.weight_g_idx"
+    with safe_open(str(path / "model.safetensors"), "pt") as a, safe_open(str(saved / "model.safetensors"), "pt") as b:
+        assert torch.equal(a.get_tensor(key), b.get_tensor(key))
+    with torch.no_grad():
+        loaded.model.layers[0].mlp.down_proj.zero[0, 0] = 16
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.down_proj: .*zeros 0…15; got zeros \d+…16 \(a GPTQ"):
+        fastqwen.save_pretrained(loaded, tmp_path / "z16", int4_format="compressed-tensors")
+    with pytest.raises(ValueError, match="int4_format='awq': 'gptq' \\(the default\\) or 'compressed-tensors'"):
+        fastqwen.save_pretrained(loaded, tmp_path / "x", int4_format="awq")

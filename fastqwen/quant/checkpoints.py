@@ -289,11 +289,13 @@ SHARD_BYTES = 5 << 30  # save_pretrained's largest safetensors file
 _WEIGHT_FILE = re.compile(r"model(-\d+-of-\d+)?\.safetensors(\.index\.json)?")  # what save_pretrained writes
 
 
-def save_pretrained(model, path, *, mtp_from=None, shard_bytes: int = SHARD_BYTES) -> Path:
+def save_pretrained(model, path, *, int4_format: str = "gptq", mtp_from=None, shard_bytes: int = SHARD_BYTES) -> Path:
     """Write `model`, quantized by fastqwen.quant.quantize or loaded by from_pretrained (and not yet optimized),
     as a checkpoint from_pretrained reads back to the same stored tensors: fp8 layers as Qwen's FP8 (`weight` e4m3
     + `weight_scale_inv` per 128×128 block), int4 as GPTQ (4 bits, the layers' group or -1 for per-channel,
-    act-order as g_idx, the "gptq" format, which stores zero − 1, unless a zero is 0: then "gptq_v2"), fp8-weight
+    act-order as g_idx, the "gptq" format, which stores zero − 1, unless a zero is 0: then "gptq_v2"; or, with
+    int4_format="compressed-tensors", as its asymmetric W4A16, which vLLM serves and GPTQ's asymmetric form it
+    refuses), fp8-weight
     as compressed-tensors' FP8 channel scheme (`weight` e4m3 × `weight_scale` [N, 1], other Linears `ignore`d). Routed
     experts are written one module each (`mlp.experts.<e>.{gate,up,down}_proj`), as Qwen publishes them; the rest
     of the state dict as it is (a multimodal model's vision tower too), in safetensors files of at most
@@ -309,6 +311,9 @@ def save_pretrained(model, path, *, mtp_from=None, shard_bytes: int = SHARD_BYTE
 
     from ..spec.mtp import checkpoint_source, stored_mtp_tensors
 
+    if int4_format not in ("gptq", "compressed-tensors"):
+        raise ValueError(f"int4_format={int4_format!r}: 'gptq' (the default) or 'compressed-tensors'")
+
     if getattr(model, "_fastqwen", None) is not None:
         raise ValueError("save_pretrained takes the model before fastqwen.optimize (optimize fuses projections and "
                          "stacks shared experts, which are no checkpoint's layout): quantize, save, then optimize")
@@ -318,6 +323,8 @@ def save_pretrained(model, path, *, mtp_from=None, shard_bytes: int = SHARD_BYTE
         raise ValueError(f"save_pretrained writes a model quantized in one scheme; got {sorted(schemes) or 'none'} "
                          f"(a model with no quantized layer saves with its own save_pretrained)")
     scheme = schemes.pop()
+    if int4_format != "gptq" and scheme != "int4":
+        warnings.warn(f"int4_format={int4_format!r} is ignored: the model is quantized in {scheme!r}", stacklevel=2)
     if any(getattr(m, "stacks", None) for m in layers.values()):
         raise ValueError("a shared expert is stacked into its routed experts (optimize's layout): save before optimize")
     matrices = {f"{n}.{e}.{proj}" if isinstance(m, QuantExperts) else n: t
@@ -335,18 +342,24 @@ def save_pretrained(model, path, *, mtp_from=None, shard_bytes: int = SHARD_BYTE
                    for name, v in compressed.fp8_rows_tensors(t["qweight"], t["scale"]).items()}
     else:
         group = _gptq_group(matrices, {m.group for m in layers.values()})
+        act_order = any(t.get("perm") is not None for t in matrices.values())
         offset = 1 if min(t["zero"].min().item() for t in matrices.values()) >= 1 else 0
-        qc = {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": False, "lm_head": "lm_head" in layers,
-              "desc_act": any(t.get("perm") is not None for t in matrices.values()),
-              "checkpoint_format": "gptq" if offset else "gptq_v2"}
+        qc = (compressed.int4_config(group, act_order, plain) if int4_format == "compressed-tensors" else
+              {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": False, "lm_head": "lm_head" in layers,
+               "desc_act": act_order, "checkpoint_format": "gptq" if offset else "gptq_v2"})
         written = {}
         for k, t in matrices.items():
             K = t["codes"].shape[1]
             g = K if group == -1 else group
             step = g // (K // t["scale"].shape[-1])  # (stored scale columns a group: checked by _gptq_group)
-            gptq = to_gptq(t["codes"], t["scale"][:, ::step].float(), t["zero"][:, ::step].float(), t.get("perm"),
-                           group=g, zero_offset=offset)
-            written.update({f"{k}.{name}": v for name, v in gptq.items()})
+            scale, zero = t["scale"][:, ::step], t["zero"][:, ::step]
+            try:
+                out = (compressed.int4_tensors(t["codes"], scale, zero, t.get("perm"), g)
+                       if int4_format == "compressed-tensors" else
+                       to_gptq(t["codes"], scale.float(), zero.float(), t.get("perm"), group=g, zero_offset=offset))
+            except ValueError as err:
+                raise ValueError(f"{k}: {err}") from None
+            written.update({f"{k}.{name}": v for name, v in out.items()})
     biases = {f"{n}.bias": m.bias for n, m in layers.items() if getattr(m, "bias", None) is not None}
     state = {k: v for k, v in model.state_dict().items() if not any(k.startswith(n + ".") for n in layers)}
     config = model.config.to_dict()
@@ -377,7 +390,7 @@ def save_pretrained(model, path, *, mtp_from=None, shard_bytes: int = SHARD_BYTE
                       {k.rsplit(".", 1)[0] for k in mtp if k.endswith((".weight_scale_inv", ".weight_scale"))})
     if scheme == "fp8":  # (an MTP head copied unquantized: other readers would take its weights for fp8 codes)
         qc["modules_to_not_convert"] += unscaled
-    elif scheme == "fp8-weight":
+    elif qc["quant_method"] == "compressed-tensors":
         qc["ignore"] += unscaled
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)

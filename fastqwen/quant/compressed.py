@@ -18,7 +18,7 @@ import warnings
 import torch
 
 from .formats import FP8, INT4_SCALE
-from .gptq import _nibbles, group_order
+from .gptq import _nibbles, _pack_nibbles, group_order
 
 _FP8_FORMATS = ("float-quantized", "naive-quantized")
 
@@ -127,17 +127,49 @@ def to_ours(args: dict, t: dict, shape) -> tuple:
     return "int4", {**tensors, **({"perm": perm} if perm is not None else {})}, group
 
 
+def _config(weights: dict, fmt: str, ignore: list) -> dict:
+    """A quantization_config of one weights scheme on every Linear but `ignore`'s, weight-only."""
+    weights = {"symmetric": True, "dynamic": False, "group_size": None, "block_structure": None, "actorder": None,
+               "observer": "minmax", "observer_kwargs": {}, **weights}
+    return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                          "output_activations": None}},
+            "ignore": ignore, "kv_cache_scheme": None, "sparsity_config": {}, "global_compression_ratio": None}
+
+
 def fp8_rows_config(ignore: list) -> dict:
     """The quantization_config of fp8-weight layers written as compressed-tensors' FP8 channel scheme (what
     llm-compressor's FP8_DYNAMIC writes, less the dynamic per-token input rounding, which fp8-weight does not do);
     `ignore`: the Linear modules left unquantized."""
-    weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "dynamic": False,
-               "group_size": None, "block_structure": None, "actorder": None, "observer": "minmax",
-               "observer_kwargs": {}}
-    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
-                                          "output_activations": None}},
-            "ignore": ignore, "kv_cache_scheme": None, "sparsity_config": {}, "global_compression_ratio": None}
+    return _config({"num_bits": 8, "type": "float", "strategy": "channel"}, "float-quantized", ignore)
+
+
+def int4_config(group: int, act_order: bool, ignore: list) -> dict:
+    """The quantization_config of int4 layers written as compressed-tensors' asymmetric W4A16 (pack-quantized):
+    `group` columns a group, -1 for one a row ("channel"); act_order: the layers carry weight_g_idx."""
+    strategy = {"strategy": "channel"} if group == -1 else {"strategy": "group", "group_size": group}
+    return _config({"num_bits": 4, "type": "int", "symmetric": False, **strategy,
+                    "actorder": "group" if act_order else None}, "pack-quantized", ignore)
+
+
+def int4_tensors(codes, scale, zero, perm, group: int) -> dict:
+    """to_ours' inverse for int4: {weight_packed, weight_scale (fp16: ours, exactly), weight_zero_point,
+    weight_shape, and weight_g_idx where perm is given} of codes [N, K] (stored column order: original column
+    perm[j] at j), scale and zero [N, K / group] (zero = zp + 8, integers 0…15). N and K multiples of 8."""
+    N, K = codes.shape
+    if N % 8 or K % 8 or zero.min() < 0 or zero.max() > 15:
+        raise ValueError(f"compressed-tensors packs 8 codes an int32 and stores zero points in 4 bits: N={N} and "
+                         f"K={K} must be multiples of 8 and zeros 0…15; got zeros {zero.min().item():g}…"
+                         f"{zero.max().item():g} (a GPTQ checkpoint's zero of 16 has no such form: save it as GPTQ)")
+    order = torch.arange(K, device=codes.device) if perm is None else perm.long()
+    original = torch.empty_like(codes).index_copy_(1, order, codes)
+    zp = zero.round().to(torch.int32).t().reshape(-1, N // 8, 8)  # [G, N/8, 8]: 8 rows a word
+    t = {"weight_packed": _pack_nibbles(original.reshape(N, K // 8, 8)), "weight_scale": scale.to(INT4_SCALE),
+         "weight_zero_point": _pack_nibbles(zp).t().contiguous(), "weight_shape": torch.tensor([N, K])}
+    if perm is not None:
+        t["weight_g_idx"] = torch.empty(K, dtype=torch.int32, device=codes.device).index_copy_(
+            0, order, (torch.arange(K, device=codes.device) // group).to(torch.int32))
+    return t
 
 
 def fp8_rows_tensors(qweight: torch.Tensor, scale: torch.Tensor) -> dict:
