@@ -145,6 +145,18 @@ def test_dflash_errors(tmp_path, draft_dir):
         fastqwen.optimize(model, compile=False, speculate="dflash", draft=draft_dir, num_speculative_tokens=4)
 
 
+def test_draft_config_without_vocab_size_loads(tmp_path):
+    """vocab_size is optional in a draft's config.json (the draft has no embedding or lm_head of its own): one
+    without it loads, rather than being refused against Qwen3Config's default vocabulary (151936)."""
+    config = {k: v for k, v in CONFIG.items() if k != "vocab_size"}
+    plain = fastqwen.optimize(fresh("tiny"), max_seq_len=64, compile=False)
+    spec = fastqwen.optimize(fresh("tiny"), max_seq_len=64, compile=False, speculate="dflash",
+                             draft=write_draft(tmp_path, config))
+    ids = torch.randint(1, 500, (1, 9))
+    assert torch.equal(spec.generate(ids, max_new_tokens=12, do_sample=False),
+                       plain.generate(ids, max_new_tokens=12, do_sample=False))
+
+
 def test_draft_with_no_target_layer_ids_is_refused(tmp_path):
     """Empty ids loaded and failed in generate's first round (a cat of no features)."""
     config = {**CONFIG, "dflash_config": {"mask_token_id": 500, "target_layer_ids": []}}

@@ -282,6 +282,21 @@ def test_streamer_sees_every_token_with_speculation(engines):
     assert streamer.chunks[0] == ids[0].tolist() and sum(streamer.chunks[1:], []) == out[0, 8:].tolist()
 
 
+def test_streamer_sees_every_row_of_a_batch_with_speculation(engines):
+    """A streamer over a ragged batch gets what plain decoding gives it: one [rows] tensor a position, every row's
+    token there and pad after a row's end (row 1 ends by EOS, mid-round where a round accepts drafts), not row 0's
+    tokens only."""
+    plain, spec = engines
+    ids, mask = left_padded([torch.randint(1, 500, (n,)) for n in (12, 5)])
+    free = plain.generate(ids, attention_mask=mask, max_new_tokens=17, do_sample=False)[:, ids.shape[1]:]
+    kw = dict(attention_mask=mask, max_new_tokens=17, do_sample=False, eos_token_id=int(free[1, 6]), pad_token_id=3)
+    want, got = Collect(), Collect()
+    expected = plain.generate(ids, streamer=want, **kw)
+    speculate(spec, free, 0.3)
+    assert torch.equal(spec.generate(ids, streamer=got, **kw), expected)
+    assert got.chunks == want.chunks
+
+
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_imposed_acceptance_reaches_the_chosen_tau(compile):
     """OracleProposer(impose=True), the benchmarks' proposer: every row's mean tokens per round is the τ that

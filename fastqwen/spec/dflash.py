@@ -68,7 +68,7 @@ class DFlashDraft(nn.Module):
         cfg = Qwen3Config(**{k: v for k, v in config.items() if k not in ("architectures", "auto_map", "dflash_config")})
         self.sliding_window = config.get("sliding_window")
         self.layer_types = list(config.get("layer_types") or ["full_attention"] * cfg.num_hidden_layers)
-        self._check_fit(cfg, target, tensors)
+        self._check_fit(cfg, target, tensors, config)
         H = cfg.hidden_size
         emb = model.get_input_embeddings().weight
         with torch.device(emb.device):
@@ -85,11 +85,11 @@ class DFlashDraft(nn.Module):
         if missing or unexpected:
             raise ValueError(f"DFlash draft does not fit: missing {missing[:6]}, unexpected {unexpected[:6]}")
 
-    def _check_fit(self, cfg, target, tensors) -> None:
+    def _check_fit(self, cfg, target, tensors, config: dict) -> None:
         problems = []
         if cfg.hidden_size != target.hidden_size:
             problems.append(f"hidden size {cfg.hidden_size} != target's {target.hidden_size}")
-        if "vocab_size" in cfg.to_dict() and cfg.vocab_size != target.vocab_size:
+        if "vocab_size" in config and cfg.vocab_size != target.vocab_size:  # (cfg has Qwen3Config's default)
             problems.append(f"vocab {cfg.vocab_size} != target's {target.vocab_size}")
         ids = self.target_layer_ids
         bad = [i for i in ids if not 0 <= i < target.num_hidden_layers]

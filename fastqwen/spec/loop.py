@@ -109,7 +109,7 @@ class Speculator:
         step = self.step_for(self.k if k is None else k, do_sample, self.engine.penalized)
         checked = self.stop_at(criteria, prompt, [0] * rows) if criteria is not None else None
         if streamer is not None:
-            streamer.put(first[:1].cpu())
+            streamer.put(first[:rows].cpu())
         shown = 1
         for _ in range(max_new):
             watch.launched()
@@ -119,13 +119,21 @@ class Speculator:
             if criteria is not None:
                 checked = self.stop_at(criteria, prompt, checked)
             if streamer is not None:
-                end = int(self.n_out[0])
-                streamer.put(self.out[0, shown:end].cpu())
-                shown = end
+                shown = self.stream(streamer, rows, shown)
         width = int(self.n_out[:rows].max())
         new = self.out[:rows, :width].clone()
         cols = torch.arange(width, device=new.device)
         return torch.where(cols[None, :] < self.n_out[:rows, None], new, s["pad"])
+
+    def stream(self, streamer, rows: int, shown: int) -> int:
+        """Put each position from `shown` on that every row has settled (emitted, or done: pad there) as one [rows]
+        tensor, as plain decoding streams (transformers' order); returns the positions now shown."""
+        n, pad = self.n_out[:rows], self.engine.state["pad"]
+        end = int(torch.where(self.engine.state["done"][:rows], n.max(), n).min())
+        cols = torch.arange(shown, max(end, shown), device=n.device)
+        for column in torch.where(cols < n[:, None], self.out[:rows, cols], pad).cpu().t():
+            streamer.put(column)
+        return max(end, shown)
 
     def stop_at(self, criteria, prompt: torch.Tensor, checked: list) -> list:
         """Run `criteria` at every position p each row emitted after its `checked` count (host ints, one a row), as
