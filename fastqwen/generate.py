@@ -196,8 +196,9 @@ class Engine:
         from .spec.loop import Speculator
 
         check_num_speculative_tokens(k)
-        if k + 2 > self.max_seq_len:
-            raise ValueError(f"max_seq_len={self.max_seq_len} leaves no room for a block of {k + 1} tokens")
+        if k + 3 > self.max_seq_len:  # (generate's smallest call: a 1-token prompt, 1 new token, a block)
+            raise ValueError(f"max_seq_len={self.max_seq_len} leaves no room for a 1-token prompt, a new token and a "
+                             f"verify block of {k + 1} tokens; pass max_seq_len >= {k + 3} or speculate fewer tokens")
         self.cache = self.forward.cache = None  # (freed first: two caches at once may not fit)
         self.cache = HybridCache(self.model.config.get_text_config(), self.max_batch_size, self.max_seq_len,
                                  self.dtype, self.device, block=k + 1)

@@ -67,6 +67,22 @@ def test_batch1_long_prompt(engines):
     assert torch.equal(spec.generate(ids, max_new_tokens=NEW, do_sample=False), expected)
 
 
+def test_cache_too_short_for_any_speculative_call_is_refused():
+    """max_seq_len = k + 2 took speculation and then failed every generate (the warmup too) with "nothing to
+    generate"; k + 3 is the smallest cache that holds a 1-token prompt, a new token and a verify block."""
+    plain = fastqwen.optimize(fresh("tiny"), max_seq_len=K + 3, compile=False)
+    ids = torch.randint(1, 500, (1, 1))
+    expected = plain.generate(ids, max_new_tokens=1, do_sample=False)
+    for n, fits in ((K + 2, False), (K + 3, True)):
+        spec = fastqwen.optimize(fresh("tiny"), max_seq_len=n, compile=False)
+        if not fits:
+            with pytest.raises(ValueError, match=f"max_seq_len >= {K + 3}"):
+                speculate(spec, expected[:, 1:], 0.0)
+            continue
+        speculate(spec, expected[:, 1:], 0.0)
+        assert torch.equal(spec.generate(ids, max_new_tokens=1, do_sample=False), expected)
+
+
 @pytest.mark.parametrize("max_new", [1, 2, 7, 13])
 def test_max_new_tokens_ending_inside_a_block(engines, max_new):
     plain, spec = engines
