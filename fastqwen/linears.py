@@ -53,7 +53,7 @@ def fuse_linears(module, names) -> None:
     for lin in linears:
         n = lin.out_features
         if type(lin) is torch.nn.Linear:
-            lin.weight = torch.nn.Parameter(fused.weight[start:start + n], requires_grad=False)
+            lin.weight.data = fused.weight[start:start + n]  # (the same Parameter: requires_grad, optimizers' refs)
         else:
             for name, t in fused.named_buffers(recurse=False):
                 rows = (slice(start // STEP, -(-(start + n) // STEP)) if name == "scale_inv" and lin.scheme == "fp8"

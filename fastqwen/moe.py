@@ -36,9 +36,9 @@ def stack_shared_expert(mlp) -> bool:
     if not _fits(mlp):
         return False
     e, shared, E = mlp.experts, mlp.shared_expert, mlp.gate.weight.shape[0]
-    view = lambda t: torch.nn.Parameter(t, requires_grad=False)  # noqa: E731
     with torch.no_grad():
         router = torch.cat([mlp.gate.weight, mlp.shared_expert_gate.weight])
+        views = [(mlp.gate.weight, router[:E]), (mlp.shared_expert_gate.weight, router[E:])]
         if hasattr(e, "stack_shared"):  # quantized experts
             e.stack_shared(shared)
             gate_up = down = None
@@ -46,10 +46,10 @@ def stack_shared_expert(mlp) -> bool:
             inter = shared.gate_proj.out_features
             gate_up = torch.cat([e.gate_up_proj, torch.cat([shared.gate_proj.weight, shared.up_proj.weight])[None]])
             down = torch.cat([e.down_proj, shared.down_proj.weight[None]])
-            e.gate_up_proj, e.down_proj = view(gate_up[:E]), view(down[:E])
-            shared.gate_proj.weight, shared.up_proj.weight = view(gate_up[E, :inter]), view(gate_up[E, inter:])
-            shared.down_proj.weight = view(down[E])
-    mlp.gate.weight, mlp.shared_expert_gate.weight = view(router[:E]), view(router[E:])
+            views += [(e.gate_up_proj, gate_up[:E]), (e.down_proj, down[:E]), (shared.down_proj.weight, down[E]),
+                      (shared.gate_proj.weight, gate_up[E, :inter]), (shared.up_proj.weight, gate_up[E, inter:])]
+        for p, t in views:  # p stays the model's Parameter (its requires_grad, optimizers' refs), on t's storage
+            p.data = t
     for t in (gate_up, down, router):
         if t is not None:
             torch._dynamo.mark_static_address(t)

@@ -62,6 +62,11 @@ def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile
                         ("prefill_chunk_tokens", prefill_chunk_tokens)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if not isinstance(compile, bool):  # ("max-autotune" or "reduce-overhead" would compile with other options)
+        raise ValueError(f"compile must be True or False, got {compile!r}; inductor's options go in compile_options")
+    if compile_options is not None and not isinstance(compile_options, dict):
+        raise ValueError(f"compile_options must be a dict of inductor options, e.g. {{'max_autotune': False}}; got "
+                         f"{compile_options!r}")
     if max_seq_len < 2:
         raise ValueError("max_seq_len must be at least 2 (one prompt token and one new token)")
     devices = {p.device for p in model.parameters()}
@@ -76,6 +81,15 @@ def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile
     if dtype not in _DTYPES:
         raise ValueError(f"unsupported model dtype {dtype}; load the model in bfloat16, float16 or float32")
     check_one_dtype(model, dtype)
+    rotary = text_model(model).rotary_emb
+    rope = getattr(rotary, "rope_type", "default")
+    if "dynamic" in rope or rope == "longrope":  # transformers rescales their frequencies past `limit` positions
+        limit = (model.config.get_text_config().rope_parameters["original_max_position_embeddings"]
+                 if rope == "longrope" else rotary.original_max_seq_len)
+        if max_seq_len > limit:
+            raise ValueError(f"rope_type={rope!r} changes its frequencies once a sequence passes {limit} positions, "
+                             f"which fastqwen's cache (keys roped once, at fixed frequencies) cannot follow: pass "
+                             f"max_seq_len <= {limit}, or load the model with a fixed rope (e.g. rope_type 'yarn')")
     if device.type == "cuda":
         try:
             import fla.ops.gated_delta_rule  # noqa: F401
@@ -137,7 +151,6 @@ def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile
         from .spec.draft_head import draft_head
 
         lm_head = draft_head(model.lm_head, draft_vocab, draft_lm_head, quant_group_size)  # None: the target's
-    model.eval()
     model._fastqwen = Engine(model, max_batch_size=max_batch_size, max_seq_len=max_seq_len, compile=compile,
                              compile_options=compile_options, compile_cache=compile_cache, kernels=kernels,
                              prefill_chunk_tokens=prefill_chunk_tokens)
@@ -177,6 +190,12 @@ def check_one_dtype(model, dtype) -> None:
             if p.dim() >= 2 and id(p) not in convs}
     mixed = [(name, p.dtype) for name, p in model.named_parameters()
              if id(p) in ours and p.is_floating_point() and p.dtype != dtype]
+    codes = [(name, other) for name, other in mixed if other.itemsize == 1]  # (transformers' FP8Linear, say)
+    if codes:  # a cast (the fix named below) would drop their scales: a silently wrong model
+        raise ValueError(f"{codes[0][0]} is {codes[0][1]}, a quantized checkpoint's codes as transformers loaded "
+                         f"them; casting them would drop their scales: load the checkpoint with "
+                         f"fastqwen.from_pretrained(path) (it keeps FP8, GPTQ, AWQ and compressed-tensors weights "
+                         f"quantized), then optimize")
     if mixed:
         (name, other), more = mixed[0], f" (and {len(mixed) - 1} more weights)" if len(mixed) > 1 else ""
         raise ValueError(f"fastqwen runs the matmuls in one dtype, the embeddings' {dtype}, but {name} is {other}{more}:"

@@ -32,6 +32,11 @@ def test_bad_optimize_options():
         fastqwen.optimize(fresh("tiny"), max_seq_len=1)
     with pytest.raises(TypeError):
         fastqwen.optimize(fresh("tiny"), paged_cache=True)
+    # compile="max-autotune" compiled with other options than named; a str of options failed inside inductor
+    with pytest.raises(ValueError, match="compile must be True or False, got 'max-autotune'.*compile_options"):
+        fastqwen.optimize(fresh("tiny"), compile="max-autotune")
+    with pytest.raises(ValueError, match="compile_options must be a dict of inductor options"):
+        fastqwen.optimize(fresh("tiny"), compile_options="max-autotune")
     from transformers import Qwen3_5ForCausalLM
 
     with torch.device("meta"):  # weights never loaded: optimize would pass and generate fail on "no data"
@@ -98,6 +103,37 @@ def test_parameters_in_another_dtype_than_the_model_are_refused():
     quantize(model, "fp8-weight", lm_head=True)
     opt = fastqwen.optimize(model, compile=False, max_seq_len=64)
     assert opt.generate(torch.randint(1, 500, (1, 5)), max_new_tokens=3).shape == (1, 8)
+
+
+def test_fp8_codes_as_transformers_loads_them_are_refused_with_from_pretrained_as_the_fix():
+    """transformers loads an FP8 checkpoint as FP8Linear layers: float8 codes beside their scales. The dtype check
+    said to cast the layer to the model dtype, after which FP8Linear multiplies by the unscaled codes (a silently
+    wrong model); the fix to name is fastqwen.from_pretrained, which keeps them quantized."""
+    model = fresh("tiny").to(torch.bfloat16)
+    gate = model.model.layers[0].mlp.gate_proj
+    gate.weight.data = gate.weight.data.to(torch.float8_e4m3fn)  # (FP8Linear's weight; its scale is another tensor)
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.gate_proj.weight is torch.float8_e4m3fn, a quantized "
+                                         r"checkpoint's codes.*drop their scales.*fastqwen.from_pretrained\(path\)"):
+        fastqwen.optimize(model, compile=False, max_seq_len=64)
+
+
+def test_a_rope_whose_frequencies_follow_the_length_is_refused_past_that_length():
+    """rope_type 'dynamic' (and 'longrope') changes transformers' frequencies once a sequence passes the original
+    length; our cache's keys are roped once, at fixed ones, so the tokens silently diverged. Within that length
+    both keep the original frequencies, and the tokens are transformers'."""
+    from conftest import hf_generate
+
+    from fastqwen import presets
+
+    rope = {**presets._ROPE, "rope_theta": 100.0, "rope_type": "dynamic", "factor": 4.0}
+    ids = torch.randint(1, 500, (1, 8))
+    with pytest.raises(ValueError, match=r"rope_type='dynamic' changes its frequencies once a sequence passes 16 "
+                                         r"positions.*pass max_seq_len <= 16"):
+        fastqwen.optimize(fresh("tiny", max_position_embeddings=16, rope_parameters=rope), compile=False)
+    model = fastqwen.optimize(fresh("tiny", max_position_embeddings=16, rope_parameters=rope), compile=False,
+                              max_seq_len=16)
+    expected = hf_generate(fresh("tiny", max_position_embeddings=16, rope_parameters=rope), ids, max_new_tokens=8)
+    assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False), expected)
 
 
 def test_prompt_longer_than_cache(opt):

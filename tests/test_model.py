@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import fresh
+from conftest import fresh, hf_generate
 from transformers import AutoModelForCausalLM
 
 import fastqwen
@@ -52,6 +52,28 @@ def test_fusion_follows_weights_replaced_after_an_earlier_optimize():
     fastqwen.optimize(swapped, compile=False, max_seq_len=64)
     fastqwen.optimize(reference, compile=False, max_seq_len=64)
     assert torch.equal(swapped.generate(ids, **gen), reference.generate(ids, **gen))
+
+
+@pytest.mark.parametrize("name, kernels", [("tiny", None), ("tiny-moe", {"experts": "grouped"})])
+def test_a_model_trained_between_generations_keeps_its_parameters_mode_and_grads(name, kernels):
+    """Fused projections and a stacked shared expert replaced their Parameters by requires_grad=False views, and
+    optimize put the model in eval mode: a model fine-tuned between fast generations (RL rollouts, say) silently
+    froze those weights, and an optimizer built before optimize stepped tensors the model no longer read. The
+    model keeps its mode and Parameter objects; its grads are a plain model's, and a step reaches generate."""
+    model, ref = fresh(name).train(), fresh(name).train()
+    params = dict(model.named_parameters())
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    fastqwen.optimize(model, compile=False, max_seq_len=64, kernels=kernels)
+    assert model.training
+    assert all(p is params[n] and p.requires_grad for n, p in model.named_parameters())
+    ids = torch.randint(1, 500, (1, 12))
+    for m in (model, ref):
+        m(ids, labels=ids).loss.backward()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad is not None and torch.allclose(p.grad, q.grad, atol=1e-6), n
+    sgd.step()
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False), hf_generate(ref, ids, max_new_tokens=8))
 
 
 @pytest.mark.parametrize("scheme,compile", [("fp8-weight", False), ("int4", False), ("int4", True)])

@@ -361,6 +361,28 @@ def _checkpoint(method, model, group=32):
     return tensors
 
 
+def test_quantize_keeps_linear_subclasses_whose_forward_is_more_than_their_weight():
+    """An nn.Linear subclass (a LoRA layer, transformers' FP8Linear) became a QuantLinear of its weight alone: its
+    own forward (here a LoRA delta) was dropped without a word. It is kept, named in the warning."""
+    class LoRA(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x) + x @ self.delta.T
+
+    model = fresh("tiny")
+    mlp = model.model.layers[0].mlp
+    lora = LoRA(mlp.gate_proj.in_features, mlp.gate_proj.out_features, bias=False)
+    lora.weight, lora.delta = mlp.gate_proj.weight, torch.nn.Parameter(torch.randn_like(mlp.gate_proj.weight) / 8)
+    mlp.gate_proj = lora
+    x = torch.randn(3, lora.in_features)
+    with torch.no_grad():
+        before = lora(x)
+    with pytest.warns(UserWarning, match=r"model.layers.0.mlp.gate_proj \(a LoRA, not a plain nn.Linear\)"):
+        quantize(model, "fp8-weight")
+    assert mlp.gate_proj is lora and type(mlp.up_proj) is QuantLinear
+    with torch.no_grad():
+        assert torch.equal(lora(x), before)
+
+
 def test_checkpoint_tensors_that_do_not_fit_their_layer_are_refused_by_name(tmp_path):
     """A layer whose stored tensors are missing, of another dtype or of shapes its config does not give, and
     quantization_configs whose codes we cannot read, are errors naming the layer or the setting; never a weight

@@ -159,7 +159,8 @@ def quantize(model, scheme: str, *, group_size: int = 128, lm_head: bool = False
     """Replace the decoder's nn.Linear layers (and lm_head if asked) by QuantLinear in `scheme`, in place.
 
     Layers the scheme cannot take stay in the model dtype, listed in one warning: int4 needs in_features
-    divisible by group_size; projections with fewer than 16 outputs are kept. MoE layers' 3-D routed experts
+    divisible by group_size; projections with fewer than 16 outputs are kept, and so are nn.Linear subclasses
+    (a LoRA layer: their forward is more than x·Wᵀ). MoE layers' 3-D routed experts
     become QuantExperts (quant/experts.py) in the same scheme. On CUDA, layers the small-M kernel cannot take (ops/gemv.py) are quantized but listed in a
     second warning: they run the reference path. Embeddings are never quantized. Returns the model.
     """
@@ -218,6 +219,8 @@ def _quantize_slots(slots: list, scheme: str, group_size: int) -> None:
                         kept.append(f"{full} (expert sizes {H}, {inter} not divisible by {group_size})")
                         continue
                     setattr(parent, name, QuantExperts(child, scheme, group_size))
+            elif type(child) is not nn.Linear:  # (a LoRA layer, a quantized format: its forward is more than x·Wᵀ)
+                kept.append(f"{full} (a {type(child).__name__}, not a plain nn.Linear)")
             elif child.out_features < _MIN_OUT_FEATURES:
                 kept.append(f"{full} ({child.out_features} outputs)")
             elif scheme == "int4" and child.in_features % group_size:
