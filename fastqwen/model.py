@@ -242,7 +242,9 @@ class Forward:
         text = text_model(model)
         self.cfg = text.config
         self.embed, self.layers, self.norm, self.lm_head = text.embed_tokens, text.layers, text.norm, model.lm_head
-        self.inv_freq = text.rotary_emb.inv_freq
+        # (original_inv_freq: a dynamic rope's inv_freq is rescaled in place once transformers ran past its
+        # original length, which optimize keeps max_seq_len within)
+        self.inv_freq = getattr(text.rotary_emb, "original_inv_freq", text.rotary_emb.inv_freq)
         self.rope_scaling = float(getattr(text.rotary_emb, "attention_scaling", 1.0))
         self.eps = self.cfg.rms_norm_eps
         self.cache = cache

@@ -1,5 +1,6 @@
 """`optimize(model)`: check the model, build the cache and engine, bind our `generate`."""
 
+import os
 import warnings
 
 import torch
@@ -111,6 +112,10 @@ def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile
     for name, value in (("draft_lm_head", draft_lm_head), ("draft_quant", draft_quant)):
         if value is not None and value not in SCHEMES:
             raise ValueError(f"unknown {name}={value!r}; supported: {', '.join(SCHEMES)}")
+    if not isinstance(quant_lm_head, bool):  # ("no" would be truthy and quantize it)
+        raise ValueError(f"quant_lm_head must be True or False, got {quant_lm_head!r}")
+    if compile_cache is not None and not isinstance(compile_cache, (str, os.PathLike)):  # (an int: a descriptor)
+        raise ValueError(f"compile_cache must be a file path, got {compile_cache!r}")
     if quant_lm_head and quant is None:
         raise ValueError("quant_lm_head=True quantizes lm_head in quant's scheme; pass quant='fp8-weight', 'fp8' "
                          "or 'int4' too")

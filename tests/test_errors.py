@@ -37,6 +37,10 @@ def test_bad_optimize_options():
         fastqwen.optimize(fresh("tiny"), compile="max-autotune")
     with pytest.raises(ValueError, match="compile_options must be a dict of inductor options"):
         fastqwen.optimize(fresh("tiny"), compile_options="max-autotune")
+    with pytest.raises(ValueError, match="quant_lm_head must be True or False, got 'no'"):  # ("no" is truthy)
+        fastqwen.optimize(fresh("tiny"), quant="int4", quant_lm_head="no")
+    with pytest.raises(ValueError, match="compile_cache must be a file path, got 3"):  # (open(3): a descriptor)
+        fastqwen.optimize(fresh("tiny"), compile_cache=3)
     from transformers import Qwen3_5ForCausalLM
 
     with torch.device("meta"):  # weights never loaded: optimize would pass and generate fail on "no data"
@@ -134,6 +138,15 @@ def test_a_rope_whose_frequencies_follow_the_length_is_refused_past_that_length(
                               max_seq_len=16)
     expected = hf_generate(fresh("tiny", max_position_embeddings=16, rope_parameters=rope), ids, max_new_tokens=8)
     assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False), expected)
+    # a model that transformers already ran past that length holds rescaled frequencies in inv_freq: ours are the
+    # original ones still
+    used = fresh("tiny", max_position_embeddings=64, rope_parameters=rope)
+    with torch.no_grad():
+        used(torch.randint(1, 500, (1, 160)))
+    assert not torch.equal(used.model.rotary_emb.inv_freq, used.model.rotary_emb.original_inv_freq)
+    model = fastqwen.optimize(used, compile=False, max_seq_len=64)
+    expected = hf_generate(fresh("tiny", max_position_embeddings=64, rope_parameters=rope), ids, max_new_tokens=48)
+    assert torch.equal(model.generate(ids, max_new_tokens=48, do_sample=False), expected)
 
 
 def test_prompt_longer_than_cache(opt):
