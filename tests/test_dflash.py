@@ -128,6 +128,11 @@ def test_dflash_errors(tmp_path, draft_dir):
             config["head_dim"] = 8
         with pytest.raises(ValueError, match=message):
             fastqwen.optimize(model, compile=False, speculate="dflash", draft=write_draft(tmp_path / str(i), config))
+    mismatched = write_draft(tmp_path / "mismatched")  # (tensors of another config: torch's own RuntimeError before)
+    wider = {**CONFIG, "intermediate_size": 2 * CONFIG["intermediate_size"]}
+    (mismatched / "config.json").write_text(json.dumps(wider))
+    with pytest.raises(ValueError, match=r"(?s)DFlash draft's tensors do not match its config.json.*mlp.gate_proj"):
+        fastqwen.optimize(model, compile=False, speculate="dflash", draft=mismatched)
     with pytest.raises(ValueError, match=r"block_size must be an int in 2..8"):
         fastqwen.optimize(model, compile=False, speculate="dflash", draft=draft_dir, block_size=16)
     with pytest.raises(ValueError, match="needs draft="):

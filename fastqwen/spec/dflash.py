@@ -80,7 +80,10 @@ class DFlashDraft(nn.Module):
         with torch.device(emb.device):  # after the cast: rotary frequencies stay fp32, as in transformers
             self.rotary = Qwen3RotaryEmbedding(cfg)  # (in bf16, angles at position p would be off by ~p/256 rad)
         self.config, self.eps = cfg, cfg.rms_norm_eps
-        missing, unexpected = self.load_state_dict(tensors, strict=False)
+        try:
+            missing, unexpected = self.load_state_dict(tensors, strict=False)
+        except RuntimeError as err:  # (a tensor of another shape than the draft's config gives it)
+            raise ValueError(f"DFlash draft's tensors do not match its config.json: {err}") from err
         missing = [m for m in missing if not m.startswith("rotary.")]
         if missing or unexpected:
             raise ValueError(f"DFlash draft does not fit: missing {missing[:6]}, unexpected {unexpected[:6]}")

@@ -123,7 +123,10 @@ class MTPHead(nn.Module):
             self.layers = nn.ModuleList([layer_cls(cfg, self.attn_layer)])
             self.norm = norm_cls(H, eps=cfg.rms_norm_eps)
         self.to(emb.dtype)
-        missing, unexpected = self.load_state_dict(tensors, strict=False)
+        try:
+            missing, unexpected = self.load_state_dict(tensors, strict=False)
+        except RuntimeError as err:  # (a tensor of another shape than the target's config gives the head)
+            raise ValueError(f"MTP head's tensors do not match the target's config: {err}") from err
         if missing or unexpected:
             raise ValueError(f"MTP head does not fit the target: missing {missing[:6]}, unexpected {unexpected[:6]}")
 
