@@ -150,7 +150,8 @@ def isolated(args: argparse.Namespace, save) -> list:
 
 
 def merge_rows(same: list) -> dict:
-    """One row from the rows of the same (model, batch size, prompt length) timed in separate processes."""
+    """One row from the rows of the same (model, batch size, prompt length) timed in separate processes; the
+    copy bandwidth and the rooflines the medians of the processes' measurements."""
     failed = [r for r in same if "error" in r]
     if failed:
         return failed[0]
@@ -158,15 +159,17 @@ def merge_rows(same: list) -> dict:
     for r in same:
         for system, out in r["systems"].items():
             outs.setdefault(system, []).append(out)
-        row.update({k: v for k, v in r.items() if k.endswith("_roofline_tok_s") and k != "roofline_tok_s"})
+    for key in {k for r in same for k in r if k.endswith("roofline_tok_s")} | {"copy_bandwidth_Bps"}:
+        row[key] = statistics.median(r[key] for r in same if key in r)  # (each process measured the bandwidth)
     row["systems"] = {system: median_process(o) for system, o in outs.items()}
     return bench.add_ratios(row)
 
 
 def median_process(outs: list) -> dict:
     """One system's result from one or more processes: with several, the fields of the process whose tok/s
-    is the median's, its tok/s and step device time replaced by their medians over the processes, and each
-    process's figures under "processes"; a failed process's error if any failed."""
+    is the median's, its tok/s and step device time (and step_tok_s) replaced by their medians over the processes,
+    timing_suspect if any process's was, and each process's figures under "processes"; a failed process's error if
+    any failed."""
     if len(outs) == 1:
         return outs[0]
     failed = [o for o in outs if "error" in o]
@@ -177,6 +180,10 @@ def median_process(outs: list) -> dict:
            "tok_s": statistics.median(o["tok_s"] for o in outs)}
     if all(o.get("step_device_us") for o in outs):
         out["step_device_us"] = statistics.median(o["step_device_us"] for o in outs)
+        if "step_tok_s" in out:
+            out["step_tok_s"] = 1e6 / out["step_device_us"]
+    if any(o.get("timing_suspect") for o in outs):  # (its tok/s is in the median whichever process is shown)
+        out["timing_suspect"] = True
     return out
 
 

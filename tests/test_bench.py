@@ -268,6 +268,35 @@ def test_bench_isolate_times_each_system_in_a_process_of_its_own(tmp_path):
     assert row["fastqwen-fp8-weight_roofline_tok_s"] > row["roofline_tok_s"]
 
 
+
+def test_bench_isolate_merges_every_processs_bandwidth_and_suspect_mark():
+    """scripts/bench.py's merge of --isolate --processes 2 rows (one system a process): the roofline (each process
+    measures the copy bandwidth) is the median over the processes, not the first one's (the quantized roofline
+    not the last one's), and a process whose tok/s disagreed with its step (timing_suspect) marks the merged tok/s,
+    which it is half of; step_tok_s follows the median step."""
+    import runpy
+
+    cli = runpy.run_path(str(pathlib.Path(__file__).parents[1] / "scripts" / "bench.py"))
+
+    def row(system, tok_s, step_us, roof, quant_roof=None, suspect=False):
+        out = {"tok_s": tok_s, "step_device_us": step_us, "step_tok_s": 1e6 / step_us, "pid": tok_s}
+        r = {"model": "m", "batch_size": 1, "prompt_len": 8, "copy_bandwidth_Bps": roof * 1e9,
+             "roofline_tok_s": roof, "systems": {system: {**out, **({"timing_suspect": True} if suspect else {})}}}
+        return {**r, **({"fastqwen-fp8-weight_roofline_tok_s": quant_roof} if quant_roof else {})}
+
+    same = [row("fastqwen", 100.0, 10000.0, 200.0), row("fastqwen-fp8-weight", 150.0, 6600.0, 210.0, 330.0),
+            row("fastqwen-fp8-weight", 152.0, 6500.0, 204.0, 320.0),
+            row("fastqwen", 130.0, 9800.0, 202.0, suspect=True)]
+    merged = cli["merge_rows"](same)
+    fq = merged["systems"]["fastqwen"]
+    assert fq["tok_s"] == 115.0 and fq["step_device_us"] == 9900.0
+    assert fq["step_tok_s"] == pytest.approx(1e6 / 9900.0)
+    assert fq.get("timing_suspect") is True and "| 115.0? |" in bench.format_table([merged])
+    assert merged["roofline_tok_s"] == 203.0 and merged["copy_bandwidth_Bps"] == 203e9
+    assert merged["fastqwen-fp8-weight_roofline_tok_s"] == 325.0
+    assert merged["fastqwen_vs_roofline"] == pytest.approx(115.0 / 203.0)
+
+
 def test_bench_spec_times_the_verify_on_a_shorter_stack(tmp_path):
     """bench_spec.py --layers 2 --runs: plain decode and a 4-position verify + commit on the first two layers; a
     DFlash run is refused there (its draft taps layers of the whole stack)."""
