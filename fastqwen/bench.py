@@ -101,13 +101,17 @@ class OracleProposer:
     `inner`, if given, is a real proposer whose draft compute runs every round and whose drafts are discarded,
     so a benchmark pays the real drafting cost.
 
-    impose=True fixes the acceptance itself (see `imposed_acceptance`): each round accepts a number of drafts
-    drawn from the same distribution, whatever the target says, by a low-discrepancy sequence rather than
-    random draws, so that a short benchmark's mean lands on τ instead of scattering around it. The sequence
-    restarts with every generate call, so calls of one length do the same rounds (`spec_rounds`). The output is then not the target's, but every round does the
-    work of a real round with that acceptance. Benchmarks need it in bf16 on random weights: there the target's
-    near-tied logits make speculative and plain decoding part ways within a few tokens (kernels differ, see
-    tests/gpu), after which a precomputed reference would never be accepted again.
+    impose=True fixes the acceptance itself (see `imposed_acceptance`): each round emits ⌊τ⌋ or ⌈τ⌉ tokens
+    (τ = 1 + Σᵢ (1-miss)^i, the mean the misses give), whatever the target says, so that every run of rounds from
+    a call's start emits τ tokens a round to within one token, however short the benchmark. (Counts drawn from
+    the misses' own distribution by a low-discrepancy sequence matched τ only on average: their first round
+    accepted every draft, and a 64-token DFlash call at τ 6.5 ran at 7.9 tokens a round. A round's cost is linear
+    in its accepted count, the verify's fixed, so the schedule changes no mean cost.) The schedule
+    restarts with every generate call, so calls of one length do the same rounds (`spec_rounds`). The output is
+    then not the target's, but every round does the work of a real round with that acceptance. Benchmarks need
+    it in bf16 on random weights: there the target's near-tied logits make speculative and plain decoding part
+    ways within a few tokens (kernels differ, see tests/gpu), after which a precomputed reference would never be
+    accepted again.
     """
 
     def __init__(self, reference: torch.Tensor, miss: float, vocab_size: int, inner=None, impose: bool = False):
@@ -146,16 +150,15 @@ class OracleProposer:
         return torch.where(wrong, (drafts + 1) % self.vocab_size, drafts), None
 
     def imposed_acceptance(self, logits: torch.Tensor):
-        """(n [B], next [B]) for impose=True; logits [B, k+1, V]. n has the distribution of drafts before the
-        first miss (each missing with probability `miss`): P(n ≥ i) = (1-miss)^i, so n = #{i ≤ k : u < (1-miss)^i}
-        for u uniform in [0, 1). u runs through the Weyl sequence frac(r·φ + b·√2) over rounds r, per row b
-        (equidistributed, so the mean of n over R rounds is within O(log R / R) of its expectation).
-        next = the target's greedy token after the accepted drafts."""
+        """(n [B], next [B]) for impose=True; logits [B, k+1, V]. Row b's round r emits ⌊(r+1)τ + c_b⌋ - ⌊rτ +
+        c_b⌋ tokens (n, one fewer, accepted drafts), c_b = frac(b·√2) so that rows take their ⌈τ⌉ rounds at
+        different times: after R rounds a row has emitted Rτ tokens to within one. next = the target's greedy
+        token after the accepted drafts."""
         B, k = logits.shape[0], logits.shape[1] - 1
-        rows = torch.arange(B, device=logits.device, dtype=torch.float64)
-        u = torch.frac(self.rounds.double() * 0.6180339887498949 + rows * 1.4142135623730951)
-        p_at_least = (1.0 - self.miss) ** torch.arange(1, k + 1, device=logits.device, dtype=torch.float64)
-        n = (u[:, None] < p_at_least[None, :]).sum(-1)
+        tau = round(1 + sum((1.0 - self.miss) ** i for i in range(1, k + 1)), 9)  # (miss_for_tau's bisection: 6.5 - ε)
+        c = torch.frac(torch.arange(B, device=logits.device, dtype=torch.float64) * 1.4142135623730951)
+        r = self.rounds.double()
+        n = (torch.floor((r + 1) * tau + c) - torch.floor(r * tau + c)).long() - 1
         self.rounds.add_(1)
         return n, argmax_last(logits).gather(1, n[:, None])[:, 0]
 

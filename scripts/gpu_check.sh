@@ -14,7 +14,7 @@
 #            (default 27B, default inductor + CUDA graphs; SPEC_ARGS adds options, e.g. --batch 2; SPEC_TAG names
 #            the output files, so two runs can share a call: one per GPU with CUDA_VISIBLE_DEVICES on nvidia-h200-x2;
 #            SPEC_ARGS="... --also-kernels gdn=fla attention=sdpa" re-times verify + commit under those kernels)
-#   sweep    scripts/bench.py fastqwen at batch 1 2 4 8 (ragged rows: prompts of 512 down to ~256 tokens) on
+#   sweep    scripts/bench.py fastqwen at batch 1 2 4 8 (ragged rows: prompts of 512 down to 288 at batch 8) on
 #            $SWEEP_MODEL (default 27B), then the plot
 #   startup  scripts/bench_startup.py on $STARTUP_MODEL (default 9B): cold vs warm start to first token
 #   profile  scripts/profile_step.py on $PROFILE_MODEL (default 35B-A3B): the decode step's kernels, µs each; PROFILE_ARGS="--speculate dflash:15" profiles a round

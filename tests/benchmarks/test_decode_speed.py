@@ -8,7 +8,9 @@ Each benchmark times one end-to-end ``model.generate`` call (prefill + NEW_TOKEN
 with ``min_new_tokens``) and records end-to-end tokens/s per sequence in ``benchmark.extra_info``.
 For prefill-free decode speed and baselines use ``scripts/bench.py`` and ``scripts/bench_spec.py``. The
 speculative benchmarks impose the acceptance (``bench.OracleProposer(impose=True)``: random weights have none of
-their own), so they guard the cost of a round, not acceptance.
+their own), so they guard the cost of a round, not acceptance; ``extra_info`` records the rounds and tokens a
+round the call ran at. (Before 2026-12-07 session j the imposed counts' first round accepted every draft: the
+baselines 0001 and 0002 ran DFlash's 64 tokens in 8 rounds, 7.9 tokens a round, not τ = 6.5's ~10; MTP's at 3.0.)
 """
 
 import gc
@@ -53,6 +55,9 @@ def _bench_generate(benchmark, model, ids: torch.Tensor) -> None:
     benchmark.extra_info.update(prompt_len=ids.shape[1], new_tokens=NEW_TOKENS)
     if benchmark.stats:  # None under --benchmark-disable
         benchmark.extra_info["tok_per_s"] = NEW_TOKENS / benchmark.stats.stats.median
+    spec = model._fastqwen.spec
+    if spec is not None:  # (the last call's: every call of one length runs the same imposed rounds)
+        benchmark.extra_info.update(rounds=int(spec.rounds[0]), tokens_per_round=spec.acceptance_length(1))
 
 
 def _speculate(model, preset: str, k: int, tau: float, drafter: str | None) -> None:
