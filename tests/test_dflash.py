@@ -121,7 +121,8 @@ def test_dflash_errors(tmp_path, draft_dir):
     cases = [({"hidden_size": 32}, "hidden size 32 != target's 64"),
              ({"vocab_size": 1000}, "vocab 1000 != target's 512"),
              ({"dflash_config": {"mask_token_id": 500, "target_layer_ids": [0, 7]}}, r"target_layer_ids \[7\]"),
-             ({"dflash_config": {"mask_token_id": 600, "target_layer_ids": [0, 2]}}, "mask_token_id 600")]
+             ({"dflash_config": {"mask_token_id": 600, "target_layer_ids": [0, 2]}}, "mask_token_id 600"),
+             ({"block_size": 1}, r"block_size 1 in its config.json.*2 or more")]
     for i, (change, message) in enumerate(cases):
         config = {**CONFIG, **change}
         if "hidden_size" in change:

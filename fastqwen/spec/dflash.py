@@ -103,6 +103,9 @@ class DFlashDraft(nn.Module):
                             "dflash_config.target_layer_ids in its config.json to the layers it was trained on")
         if not 0 <= self.mask_token_id < target.vocab_size:
             problems.append(f"mask_token_id {self.mask_token_id} outside the target's vocab")
+        if self.block_size < 2:  # (optimize's block_size check then read "an int in 2..1")
+            problems.append(f"block_size {self.block_size} in its config.json: a block holds the pending token and "
+                            f"at least one draft (2 or more)")
         fc = tensors.get("fc.weight")
         want = (cfg.hidden_size, len(self.target_layer_ids) * target.hidden_size)
         if fc is None or tuple(fc.shape) != want:
