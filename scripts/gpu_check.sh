@@ -263,8 +263,9 @@ case "$stage" in
            --formats ${SWEEP_FORMATS:-fp8-weight int4 bf16} ${SWEEP_ROW_ORDER:+--int4-row-order} ${SWEEP_LOWP:+--lowp $SWEEP_LOWP} ${SWEEP_KSTEP:+--kstep $SWEEP_KSTEP} ${SWEEP_EXPERTS:+--sweep-experts $SWEEP_EXPERTS} \
            --write-table "$table" --json "$out/gemv_sweep$t.json" 2>&1 | grep -E "^\||^  \(.*: [A-Za-z]+"  # (+ failed configs)
          cp "$table" "$out/" ;;
-  suite) python -m pytest -q -p no:warnings tests/benchmarks --benchmark-only --no-autotune \
-           --benchmark-storage=file://tests/benchmarks/baselines --benchmark-save=h200 2>&1 | tail -12
+  suite) card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oiE 'h[0-9]+' | tr A-Z a-z)
+         python -m pytest -q -p no:warnings tests/benchmarks --benchmark-only --no-autotune \
+           --benchmark-storage=file://tests/benchmarks/baselines --benchmark-save="${card:-gpu}" 2>&1 | tail -12
          cp -r tests/benchmarks/baselines "$out/" ;;
   reductions) a="--models ${RED_MODEL:-qwen3.5-27b} --quant-lm-head --n-long 288 --repeats 2 --no-autotune"
               python scripts/bench.py $a --systems ${RED_SYSTEMS:-fastqwen-int4 fastqwen-int4+inductor-reductions} \
