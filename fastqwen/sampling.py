@@ -21,31 +21,30 @@ def _(x):
 
 
 def filter_logits(logits, temperature, top_k, top_p, min_p):
-    """Sorted (descending) filtered logits and their vocabulary indices.
+    """Sorted (ascending, as transformers' top-p sorts them) filtered logits and their vocabulary indices.
 
     logits [B, V]; temperature [B] (> 0); top_k [B] int (0 = off); top_p [B] (1 = off); min_p [B] (0 = off).
-    Filtered-out entries are -inf; the most likely token always survives.
+    Filtered-out entries are -inf; the most likely token (the last) always survives.
     """
     vocab = logits.shape[-1]
     scaled = logits / temperature[:, None]
-    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+    # (transformers' top-p sort, the same call: of tied logits, it drops the ones transformers drops)
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=False)
     # top-k keeps every token whose logit ties the k-th largest, as transformers does
     # (the k-th value as a masked min, not a gather: torch 2.11's inductor fails to generate a Triton kernel
     # for that gather fused into the softmax at batch > 1)
     k = torch.where(top_k > 0, top_k, vocab).clamp(1, vocab)
     rank = torch.arange(vocab, device=logits.device)
-    kth = sorted_logits.masked_fill(rank >= k[:, None], float("inf")).amin(-1, keepdim=True)
+    kth = sorted_logits.masked_fill(rank < vocab - k[:, None], float("inf")).amin(-1, keepdim=True)
     sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    # top-p: drop a token once the mass strictly before it already reaches top_p
-    probs = sorted_logits.softmax(-1)
-    mass_before = cumsum_last(probs) - probs
-    drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
-    drop[:, 0] = False
+    # top-p: drop the least likely tokens while their mass, summed from the least likely up, is at most 1 - top_p
+    drop = (cumsum_last(sorted_logits.softmax(-1)) <= 1 - top_p[:, None]) & (top_p[:, None] < 1.0)
+    drop[:, -1] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     # min-p: drop tokens less likely than min_p times the top token
     probs = sorted_logits.softmax(-1)
-    drop = probs < min_p[:, None] * probs[:, :1]
-    drop[:, 0] = False
+    drop = probs < min_p[:, None] * probs[:, -1:]
+    drop[:, -1] = False
     return sorted_logits.masked_fill(drop, float("-inf")), order
 
 
