@@ -99,6 +99,7 @@ _UNSUPPORTED = {
     "guidance_scale": None, "sequence_bias": None, "suppress_tokens": None, "begin_suppress_tokens": None,
     "forced_bos_token_id": None, "forced_eos_token_id": None, "exponential_decay_length_penalty": None,
     "watermarking_config": None, "prompt_lookup_num_tokens": None, "dola_layers": None,
+    "assistant_ensemble_weight": None,  # (speculation verified against a mix of the target and the draft: lossy)
     "output_scores": False, "output_logits": False, "output_attentions": False, "output_hidden_states": False,
     "renormalize_logits": False, "remove_invalid_values": False, "token_healing": False,
 }

@@ -179,7 +179,7 @@ def test_right_padding_is_refused(opt):
 
 
 @pytest.mark.parametrize("kw", [dict(num_beams=2), dict(typical_p=0.9), dict(output_scores=True),
-                                dict(no_repeat_ngram_size=3)])
+                                dict(no_repeat_ngram_size=3), dict(assistant_ensemble_weight=0.5, use_mtp=True)])
 def test_unsupported_generation_options(opt, kw):
     with pytest.raises(ValueError, match=next(iter(kw))):
         opt.generate(torch.randint(1, 500, (1, 5)), max_new_tokens=4, **kw)
