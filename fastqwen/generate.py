@@ -410,6 +410,9 @@ class Engine:
         if gen.do_sample:
             if gen.temperature is None or gen.temperature <= 0:
                 raise ValueError(f"temperature must be > 0 when do_sample=True, got {gen.temperature}")
+            if gen.temperature < 1e-20:  # (logits / it overflow fp32: NaN probabilities, an arbitrary token)
+                raise ValueError(f"temperature={gen.temperature} is too small to sample with (the scaled logits overflow "
+                                 f"fp32); for the most likely token pass do_sample=False")
             if gen.top_p is not None and not 0 < gen.top_p <= 1:
                 raise ValueError(f"top_p must be in (0, 1], got {gen.top_p}")
             k = gen.top_k

@@ -193,6 +193,8 @@ def test_unsupported_arguments(opt):
         opt.generate(ids, max_new_tokens=4, foo=1)
     with pytest.raises(ValueError, match="temperature must be > 0"):
         opt.generate(ids, max_new_tokens=4, do_sample=True, temperature=0.0)
+    with pytest.raises(ValueError, match="too small to sample with.*do_sample=False"):
+        opt.generate(ids, max_new_tokens=4, do_sample=True, temperature=1e-38)
     with pytest.raises(ValueError, match=r"num_beams=2 .*type\(model\).generate\(model, ...\)"):
         opt.generate(ids, max_new_tokens=4, num_beams=2)
     with pytest.raises(ValueError, match="both `inputs` and `input_ids`"):
