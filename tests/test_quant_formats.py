@@ -46,6 +46,16 @@ def test_int4_round_trip_within_half_a_step():
     assert not dequantize_int4(q, scale, zero)[5].any()
 
 
+def test_int4_scale_rounded_up_past_fp16s_largest_is_refused():
+    """A group whose exact scale (range / 15) lies in 65504 … 65520 rounds to fp16's largest value, below it, and
+    its round-up gave inf: every weight of the group decoded to NaN (QuantExperts stores quantize_int4's scales
+    as they come). It is refused as any scale outside fp16's range is."""
+    w = torch.zeros(16, 128)
+    w[3, 5] = -65510.0 * 15
+    with pytest.raises(ValueError, match="int4 scales must lie in fp16's range .* got 6.55e\\+04"):
+        quantize_int4(w, group=128)
+
+
 def test_int4_scales_are_stored_in_fp16_and_zeros_in_uint8():
     """QuantLinear stores any int4 scale as fp16 and zero as uint8 (3 bytes a group, the kernels' dtypes), refuses a
     scale outside fp16's range by name, and its stored bytes are half a byte a weight plus 3 a group."""

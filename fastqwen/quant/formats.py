@@ -58,12 +58,15 @@ INT4_SCALE, INT4_ZERO = torch.float16, torch.uint8  # int4's stored scale and ze
 # are fp16 too); the kernels read these two and no others
 
 
-def int4_scale(scale: torch.Tensor) -> torch.Tensor:
-    """scale in INT4_SCALE, rounded to nearest (exact for GPTQ / AWQ's fp16 scales); a ValueError where a value
-    leaves fp16's range (overflows, or a nonzero scale flushes to 0), which would decode its group wrongly."""
+def int4_scale(scale: torch.Tensor, up: bool = False) -> torch.Tensor:
+    """scale in INT4_SCALE, rounded to nearest (exact for GPTQ / AWQ's fp16 scales) or, with `up`, to the least
+    fp16 not below it; a ValueError where a value leaves fp16's range (overflows, also by that round-up, or a
+    nonzero scale flushes to 0), which would decode its group wrongly."""
     s = scale.to(INT4_SCALE)
     if s.is_meta:
         return s
+    if up:
+        s = (s.view(torch.int16) + (s.float() < scale).to(torch.int16)).view(INT4_SCALE)  # (the next fp16)
     bad = ~torch.isfinite(s) | ((s == 0) & (scale != 0))
     if bad.any():
         raise ValueError(f"int4 scales must lie in fp16's range ({2**-24:.3g} … 65504), the stored format; got "
@@ -79,8 +82,7 @@ def quantize_int4(w: torch.Tensor, group: int = 128):
     v = w.float().view(N, K // group, group)
     lo, hi = v.amin(-1).clamp(max=0), v.amax(-1).clamp(min=0)
     exact = ((hi - lo) / 15).clamp(min=2**-24)  # (fp16's least subnormal)
-    scale = int4_scale(exact)
-    scale = (scale.view(torch.int16) + (scale.float() < exact).to(torch.int16)).view(INT4_SCALE)  # up: next fp16
+    scale = int4_scale(exact, up=True)
     s = scale.float()
     zero = (-lo / s).round().clamp(0, 15)
     q = (v / s[..., None] + zero[..., None]).round().clamp(0, 15)
