@@ -190,9 +190,16 @@ def test_quantize_in_groups_of_a_multiple_of_128_stores_the_kernels_groups():
     assert torch.equal(layer.dequantized(), dequantize_int4(*quantize_int4(weight, 256)))
     assert experts.group == 256 and experts.kernel_fits()
     assert torch.equal(experts.weight("gate_up", 2), dequantize_int4(*quantize_int4(gate_up[2], 256)))
-    quantize_modules(root, "int4", group_size=256)  # the same quantization again: nothing to do
-    with pytest.raises(ValueError, match=r"already quantized \(2 modules, e.g. proj as 'int4', group 256\)"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quantize_modules(root, "int4", group_size=256)  # the same quantization again: nothing to do
+    with pytest.raises(ValueError, match=r"already quantized \(2 modules, e.g. proj as 'int4', group 256\); to run "
+                                         r"it as it is, leave quant= unset"):
         quantize_modules(root, "int4", group_size=128)
+    root["extra"] = torch.nn.Linear(256, 32, bias=False)  # (a layer a checkpoint's producer kept unquantized)
+    with pytest.warns(UserWarning, match=r"already quantized \(2 modules\) and 1 more layers .* now quantized too: "
+                                         r"extra; to run a loaded checkpoint as it is, leave quant= unset"):
+        quantize_modules(root, "int4", group_size=256)
     fine = quantize_modules(torch.nn.ModuleDict({"experts": _Experts(2, 256, 256)}), "int4", group_size=64)
     assert (fine.experts.group, fine.experts.kernel_fits()) == (64, False)
 

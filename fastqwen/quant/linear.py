@@ -202,9 +202,9 @@ def _quantize_slots(slots: list, scheme: str, group_size: int) -> None:
     if other:  # quantized layers are skipped below: never leave them in another scheme than the one asked for
         full, child = other[0]
         raise ValueError(f"quantize({scheme!r}, group_size={group_size}): the model is already quantized "
-                         f"({len(other)} modules, e.g. {full} as {child.scheme!r}, group {child.group}); load it "
-                         f"in bf16 again to quantize it another way")
-    kept, slow = [], []
+                         f"({len(other)} modules, e.g. {full} as {child.scheme!r}, group {child.group}); to run it as "
+                         f"it is, leave quant= unset; to quantize it another way, load it in bf16 again")
+    kept, slow, added = [], [], []
     first = next((p for _, _, child, _ in slots for p in child.parameters()), None)
     cuda, dtype = first is not None and first.is_cuda, getattr(first, "dtype", None)
     del first
@@ -227,12 +227,18 @@ def _quantize_slots(slots: list, scheme: str, group_size: int) -> None:
                 kept.append(f"{full} (in_features {child.in_features} not divisible by {group_size})")
             else:
                 setattr(parent, name, QuantLinear.from_linear(child, scheme, group_size))
+                added.append(full)
                 if cuda and (child.in_features % STEP or (scheme == "int4" and group_size % STEP)):
                     slow.append(f"{full} (in_features {child.in_features}, group {group_size})")
     if slow:
         warnings.warn(f"quantize({scheme!r}): no small-M kernel for {len(slow)} layers (it needs in_features "
                       f"divisible by {STEP} and int4 groups of a multiple of {STEP}); they decode through the slower "
                       f"dequantize-then-matmul reference: " + "; ".join(slow[:12]) + (" …" if len(slow) > 12 else ""),
+                      stacklevel=3)
+    if done and added:  # (a loaded checkpoint: the layers its producer kept unquantized, e.g. GDN in_proj_a / b)
+        warnings.warn(f"quantize({scheme!r}): the model was already quantized ({len(done)} modules) and {len(added)} "
+                      f"more layers it kept in {dtype} are now quantized too: " + "; ".join(added[:12])
+                      + (" …" if len(added) > 12 else "") + "; to run a loaded checkpoint as it is, leave quant= unset",
                       stacklevel=3)
     if kept:
         warnings.warn(f"quantize({scheme!r}) kept {len(kept)} layers in {dtype}: " + "; ".join(kept[:12])
