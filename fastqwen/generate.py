@@ -326,19 +326,24 @@ class Engine:
         each = streamer is not None or criteria is not None  # the host sees every token anyway
         watch = DoneWatch(s["done"][:B], lag=1 if each else 2)
         if self.spec is not None:
-            return self.spec.decode(first, B, max_new, do_sample, streamer, watch, k, criteria, input_ids)
+            return self.spec.decode(first, B, max_new, do_sample, streamer, watch, k, criteria, input_ids,
+                                    pad_ended=bool(eos))
         out = torch.empty(self.max_batch_size, max_new, dtype=torch.long, device=self.device)
         out[:, 0] = first
         step = self._step_for(do_sample)
+        stopped = torch.zeros(B, dtype=torch.bool, device=self.device)  # rows the criteria ended, without an EOS
         n = 1
         while True:
             if streamer is not None:
                 streamer.put(out[:B, n - 1].cpu())
-            if criteria is not None:
-                seqs = torch.cat([input_ids, out[:B, :n]], dim=1)
-                s["done"][:B] |= criteria(seqs, None).to(self.device)
+            if criteria is not None:  # (transformers pads the rows they end only with an EOS; else they run on)
+                hit = criteria(torch.cat([input_ids, out[:B, :n]], dim=1), None).to(self.device)
+                if eos:
+                    s["done"][:B] |= hit
+                else:
+                    stopped |= hit
             watch.launched()
-            if n == max_new or watch.finished():
+            if n == max_new or watch.finished() or (criteria is not None and not eos and bool(stopped.all())):
                 break
             step()
             out[:, n] = s["tokens"]

@@ -229,6 +229,24 @@ def test_stopping_criteria(pair):
     assert torch.equal(out, hf_generate(ref, ids, max_new_tokens=6))
 
 
+
+def test_stopping_criteria_without_an_eos_let_the_rows_they_end_run_on(pair):
+    """Without any eos_token_id transformers pads no row: one that a stopping criterion ends keeps generating until
+    the criteria have ended every row (its pad_token_id pads only after an EOS)."""
+    from transformers import StoppingCriteria
+
+    class StopRows(StoppingCriteria):  # row 0 at 6 new tokens, row 1 at 10
+        def __call__(self, input_ids, scores, **kw):
+            return torch.tensor([input_ids.shape[1] >= 14, input_ids.shape[1] >= 18])
+
+    ref, opt = pair
+    ids = torch.randint(1, ref.config.vocab_size, (2, 8))
+    for kw in (dict(), dict(pad_token_id=5)):
+        expected = hf_generate(ref, ids, max_new_tokens=14, stopping_criteria=[StopRows()], **kw)
+        assert expected.shape == (2, 18) and torch.equal(expected, hf_generate(ref, ids, max_new_tokens=10))
+        got = opt.generate(ids, max_new_tokens=14, do_sample=False, stopping_criteria=[StopRows()], **kw)
+        assert torch.equal(got, expected), kw
+
 def test_stop_strings_and_max_time_match_transformers(pair):
     """stop_strings (with the tokenizer that decodes the tokens; one string, or a list) end each row where
     transformers' StopStringCriteria ends it, at different positions in a ragged batch; max_time likewise (a limit

@@ -226,7 +226,7 @@ def test_speculative_sampling_keeps_the_target_distribution(name):
 @pytest.mark.parametrize("miss", [0.0, 0.35], ids=["perfect", "partial"])
 def test_stopping_criteria_end_rows_where_plain_decoding_ends_them(engines, miss):
     """Stopping criteria with speculation: checked at every position a round emits, so a row ends at the token
-    where plain decoding's per-token check ends it, and the round's later tokens become pad (rows ending at
+    where plain decoding's per-token check ends it, and the round's later tokens become pad or run on (rows ending at
     different positions, one at its first token); likewise stop_strings and max_time. A streamer sees the row up to
     its end only."""
     from transformers import StoppingCriteria
@@ -257,6 +257,27 @@ def test_stopping_criteria_end_rows_where_plain_decoding_ends_them(engines, miss
                         streamer=streamer)
     assert sum(streamer.chunks[1:], []) == got[0, 70:].tolist() == free[0, :6].tolist()
 
+
+
+@pytest.mark.parametrize("miss", [0.0, 0.35], ids=["perfect", "partial"])
+def test_stopping_criteria_without_an_eos_let_the_rows_they_end_run_on_with_speculation(engines, miss):
+    """Without an eos_token_id (transformers then pads no row) a row that the criteria end runs on, as in plain
+    decoding, until they have ended every row; rows emitting different counts a round too."""
+    from transformers import StoppingCriteria
+
+    class StopRows(StoppingCriteria):  # rows 0, 1, 2 at 7, 2 and 12 new tokens
+        def __call__(self, input_ids, scores, **kw):
+            return torch.tensor([input_ids.shape[1] >= 70 + n for n in (7, 2, 12)])
+
+    plain, spec = engines
+    rows = [torch.randint(1, 500, (n,)) for n in (70, 9, 33)]
+    ids, mask = left_padded(rows)
+    expected = plain.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)[:, :70 + 12]
+    got = plain.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, stopping_criteria=[StopRows()])
+    assert torch.equal(got, expected)
+    speculate(spec, expected[:, 70:], miss)
+    got = spec.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, stopping_criteria=[StopRows()])
+    assert torch.equal(got, expected)
 
 @pytest.mark.parametrize("miss", [0.0, 0.35], ids=["perfect", "partial"])
 def test_repetition_penalty_with_speculation_is_token_identical(engines, miss):

@@ -94,10 +94,11 @@ class Speculator:
         self.proposer.observe(e, emitted, feats, start, keep)
 
     def decode(self, first: torch.Tensor, rows: int, max_new: int, do_sample: bool, streamer, watch,
-               k: int | None = None, criteria=None, prompt: torch.Tensor | None = None):
+               k: int | None = None, criteria=None, prompt: torch.Tensor | None = None, pad_ended: bool = True):
         """Rounds of k (default self.k) drafts until `watch` (generate.DoneWatch over the first `rows` rows)
         says every row is done; first [B] are the prefill's tokens. criteria (a StoppingCriteriaList, with the
-        left-padded prompt [rows, L] they read): checked at every emitted position (stop_at).
+        left-padded prompt [rows, L] they read): checked at every emitted position (stop_at); pad_ended False (no
+        EOS: transformers then pads no row) lets the rows they end run on until they have ended every row.
         Returns tokens [rows, n], n ≤ max_new, with each row's tokens after its end set to the engine's pad."""
         s = self.engine.state
         self.out[:, 0] = first
@@ -107,7 +108,8 @@ class Speculator:
         s["done"][:rows] |= max_new <= 1
         self.proposer.start(self.engine)
         step = self.step_for(self.k if k is None else k, do_sample, self.engine.penalized)
-        checked = self.stop_at(criteria, prompt, [0] * rows) if criteria is not None else None
+        ended = None if pad_ended else {}
+        checked = self.stop_at(criteria, prompt, [0] * rows, ended) if criteria is not None else None
         if streamer is not None:
             streamer.put(first[:rows].cpu())
         shown = 1
@@ -117,7 +119,7 @@ class Speculator:
                 break
             step()
             if criteria is not None:
-                checked = self.stop_at(criteria, prompt, checked)
+                checked = self.stop_at(criteria, prompt, checked, ended)
             if streamer is not None:
                 shown = self.stream(streamer, rows, shown)
         width = int(self.n_out[:rows].max())
@@ -135,22 +137,31 @@ class Speculator:
             streamer.put(column)
         return max(end, shown)
 
-    def stop_at(self, criteria, prompt: torch.Tensor, checked: list) -> list:
+    def stop_at(self, criteria, prompt: torch.Tensor, checked: list, ended: dict | None = None) -> list:
         """Run `criteria` at every position p each row emitted after its `checked` count (host ints, one a row), as
         transformers' per-token check runs them, on the prompt [rows, L] and the first p emitted tokens (every row's,
         though only rows that emitted p are read); a row they stop at p ends there: its emitted count becomes p (the
-        round's later tokens become pad) and it is done. Returns the rows' emitted counts, all now checked."""
+        round's later tokens become pad) and it is done. With `ended` (no EOS, so transformers pads no row: row ->
+        the position they stopped it at, filled in here) the row runs on instead, and once every row has ended, all
+        end at the last of those positions, as there. Returns the rows' emitted counts, all now checked."""
         rows = len(checked)
         n = self.n_out[:rows].tolist()
         stopped = set()
         for p in range(min(checked) + 1, max(n) + 1):
-            live = [b for b in range(rows) if checked[b] < p <= n[b]]
+            live = [b for b in range(rows) if checked[b] < p <= n[b] and (ended is None or b not in ended)]
             if live:
                 hit = criteria(torch.cat([prompt, self.out[:rows, :p]], dim=1), None).tolist()
                 for b in live:
-                    if hit[b]:
+                    if hit[b] and ended is not None:
+                        ended[b] = p
+                    elif hit[b]:
                         n[b] = p
                         stopped.add(b)
+        if ended is not None and len(ended) == rows:  # the call ends at `end`: rows short of it run on to it
+            end = max(ended.values())
+            self.max_new.fill_(end)
+            self.n_out[:rows].clamp_(max=end)
+            self.engine.state["done"][:rows] |= self.n_out[:rows] >= self.max_new
         if stopped:
             at = torch.tensor(sorted(stopped), device=self.n_out.device)
             self.n_out[at] = torch.tensor([n[b] for b in sorted(stopped)], device=self.n_out.device)
