@@ -269,6 +269,10 @@ class Engine:
         tokenizer = kwargs.pop("tokenizer", None)  # (stop_strings')
         k = self._speculative_tokens(kwargs.pop("num_speculative_tokens", None))
         kwargs.pop("use_cache", None)
+        types = kwargs.pop("mm_token_type_ids", None)  # (Qwen3.5's processor returns them, all 0 for text alone)
+        if types is not None and bool(torch.as_tensor(types).any()):
+            raise ValueError("mm_token_type_ids mark image or video tokens in the prompt; fastqwen generates from text "
+                             "alone: call the model's original generate (type(model).generate(model, ...)) for them")
         default_max_length = (kwargs.get("max_length") is None and getattr(generation_config, "max_length", None)
                               is None and self.model.generation_config.max_length is None)  # (as transformers)
         gen, unused = self.model._prepare_generation_config(generation_config, **kwargs)

@@ -315,7 +315,8 @@ def test_num_return_sequences_samples_each_row_that_many_times(pair):
             opt.generate(ids, attention_mask=mask, num_return_sequences=bad, **kw)
 
 
-def test_conditional_generation_class_text_only():
+def conditional_model():
+    """A tiny random Qwen3_5ForConditionalGeneration (the text model of the "tiny" preset)."""
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     from fastqwen import presets
@@ -326,11 +327,30 @@ def test_conditional_generation_class_text_only():
     torch.manual_seed(0)
     model = Qwen3_5ForConditionalGeneration(cfg).eval()
     presets.perturb_zero_init(model, std=0.1)
+    return model
+
+
+def test_conditional_generation_class_text_only():
+    model = conditional_model()
     ids = torch.randint(1, 500, (1, 70))
     expected = hf_generate(model, ids, max_new_tokens=20)
     fastqwen.optimize(model, compile=False, max_seq_len=128)
     assert torch.equal(model.generate(ids, max_new_tokens=20, do_sample=False), expected)
 
+
+
+def test_text_only_mm_token_type_ids_as_the_processor_returns_them():
+    """Qwen3.5's processor returns mm_token_type_ids beside input_ids, all 0 for a text-only prompt:
+    generate(**processor(text=...)) runs as in transformers; a prompt with image or video tokens is refused."""
+    model = conditional_model()
+    ids = torch.randint(1, 500, (2, 12))
+    types = torch.zeros_like(ids)
+    expected = hf_generate(model, ids, max_new_tokens=8, mm_token_type_ids=types)
+    fastqwen.optimize(model, compile=False, max_batch_size=2, max_seq_len=32)
+    assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False, mm_token_type_ids=types), expected)
+    types[1, 3] = 1
+    with pytest.raises(ValueError, match=r"image or video tokens.*type\(model\).generate"):
+        model.generate(ids, max_new_tokens=8, mm_token_type_ids=types)
 
 @pytest.mark.parametrize("lag", [1, 2, 3])
 def test_done_watch_runs_lag_minus_one_launches_past_the_end(lag):
