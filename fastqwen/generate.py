@@ -14,6 +14,7 @@ import collections
 import hashlib
 import json
 import os
+import threading
 import types
 
 import torch
@@ -177,6 +178,7 @@ class Engine:
         self._penalized_steps = {}  # do_sample -> the compiled step with the repetition penalty, built on first use
         self.penalized = False  # the current call's repetition_penalty is on (_set_params)
         self.spec = None
+        self.lock, self.holder = threading.Lock(), None  # one call at a time: it holds the cache (thread id)
 
     def compile(self, fn):
         """fn (run without autograd) compiled as one full graph with this engine's options, or as is when
@@ -297,11 +299,19 @@ class Engine:
                 f"fastqwen.optimize or generate fewer tokens")
         vocab = self.state["eos_mask"].numel()
         pad = gen.pad_token_id if gen.pad_token_id is not None else next((e for e in eos if 0 <= e < vocab), 0)
-        self._set_params(gen, eos, pad, min_new)
-        if streamer is not None:
-            streamer.put(input_ids.cpu())
-        with torch.compiler.config.patch(cache_key_tag=self.cache_tag):  # (compiles happen in here, if any)
-            sequences = self._decode(rows, max_new, gen.do_sample, streamer, criteria, input_ids, eos, k)
+        if self.holder == threading.get_ident():  # (waiting for itself would never end)
+            raise RuntimeError("generate was called from inside this model's generate (by a streamer or stopping "
+                               "criterion?); its static cache serves one call at a time: call it after that one")
+        with self.lock:  # a call from another thread waits for this one to end, rather than resetting its cache
+            self.holder = threading.get_ident()
+            try:
+                self._set_params(gen, eos, pad, min_new)
+                if streamer is not None:
+                    streamer.put(input_ids.cpu())
+                with torch.compiler.config.patch(cache_key_tag=self.cache_tag):  # (compiles happen in here, if any)
+                    sequences = self._decode(rows, max_new, gen.do_sample, streamer, criteria, input_ids, eos, k)
+            finally:
+                self.holder = None
         sequences = torch.cat([input_ids, sequences], dim=1)
         if streamer is not None:
             streamer.end()

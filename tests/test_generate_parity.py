@@ -352,6 +352,48 @@ def test_text_only_mm_token_type_ids_as_the_processor_returns_them():
     with pytest.raises(ValueError, match=r"image or video tokens.*type\(model\).generate"):
         model.generate(ids, max_new_tokens=8, mm_token_type_ids=types)
 
+
+def test_concurrent_calls_from_threads_take_turns(pair):
+    """One optimized model serves one generate at a time (one static cache): a second thread's call, started while
+    the first one decodes, waits for it instead of resetting the cache under it (both as when run alone)."""
+    import threading
+
+    from transformers.generation.streamers import BaseStreamer
+
+    ref, opt = pair
+    a, b = torch.randint(1, ref.config.vocab_size, (1, 30)), torch.randint(1, ref.config.vocab_size, (2, 9))
+    alone = [opt.generate(ids, max_new_tokens=12, do_sample=False) for ids in (a, b)]
+    got = {}
+    second = threading.Thread(target=lambda: got.update(b=opt.generate(b, max_new_tokens=12, do_sample=False)))
+
+    class StartTheSecond(BaseStreamer):  # at the first call's 4th token, the second call starts and gets 1 s
+        def __init__(self):
+            self.puts = 0
+
+        def put(self, value):
+            self.puts += 1
+            if self.puts == 4:
+                second.start()
+                second.join(timeout=1.0)
+
+        def end(self):
+            pass
+
+    got["a"] = opt.generate(a, max_new_tokens=12, do_sample=False, streamer=StartTheSecond())
+    second.join()
+    assert torch.equal(got["a"], alone[0]) and torch.equal(got["b"], alone[1])
+
+    class CallsGenerate(BaseStreamer):  # a call from inside a call (its own thread) is refused, not awaited forever
+        def put(self, value):
+            opt.generate(b, max_new_tokens=2, do_sample=False)
+
+        def end(self):
+            pass
+
+    with pytest.raises(RuntimeError, match="called from inside this model's generate"):
+        opt.generate(a, max_new_tokens=12, do_sample=False, streamer=CallsGenerate())
+    assert torch.equal(opt.generate(a, max_new_tokens=12, do_sample=False), alone[0])
+
 @pytest.mark.parametrize("lag", [1, 2, 3])
 def test_done_watch_runs_lag_minus_one_launches_past_the_end(lag):
     """generate's end-of-decode check: the host reads the "all done" flag `lag` launches late, so exactly
