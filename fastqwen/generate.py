@@ -180,6 +180,11 @@ class Engine:
         self.spec = None
         self.lock, self.holder = threading.Lock(), None  # one call at a time: it holds the cache (thread id)
 
+    def __deepcopy__(self, memo):
+        """Refused: the steps are bound to this engine, so a copy's generate would run this one's cache and state."""
+        raise TypeError("an optimized model cannot be deep-copied (the copy's generate would run the original's "
+                        "cache): copy.deepcopy the model before fastqwen.optimize, then optimize each copy")
+
     def compile(self, fn):
         """fn (run without autograd) compiled as one full graph with this engine's options, or as is when
         compile=False."""

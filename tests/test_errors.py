@@ -156,6 +156,14 @@ def test_prompt_longer_than_cache(opt):
         opt.generate(torch.randint(1, 500, (1, 40)), max_new_tokens=30)
 
 
+def test_deep_copying_an_optimized_model_is_refused_with_the_order_that_works(opt):
+    """A deep copy's generate would still run the original's steps, cache and state (its output wrong, the
+    original's state overwritten): refused, naming the fix (copy first, then optimize the copy)."""
+    import copy
+
+    with pytest.raises(TypeError, match=r"copy.deepcopy the model before fastqwen.optimize"):
+        copy.deepcopy(opt)
+
 def test_empty_prompts(opt):
     with pytest.raises(ValueError, match="empty prompt"):
         opt.generate(torch.zeros(1, 0, dtype=torch.long), max_new_tokens=4)
