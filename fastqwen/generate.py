@@ -476,7 +476,10 @@ class Engine:
         if input_ids is None:
             raise ValueError("generate needs input_ids [batch, length] (a LongTensor of token ids)")
         if not torch.is_tensor(input_ids) or input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int):
-            raise ValueError("input_ids must be a 2-D integer tensor [batch, length]")
+            got = (f"{input_ids.dtype} of shape {tuple(input_ids.shape)}" if torch.is_tensor(input_ids) else
+                   type(input_ids).__name__)
+            raise ValueError(f"input_ids must be a 2-D integer tensor [batch, length] of int64 (or int32) token ids; "
+                             f"got {got}")
         input_ids = input_ids.to(self.device, torch.long)
         B, L = input_ids.shape
         if B == 0 or L == 0:

@@ -224,6 +224,8 @@ def test_bad_sampling_parameters(opt, kw, match):
 def test_malformed_input_ids(opt):
     with pytest.raises(ValueError, match="2-D integer tensor"):
         opt.generate(torch.randint(1, 500, (5,)), max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"int64 \(or int32\).*got torch.int16"):  # (an integer tensor, too narrow)
+        opt.generate(torch.randint(1, 500, (1, 5), dtype=torch.int16), max_new_tokens=4)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         opt.generate(torch.tensor([[1, 2, 10_000]]), max_new_tokens=4)
     with pytest.raises(ValueError, match="max_new_tokens"):
