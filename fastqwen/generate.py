@@ -269,6 +269,11 @@ class Engine:
             if _asks_for_something(named[name] if name in named else kwargs.pop(name, None)):
                 raise ValueError(f"fastqwen's generate does not support `{name}`; call the model's original "
                                  f"generate (type(model).generate(model, ...)) for it")
+        embed = self.model.get_input_embeddings().weight
+        if (embed.dtype, embed.device) != (self.dtype, self.device):  # (.to() after optimize: cache, fused weights)
+            raise ValueError(f"the model is now {embed.dtype} on {embed.device}, but fastqwen.optimize built its cache "
+                             f"and fused weights for {self.dtype} on {self.device}: call fastqwen.optimize(model, ...) "
+                             f"again after casting or moving the model")
         if inputs is not None and kwargs.get("input_ids") is not None:
             raise ValueError("generate got both `inputs` and `input_ids`: pass the prompt once")
         input_ids = kwargs.pop("input_ids", inputs)

@@ -164,6 +164,16 @@ def test_deep_copying_an_optimized_model_is_refused_with_the_order_that_works(op
     with pytest.raises(TypeError, match=r"copy.deepcopy the model before fastqwen.optimize"):
         copy.deepcopy(opt)
 
+def test_a_model_cast_after_optimize_is_told_to_optimize_again():
+    """Casting (or moving) the model after optimize leaves the cache and the fused weights in the old dtype: generate
+    says so, where the first matmul failed with "expected m1 and m2 to have the same dtype"; optimizing again works."""
+    model = fastqwen.optimize(fresh("tiny"), compile=False, max_seq_len=32).to(torch.bfloat16)
+    ids = torch.randint(1, 500, (1, 5))
+    with pytest.raises(ValueError, match=r"now torch.bfloat16 on cpu.*torch.float32 on cpu.*fastqwen.optimize.*again"):
+        model.generate(ids, max_new_tokens=4)
+    fastqwen.optimize(model, compile=False, max_seq_len=32)
+    assert model.generate(ids, max_new_tokens=4, do_sample=False).shape == (1, 9)
+
 def test_empty_prompts(opt):
     with pytest.raises(ValueError, match="empty prompt"):
         opt.generate(torch.zeros(1, 0, dtype=torch.long), max_new_tokens=4)
