@@ -274,6 +274,12 @@ class Engine:
             raise ValueError(f"the model is now {embed.dtype} on {embed.device}, but fastqwen.optimize built its cache "
                              f"and fused weights for {self.dtype} on {self.device}: call fastqwen.optimize(model, ...) "
                              f"again after casting or moving the model")
+        stale = self.forward.stale_fusion()
+        if stale is not None:
+            name = next((n for n, m in self.model.named_modules() if m is stale), type(stale).__name__)
+            raise ValueError(f"{name}'s projection weights were replaced since fastqwen.optimize (load_state_dict("
+                             f"assign=True), a LoRA merge, …), but its fused copy holds the old ones: call "
+                             f"fastqwen.optimize(model, ...) again")
         if inputs is not None and kwargs.get("input_ids") is not None:
             raise ValueError("generate got both `inputs` and `input_ids`: pass the prompt once")
         input_ids = kwargs.pop("input_ids", inputs)

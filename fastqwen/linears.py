@@ -67,6 +67,14 @@ def fuse_linears(module, names) -> None:
     module.__dict__["fastqwen_fused_sizes"] = tuple(lin.out_features for lin in linears)
 
 
+def fusion_intact(module, names) -> bool:
+    """Whether the fused linear that fuse_linears(module, names) gave `module` (if any) still holds its linears'
+    weights: one replaced since (load_state_dict(assign=True), say) leaves the fused copy with the old ones."""
+    fused = module.__dict__.get("fastqwen_fused")
+    return fused is None or _views_of(fused, [getattr(module, n, None)
+                                              for n in names[:len(module.__dict__["fastqwen_fused_sizes"])]])
+
+
 def _fusable(linears) -> bool:
     from .quant.linear import QuantLinear
 

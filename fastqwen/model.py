@@ -20,7 +20,7 @@ from .cache import HybridCache
 from .ops.attention import attend_cache, attend_causal, attend_prefix, rope_cos_sin
 from .ops.attention_prep import attention_prep, prepare, step_positions, summed
 from .ops.decode_attention import attend_cache_split_op, merge_gated_op, split_kv_partials_op
-from .linears import MLP_IN, Linears, fuse_linears
+from .linears import MLP_IN, Linears, fuse_linears, fusion_intact
 from .moe import routed_moe, stack_shared_expert
 from .ops.conv import commit_window, conv_decode, conv_step, verify_prologue
 from .ops.gemv import tile_counts
@@ -278,6 +278,7 @@ class Forward:
                            cuda=cuda_schemes(self.kernels))
         if cache.lengths.device.type == "cuda":  # the kernels' arrival counts (split-K fixup, fused GDN norm, expert
             tile_counts(cache.lengths.device, 0)  # MLP, fused route), allocated before any capture
+        self.fusions = []  # (module, names) of each fuse_linears call: stale_fusion
         for layer in self.layers:
             self.prepare_layer(layer)
 
@@ -288,12 +289,18 @@ class Forward:
         stacked = grouped and hasattr(layer.mlp, "experts") and stack_shared_expert(layer.mlp)
         if not self.lin.fused:
             return
-        if hasattr(layer, "linear_attn"):
-            fuse_linears(layer.linear_attn, _GDN_IN)
-        if hasattr(layer, "self_attn"):
-            fuse_linears(layer.self_attn, ATTN_IN)
+        fusions = [(layer.linear_attn, _GDN_IN)] if hasattr(layer, "linear_attn") else []
+        fusions += [(layer.self_attn, ATTN_IN)] if hasattr(layer, "self_attn") else []
         if not stacked:  # (a stacked shared expert runs inside the grouped expert launch)
-            fuse_linears(getattr(layer.mlp, "shared_expert", layer.mlp), MLP_IN)
+            fusions.append((getattr(layer.mlp, "shared_expert", layer.mlp), MLP_IN))
+        for module, names in fusions:
+            fuse_linears(module, names)
+        self.fusions += fusions
+
+    def stale_fusion(self):
+        """The first module whose fused input projection no longer holds its linears' weights (they were replaced
+        since it was fused), or None."""
+        return next((module for module, names in self.fusions if not fusion_intact(module, names)), None)
 
     # ----- entry points -------------------------------------------------------------------------------
     def prefill(self, first_row: int, tokens: torch.Tensor, features=None, start: int = 0):

@@ -174,6 +174,24 @@ def test_a_model_cast_after_optimize_is_told_to_optimize_again():
     fastqwen.optimize(model, compile=False, max_seq_len=32)
     assert model.generate(ids, max_new_tokens=4, do_sample=False).shape == (1, 9)
 
+def test_projection_weights_replaced_after_optimize_are_told_to_optimize_again():
+    """load_state_dict(assign=True) after optimize replaces the weights that the fused input projections are views
+    of, which then hold the old ones: generate said nothing and decoded with them. It says so now, and optimizing
+    again decodes with the new weights, as transformers does."""
+    from conftest import hf_generate
+
+    other = fresh("tiny")
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    ids = torch.randint(1, 500, (1, 9))
+    model = fastqwen.optimize(fresh("tiny"), compile=False, max_seq_len=32)
+    model.load_state_dict(other.state_dict(), assign=True)
+    with pytest.raises(ValueError, match=r"layers.0.linear_attn's .*replaced.*fastqwen.optimize\(model, ...\) again"):
+        model.generate(ids, max_new_tokens=8)
+    fastqwen.optimize(model, compile=False, max_seq_len=32)
+    assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False), hf_generate(other, ids, max_new_tokens=8))
+
 def test_empty_prompts(opt):
     with pytest.raises(ValueError, match="empty prompt"):
         opt.generate(torch.zeros(1, 0, dtype=torch.long), max_new_tokens=4)
