@@ -376,6 +376,7 @@ def test_act_order_int4_saves_as_compressed_tensors_with_its_g_idx(tmp_path):
     path, _ = write_ct(tmp_path / "ckpt", model, lambda w, seed: int4_layer(w, 32, False, True, seed=seed),
                        ct_config(weights, "pack-quantized"))
     loaded = from_pretrained(path, dtype=torch.float32)
+    loaded.model.layers[1].mlp.up_proj.perm = None  # (a layer in column order: it gets an identity g_idx)
     saved = fastqwen.save_pretrained(loaded, tmp_path / "saved", int4_format="compressed-tensors")
     assert json.loads((saved / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"][
         "weights"]["actorder"] == "group"
@@ -387,6 +388,10 @@ def test_act_order_int4_saves_as_compressed_tensors_with_its_g_idx(tmp_path):
     key = "model.layers.0.mlp.down_proj.weight_g_idx"
     with safe_open(str(path / "model.safetensors"), "pt") as a, safe_open(str(saved / "model.safetensors"), "pt") as b:
         assert torch.equal(a.get_tensor(key), b.get_tensor(key))
+        packed = [k[:-len("weight_packed")] for k in b.keys() if k.endswith(".weight_packed")]
+        assert packed and all(k + "weight_g_idx" in b.keys() for k in packed)  # (every layer, under act-order)
+        up = b.get_tensor("model.layers.1.mlp.up_proj.weight_g_idx")
+        assert torch.equal(up, torch.arange(up.numel(), dtype=torch.int32) // 32)
     with torch.no_grad():
         loaded.model.layers[0].mlp.down_proj.zero[0, 0] = 16
     with pytest.raises(ValueError, match=r"model.layers.0.mlp.down_proj: .*zeros 0…15; got zeros \d+…16 \(a GPTQ"):

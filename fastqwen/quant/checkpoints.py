@@ -354,7 +354,11 @@ def save_pretrained(model, path, *, int4_format: str = "gptq", mtp_from=None, sh
             step = g // (K // t["scale"].shape[-1])  # (stored scale columns a group: checked by _gptq_group)
             scale, zero = t["scale"][:, ::step], t["zero"][:, ::step]
             try:
-                out = (compressed.int4_tensors(t["codes"], scale, zero, t.get("perm"), g)
+                # (under act-order every layer carries weight_g_idx: a reader allocates it for each, and a layer in
+                # column order (perm None) would be left with whatever that memory held)
+                perm = t.get("perm")
+                perm = torch.arange(K, device=t["codes"].device) if act_order and perm is None else perm
+                out = (compressed.int4_tensors(t["codes"], scale, zero, perm, g)
                        if int4_format == "compressed-tensors" else
                        to_gptq(t["codes"], scale.float(), zero.float(), t.get("perm"), group=g, zero_offset=offset))
             except ValueError as err:
