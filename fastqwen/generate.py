@@ -277,9 +277,9 @@ class Engine:
         stale = self.forward.stale_fusion()
         if stale is not None:
             name = next((n for n, m in self.model.named_modules() if m is stale), type(stale).__name__)
-            raise ValueError(f"{name}'s projection weights were replaced since fastqwen.optimize (load_state_dict("
-                             f"assign=True), a LoRA merge, …), but its fused copy holds the old ones: call "
-                             f"fastqwen.optimize(model, ...) again")
+            raise ValueError(f"{name}'s weights were replaced since fastqwen.optimize (load_state_dict(assign=True), "
+                             f"a LoRA merge, …), but its fused copy holds the old ones: call fastqwen.optimize(model, "
+                             f"...) again")
         if inputs is not None and kwargs.get("input_ids") is not None:
             raise ValueError("generate got both `inputs` and `input_ids`: pass the prompt once")
         input_ids = kwargs.pop("input_ids", inputs)
@@ -446,8 +446,8 @@ class Engine:
             if gen.temperature is None or gen.temperature <= 0:
                 raise ValueError(f"temperature must be > 0 when do_sample=True, got {gen.temperature}")
             if gen.temperature < 1e-20:  # (logits / it overflow fp32: NaN probabilities, an arbitrary token)
-                raise ValueError(f"temperature={gen.temperature} is too small to sample with (the scaled logits overflow "
-                                 f"fp32); for the most likely token pass do_sample=False")
+                raise ValueError(f"temperature={gen.temperature} is too small to sample with (the scaled logits "
+                                 f"overflow fp32); for the most likely token pass do_sample=False")
             if gen.top_p is not None and not 0 < gen.top_p <= 1:
                 raise ValueError(f"top_p must be in (0, 1], got {gen.top_p}")
             k = gen.top_k

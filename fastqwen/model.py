@@ -21,7 +21,7 @@ from .ops.attention import attend_cache, attend_causal, attend_prefix, rope_cos_
 from .ops.attention_prep import attention_prep, prepare, step_positions, summed
 from .ops.decode_attention import attend_cache_split_op, merge_gated_op, split_kv_partials_op
 from .linears import MLP_IN, Linears, fuse_linears, fusion_intact
-from .moe import routed_moe, stack_shared_expert
+from .moe import routed_moe, stack_intact, stack_shared_expert
 from .ops.conv import commit_window, conv_decode, conv_step, verify_prologue
 from .ops.gemv import tile_counts
 from .ops.gated_norm import gated_norm
@@ -278,7 +278,7 @@ class Forward:
                            cuda=cuda_schemes(self.kernels))
         if cache.lengths.device.type == "cuda":  # the kernels' arrival counts (split-K fixup, fused GDN norm, expert
             tile_counts(cache.lengths.device, 0)  # MLP, fused route), allocated before any capture
-        self.fusions = []  # (module, names) of each fuse_linears call: stale_fusion
+        self.fusions, self.stacks = [], []  # (module, names) of each fuse_linears call, stacked MLPs: stale_fusion
         for layer in self.layers:
             self.prepare_layer(layer)
 
@@ -287,6 +287,8 @@ class Forward:
         stacked onto the routed ones (grouped experts), input projections fused (fused projections)."""
         grouped = self.kernels["experts"] in ("grouped", "grouped-pdl")
         stacked = grouped and hasattr(layer.mlp, "experts") and stack_shared_expert(layer.mlp)
+        if stacked:
+            self.stacks.append(layer.mlp)
         if not self.lin.fused:
             return
         fusions = [(layer.linear_attn, _GDN_IN)] if hasattr(layer, "linear_attn") else []
@@ -298,9 +300,10 @@ class Forward:
         self.fusions += fusions
 
     def stale_fusion(self):
-        """The first module whose fused input projection no longer holds its linears' weights (they were replaced
-        since it was fused), or None."""
-        return next((module for module, names in self.fusions if not fusion_intact(module, names)), None)
+        """The first module whose fused input projection or expert stack no longer holds its parameters' weights
+        (they were replaced since it was built), or None."""
+        return next((m for m, names in self.fusions if not fusion_intact(m, names)),
+                    next((mlp for mlp in self.stacks if not stack_intact(mlp)), None))
 
     # ----- entry points -------------------------------------------------------------------------------
     def prefill(self, first_row: int, tokens: torch.Tensor, features=None, start: int = 0):

@@ -57,6 +57,12 @@ def stack_shared_expert(mlp) -> bool:
     return True
 
 
+def stack_intact(mlp) -> bool:
+    """Whether `mlp` has no stack, or one that every parameter it stacked is still a view of."""
+    stacked = mlp.__dict__.get("fastqwen_stacked")
+    return stacked is None or _intact(mlp, stacked)
+
+
 def _intact(mlp, stacked) -> bool:
     """Whether every part of the stack is still a view of it (no parameter or buffer replaced since)."""
     gate_up, down, router = stacked
