@@ -82,6 +82,10 @@ def optimize(model, *, max_batch_size: int = 1, max_seq_len: int = 4096, compile
     if dtype not in _DTYPES:
         raise ValueError(f"unsupported model dtype {dtype}; load the model in bfloat16, float16 or float32")
     check_one_dtype(model, dtype)
+    text_cfg = model.config.get_text_config()
+    if "linear_attention" in text_cfg.layer_types and text_cfg.hidden_act not in ("silu", "swish"):
+        raise ValueError(f"hidden_act={text_cfg.hidden_act!r}: transformers applies it to the Gated DeltaNet conv's "
+                         f"output, which fastqwen's conv ops compute with SiLU only (as every Qwen3.5 checkpoint)")
     rotary = text_model(model).rotary_emb
     rope = getattr(rotary, "rope_type", "default")
     if "dynamic" in rope or rope == "longrope":  # transformers rescales their frequencies past `limit` positions

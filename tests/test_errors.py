@@ -149,6 +149,20 @@ def test_a_rope_whose_frequencies_follow_the_length_is_refused_past_that_length(
     assert torch.equal(model.generate(ids, max_new_tokens=48, do_sample=False), expected)
 
 
+def test_a_gdn_conv_activation_other_than_silu_is_refused():
+    """transformers applies hidden_act to the Gated DeltaNet conv's output (and the MLPs'); our conv ops apply SiLU,
+    so with another hidden_act every token silently diverged. A model without GDN layers runs its MLPs' own act_fn:
+    its tokens are transformers'."""
+    from conftest import hf_generate
+
+    with pytest.raises(ValueError, match=r"hidden_act='gelu'.*Gated DeltaNet.*SiLU"):
+        fastqwen.optimize(fresh("tiny", hidden_act="gelu"), compile=False, max_seq_len=64)
+    full = dict(hidden_act="gelu", layer_types=["full_attention"] * 4)
+    model = fastqwen.optimize(fresh("tiny", **full), compile=False, max_seq_len=64)
+    ids = torch.randint(1, 500, (1, 8))
+    expected = hf_generate(fresh("tiny", **full), ids, max_new_tokens=8)
+    assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False), expected)
+
 def test_prompt_longer_than_cache(opt):
     with pytest.raises(ValueError, match="exceeds max_seq_len=64.*larger max_seq_len"):
         opt.generate(torch.randint(1, 500, (1, 70)), max_new_tokens=4)
