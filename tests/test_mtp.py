@@ -140,6 +140,11 @@ def test_mtp_errors(tmp_path):
     save_file(wrong, str(other))
     with pytest.raises(ValueError, match=r"mtp.fc.weight is \(64, 96\), expected \(64, 128\)"):
         fastqwen.optimize(load(bare), compile=False, speculate="mtp", draft=other)
+    right = tmp_path / "right.safetensors"
+    save_file(presets.random_mtp_tensors(model), str(right))
+    linear = fresh("tiny", layer_types=["linear_attention"] * model.config.num_hidden_layers)
+    with pytest.raises(ValueError, match="needs a target with a full-attention layer.*layer_types has none"):
+        fastqwen.optimize(linear, compile=False, speculate="mtp", draft=right)
     with pytest.raises(ValueError, match="unknown speculate='eagle'"):
         fastqwen.optimize(model, compile=False, speculate="eagle")
     with pytest.raises(ValueError, match="num_speculative_tokens"):

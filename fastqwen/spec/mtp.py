@@ -113,6 +113,9 @@ class MTPHead(nn.Module):
             shape = tuple(tensors["fc.weight"].shape) if "fc.weight" in tensors else None
             raise ValueError(f"MTP head does not fit the target: mtp.fc.weight is {shape}, expected {(H, 2 * H)} "
                              f"(target hidden size {H}); is the draft from another model size?")
+        if "full_attention" not in cfg.layer_types:  # (the head's layer is built as the target's attention layer)
+            raise ValueError("speculate='mtp' needs a target with a full-attention layer (its MTP head is one, built "
+                             "from the target's class); this model's layer_types has none: speculate without MTP")
         self.attn_layer = cfg.layer_types.index("full_attention")
         norm_cls, layer_cls = type(text.norm), type(text.layers[self.attn_layer])
         emb = model.get_input_embeddings().weight
