@@ -84,3 +84,17 @@ def test_bad_draft_vocab_errors(mtp_checkpoint):
             opt(speculate="mtp", draft_vocab=bad)
     with pytest.raises(ValueError, match="quant_lm_head=True already quantized it"):
         opt(speculate="mtp", draft_vocab=100, quant="fp8-weight", quant_lm_head=True)
+
+
+def test_a_scalar_draft_vocab_of_numpy_or_torch_is_a_count():
+    """draft_vocab=np.int64(N) or torch.tensor(N) (a size computed with numpy or torch) means N tokens, as the int
+    N does; it drafted over the one token id N before (lossless, but acceptance all but gone, silently)."""
+    import numpy as np
+
+    lm_head = torch.nn.Linear(32, 50, bias=False)
+    for n in (np.int64(20), torch.tensor(20), np.array(20)):
+        assert torch.equal(draft_head(lm_head, n).ids, torch.arange(20))
+    with pytest.raises(ValueError, match=r"draft_vocab=60 must be in 1..50"):
+        draft_head(lm_head, np.int32(60))
+    with pytest.raises(ValueError, match="integer token ids"):
+        draft_head(lm_head, torch.tensor(20.0))

@@ -40,14 +40,17 @@ class SubsetHead(nn.Module):
 def vocab_ids(vocab, size: int, device) -> torch.Tensor:
     """The draft vocabulary as sorted unique token ids [N]: `vocab` is N (token ids 0 … N−1, which in Qwen's
     byte-level BPE are roughly the earliest, most frequent merges) or the ids themselves (e.g. the N most
-    frequent tokens of a corpus, FR-Spec style). `size` is the target's vocabulary size."""
+    frequent tokens of a corpus, FR-Spec style). `size` is the target's vocabulary size. N may also be a numpy or
+    0-dim torch integer (a count, not the one token id N)."""
     if isinstance(vocab, bool):
         raise ValueError(f"draft_vocab must be an int or a sequence of token ids, got {vocab!r}")
-    if isinstance(vocab, int):
-        if not 1 <= vocab <= size:
-            raise ValueError(f"draft_vocab={vocab} must be in 1..{size} (the target's vocabulary)")
-        return torch.arange(vocab, device=device)
-    ids = torch.as_tensor(vocab, device=device).flatten()
+    ids = torch.as_tensor(vocab, device=device)
+    if ids.dim() == 0 and not (ids.is_floating_point() or ids.dtype == torch.bool):
+        n = int(ids)
+        if not 1 <= n <= size:
+            raise ValueError(f"draft_vocab={n} must be in 1..{size} (the target's vocabulary)")
+        return torch.arange(n, device=device)
+    ids = ids.flatten()
     if ids.numel() == 0 or ids.is_floating_point() or ids.dtype == torch.bool:
         raise ValueError("draft_vocab must be a non-empty sequence of integer token ids")
     if int(ids.min()) < 0 or int(ids.max()) >= size:
