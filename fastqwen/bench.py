@@ -379,6 +379,14 @@ def _generate(generate_fn: Callable, input_ids: torch.Tensor, n: int, mask: torc
     return seconds
 
 
+def check_lengths(n_short: int, n_long: int, repeats: int = 1) -> None:
+    """Refuse timed lengths that time no decode: the speed is the tokens between a short and a long call."""
+    if not (n_short >= 1 and n_long > n_short and repeats >= 1):
+        raise ValueError(f"decode timing needs n_short >= 1 and n_long > n_short (the speed is the tokens between "
+                         f"them over their time difference) and repeats >= 1; got n_short={n_short}, "
+                         f"n_long={n_long}, repeats={repeats}")
+
+
 def decode_tok_per_s(
     generate_fn: Callable, input_ids: torch.Tensor, n_short: int, n_long: int, repeats: int = 3,
     mask: torch.Tensor | None = None, warmed: bool = False, retries: int = 2,
@@ -393,6 +401,7 @@ def decode_tok_per_s(
     samples, and after that it is an error, never a made-up speed. ``generate_fn`` takes HF ``generate``
     arguments.
     """
+    check_lengths(n_short, n_long, repeats)
     for n in (n_short,) if warmed else (n_long, n_short):
         _generate(generate_fn, input_ids, n, mask)
     shorts, longs = [], []

@@ -84,7 +84,20 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--processes", type=int, default=1, help="with --isolate: time each system in this many "
                    "processes, in rounds of alternating order, and report the median (a 35B-A3B step spreads "
                    "±3%% between processes of the same code)")
-    return p.parse_args()
+    args = p.parse_args()
+    try:
+        bench.check_lengths(args.n_short, args.n_long, args.repeats)
+    except ValueError as err:
+        p.error(str(err))
+    for flag, pairs, form in (("--kernels", args.kernels, "OP=CHOICE"), ("--options", args.options, "KEY=VALUE")):
+        for kv in pairs:
+            if "=" not in kv:
+                p.error(f"{flag} takes {form}, got {kv!r}")
+    try:
+        bench.compile_options(False, False, args.options)
+    except (ValueError, SyntaxError) as err:
+        p.error(f"--options: each VALUE a Python literal (True, 1, 'max-autotune'): {err}")
+    return args
 
 
 def environment(device: str) -> dict:

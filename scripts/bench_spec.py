@@ -41,6 +41,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import fastqwen  # noqa: E402
 from fastqwen import bench, presets  # noqa: E402
 from fastqwen.bench import OracleProposer, miss_for_tau  # noqa: E402
+from fastqwen.generate import check_num_speculative_tokens  # noqa: E402
 from fastqwen.spec.draft_head import draft_head  # noqa: E402
 
 
@@ -130,10 +131,23 @@ def main():
         p.error("--also-kernels times the --verify-block block: give it a size")
     runs = []
     for r in args.runs:
-        name, k, tau = r.split(":")
+        try:
+            name, k, tau = r.split(":")
+            k, tau = int(k), float(tau)
+        except ValueError:
+            p.error(f"--runs takes proposer:k:tau, got {r!r} (e.g. mtp:3:3.0)")
         if name not in ("mtp", "dflash"):
             p.error(f"unknown proposer {name!r} in --runs {r}: use mtp or dflash")
-        runs.append((name, int(k), float(tau)))
+        try:  # (else found after the plain decode is compiled and timed)
+            check_num_speculative_tokens(k)
+            miss_for_tau(tau, k)
+        except ValueError as err:
+            p.error(f"--runs {r}: {err}")
+        runs.append((name, k, tau))
+    try:
+        bench.check_lengths(args.n_short, args.n_long)
+    except ValueError as err:
+        p.error(str(err))
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     res = {"model": args.model, "batch": args.batch, "hardware": torch.cuda.get_device_name() if cuda else "cpu",

@@ -106,6 +106,49 @@ def test_decode_speed_outlasts_a_slow_stretch_and_refuses_persistent_noise():
         bench.decode_tok_per_s(always_stalled, ids, 4, 40, repeats=1, retries=2)
 
 
+
+def test_decode_speed_refuses_lengths_that_time_no_decode(monkeypatch, capsys):
+    """n_long <= n_short timed no decode between the calls: equal lengths read 0.0 tok/s (0 tokens over the calls'
+    noise), a longer short run "timing noise"; repeats=0 a StatisticsError. Each is refused first, naming the fix."""
+    calls = []
+
+    def fake_generate(ids, attention_mask, max_new_tokens, **kw):
+        calls.append(max_new_tokens)
+        return torch.zeros(ids.shape[0], ids.shape[1] + max_new_tokens)
+
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    for n_short, n_long, repeats in ((40, 40, 3), (60, 40, 3), (0, 40, 3), (4, 40, 0)):
+        with pytest.raises(ValueError, match=r"n_short >= 1 and n_long > n_short.*repeats >= 1"):
+            bench.decode_tok_per_s(fake_generate, ids, n_short, n_long, repeats)
+    assert not calls
+    for args, message in ((["--n-short", "40", "--n-long", "40"], "n_long > n_short"),
+                          (["--kernels", "attention"], "--kernels takes OP=CHOICE, got 'attention'"),
+                          (["--options", "combo_kernels"], "--options takes KEY=VALUE, got 'combo_kernels'"),
+                          (["--options", "combo_kernels=yes"], "VALUE a Python literal")):
+        assert message in command_line_error("bench.py", *args, monkeypatch=monkeypatch, capsys=capsys)
+
+
+def command_line_error(script: str, *args: str, monkeypatch, capsys) -> str:
+    """What scripts/<script> run with `args` prints to stderr as it exits with argparse's usage error (2)."""
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", [script, *args])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(pathlib.Path(__file__).parents[1] / "scripts" / script), run_name="__main__")
+    assert exit_.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_bench_spec_refuses_bad_runs_before_timing_anything(monkeypatch, capsys):
+    """A malformed --runs entry failed as a bare unpacking error, and a tau past k + 1 (or a k of 0) only after
+    the plain decode was compiled and timed (minutes on a GPU): each is refused at the command line."""
+    for args, message in ((["--runs", "mtp:3"], "--runs takes proposer:k:tau, got 'mtp:3'"),
+                          (["--runs", "mtp:x:2.0"], "--runs takes proposer:k:tau"),
+                          (["--runs", "mtp:3:5.0"], r"tau must be in [1, 4] for k=3"),
+                          (["--runs", "dflash:0:1.0"], "num_speculative_tokens must be an int in 1..32"),
+                          (["--n-short", "40", "--n-long", "40"], "n_long > n_short")):
+        assert message in command_line_error("bench_spec.py", *args, monkeypatch=monkeypatch, capsys=capsys)
+
 def test_plot_draws_a_line_and_a_roofline_per_model_and_prompt(tmp_path):
     row = lambda b, p: {"model": "m", "batch_size": b, "prompt_len": p, "roofline_tok_s": 100.0,  # noqa: E731
                         "systems": {"fastqwen": {"tok_s": 50.0}}}
