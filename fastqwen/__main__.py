@@ -33,7 +33,7 @@ def main() -> None:
     which = p.add_mutually_exclusive_group()
     which.add_argument("--model", default="qwen3.5-9b" if cuda else "tiny", choices=presets.NAMES)
     which.add_argument("--checkpoint", metavar="DIR", help="a local Qwen3.5 checkpoint in place of random weights")
-    p.add_argument("--prompt-len", type=int, default=512 if cuda else 32)
+    p.add_argument("--prompt-len", type=bench.positive_int, default=512 if cuda else 32)
     args = p.parse_args()
     dtype, device = (torch.bfloat16, "cuda") if cuda else (torch.float32, "cpu")
     name, model = args.model, None

@@ -8,6 +8,7 @@ sequence* (equal to total tokens/s at batch 1); prefill time is cancelled out (s
 
 from __future__ import annotations
 
+import argparse
 import functools
 import gc
 import itertools
@@ -377,6 +378,14 @@ def _generate(generate_fn: Callable, input_ids: torch.Tensor, n: int, mask: torc
     if tuple(out.shape) != expected:
         raise RuntimeError(f"generate returned shape {tuple(out.shape)}, expected {expected}")
     return seconds
+
+
+def positive_int(text: str) -> int:
+    """argparse type of the CLIs' lengths and batch sizes: an int >= 1."""
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {n}")
+    return n
 
 
 def check_lengths(n_short: int, n_long: int, repeats: int = 1) -> None:

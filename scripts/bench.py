@@ -50,12 +50,13 @@ def parse_args() -> argparse.Namespace:
                    help="default: HF eager, HF static cache + compile, fastqwen; also fastqwen with an alternative "
                         "kernel (fastqwen+…) or quantized (fastqwen-…, one scheme a process); HF first, quantized last, "
                         "fastqwen and its alternatives in the order given")
-    p.add_argument("--batch-size", type=int, nargs="+", default=[1], help="rows per generate (a sweep if several)")
+    p.add_argument("--batch-size", type=bench.positive_int, nargs="+", default=[1],
+                   help="rows per generate (a sweep if several)")
     p.add_argument("--ragged", action="store_true", help="rows of different prompt lengths (left-padded, the "
                    "longest --prompt-len, the shortest about half), as concurrent requests")
     p.add_argument("--quant-lm-head", action="store_true", help="a quantized system (fastqwen-…) quantizes "
                    "lm_head too (optimize's quant_lm_head; 27B: 2.5 GB of its 51 GB a step in bf16)")
-    p.add_argument("--prompt-len", type=int, nargs="+", default=[DEFAULTS["prompt_len"]],
+    p.add_argument("--prompt-len", type=bench.positive_int, nargs="+", default=[DEFAULTS["prompt_len"]],
                    help="prompt tokens per row, i.e. the context decoding starts from (a sweep if several)")
     p.add_argument("--max-seq-len", type=int, help="fastqwen's cache size (default: what the run needs); e.g. "
                    "131072 with a short prompt times what a long cache costs decode")

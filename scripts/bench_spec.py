@@ -97,8 +97,8 @@ def main():
     p.add_argument("--model", default="qwen3.5-27b" if cuda else "tiny", choices=presets.NAMES)
     p.add_argument("--runs", nargs="*", default=["mtp:3:3.0", "dflash:15:6.5"],
                    help="proposer:k:tau, each (none: plain decode and the --verify-block timings only)")
-    p.add_argument("--batch", type=int, default=1, help="rows per generate (the same prompt in each)")
-    p.add_argument("--prompt-len", type=int, default=512 if cuda else 32)
+    p.add_argument("--batch", type=bench.positive_int, default=1, help="rows per generate (the same prompt in each)")
+    p.add_argument("--prompt-len", type=bench.positive_int, default=512 if cuda else 32)
     p.add_argument("--n-short", type=int, default=32 if cuda else 24)
     p.add_argument("--n-long", type=int, default=160 if cuda else 200)
     p.add_argument("--verify-block", type=int, default=16, help="also time verify + commit of this block (0: no)")

@@ -124,7 +124,9 @@ def test_decode_speed_refuses_lengths_that_time_no_decode(monkeypatch, capsys):
     for args, message in ((["--n-short", "40", "--n-long", "40"], "n_long > n_short"),
                           (["--kernels", "attention"], "--kernels takes OP=CHOICE, got 'attention'"),
                           (["--options", "combo_kernels"], "--options takes KEY=VALUE, got 'combo_kernels'"),
-                          (["--options", "combo_kernels=yes"], "VALUE a Python literal")):
+                          (["--options", "combo_kernels=yes"], "VALUE a Python literal"),
+                          (["--batch-size", "1", "0"], "--batch-size: must be a positive int, got 0"),
+                          (["--prompt-len", "-4"], "--prompt-len: must be a positive int, got -4")):
         assert message in command_line_error("bench.py", *args, monkeypatch=monkeypatch, capsys=capsys)
 
 
@@ -146,7 +148,8 @@ def test_bench_spec_refuses_bad_runs_before_timing_anything(monkeypatch, capsys)
                           (["--runs", "mtp:x:2.0"], "--runs takes proposer:k:tau"),
                           (["--runs", "mtp:3:5.0"], r"tau must be in [1, 4] for k=3"),
                           (["--runs", "dflash:0:1.0"], "num_speculative_tokens must be an int in 1..32"),
-                          (["--n-short", "40", "--n-long", "40"], "n_long > n_short")):
+                          (["--n-short", "40", "--n-long", "40"], "n_long > n_short"),
+                          (["--batch", "0"], "--batch: must be a positive int, got 0")):
         assert message in command_line_error("bench_spec.py", *args, monkeypatch=monkeypatch, capsys=capsys)
 
 def test_plot_draws_a_line_and_a_roofline_per_model_and_prompt(tmp_path):
