@@ -16,6 +16,7 @@ import json
 import os
 import threading
 import types
+import warnings
 
 import torch
 from transformers.generation.stopping_criteria import MaxTimeCriteria, StoppingCriteriaList, StopStringCriteria
@@ -172,7 +173,11 @@ class Engine:
             self.cache_tag += reductions.tag(self.reductions)
         if compile and compile_cache is not None and os.path.exists(compile_cache):
             with open(compile_cache, "rb") as f:
-                torch.compiler.load_cache_artifacts(f.read())
+                loaded = torch.compiler.load_cache_artifacts(f.read())
+            if loaded is None:  # (torch logs that alone, naming no file)
+                warnings.warn(f"compile_cache {os.fspath(compile_cache)!r} holds no compiled artifacts this torch can "
+                              f"read (damaged, truncated or another file): the steps compile from scratch, and "
+                              f"warmup() will overwrite it", stacklevel=3)
         self._greedy_step = self.compile(self._greedy_impl)
         self._sample_step = self.compile(self._sample_impl)
         self._penalized_steps = {}  # do_sample -> the compiled step with the repetition penalty, built on first use

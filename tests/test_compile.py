@@ -134,6 +134,15 @@ print("HITS", counters["inductor"]["fxgraph_cache_hit"], "MISSES", counters["ind
     assert hits > 0 and misses == 0
 
 
+def test_a_compile_cache_file_torch_cannot_read_is_named_before_warmup_overwrites_it(tmp_path):
+    """A damaged, truncated or foreign file at compile_cache (a mistyped path: the checkpoint's config.json) was
+    skipped with torch's log line alone, which names no file, and warmup() then overwrote it without a word."""
+    path = tmp_path / "config.json"
+    path.write_text('{"model_type": "qwen3_5_text"}')
+    message = r"compile_cache '.*config.json' holds no compiled artifacts .* warmup\(\) will overwrite it"
+    with pytest.warns(UserWarning, match=message):
+        fastqwen.optimize(fresh("tiny", layers=1), max_seq_len=32, compile=True, compile_cache=str(path))
+
 def test_compiled_repetition_penalty_matches_eager():
     """With repetition_penalty the plain step and the speculative round compile graphs of their own (the default
     ones take no penalty work) and give the eager tokens."""
