@@ -34,20 +34,35 @@ PREFILL_CHUNK_TOKENS = 32768
 CUDA_COMPILE_OPTIONS = {"max_autotune": True, "triton.cudagraphs": True, "coordinate_descent_tuning": True}
 
 
-def compile_cache_tag(schemas: list[str] | None = None, table: dict | None = None) -> str:
+def source_digest(root: str = os.path.dirname(__file__)) -> str:
+    """sha256 of fastqwen's source under `root` (its .py, .cu and .cuh files, paths and bytes): what no traced graph
+    shows, e.g. an op's output-shape heuristic (split counts), changes it."""
+    h = hashlib.sha256()
+    for folder, dirs, files in sorted(os.walk(root)):
+        dirs.sort()
+        for name in sorted(f for f in files if f.endswith((".py", ".cu", ".cuh"))):
+            path = os.path.join(folder, name)
+            h.update(os.path.relpath(path, root).encode())
+            with open(path, "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()
+
+
+def compile_cache_tag(schemas: list[str] | None = None, table: dict | None = None, source: str | None = None) -> str:
     """A tag for inductor's on-disk cache keys (torch.compiler.config.cache_key_tag) naming what a compiled step
-    depends on beyond its traced code: the schemas of fastqwen's registered ops and the weight-streaming
+    depends on beyond its traced code: the schemas of fastqwen's registered ops, the weight-streaming
     kernel's launch table (a quantized linear's output holds one partial sum per split, so the table shapes the
-    graph). torch's own key misses both: after an op's arguments change, a step compiled by the older
-    fastqwen is served from the cache and calls the op with the old arguments (reproduced with torch 2.13).
-    Defaults: the ops registered now and ops/gemv_configs.json as loaded."""
+    graph) and fastqwen's source (source_digest: the ops' shape functions are not in the graph). torch's own key
+    misses them: after an op's arguments change, a step compiled by the older fastqwen is served from the cache
+    and calls the op with the old arguments (reproduced with torch 2.13). Defaults: the ops registered now,
+    ops/gemv_configs.json as loaded and this package's source."""
     if schemas is None:
         ns = torch.ops.fastqwen
         schemas = [str(getattr(ns, name).default._schema) for name in dir(ns)
                    if isinstance(getattr(ns, name, None), torch._ops.OpOverloadPacket)]
     if table is None:
         from .ops.gemv import _TUNED as table
-    text = json.dumps([sorted(schemas), table], sort_keys=True)
+    text = json.dumps([sorted(schemas), table, source_digest() if source is None else source], sort_keys=True)
     return "fastqwen-" + hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -189,6 +189,21 @@ def test_compiled_speculative_round_matches_eager_decoding(kernels):
         assert 1.0 < spec._fastqwen.spec.acceptance_length(2) < k + 1
 
 
+def test_the_source_digest_changes_with_any_source_file(tmp_path):
+    """Another fastqwen (an op's shape heuristic changed, its schema not) must not be served this one's steps."""
+    from fastqwen.generate import source_digest
+
+    (tmp_path / "ops").mkdir()
+    (tmp_path / "ops" / "gemv.py").write_text("SPLITS = 8\n")
+    (tmp_path / "notes.md").write_text("not source")
+    first = source_digest(str(tmp_path))
+    (tmp_path / "notes.md").write_text("edited")
+    assert source_digest(str(tmp_path)) == first
+    (tmp_path / "ops" / "gemv.py").write_text("SPLITS = 4\n")
+    assert source_digest(str(tmp_path)) != first
+    assert len(source_digest()) == 64
+
+
 def test_compiled_steps_are_cached_under_a_tag_of_the_ops_and_the_launch_table(monkeypatch):
     """torch's cache key misses a custom op's schema, so generate runs (and compiles) under a cache_key_tag that
     changes with fastqwen's op schemas and the gemv launch table, and puts the user's tag back afterwards."""
@@ -199,6 +214,7 @@ def test_compiled_steps_are_cached_under_a_tag_of_the_ops_and_the_launch_table(m
     assert compile_cache_tag(schemas, {}) == compile_cache_tag(list(schemas), {})
     assert compile_cache_tag(schemas, {}) != compile_cache_tag(["fastqwen::f(Tensor x) -> Tensor"], {})
     assert compile_cache_tag(schemas, {}) != compile_cache_tag(schemas, {"H200": {"0:1x128:M1": [32, 1, 4, 4]}})
+    assert compile_cache_tag(schemas, {}, "a") != compile_cache_tag(schemas, {}, "b")  # (fastqwen's source)
     assert "wq_linear" in str(torch.ops.fastqwen.wq_linear.default._schema)  # (the default gathers these)
 
     model = fastqwen.optimize(fresh("tiny"), max_batch_size=1, max_seq_len=64, compile=False)
