@@ -430,6 +430,24 @@ def test_checkpoint_tensors_that_do_not_fit_their_layer_are_refused_by_name(tmp_
             from_pretrained(write(tmp_path / str(i), model, tensors, qc), dtype=torch.float32)
 
 
+def test_a_stray_safetensors_file_beside_the_checkpoint_is_not_merged_into_it(tmp_path):
+    """Without an index, a directory's model.safetensors is the checkpoint (as transformers reads it): a stray file
+    beside it (an older copy, another model's shard) once overrode its tensors, whichever sorted last; where there
+    is no model.safetensors, a tensor in two files is refused by name."""
+    model = fresh("tiny")
+    tensors = _checkpoint("gptq", model)
+    path = write(tmp_path / "ckpt", model, tensors, {"quant_method": "gptq", "bits": 4, "group_size": 32,
+                                                     "desc_act": False})
+    want = from_pretrained(path, dtype=torch.float32).state_dict()
+    key = "model.layers.0.mlp.down_proj.scales"
+    save_file({key: tensors[key] * 2}, str(path / "old-copy.safetensors"))
+    got = from_pretrained(path, dtype=torch.float32).state_dict()
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    (path / "model.safetensors").rename(path / "shard-1.safetensors")
+    with pytest.raises(ValueError, match=rf"{key} is in both old-copy.safetensors and shard-1.safetensors"):
+        from_pretrained(path, dtype=torch.float32)
+
+
 def test_quant_linear_refuses_tensors_that_do_not_fit_its_sizes():
     """QuantLinear checks its scheme and each stored tensor's shape (and fp8's and int4 codes' dtype) against
     in_features and out_features: a mismatched scale would broadcast into a wrong weight."""

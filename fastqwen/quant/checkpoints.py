@@ -44,18 +44,24 @@ _EXPERT_KEY = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_p
 
 
 def _read_safetensors(root: Path) -> dict:
+    """The checkpoint's tensors: the index's files, else model.safetensors (as transformers reads a directory without
+    an index), else every *.safetensors there; a tensor in two of them is refused (one would silently win)."""
     from safetensors import safe_open
 
     index = root / "model.safetensors.index.json"
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else None
-    paths = [root / f for f in files] if files else sorted(root.glob("*.safetensors"))
+    single = root / "model.safetensors"
+    paths = [root / f for f in files] if files else [single] if single.is_file() else sorted(root.glob("*.safetensors"))
     if not paths:
         raise FileNotFoundError(f"{root} holds no safetensors files")
-    tensors = {}
+    tensors, source = {}, {}
     for p in paths:
         with safe_open(str(p), framework="pt") as fh:
             for key in fh.keys():
-                tensors[key] = fh.get_tensor(key)
+                if key in source:
+                    raise ValueError(f"{key} is in both {source[key].name} and {p.name} in {root}: remove the stray "
+                                     f"file, or list the shards in model.safetensors.index.json")
+                tensors[key], source[key] = fh.get_tensor(key), p
     return tensors
 
 
