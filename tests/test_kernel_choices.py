@@ -243,7 +243,7 @@ def test_bad_kernel_choices():
     for op, choice in (("expert_act", "fused"), ("route", "packed"), ("route", "fused")):
         with pytest.raises(ValueError, match=r"set kernels\['experts'\] to 'grouped' or 'grouped-pdl' \(it is 'gather'\)"):
             fastqwen.optimize(fresh("tiny-moe"), compile=False, kernels={op: choice})
-    model = fresh("tiny-moe")
+    model = fresh("tiny-moe", layer_types=["full_attention"] * 4)  # (with GDN layers gelu is refused first)
     model.config.hidden_act = "gelu"
     with pytest.raises(ValueError, match="hidden_act is 'gelu'"):
         fastqwen.optimize(model, compile=False, kernels={"experts": "grouped", "expert_act": "fused"})
