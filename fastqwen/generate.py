@@ -307,6 +307,10 @@ class Engine:
         tokenizer = kwargs.pop("tokenizer", None)  # (stop_strings')
         k = self._speculative_tokens(kwargs.pop("num_speculative_tokens", None))
         kwargs.pop("use_cache", None)
+        keep = kwargs.pop("logits_to_keep", None)  # (which positions' logits a forward returns: never the tokens)
+        if keep is not None and not (isinstance(keep, int) and not isinstance(keep, bool) and keep >= 0
+                                     or isinstance(keep, torch.Tensor)):
+            raise ValueError(f"logits_to_keep must be an int >= 0 or a tensor of positions, got {keep!r}")
         types = kwargs.pop("mm_token_type_ids", None)  # (Qwen3.5's processor returns them, all 0 for text alone)
         if types is not None and bool(torch.as_tensor(types).any()):
             raise ValueError("mm_token_type_ids mark image or video tokens in the prompt; fastqwen generates from text "

@@ -353,6 +353,17 @@ def test_text_only_mm_token_type_ids_as_the_processor_returns_them():
         model.generate(ids, max_new_tokens=8, mm_token_type_ids=types)
 
 
+def test_logits_to_keep_is_taken_as_transformers_takes_it(pair):
+    """transformers' generate passes logits_to_keep to the forward (which positions' logits it returns), never
+    changing the tokens; it was refused as an unsupported argument. A value no forward takes is still refused."""
+    ref, opt = pair
+    ids = torch.randint(1, 500, (1, 7))
+    expected = hf_generate(ref, ids, max_new_tokens=5, logits_to_keep=0)
+    assert torch.equal(opt.generate(ids, max_new_tokens=5, do_sample=False, logits_to_keep=0), expected)
+    with pytest.raises(ValueError, match="logits_to_keep must be an int >= 0 or a tensor of positions, got -1"):
+        opt.generate(ids, max_new_tokens=5, logits_to_keep=-1)
+
+
 def test_concurrent_calls_from_threads_take_turns(pair):
     """One optimized model serves one generate at a time (one static cache): a second thread's call, started while
     the first one decodes, waits for it instead of resetting the cache under it (both as when run alone)."""
